@@ -1,0 +1,1 @@
+"""Code shared by the specmesh services: frame codec, schemas, config, NATS helpers."""

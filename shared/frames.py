@@ -1,0 +1,231 @@
+"""The binary frame a worker publishes after each engine step: the one encoder and decoder.
+
+The layout is documented in docs/frames.md. In short, all little-endian:
+
+    HEADER            24 bytes   magic, version, kind, top_k, worker id, step, number of records
+    RECORDS           32 bytes   x num_records: request id, seq_no, offset, counts, status
+    TOKEN_IDS   int32 [num_tokens, num_slots]   slot 0 = chosen token, slots 1..top_k = top-K
+    LOGPROBS  float32 [num_tokens, num_slots]
+    RANKS       int32 [num_tokens]              1-based rank of the chosen token
+
+where `num_tokens` is the sum of the records' token counts and `num_slots = top_k + 1`.
+Only what exists is packed: a step with 3 sequences and 5 tokens costs 24 + 3*32 + 5*(8*num_slots + 4)
+bytes. Decoding is zero-copy: the arrays of a `Frame` are views into the received buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
+VERSION = 1
+MAX_TOP_K = 20
+
+HEADER = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("kind", "u1"),
+        ("top_k", "u1"),
+        ("worker_id", "<u4"),
+        ("num_records", "<u4"),
+        ("step", "<u8"),
+    ]
+)
+
+RECORD = np.dtype(
+    [
+        ("request_id", "V16"),  # uuid bytes
+        ("seq_no", "<u4"),  # per request, counts this request's records of this kind: gaps are detectable
+        ("offset", "<u4"),  # index in the request's output of this record's first token
+        ("num_tokens", "<u2"),
+        ("num_accepted", "<u2"),  # drafts accepted this step (TARGET: of the emitted tokens; DRAFT: of the drafted)
+        ("status", "u1"),
+        ("finish_reason", "u1"),
+        ("_pad", "V2"),
+    ]
+)
+assert HEADER.itemsize == 24 and RECORD.itemsize == 32
+
+
+class FrameKind(enum.IntEnum):
+    TARGET = 1  # tokens the target model emitted, with the target's logprobs
+    DRAFT = 2  # tokens the drafter proposed, with the drafter's logprobs (q)
+
+
+class SeqStatus(enum.IntEnum):
+    RUNNING = 0
+    FINISHED = 1  # the record's tokens are the last ones; see finish_reason
+    PREEMPTED = 2  # evicted for memory; it will resume and continue at `offset`
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    STOP = 1  # EOS or a stop token id
+    LENGTH = 2  # max_tokens or max_model_len
+    ABORT = 3  # cancelled (client left, stop string found) or refused
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded. Consumers count these by `reason` and go on."""
+
+    reason = "malformed"
+
+
+class BadMagic(FrameError):
+    reason = "bad_magic"
+
+
+class UnsupportedVersion(FrameError):
+    reason = "bad_version"
+
+
+class TruncatedFrame(FrameError):
+    reason = "truncated"
+
+
+class CountMismatch(FrameError):
+    reason = "count_mismatch"
+
+
+class BadField(FrameError):
+    reason = "bad_field"
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: FrameKind
+    worker_id: int
+    step: int
+    top_k: int
+    records: np.ndarray  # [num_records] of RECORD
+    token_ids: np.ndarray  # [num_tokens, num_slots] int32
+    logprobs: np.ndarray  # [num_tokens, num_slots] float32
+    ranks: np.ndarray  # [num_tokens] int32
+
+    @property
+    def num_slots(self) -> int:
+        return self.top_k + 1
+
+    def rows(self):
+        """Yields (request_id, record, token_ids, logprobs, ranks) per record; arrays are views."""
+        start = 0
+        for rec in self.records:
+            end = start + int(rec["num_tokens"])
+            yield (
+                request_id_from_bytes(rec["request_id"].tobytes()),
+                rec,
+                self.token_ids[start:end],
+                self.logprobs[start:end],
+                self.ranks[start:end],
+            )
+            start = end
+
+
+def request_id_to_bytes(request_id: str) -> bytes:
+    return uuid.UUID(hex=request_id).bytes
+
+
+def request_id_from_bytes(raw: bytes) -> str:
+    return uuid.UUID(bytes=raw).hex
+
+
+@dataclass
+class FrameBuilder:
+    """Collects one step's records of one kind, then packs them in a single buffer."""
+
+    kind: FrameKind
+    worker_id: int
+    step: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in 0..{MAX_TOP_K}, got {self.top_k}")
+        self._records: list[tuple] = []
+        self._token_ids: list[np.ndarray] = []
+        self._logprobs: list[np.ndarray] = []
+        self._ranks: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        seq_no: int,
+        offset: int,
+        token_ids: np.ndarray,  # [n, num_slots] int
+        logprobs: np.ndarray,  # [n, num_slots] float
+        ranks: np.ndarray,  # [n] int
+        num_accepted: int = 0,
+        status: SeqStatus = SeqStatus.RUNNING,
+        finish_reason: FinishReason = FinishReason.NONE,
+    ) -> None:
+        num_slots = self.top_k + 1
+        n = len(ranks)
+        if token_ids.shape != (n, num_slots) or logprobs.shape != (n, num_slots):
+            raise ValueError(
+                f"expected token_ids/logprobs of shape ({n}, {num_slots}), "
+                f"got {token_ids.shape} and {logprobs.shape}"
+            )
+        self._records.append(
+            (request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, int(status), int(finish_reason), b"")
+        )
+        self._token_ids.append(np.asarray(token_ids, dtype="<i4"))
+        self._logprobs.append(np.asarray(logprobs, dtype="<f4"))
+        self._ranks.append(np.asarray(ranks, dtype="<i4"))
+
+    def encode(self) -> bytes:
+        num_slots = self.top_k + 1
+        header = np.array(
+            [(MAGIC, VERSION, int(self.kind), self.top_k, self.worker_id, len(self._records), self.step)], dtype=HEADER
+        )
+        records = np.array(self._records, dtype=RECORD)
+        empty2 = np.empty((0, num_slots))
+        token_ids = np.concatenate(self._token_ids or [empty2]).astype("<i4", copy=False)
+        logprobs = np.concatenate(self._logprobs or [empty2]).astype("<f4", copy=False)
+        ranks = np.concatenate(self._ranks or [np.empty(0)]).astype("<i4", copy=False)
+        return b"".join(a.tobytes() for a in (header, records, token_ids, logprobs, ranks))
+
+
+def decode(buf: bytes | memoryview) -> Frame:
+    """Decodes a frame without copying its arrays. Raises a FrameError subclass on any inconsistency."""
+    if len(buf) < HEADER.itemsize:
+        raise TruncatedFrame(f"frame of {len(buf)} bytes is shorter than its {HEADER.itemsize}-byte header")
+    head = np.frombuffer(buf, dtype=HEADER, count=1)[0]
+    if int(head["magic"]) != MAGIC:
+        raise BadMagic(f"bad magic 0x{int(head['magic']):08x}, expected 0x{MAGIC:08x}")
+    if int(head["version"]) != VERSION:
+        raise UnsupportedVersion(f"frame version {int(head['version'])}, this build reads version {VERSION}")
+    try:
+        kind = FrameKind(int(head["kind"]))
+    except ValueError:
+        raise BadField(f"unknown frame kind {int(head['kind'])}") from None
+    top_k = int(head["top_k"])
+    if top_k > MAX_TOP_K:
+        raise BadField(f"top_k {top_k} exceeds {MAX_TOP_K}")
+    num_records = int(head["num_records"])
+    pos = HEADER.itemsize
+    if len(buf) < pos + num_records * RECORD.itemsize:
+        raise TruncatedFrame(f"frame of {len(buf)} bytes cannot hold {num_records} records")
+    records = np.frombuffer(buf, dtype=RECORD, count=num_records, offset=pos)
+    pos += num_records * RECORD.itemsize
+    if num_records and (records["status"].max() > max(SeqStatus) or records["finish_reason"].max() > max(FinishReason)):
+        raise BadField("record with an unknown status or finish reason")
+    num_tokens = int(records["num_tokens"].sum(dtype=np.int64))
+    num_slots = top_k + 1
+    expected = pos + num_tokens * (8 * num_slots + 4)
+    if len(buf) != expected:
+        raise CountMismatch(f"records announce {num_tokens} tokens ({expected} bytes) but the frame has {len(buf)}")
+    token_ids = np.frombuffer(buf, dtype="<i4", count=num_tokens * num_slots, offset=pos).reshape(num_tokens, num_slots)
+    pos += token_ids.nbytes
+    logprobs = np.frombuffer(buf, dtype="<f4", count=num_tokens * num_slots, offset=pos).reshape(num_tokens, num_slots)
+    pos += logprobs.nbytes
+    ranks = np.frombuffer(buf, dtype="<i4", count=num_tokens, offset=pos)
+    return Frame(kind, int(head["worker_id"]), int(head["step"]), top_k, records, token_ids, logprobs, ranks)
