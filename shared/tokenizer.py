@@ -1,0 +1,104 @@
+"""A Hugging Face tokenizer directory loaded without `transformers`: encoding, chat template, token bytes.
+
+The gateway encodes prompts and renders chats; the detokenizer needs the exact bytes of every token so
+that it can decode incrementally and never split a UTF-8 character (see services/detokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """The GPT-2 byte-level alphabet: printable stand-ins for each of the 256 bytes, mapped back to bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _token_content(value: str | dict | None) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """Wraps tokenizer.json plus the parts of tokenizer_config.json/config.json that serving needs."""
+
+    def __init__(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self._config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_content(self._config.get("bos_token"))
+        self.eos_token = _token_content(self._config.get("eos_token"))
+        self.chat_template: str | None = self._config.get("chat_template")
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self.special_ids = frozenset(t["id"] for t in self._added_tokens() if t.get("special", False))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _added_tokens(self) -> list[dict]:
+        return json.loads(self._tok.to_str()).get("added_tokens", [])
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            path = model_dir / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        if self.eos_token is not None and (eid := self._tok.token_to_id(self.eos_token)) is not None:
+            ids.add(eid)
+        return frozenset(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Renders the chat and encodes it; the template places special tokens itself."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token id stands for; special tokens map to b"" (they are never rendered)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        byte_level = "ByteLevel" in kinds
+        alphabet = _bytes_to_unicode()
+        table = [b""] * self.vocab_size
+        for piece, idx in self._tok.get_vocab(with_added_tokens=True).items():
+            if idx in self.special_ids:
+                continue
+            if byte_level and all(c in alphabet for c in piece):
+                table[idx] = bytes(alphabet[c] for c in piece)
+            elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                table[idx] = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+            else:
+                table[idx] = piece.replace("\u2581", " ").encode("utf-8")  # Metaspace
+        return table
