@@ -1,0 +1,81 @@
+"""Connecting to NATS the same way in every service, and declaring the request stream."""
+
+from __future__ import annotations
+
+import logging
+
+import nats
+from nats.aio.client import Client
+from nats.errors import SlowConsumerError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from shared import subjects
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription; past it nats-py drops messages and reports SlowConsumer
+REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this while it works on a request
+
+
+class NatsErrors:
+    """Counts what nats-py reports through its callbacks (issue #4 exports these as metrics)."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.reconnects = 0
+        self.slow_consumers = 0
+        self.errors = 0
+
+    async def on_error(self, exc: Exception) -> None:
+        if isinstance(exc, SlowConsumerError):
+            self.slow_consumers += 1
+            log.warning("%s: slow consumer on %s, messages dropped", self.service, exc.subject)
+        else:
+            self.errors += 1
+            log.warning("%s: NATS error: %s", self.service, exc)
+
+    async def on_reconnect(self) -> None:
+        self.reconnects += 1
+        log.info("%s: reconnected to NATS", self.service)
+
+    async def on_disconnect(self) -> None:
+        log.warning("%s: disconnected from NATS", self.service)
+
+
+async def connect(url: str, service: str, errors: NatsErrors | None = None) -> Client:
+    """Connects and keeps reconnecting for as long as the service lives."""
+    errors = errors or NatsErrors(service)
+    return await nats.connect(
+        url,
+        name=f"specmesh-{service}",
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=errors.on_error,
+        reconnected_cb=errors.on_reconnect,
+        disconnected_cb=errors.on_disconnect,
+    )
+
+
+async def ensure_request_stream(js: JetStreamContext) -> None:
+    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service."""
+    config = StreamConfig(
+        name=subjects.REQUEST_STREAM,
+        subjects=[subjects.REQUESTS],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+    await js.add_consumer(
+        subjects.REQUEST_STREAM,
+        ConsumerConfig(
+            durable_name=subjects.WORKER_CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=REQUEST_ACK_WAIT_S,
+            max_ack_pending=-1,
+        ),
+    )
