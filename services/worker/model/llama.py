@@ -1,0 +1,88 @@
+"""A Llama-family causal LM (Llama, Qwen2) with optional multi-token-prediction (MTP) modules.
+
+Parameter names follow Hugging Face's so checkpoints load as they are. MTP modules (DeepSeek-V3 style) live
+under `model.mtp_layers.{i}.*`; see docs/model.md for their layout. One module turns the trunk's hidden state
+at position i and the embedding of token i+1 into a prediction of token i+2, sharing embedding and LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.model.config import ModelConfig
+from services.worker.model.layers import AttentionBatch, DecoderLayer, RMSNorm, Rotary
+
+
+class MTPLayer(DecoderLayer):
+    """A decoder block fed with [enorm(embed(next token)), hnorm(previous hidden)] projected back to hidden size."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__(cfg, layer_index)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fuse(self, next_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(prev_hidden)), dim=-1))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # MTP blocks use the KV-cache layers after the trunk's.
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_hidden_layers + i) for i in range(cfg.num_mtp_layers)
+        )
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.config.num_hidden_layers + self.config.num_mtp_layers
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions [B, L] -> the last layer's hidden states [B, L, hidden], before the final norm."""
+        rope = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Trunk hidden states [..., hidden] -> logits [..., vocab] in float32."""
+        return self._head(self.model.norm(hidden))
+
+    def mtp_forward(
+        self,
+        index: int,
+        prev_hidden: torch.Tensor,  # [B, L, hidden] hidden state at position i (trunk's or previous module's)
+        next_ids: torch.Tensor,  # [B, L] token i+1
+        positions: torch.Tensor,  # [B, L] position of token i+1
+        batch: AttentionBatch | None = None,
+    ) -> torch.Tensor:
+        """MTP module `index` -> its hidden states [B, L, hidden]; its logits predict token i+2."""
+        layer = self.model.mtp_layers[index]
+        x = layer.fuse(self.model.embed_tokens(next_ids), prev_hidden)
+        return layer(x, self.rotary(positions), batch)
+
+    def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(self.model.mtp_layers[index].final_layernorm(hidden))
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return (normed @ weight.T).float()

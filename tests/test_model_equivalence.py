@@ -1,0 +1,82 @@
+"""Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama and Qwen2)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.kv_cache import KVCache
+from services.worker.model.config import UnsupportedModelError
+from services.worker.model.layers import AttentionBatch
+from services.worker.model.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+
+
+def _save_tiny(kind: str, tied: bool, path: Path) -> "transformers.PreTrainedModel":
+    common = dict(
+        vocab_size=311,  # not a power of two on purpose
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():  # random biases and norms, so their loading is really checked
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)])
+def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
+    reference = _save_tiny(kind, tied, tmp_path)
+    ours = load_model(tmp_path)
+    ids = torch.randint(0, 311, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        positions = torch.arange(23).expand(2, 23)
+        got = ours.logits(ours(ids, positions))
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: str) -> None:
+    """Prefill 10 tokens, then score 4 more in one pass against the cache: same logits as one full pass."""
+    reference = _save_tiny(kind, False, tmp_path)
+    ours = load_model(tmp_path)
+    cfg = ours.config
+    ids = torch.randint(0, 311, (1, 14), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(ours.num_cache_layers, 2, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    slot = torch.tensor([1])
+
+    def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
+        n = chunk.shape[1]
+        positions = torch.arange(start, start + n)[None]
+        mask = torch.arange(start + n)[None, None, None, :] <= positions[:, None, :, None]
+        batch = AttentionBatch(cache, slot[:, None].expand(1, n), positions, slot, mask, start + n)
+        return ours.logits(ours(chunk, positions, batch))
+
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = torch.cat([run(ids[:, :10], 0), run(ids[:, 10:], 10)], dim=1)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
+    with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):
+        load_model(tmp_path)
