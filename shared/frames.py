@@ -24,6 +24,7 @@ import numpy as np
 MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
 VERSION = 1
 MAX_TOP_K = 20
+NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
 
 HEADER = np.dtype(
     [
