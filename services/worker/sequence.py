@@ -1,0 +1,66 @@
+"""A request as the worker's bookkeeping sees it: tokens, slot, counters. Plain Python, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.frames import FinishReason
+from shared.schemas import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # the request's seed, or a fresh one drawn for it (logged so an output can be reproduced)
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    state: SeqState = SeqState.WAITING
+    slot: int | None = None
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    finish_reason: FinishReason = FinishReason.NONE
+    target_seq_no: int = 0  # TARGET records sent so far
+    draft_seq_no: int = 0  # DRAFT records sent so far
+    num_drafts: int = 0  # speculation statistics for this request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is SeqState.FINISHED
+
+    def max_new_tokens(self, max_model_len: int) -> int:
+        """How many more tokens this sequence may emit before max_tokens or the context length ends it."""
+        return min(self.sampling.max_tokens - len(self.output_ids), max_model_len - self.num_tokens)
+
+    def append(self, tokens: list[int], max_model_len: int) -> list[int]:
+        """Appends emitted tokens up to the first stop condition; returns the tokens kept."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            self.output_ids.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = FinishReason.STOP
+                break
+            if self.max_new_tokens(max_model_len) <= 0:
+                self.finish_reason = FinishReason.LENGTH
+                break
+        if self.finish_reason is not FinishReason.NONE:
+            self.state = SeqState.FINISHED
+        return kept
