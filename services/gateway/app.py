@@ -1,0 +1,124 @@
+"""The gateway's aiohttp application: OpenAI-compatible routes over one NATS connection.
+
+Run it with an AppRunner created with `handler_cancellation=True` (service.py does), so that a client
+that hangs up while waiting for a non-streaming answer cancels its handler, and with it the generation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+from nats.aio.client import Client
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway import metrics
+from services.gateway.errors import error_middleware, model_not_found
+from services.gateway.generation import Generator
+from services.gateway.router import ChunkRouter
+from shared.config import DEFAULT_MODEL_DIR
+from shared.natsutil import ensure_request_stream
+from shared.tokenizer import Tokenizer
+
+MIB = 1024 * 1024
+OWNER = "specmesh"
+UNHEALTHY = 503
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    served_model_name: str = Field(min_length=1)
+    max_model_len: int = Field(1024, ge=16)
+    request_timeout_s: float = Field(600.0, gt=0.0)  # longest silence (no chunk at all) before a request fails
+    max_body_bytes: int = Field(4 * MIB, ge=1024)
+
+
+def model_position_limit(model_dir: Path) -> int | None:
+    """The model's trained context (config.json max_position_embeddings), when the directory says."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("max_position_embeddings")
+
+
+class Gateway:
+    """State shared by the routes: the NATS connection, the chunk router and the generation handler."""
+
+    def __init__(self, config: GatewayConfig, nc: Client, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.nc = nc
+        self.gateway_id = uuid.uuid4().hex
+        self.created = int(time.time())
+        self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
+        self.generator = Generator(nc, tokenizer, self.router, config.served_model_name, config.max_model_len)
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": OWNER,
+            "max_model_len": self.config.max_model_len,
+        }
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generator.handle(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generator.handle(request, "chat")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.config.served_model_name:
+            raise model_not_found(name)
+        return web.json_response(self.model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.nc.is_connected:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "nats_disconnected"}, status=UNHEALTHY)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start(self, app: web.Application) -> None:
+        await ensure_request_stream(self.nc.jetstream())
+        await self.router.start()
+
+    async def stop(self, app: web.Application) -> None:
+        await self.router.stop()
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = None) -> web.Application:
+    """Builds the app on a connected NATS client; the stream and the subscription are set up at startup."""
+    limit = model_position_limit(config.model_dir)
+    if limit is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {limit}"
+        )
+    gateway = Gateway(config, nc, tokenizer or Tokenizer(config.model_dir))
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[metrics.count_requests, error_middleware]
+    )
+    app[GATEWAY] = gateway
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.list_models)
+    app.router.add_get("/v1/models/{model}", gateway.get_model)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.metrics)
+    app.on_startup.append(gateway.start)
+    app.on_cleanup.append(gateway.stop)
+    return app

@@ -1,0 +1,119 @@
+"""OpenAI-shaped error bodies, and the middleware that guarantees every failure leaves as one.
+
+Every error the gateway returns is `{"error": {"message", "type", "param", "code"}}` with a fitting status:
+bad input is a 4xx naming the parameter when there is one, and only a bug in the gateway is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+TIMEOUT = "timeout_error"
+
+MODEL_NOT_FOUND = "model_not_found"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class OpenAIError(Exception):
+    """A failure the client should see as-is; raised anywhere in a handler, rendered by the middleware."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, dumps=_dumps)
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"The model '{model}' does not exist", type=NOT_FOUND, param="model", code=MODEL_NOT_FOUND
+    )
+
+
+def _param_name(loc: tuple[int | str, ...]) -> str | None:
+    """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters."""
+    if not loc:
+        return None
+    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in loc)
+
+
+def from_validation_error(exc: ValidationError) -> OpenAIError:
+    """Reports the first bad field; the client fixes one thing at a time anyway."""
+    first = exc.errors(include_url=False)[0]
+    param = _param_name(tuple(first["loc"]))
+    message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
+    if first["type"] == "missing":
+        text = f"Missing required parameter: '{param}'."
+    elif param is None:
+        text = f"Invalid request body: {message}"
+    else:
+        text = f"Invalid value for '{param}': {message}"
+    return bad_request(text, param=param)
+
+
+def _from_http_exception(exc: web.HTTPException) -> OpenAIError:
+    if exc.status == web.HTTPNotFound.status_code:
+        return OpenAIError(exc.status, "Not found: no such endpoint", type=NOT_FOUND)
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return OpenAIError(exc.status, f"Method {exc.method} not allowed; allowed: {allowed}")
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return OpenAIError(exc.status, f"Request body too large: {exc.text}")
+    return OpenAIError(exc.status, exc.reason, type=INVALID_REQUEST if exc.status < 500 else SERVER_ERROR)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turns whatever escapes a handler into an OpenAI error body; unexpected exceptions are logged as bugs."""
+    try:
+        return await handler(request)
+    except OpenAIError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(exc).response()
+    except ConnectionResetError:
+        raise  # the client went away: there is nobody to answer
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return OpenAIError(500, "Internal server error", type=SERVER_ERROR).response()

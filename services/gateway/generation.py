@@ -1,0 +1,263 @@
+"""The life of one generation request: validate, tokenize, check limits, submit to the mesh, answer.
+
+Submission follows the protocol order: DetokOpen on core NATS first, then the WorkRequest through
+JetStream (acknowledged, so a request is either queued durably or refused with a 503). Until the final
+chunk arrives the request is live in the mesh, so every way of leaving early (client gone, timeout, lost
+chunks) publishes a Cancel that frees the worker slot and the detokenizer state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import jinja2
+import nats.errors
+import orjson
+from aiohttp import web
+from nats.aio.client import Client
+from pydantic import ValidationError
+
+from services.gateway import metrics, sse
+from services.gateway.aggregate import Api, merge_choices
+from services.gateway.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    OpenAIError,
+    bad_request,
+    from_validation_error,
+    model_not_found,
+)
+from services.gateway.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from services.gateway.router import ChunkRouter, ResponseStream
+from shared import subjects
+from shared.schemas import Cancel, Chunk, DetokOpen, SamplingParams, WorkRequest
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+PUBLISH_ACK_TIMEOUT_S = 5.0
+SERVICE_UNAVAILABLE = 503
+INTERNAL_ERROR = 500
+CLIENT_DISCONNECTED = "client_disconnected"
+FAILED = "error"
+
+REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
+ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
+STREAM_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+RESPONSE_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+ROLE_CHOICE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+@dataclass
+class Generation:
+    """One accepted request on its way through the mesh."""
+
+    api: Api
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    started: float  # monotonic, for latency metrics
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    saw_first_chunk: bool = False
+
+    def envelope(self, model: str, stream: bool) -> dict:
+        return {
+            "id": ID_PREFIX[self.api] + self.request_id,
+            "object": (STREAM_OBJECT if stream else RESPONSE_OBJECT)[self.api],
+            "created": self.created,
+            "model": model,
+        }
+
+    def observe(self, chunk: Chunk) -> None:
+        if not self.saw_first_chunk:
+            self.saw_first_chunk = True
+            metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(time.monotonic() - self.started)
+        if chunk.final and chunk.usage is not None:
+            metrics.REQUEST_DURATION.labels(self.api).observe(time.monotonic() - self.started)
+            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
+            metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)
+
+
+class Generator:
+    """Serves POST /v1/completions and POST /v1/chat/completions."""
+
+    def __init__(
+        self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._tokenizer = tokenizer
+        self._router = router
+        self._model = served_model_name
+        self._max_model_len = max_model_len
+
+    async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
+        started = time.monotonic()
+        body = await _parse(request, api)
+        if body.model != self._model:
+            raise model_not_found(body.model)
+        self._check_stop_token_ids(body)
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, api, body)
+        sampling = body.sampling_params(self._max_tokens(api, body, len(prompt_ids)))
+        gen = Generation(api, body, prompt_ids, sampling, started)
+        metrics.IN_FLIGHT.inc()
+        try:
+            with self._router.open(gen.request_id) as chunks:
+                await self._submit(gen)
+                return await self._answer(request, gen, chunks)
+        finally:
+            metrics.IN_FLIGHT.dec()
+
+    async def _answer(self, request: web.Request, gen: Generation, chunks: ResponseStream) -> web.StreamResponse:
+        reason = FAILED
+        try:
+            if gen.body.stream:
+                return await self._stream(request, gen, chunks)
+            return await self._respond(gen, chunks)
+        except (asyncio.CancelledError, ConnectionResetError):
+            reason = CLIENT_DISCONNECTED
+            raise
+        finally:
+            if not chunks.finished:
+                await self._cancel(gen.request_id, reason)
+
+    def _prompt_ids(self, api: Api, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                return self._tokenizer.apply_chat_template(body.chat())
+            except jinja2.TemplateError as exc:
+                raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from exc
+            except ValueError as exc:  # the model has no chat template
+                raise bad_request(str(exc), param="messages") from exc
+        if isinstance(body.prompt, str):
+            return self._tokenizer.encode(body.prompt)
+        vocab = self._tokenizer.vocab_size
+        if bad := [t for t in body.prompt if not 0 <= t < vocab]:
+            raise bad_request(f"Token ids must lie in [0, {vocab}); got {bad[:8]}", param="prompt")
+        return list(body.prompt)
+
+    def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        vocab = self._tokenizer.vocab_size
+        if bad := [t for t in body.stop_token_ids or () if not 0 <= t < vocab]:
+            raise bad_request(f"Token ids must lie in [0, {vocab}); got {bad[:8]}", param="stop_token_ids")
+
+    def _max_tokens(self, api: Api, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> int:
+        """The generation budget; a prompt that leaves no room, or a budget that does not fit, is refused."""
+        limit = self._max_model_len
+        prompt_param = "messages" if api == "chat" else "prompt"
+        if num_prompt == 0:
+            raise bad_request("The prompt is empty", param=prompt_param)
+        if num_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, and the prompt has {num_prompt} tokens, "
+                "which leaves no room to generate",
+                param=prompt_param,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        left = limit - num_prompt
+        requested = body.requested_max_tokens
+        if requested is None:
+            # Chat answers may run to the end of the context; completions default to OpenAI's 16 tokens.
+            return left if api == "chat" else min(DEFAULT_COMPLETION_MAX_TOKENS, left)
+        name, value = requested
+        if value > left:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {num_prompt} tokens and "
+                f"{name} is {value}, {num_prompt + value} in total. Lower {name} to at most {left}.",
+                param=name,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        return value
+
+    async def _submit(self, gen: Generation) -> None:
+        opening = DetokOpen(
+            request_id=gen.request_id,
+            reply_subject=self._router.subject,
+            api=gen.api,
+            stop=gen.body.stop,
+            logprobs=gen.sampling.logprobs,
+            include_draft_logprobs=gen.sampling.include_draft_logprobs,
+            num_prompt_tokens=len(gen.prompt_ids),
+        )
+        work = WorkRequest(
+            request_id=gen.request_id,
+            prompt_token_ids=tuple(gen.prompt_ids),
+            sampling=gen.sampling,
+            created=time.time(),
+        )
+        try:
+            await self._nc.publish(subjects.DETOK_OPEN, opening.to_bytes())
+            await self._js.publish(subjects.REQUESTS, work.to_bytes(), timeout=PUBLISH_ACK_TIMEOUT_S)
+        except nats.errors.Error as exc:
+            await self._cancel(gen.request_id, FAILED)
+            raise OpenAIError(
+                SERVICE_UNAVAILABLE, f"The request could not be queued: {exc!r}", type=UNAVAILABLE
+            ) from exc
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self._nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason).to_bytes())
+        except nats.errors.Error as exc:
+            log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
+
+    async def _stream(self, request: web.Request, gen: Generation, chunks: ResponseStream) -> web.StreamResponse:
+        response = await sse.open_stream(request)
+        envelope = gen.envelope(self._model, stream=True)
+        include_usage = gen.body.include_usage_in_stream
+        if include_usage:
+            envelope["usage"] = None
+        try:
+            if gen.api == "chat":
+                await sse.send_event(response, {**envelope, "choices": [ROLE_CHOICE]})
+            async for chunk in chunks:
+                gen.observe(chunk)
+                await sse.send_event(response, {**envelope, "choices": [chunk.choice]})
+                if chunk.final and include_usage:
+                    await sse.send_event(response, {**envelope, "choices": [], "usage": chunk.usage.model_dump()})
+        except OpenAIError as exc:
+            await sse.send_event(response, exc.body())
+        except ConnectionResetError:
+            raise
+        except Exception:
+            log.exception("request %s failed while streaming", gen.request_id)
+            await sse.send_event(response, OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body())
+        await sse.close_stream(response)
+        return response
+
+    async def _respond(self, gen: Generation, chunks: ResponseStream) -> web.Response:
+        received: list[Chunk] = []
+        async for chunk in chunks:
+            gen.observe(chunk)
+            received.append(chunk)
+        choice = merge_choices(
+            gen.api,
+            received,
+            with_logprobs=gen.sampling.logprobs is not None,
+            with_draft_logprobs=gen.sampling.include_draft_logprobs,
+        )
+        body = {
+            **gen.envelope(self._model, stream=False),
+            "choices": [choice],
+            "usage": received[-1].usage.model_dump(),
+        }
+        return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
+
+
+async def _parse(request: web.Request, api: Api) -> ChatCompletionRequest | CompletionRequest:
+    raw = await request.read()  # raises 413 past the app's client_max_size
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object")
+    try:
+        return REQUEST_MODELS[api].model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc

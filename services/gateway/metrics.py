@@ -1,0 +1,46 @@
+"""The gateway's Prometheus metrics (default registry, served on GET /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.gateway.errors import Handler
+
+UNMATCHED_ENDPOINT = "unmatched"  # one label for every unknown path, so clients cannot blow up cardinality
+CLIENT_GONE_STATUS = "client_disconnected"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+REQUESTS = Counter("specmesh_gateway_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"])
+IN_FLIGHT = Gauge("specmesh_gateway_generations_in_flight", "Generation requests waiting for or streaming output")
+TIME_TO_FIRST_CHUNK = Histogram(
+    "specmesh_gateway_time_to_first_token_seconds",
+    "From receiving a generation request to its first response chunk",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+REQUEST_DURATION = Histogram(
+    "specmesh_gateway_request_duration_seconds",
+    "From receiving a generation request to its last response chunk",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("specmesh_gateway_prompt_tokens", "Prompt tokens of finished generation requests")
+COMPLETION_TOKENS = Counter("specmesh_gateway_completion_tokens", "Tokens generated for finished requests")
+BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost middleware, so it sees the status the error middleware settled on."""
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else UNMATCHED_ENDPOINT
+    try:
+        response = await handler(request)
+    except (ConnectionResetError, asyncio.CancelledError):
+        REQUESTS.labels(endpoint, CLIENT_GONE_STATUS).inc()
+        raise
+    REQUESTS.labels(endpoint, str(response.status)).inc()
+    return response

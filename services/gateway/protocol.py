@@ -1,0 +1,229 @@
+"""The request bodies of POST /v1/completions and POST /v1/chat/completions, validated.
+
+Validation is strict about types (a JSON string is not a number) and names the offending field, so every
+bad request becomes a 400 that tells the client which parameter to fix. Fields of the OpenAI API that the
+mesh does not implement are accepted only with their neutral value; anything else is refused rather than
+silently ignored. Unknown fields are ignored, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from shared.frames import MAX_TOP_K
+from shared.schemas import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+TOP_K_OFF = (0, -1)  # vLLM's spellings of "no top-k filtering"
+SUPPORTED_N = 1
+NEUTRAL_BEST_OF = 1
+
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+def _refuse_unless_neutral(value: Any, neutral: tuple, what: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{what} is not supported; leave it unset")
+    return value
+
+
+class _GenerationRequest(_Body):
+    """What both endpoints share: the model, sampling, stop conditions and streaming.
+
+    Each endpoint adds `requested_max_tokens` ((parameter name, value) of the client's own token budget, or
+    None when it left it to the gateway) and `num_logprobs` (top alternatives per token; None: no logprobs).
+    """
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    include_draft_logprobs: bool = False  # specmesh extension, see docs/api.md
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return tuple(stops)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value not in (None, SUPPORTED_N):
+            raise ValueError(f"only n={SUPPORTED_N} is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        return _refuse_unless_neutral(value, (None, 0.0), "a non-zero penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        return _refuse_unless_neutral(value or None, (None,), "logit_bias")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = self.num_logprobs
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, *TOP_K_OFF) else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_draft_logprobs=self.include_draft_logprobs and logprobs is not None,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Any
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | tuple[int, ...]:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return tuple(value)
+        if all(isinstance(p, (str, list)) for p in value):
+            raise ValueError("batched prompts (a list of prompts) are not supported; send one prompt per request")
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool | None) -> bool | None:
+        return _refuse_unless_neutral(value, (None, False), "echo")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        return _refuse_unless_neutral(value, (None, NEUTRAL_BEST_OF), f"best_of other than {NEUTRAL_BEST_OF}")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        return _refuse_unless_neutral(value or None, (None,), "suffix")
+
+    @property
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(_Body):
+    role: ChatRole
+    content: Any
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        """Text parts are joined: the mesh serves text-only models."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts")
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError('content parts must be {"type": "text", "text": "..."}; only text is supported')
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None) -> list | None:
+        return _refuse_unless_neutral(value or None, (None,), "tool calling")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        return _refuse_unless_neutral(value, (None, {"type": "text"}), "a response_format other than text")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation as the chat template expects it."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]

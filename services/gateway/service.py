@@ -1,0 +1,59 @@
+"""`specmesh gateway`: command-line options and the process lifecycle of one gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from services.gateway.app import GatewayConfig, create_app
+from shared.config import DEFAULT_MODEL_DIR
+from shared.natsutil import NatsErrors, connect
+
+log = logging.getLogger(__name__)
+
+SERVICE = "gateway"
+SHUTDOWN_TIMEOUT_S = 30.0  # how long in-flight requests may finish once the gateway stops accepting
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model directory (for the tokenizer)")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=int, default=1024, help="prompt + generated tokens, at most")
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds without any output before a request fails"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name or Path(args.model).name,
+        max_model_len=args.max_model_len,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    """Serves until cancelled; then stops accepting, lets in-flight requests finish, and drains NATS."""
+    config = config_from_args(args)
+    nc = await connect(args.nats_url, SERVICE, NatsErrors(SERVICE))
+    try:
+        runner = web.AppRunner(
+            create_app(config, nc), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        )
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, args.host, args.port).start()
+            log.info("gateway serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        await nc.drain()

