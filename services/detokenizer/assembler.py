@@ -1,0 +1,221 @@
+"""One request's state at the detokenizer: from its joined frame records to OpenAI-shaped chunks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from services.detokenizer import logprobs
+from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, TokenTable
+from services.detokenizer.stop import StopMatcher
+from shared.frames import NO_TOKEN, FinishReason, SeqStatus
+from shared.schemas import Chunk, DetokOpen, Usage
+
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+STOP_STRING_FINISH = "stop"
+
+CancelReason = Literal["stop_string", "error"]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request's part of a frame; the arrays are views into the received buffer."""
+
+    seq_no: int
+    offset: int
+    num_accepted: int
+    status: SeqStatus
+    finish_reason: FinishReason
+    token_ids: np.ndarray  # [n, num_slots]
+    logprobs: np.ndarray  # [n, num_slots]
+    ranks: np.ndarray  # [n]
+
+    @classmethod
+    def from_row(cls, rec: np.void, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> "Record":
+        return cls(
+            int(rec["seq_no"]),
+            int(rec["offset"]),
+            int(rec["num_accepted"]),
+            SeqStatus(int(rec["status"])),
+            FinishReason(int(rec["finish_reason"])),
+            token_ids,
+            logprobs,
+            ranks,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A logprobs entry waiting until its token's text is released (or cut by a stop string)."""
+
+    entry: logprobs.Entry
+    start: int
+    end: int
+
+
+class RequestAssembler:
+    """Consumes a request's TARGET records in order (each with the DRAFT record of its step) into chunks."""
+
+    def __init__(self, open_msg: DetokOpen, table: TokenTable) -> None:
+        self.request_id = open_msg.request_id
+        self.reply_subject = open_msg.reply_subject
+        self._open = open_msg
+        self._table = table
+        self._decoder = IncrementalDecoder(table)
+        self._stop = StopMatcher(open_msg.stop)
+        self._top_k = open_msg.logprobs
+        self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None
+        self._tokens_seen = 0  # tokens of accepted TARGET records, i.e. the output length the worker reported
+        self._next_seq_no = 0
+        self._held: deque[_Held] = deque()
+        self._drafts: list[logprobs.Entry] = []  # drafted tokens of the steps since the last chunk
+        self._unsent_tokens = 0  # tokens consumed since the last chunk
+        self._chunk_seq = 0
+        self.finished = False
+        # Set when this side ended the request while the worker may still be generating for it.
+        self.cancel_reason: CancelReason | None = None
+
+    def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
+        """The chunk this step produces, or None when it produced nothing to send yet (or was a duplicate)."""
+        if self.finished or self._is_duplicate(target):
+            return None
+        if problem := self._out_of_order(target) or self._bad_ids(target) or (draft and self._bad_ids(draft)):
+            return self.fail(problem)
+        self._next_seq_no += 1
+        ids = target.token_ids[:, 0].tolist()
+        # A STOP finish means the last token is EOS or a stop token id: counted, never rendered.
+        rendered = ids[:-1] if target.finish_reason == FinishReason.STOP and target.finished and ids else ids
+        step = self._decoder.step(rendered, final=target.finished)
+        self._hold_entries(target, rendered, step)
+        if draft is not None and self._want_drafts:
+            self._add_drafts(target, draft, step)
+        released = self._stop.feed(step.text, final=target.finished)
+        if released.match is not None:
+            completing = next((i for i, (_, end) in enumerate(step.spans) if end >= released.match.end), len(ids) - 1)
+            self._count(completing + 1)
+            self.cancel_reason = "stop_string"
+            return self._emit(released.text, self._release_before(released.match.start), STOP_STRING_FINISH)
+        self._count(len(ids))
+        if not target.finished:
+            return self._emit(released.text, self._release_settled())
+        items = [h.entry for h in self._held]
+        self._held.clear()
+        if target.finish_reason in FINISH_REASONS:
+            return self._emit(released.text, items, FINISH_REASONS[target.finish_reason])
+        return self._emit(released.text, items, error=f"the worker ended the request ({target.finish_reason.name})")
+
+    def fail(self, error: str) -> Chunk:
+        """Ends the request with an error chunk; text still held back is not sent."""
+        self._held.clear()
+        self.cancel_reason = "error"
+        return self._emit("", [], error=error)
+
+    def _is_duplicate(self, target: Record) -> bool:
+        """A record whose tokens were all seen already, as a resumed request's new worker may resend."""
+        end = target.offset + target.num_tokens
+        if target.num_tokens:
+            return end <= self._tokens_seen
+        return target.offset < self._tokens_seen or target.seq_no < self._next_seq_no
+
+    def _out_of_order(self, target: Record) -> str | None:
+        if target.offset != self._tokens_seen or target.seq_no != self._next_seq_no:
+            return (
+                f"lost frames: expected TARGET record seq_no {self._next_seq_no} at offset {self._tokens_seen}, "
+                f"got seq_no {target.seq_no} at offset {target.offset}"
+            )
+        return None
+
+    def _bad_ids(self, record: Record) -> str | None:
+        slots = 1 + min(self._top_k or 0, record.token_ids.shape[1] - 1)
+        used = record.token_ids[:, :slots]
+        out_of_range = (used >= self._table.vocab_size) | ((used < 0) & (used != NO_TOKEN))
+        if out_of_range.any() or (used[:, 0] == NO_TOKEN).any():
+            return f"token id outside the vocabulary of {self._table.vocab_size} in record seq_no {record.seq_no}"
+        return None
+
+    def _count(self, num_tokens: int) -> None:
+        self._tokens_seen += num_tokens
+        self._unsent_tokens += num_tokens
+
+    def _hold_entries(self, target: Record, rendered: list[int], step: DecodedStep) -> None:
+        if self._top_k is None:
+            return
+        keep = [i for i, t in enumerate(rendered) if not self._table.is_special(t)]
+        if not keep:
+            return
+        starts = [step.spans[i][0] for i in keep]
+        made = logprobs.entries(target.token_ids[keep], target.logprobs[keep], self._top_k, starts)
+        self._held.extend(_Held(e, *step.spans[i]) for e, i in zip(made, keep))
+
+    def _add_drafts(self, target: Record, draft: Record, step: DecodedStep) -> None:
+        # A draft stands where the target token of the same position stands; drafts past the first
+        # rejected one never got a position, so they share the one where the text diverged from them.
+        starts = [start for start, _ in step.spans]
+        starts += [self._decoder.length] * (target.num_tokens - len(starts))
+        last = min(target.num_accepted, target.num_tokens - 1)
+        offsets = [starts[min(j, last)] if last >= 0 else self._decoder.length for j in range(draft.num_tokens)]
+        accepted = [j < draft.num_accepted for j in range(draft.num_tokens)]
+        self._drafts.extend(logprobs.entries(draft.token_ids, draft.logprobs, self._top_k, offsets, accepted))
+
+    def _release_settled(self) -> list[logprobs.Entry]:
+        """Entries whose text has been released in full (a token with no text of its own waits for the next)."""
+        released = self._stop.released
+        out = []
+        while self._held and self._held[0].end <= released and self._held[0].start < released:
+            out.append(self._held.popleft().entry)
+        return out
+
+    def _release_before(self, cut: int) -> list[logprobs.Entry]:
+        """Entries of tokens that begin before a stop string; tokens entirely after it are dropped."""
+        out = [h.entry for h in self._held if h.start < cut]
+        self._held.clear()
+        return out
+
+    def _emit(
+        self, text: str, items: list[logprobs.Entry], finish: str | None = None, error: str | None = None
+    ) -> Chunk | None:
+        final = finish is not None or error is not None
+        if not final and not text and not items:
+            return None
+        chunk = Chunk(
+            request_id=self.request_id,
+            seq=self._chunk_seq,
+            final=final,
+            choice=self._choice(text, items, finish),
+            num_tokens=self._unsent_tokens,
+            usage=self._usage() if final else None,
+            error=error,
+        )
+        self._chunk_seq += 1
+        self._unsent_tokens = 0
+        self._drafts = []
+        self.finished = final
+        return chunk
+
+    def _choice(self, text: str, items: list[logprobs.Entry], finish: str | None) -> dict:
+        api = self._open.api
+        choice: dict = {"index": 0}
+        if api == "chat":
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None if self._top_k is None else logprobs.render(api, self._table, items, draft=False)
+        choice["finish_reason"] = finish
+        if self._want_drafts:
+            choice["draft_logprobs"] = logprobs.render(api, self._table, self._drafts, draft=True)
+        return choice
+
+    def _usage(self) -> Usage:
+        prompt = self._open.num_prompt_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen)

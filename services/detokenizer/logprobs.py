@@ -1,0 +1,77 @@
+"""Logprobs entries of emitted and drafted tokens, and their two OpenAI spellings (chat and completion)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from services.detokenizer.incremental import TokenTable
+from shared.frames import NO_TOKEN
+
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for log(0): JSON has no -inf
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One token's logprobs, independent of the API that will show it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the request's own top-K alternatives, most likely first
+    text_offset: int  # where the token's text starts in the generated text
+    accepted: bool | None = None  # drafts only
+
+
+def _finite(logprob: float) -> float:
+    return MIN_LOGPROB if logprob == -math.inf else logprob
+
+
+def entries(
+    token_ids: np.ndarray,  # [n, num_slots]
+    logprobs: np.ndarray,  # [n, num_slots]
+    top_k: int,
+    text_offsets: Sequence[int],
+    accepted: Sequence[bool] | None = None,
+) -> list[Entry]:
+    """Entries for n tokens; a frame may carry more top slots than this request asked for."""
+    slots = min(top_k, token_ids.shape[1] - 1) + 1
+    ids = token_ids[:, :slots].tolist()
+    lps = logprobs[:, :slots].tolist()
+    out = []
+    for i, (row_ids, row_lps) in enumerate(zip(ids, lps)):
+        top = tuple((t, _finite(lp)) for t, lp in zip(row_ids[1:], row_lps[1:]) if t != NO_TOKEN)
+        out.append(
+            Entry(row_ids[0], _finite(row_lps[0]), top, text_offsets[i], None if accepted is None else accepted[i])
+        )
+    return out
+
+
+def render(api: Literal["chat", "completion"], table: TokenTable, items: Sequence[Entry], draft: bool) -> dict:
+    """The `logprobs` (or `draft_logprobs`) object of a choice; drafts add whether each was accepted."""
+    if api == "chat":
+        return {"content": [_chat_entry(table, e, draft) for e in items]}
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for e in items:
+        tokens.append(table.display(e.token_id)[0])
+        token_logprobs.append(e.logprob)
+        top_logprobs.append({table.display(t)[0]: lp for t, lp in e.top})
+        text_offset.append(e.text_offset)
+    out = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    if draft:
+        out["accepted"] = [bool(e.accepted) for e in items]
+    return out
+
+
+def _chat_entry(table: TokenTable, e: Entry, draft: bool) -> dict:
+    token, raw = table.display(e.token_id)
+    entry = {"token": token, "logprob": e.logprob, "bytes": raw, "top_logprobs": []}
+    for t, lp in e.top:
+        alt, alt_raw = table.display(t)
+        entry["top_logprobs"].append({"token": alt, "logprob": lp, "bytes": alt_raw})
+    if draft:
+        entry["accepted"] = bool(e.accepted)
+    return entry

@@ -1,0 +1,71 @@
+"""Finding stop strings in streamed text without ever showing the client part of one.
+
+Text is released as soon as it cannot be the beginning of a stop string. The tail that still could be
+(at most max(len(stop)) - 1 characters) is held back until later text settles it. When a stop string
+completes, the text before the earliest one is released and everything from it on is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    start: int  # offset in the whole output where the stop string begins: the text is cut here
+    end: int  # offset just past the stop string
+
+
+@dataclass(frozen=True)
+class Released:
+    text: str  # text that is now safe to send
+    match: StopMatch | None  # set when a stop string was found; no more text follows
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        # An empty stop string would match before any text; it cannot be what a client meant.
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""  # text received but not released yet
+        self.released = 0  # characters released so far
+
+    @property
+    def holding(self) -> int:
+        return len(self._pending)
+
+    def feed(self, text: str, final: bool = False) -> Released:
+        """Adds text; with `final` there is no more to come, so nothing is held back."""
+        pending = self._pending + text
+        match = self._earliest(pending)
+        if match is not None:
+            start, end = match
+            self._pending = ""
+            out = pending[:start]
+            found = StopMatch(self.released + start, self.released + end)
+            self.released += len(out)
+            return Released(out, found)
+        keep = 0 if final else self._forming(pending)
+        out = pending[: len(pending) - keep]
+        self._pending = pending[len(out) :]
+        self.released += len(out)
+        return Released(out, None)
+
+    def _earliest(self, text: str) -> tuple[int, int] | None:
+        """The match that starts first; among stops starting at the same place the shortest ends first."""
+        best: tuple[int, int] | None = None
+        for stop in self._stops:
+            at = text.find(stop)
+            if at >= 0 and (best is None or (at, at + len(stop)) < best):
+                best = (at, at + len(stop))
+        return best
+
+    def _forming(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
