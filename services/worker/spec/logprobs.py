@@ -1,0 +1,38 @@
+"""The logprob arrays of frame records: chosen token in slot 0, the top-K after it, and the chosen token's rank."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from shared.frames import NO_TOKEN
+
+POINT_MASS_LOGPROB = 0.0  # log 1: a point-mass proposal puts all its mass on the drafted token
+POINT_MASS_RANK = 1
+
+
+def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids [N, top_k+1] int32, logprobs [N, top_k+1] float32, ranks [N] int32) under log_softmax(logits).
+
+    Logprobs are of the raw model logits, before temperature or truncation, as the OpenAI API reports them.
+    Rank is 1 + the number of tokens with a strictly higher logprob, so a token tied with others gets the best
+    rank of its tie group. Ties inside the top-K list are ordered as torch.topk returns them.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen_logprob = logprobs.gather(1, chosen.unsqueeze(1))
+    top_logprobs, top_ids = logprobs.topk(top_k, dim=-1)
+    ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1).to(torch.int32)
+    values = torch.cat([chosen_logprob, top_logprobs], dim=1)
+    ranks = ((logprobs > chosen_logprob).sum(dim=-1) + 1).to(torch.int32)
+    return ids, values, ranks
+
+
+def point_mass_logprobs(tokens: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The same arrays for proposals that are certain (n-gram drafts): logprob 0, empty top slots, rank 1."""
+    n = tokens.shape[0]
+    ids = torch.full((n, top_k + 1), NO_TOKEN, dtype=torch.int32, device=tokens.device)
+    ids[:, 0] = tokens.to(torch.int32)
+    values = torch.full((n, top_k + 1), float("-inf"), dtype=torch.float32, device=tokens.device)
+    values[:, 0] = POINT_MASS_LOGPROB
+    ranks = torch.full((n,), POINT_MASS_RANK, dtype=torch.int32, device=tokens.device)
+    return ids, values, ranks

@@ -1,0 +1,62 @@
+"""Turning logits into a sampling distribution, and sampling from it with counter-based noise.
+
+Sampling is the exponential race: argmax_i p_i / E_i with E_i = -log(u_i) independent Exp(1) draws picks i with
+probability p_i. Unlike inverse-CDF sampling it needs no cumulative sum, so the result does not depend on float
+summation order, and with u from `random.uniform` it is a pure function of (p, seed, position, purpose): a request
+gets the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services.worker.spec.random import Purpose, uniform
+
+GREEDY_TEMPERATURE = 0.0  # rows with this temperature take the argmax
+TOP_K_OFF = 0
+TOP_P_OFF = 1.0  # top_p at or above this keeps the whole vocabulary
+
+
+def _truncation_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """True where top-k, then top-p on the renormalised top-k distribution, drops a token."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > TOP_K_OFF, top_k, vocab)
+    drop_sorted = rank.unsqueeze(0) >= k.unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
+    # A token is needed while the mass strictly above it is still short of top_p: that is the smallest set
+    # reaching top_p. Rows with top_p off skip this, so float error in the cumsum cannot trim their tail.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    top_p_on = (top_p < TOP_P_OFF).unsqueeze(1)
+    drop_sorted |= top_p_on & (mass_above >= top_p.unsqueeze(1))
+    drop_sorted[:, 0] = False  # the top token survives any top_p, however small
+    return torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+
+
+def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Probabilities [N, V] after temperature, top-k (0 = off) and top-p; temperature 0 rows are one-hot (greedy).
+
+    The sort behind top-k/top-p runs only when some row asks for them (that check syncs with the device).
+    """
+    logits = logits.float()
+    greedy = temperature == GREEDY_TEMPERATURE
+    safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
+    scaled = logits / safe_temperature.unsqueeze(1)
+    if bool(((top_k > TOP_K_OFF) | (top_p < TOP_P_OFF)).any()):
+        scaled = scaled.masked_fill(_truncation_mask(scaled, top_k, top_p), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
+
+
+def sample(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = Purpose.SAMPLE) -> Tensor:
+    """One token id per row [N] int64, by the exponential race with noise keyed by (seed, position, purpose).
+
+    A one-hot row yields its hot index. Tokens with probability 0 are never chosen.
+    """
+    u = uniform(seeds, positions, purpose, width=probs.shape[-1])
+    exponential = -torch.log(u)
+    return (probs.to(torch.float64) / exponential).argmax(dim=-1)
