@@ -28,7 +28,7 @@ ACCEPT_POLICIES: tuple[str, ...] = get_args(AcceptPolicy)
 
 @dataclass
 class VerifyInput:
-    target_probs: Tensor  # [B, K+1, V]: row j is p at position positions + j given drafts[:j]; rows past num_drafts unused
+    target_probs: Tensor  # [B, K+1, V]: row j is p at positions + j given drafts[:j]; rows past num_drafts unused
     draft_tokens: Tensor  # [B, K] int64, PAD_TOKEN past num_drafts
     num_drafts: Tensor  # [B] int64 in 0..K
     draft_probs: Tensor | None  # [B, K, V] q, or None for point-mass proposals (q(x) = 1 at the drafted token)
