@@ -1,0 +1,136 @@
+"""`specmesh up`: the whole mesh on one machine, as child processes, stopped together.
+
+NATS (embedded, unless --nats-url names one), a detokenizer, the workers and a gateway start in that order.
+The URL is printed once a one-token completion has travelled the whole path. SIGINT or SIGTERM stops the
+children in reverse order and waits for them, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.config import DEFAULT_MODEL_DIR, EngineConfig
+from shared.nats_server import default_store_dir, start_nats_server
+
+STOP_GRACE_S = 15.0
+PR_SET_PDEATHSIG = 1  # Linux prctl option: signal the child when its parent dies
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    parser.add_argument("--nats-port", type=int, default=4222)
+    parser.add_argument("--nats-store-dir", type=Path, default=default_store_dir())
+    parser.add_argument("--speculative-config", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
+    parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown still stops every child
+
+
+def _spawn(service: str, log_level: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.cli", "--log-level", log_level, service, *extra]
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _probe(url: str, model: str) -> bool:
+    body = json.dumps({"model": model, "prompt": "def", "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop
+
+
+def _stop_all(children: list[tuple[str, subprocess.Popen]]) -> None:
+    for _, proc in reversed(children):
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for name, proc in reversed(children):
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"specmesh: {name} did not stop in {STOP_GRACE_S}s; killing it", file=sys.stderr)
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> None:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    children: list[tuple[str, subprocess.Popen]] = []
+    exit_code = 0
+    try:
+        nats_url = args.nats_url
+        if nats_url is None:
+            nats = start_nats_server(
+                args.nats_port, args.nats_store_dir, start_new_session=True, preexec_fn=_die_with_parent
+            )
+            children.append(("nats", nats))
+            nats_url = f"nats://127.0.0.1:{args.nats_port}"
+        common = ["--nats-url", nats_url, "--model", str(args.model)]
+        children.append(("detokenizer", _spawn("detokenizer", args.log_level, *common)))
+        worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
+        worker_args += ["--device", args.device]
+        if args.speculative_config:
+            worker_args += ["--speculative-config", args.speculative_config]
+        for i in range(args.workers):
+            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, "--worker-id", str(i))))
+        gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
+        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args)))
+
+        url = f"http://{args.host}:{args.port}"
+        deadline = time.monotonic() + args.startup_timeout
+        while not _probe(url, Path(args.model).name):
+            dead = [name for name, proc in children if proc.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the mesh did not answer within {args.startup_timeout}s")
+            time.sleep(0.5)
+        print(f"specmesh is up: {url}/v1 (model {Path(args.model).name}, NATS {nats_url})", flush=True)
+        while True:
+            dead = [name for name, proc in children if proc.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited; stopping the mesh")
+            time.sleep(0.5)
+    except _Stop:
+        print("specmesh: stopping", flush=True)
+    except RuntimeError as exc:
+        print(f"specmesh: {exc}", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_all(children)
+    raise SystemExit(exit_code)
