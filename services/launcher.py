@@ -72,11 +72,18 @@ def _raise_stop(signum, frame) -> None:
 
 
 def _stop_all(children: list[tuple[str, subprocess.Popen]]) -> None:
-    for _, proc in reversed(children):
+    """Stops the services together, then NATS, so that they can drain their connections first."""
+    services = [(name, proc) for name, proc in children if name != "nats"]
+    _stop(services)
+    _stop([(name, proc) for name, proc in children if name == "nats"])
+
+
+def _stop(children: list[tuple[str, subprocess.Popen]]) -> None:
+    for _, proc in children:
         if proc.poll() is None:
             proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
-    for name, proc in reversed(children):
+    for name, proc in children:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

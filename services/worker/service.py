@@ -94,7 +94,7 @@ class Worker:
                 continue
             try:
                 msgs = await psub.fetch(batch=self.capacity, timeout=FETCH_TIMEOUT_S)
-            except NatsTimeoutError:
+            except (NatsTimeoutError, asyncio.TimeoutError):
                 continue
             for msg in msgs:
                 try:
@@ -188,4 +188,5 @@ async def run(args: argparse.Namespace) -> None:
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await nc.drain()

@@ -28,11 +28,13 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, 
 
 
 def point_mass_logprobs(tokens: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The same arrays for proposals that are certain (n-gram drafts): logprob 0, empty top slots, rank 1."""
+    """The same arrays for proposals that are certain (n-gram drafts): the drafted token is the only candidate,
+    so it fills slot 0 and the first top-K slot with logprob 0; the other slots are empty; rank 1."""
     n = tokens.shape[0]
+    candidates = min(top_k, 1) + 1
     ids = torch.full((n, top_k + 1), NO_TOKEN, dtype=torch.int32, device=tokens.device)
-    ids[:, 0] = tokens.to(torch.int32)
+    ids[:, :candidates] = tokens.to(torch.int32)[:, None]
     values = torch.full((n, top_k + 1), float("-inf"), dtype=torch.float32, device=tokens.device)
-    values[:, 0] = POINT_MASS_LOGPROB
+    values[:, :candidates] = POINT_MASS_LOGPROB
     ranks = torch.full((n,), POINT_MASS_RANK, dtype=torch.int32, device=tokens.device)
     return ids, values, ranks
