@@ -1,0 +1,58 @@
+"""Starts the real mesh (`specmesh up`: NATS, gateway, worker, detokenizer as processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import DEFAULT_MODEL_DIR
+from shared.nats_server import free_port
+
+# The shipped demo model is the real model the mesh serves by default; another checkpoint can be named.
+E2E_MODEL = Path(os.environ.get("SPECMESH_E2E_MODEL", DEFAULT_MODEL_DIR))
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Mesh:
+    proc: subprocess.Popen
+    base_url: str  # http://host:port/v1
+    nats_url: str
+    model: str
+    log: list[str]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def start_mesh(tmp: Path, *extra: str, model: Path = E2E_MODEL) -> Mesh:
+    port, nats_port = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
+        "--nats-port", str(nats_port), "--nats-store-dir", str(tmp / "nats"), "--log-level", "WARNING", *extra,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # keeps the pipe drained for the mesh's whole life
+        for line in proc.stdout:
+            log.append(line)
+            if "specmesh is up" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the mesh did not start:\n" + "".join(log[-40:]))
+    return Mesh(proc, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nats_port}", model.name, log)
