@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -12,17 +13,22 @@ import openai
 import pytest
 
 from shared import subjects
-from tests.mesh import Mesh, start_mesh
+from shared.config import DEFAULT_MODEL_DIR
+from services.mesh_process import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
 
+# The shipped demo model is the real model the mesh serves by default; another checkpoint can be named.
+E2E_MODEL = Path(os.environ.get("SPECMESH_E2E_MODEL", DEFAULT_MODEL_DIR))
 REPETITIVE = "import os\nimport sys\nimport os\nimport sys\nimport os\nimport sys\nimport os\n"
 CODE_PROMPT = "def fibonacci(n):\n    "
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024")
+    m = start_mesh(
+        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024", model=E2E_MODEL
+    )
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
     nats_port = m.nats_url.rsplit(":", 1)[1]

@@ -1,8 +1,8 @@
-"""Starts the real mesh (`specmesh up`: NATS, gateway, worker, detokenizer as processes) for end-to-end tests."""
+"""Starts the real mesh (`specmesh up`: NATS, gateway, worker, detokenizer as processes) from Python,
+for end-to-end tests and benchmarks."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,8 +14,6 @@ from pathlib import Path
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_server import free_port
 
-# The shipped demo model is the real model the mesh serves by default; another checkpoint can be named.
-E2E_MODEL = Path(os.environ.get("SPECMESH_E2E_MODEL", DEFAULT_MODEL_DIR))
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 
@@ -33,7 +31,7 @@ class Mesh:
         return self.proc.wait(timeout=STOP_TIMEOUT_S)
 
 
-def start_mesh(tmp: Path, *extra: str, model: Path = E2E_MODEL) -> Mesh:
+def start_mesh(tmp: Path, *extra: str, model: Path = DEFAULT_MODEL_DIR) -> Mesh:
     port, nats_port = free_port(), free_port()
     cmd = [
         sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
