@@ -80,3 +80,14 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
     with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):
         load_model(tmp_path)
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
+    reference = _save_tiny("qwen2", False, tmp_path / "whole")
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        whole, sharded = load_model(tmp_path / "whole"), load_model(tmp_path / "sharded")
+        positions = torch.arange(12)[None]
+        assert torch.equal(whole.logits(whole(ids, positions)), sharded.logits(sharded(ids, positions)))
