@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sysconfig
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from shared.schemas import Chunk, DetokOpen
 from shared.tokenizer import Tokenizer
 
 VOCAB_SIZE = 600
+TRAINING_FILES = ("argparse.py", "codecs.py", "json/encoder.py")
 CHOSEN_LOGPROB = -0.25
 PROMPT_TOKENS = 7
 REPLACEMENT = "\ufffd"
@@ -25,12 +27,8 @@ REPLACEMENT = "\ufffd"
 
 def train_tiny_tokenizer(out_dir: Path) -> Tokenizer:
     """A real byte-level BPE trained in well under a second on a few stdlib modules."""
-    import argparse
-    import codecs
-    import json
-
-    texts = [Path(module.__file__).read_text() for module in (argparse, codecs, json)]
-    train_tokenizer(texts, VOCAB_SIZE, out_dir)
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    train_tokenizer([(stdlib / name).read_text() for name in TRAINING_FILES], VOCAB_SIZE, out_dir)
     return Tokenizer(out_dir)
 
 

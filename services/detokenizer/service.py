@@ -1,0 +1,164 @@
+"""The detokenizer service: frames from workers in, OpenAI-shaped chunks to the owning gateway out.
+
+It keeps one RequestAssembler per open request. Workers publish a step's DRAFT frame before its TARGET
+frame; DRAFT records wait here until the TARGET frame of the same worker and step arrives, and are
+joined to TARGET records by request id, never by position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from prometheus_client import Counter
+from pydantic import ValidationError
+
+from services.detokenizer.assembler import Record, RequestAssembler
+from services.detokenizer.incremental import TokenTable
+from shared import config, natsutil, subjects
+from shared.frames import Frame, FrameError, FrameKind, decode
+from shared.schemas import Cancel, Chunk, DetokOpen
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SERVICE = "detokenizer"
+RECENTLY_CLOSED = 65536  # closed request ids remembered, so a worker's late frames are not taken for strays
+
+MALFORMED_FRAMES = Counter(
+    "specmesh_detokenizer_malformed_frames_total", "Frames that could not be decoded", ["reason"]
+)
+UNKNOWN_REQUEST_FRAMES = Counter(
+    "specmesh_detokenizer_unknown_request_frames_total", "Frame records for request ids never opened here"
+)
+BAD_MESSAGES = Counter(
+    "specmesh_detokenizer_bad_messages_total", "DetokOpen or Cancel messages that failed validation", ["subject"]
+)
+
+DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
+
+
+class Detokenizer:
+    """The service's state and its three message handlers."""
+
+    def __init__(self, nc: Client, table: TokenTable) -> None:
+        self._nc = nc
+        self._table = table
+        self._requests: dict[str, RequestAssembler] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._drafts: dict[DraftKey, dict[str, Record]] = {}
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._requests)
+
+    async def on_open(self, msg: Msg) -> None:
+        try:
+            opened = DetokOpen.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            BAD_MESSAGES.labels(subject=subjects.DETOK_OPEN).inc()
+            log.warning("invalid DetokOpen dropped: %s", err)
+            return
+        if opened.request_id in self._requests:
+            log.warning("request %s opened twice; keeping the first", opened.request_id)
+            return
+        self._requests[opened.request_id] = RequestAssembler(opened, self._table)
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = Cancel.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            BAD_MESSAGES.labels(subject=subjects.CANCEL).inc()
+            log.warning("invalid Cancel dropped: %s", err)
+            return
+        if cancel.request_id in self._requests:
+            self._close(cancel.request_id)
+
+    async def on_frame(self, msg: Msg) -> None:
+        # nats-py runs each subscription's callbacks in its own task, so a DetokOpen read from the socket
+        # before this frame may still wait in its task's queue. Its task is already scheduled; yielding
+        # once lets it run first, which keeps the gateway's "open before work" order intact.
+        await asyncio.sleep(0)
+        try:
+            frame = decode(msg.data)
+        except FrameError as err:
+            MALFORMED_FRAMES.labels(reason=err.reason).inc()
+            log.warning("malformed frame dropped (%s): %s", err.reason, err)
+            return
+        if frame.kind == FrameKind.DRAFT:
+            self._buffer_drafts(frame)
+        else:
+            await self._consume_targets(frame)
+
+    def _buffer_drafts(self, frame: Frame) -> None:
+        drafts = self._drafts.setdefault((frame.worker_id, frame.step), {})
+        for request_id, rec, token_ids, logprobs, ranks in frame.rows():
+            if self._known(request_id):
+                drafts[request_id] = Record.from_row(rec, token_ids, logprobs, ranks)
+
+    async def _consume_targets(self, frame: Frame) -> None:
+        drafts = self._drafts.pop((frame.worker_id, frame.step), {})
+        # A DRAFT frame whose TARGET frame was lost would otherwise wait forever.
+        for key in [k for k in self._drafts if k[0] == frame.worker_id and k[1] < frame.step]:
+            del self._drafts[key]
+        for request_id, rec, token_ids, logprobs, ranks in frame.rows():
+            if not self._known(request_id):
+                continue
+            assembler = self._requests[request_id]
+            chunk = assembler.consume(Record.from_row(rec, token_ids, logprobs, ranks), drafts.get(request_id))
+            if chunk is not None:
+                await self._send(assembler, chunk)
+
+    def _known(self, request_id: str) -> bool:
+        """Whether records of this request are wanted; counts those of requests never opened here."""
+        if request_id in self._requests:
+            return True
+        if request_id not in self._closed:
+            UNKNOWN_REQUEST_FRAMES.inc()
+        return False
+
+    async def _send(self, assembler: RequestAssembler, chunk: Chunk) -> None:
+        await self._nc.publish(assembler.reply_subject, chunk.to_bytes())
+        if chunk.error is not None:
+            log.warning("request %s failed: %s", assembler.request_id, chunk.error)
+        if not assembler.finished:
+            return
+        self._close(assembler.request_id)
+        if assembler.cancel_reason is not None:
+            cancel = Cancel(request_id=assembler.request_id, reason=assembler.cancel_reason)
+            await self._nc.publish(subjects.CANCEL, cancel.to_bytes())
+
+    def _close(self, request_id: str) -> None:
+        del self._requests[request_id]
+        self._closed[request_id] = None
+        if len(self._closed) > RECENTLY_CLOSED:
+            self._closed.popitem(last=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server to connect to")
+    parser.add_argument(
+        "--model", type=Path, default=config.DEFAULT_MODEL_DIR, help="model directory holding tokenizer.json"
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    """Serves until cancelled, then drains the NATS connection so in-flight chunks still go out."""
+    table = TokenTable.from_tokenizer(Tokenizer(args.model))
+    nc = await natsutil.connect(args.nats_url, SERVICE)
+    detok = Detokenizer(nc, table)
+    try:
+        await nc.subscribe(subjects.DETOK_OPEN, cb=detok.on_open)
+        await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
+        await nc.subscribe(subjects.FRAMES, cb=detok.on_frame)
+        # Subscriptions are registered at the server only once flushed; callers may publish right after.
+        await nc.flush()
+        log.info("detokenizer serving on %s", args.nats_url)
+        await asyncio.Future()
+    finally:
+        await nc.drain()

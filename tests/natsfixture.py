@@ -1,0 +1,53 @@
+"""A real nats-server (with JetStream) on a free port, for tests that talk to NATS.
+
+Use the fixture by importing it into a test module (`from tests.natsfixture import nats_server`), or call
+`running_nats_server(store_dir)` directly to control its lifetime (e.g. to restart it on the same port).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared.nats_server import free_port, start_nats_server
+
+HOST = "127.0.0.1"
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class NatsServer:
+    port: int
+    store_dir: Path
+    process: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"nats://{HOST}:{self.port}"
+
+
+@contextmanager
+def running_nats_server(store_dir: Path, port: int | None = None) -> Iterator[NatsServer]:
+    """Starts `nats-server -js` storing JetStream data in `store_dir`, once it accepts connections; stops it on exit."""
+    port = port or free_port()
+    process = start_nats_server(port, store_dir, host=HOST)
+    try:
+        yield NatsServer(port, store_dir, process)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with running_nats_server(tmp_path_factory.mktemp("nats")) as server:
+        yield server
