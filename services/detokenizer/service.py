@@ -53,10 +53,6 @@ class Detokenizer:
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._drafts: dict[DraftKey, dict[str, Record]] = {}
 
-    @property
-    def open_requests(self) -> int:
-        return len(self._requests)
-
     async def on_open(self, msg: Msg) -> None:
         try:
             opened = DetokOpen.from_bytes(msg.data)
