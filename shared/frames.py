@@ -2,7 +2,7 @@
 
 The layout is documented in docs/frames.md. In short, all little-endian:
 
-    HEADER            24 bytes   magic, version, kind, top_k, worker id, step, number of records
+    HEADER            24 bytes   magic, version, kind, top_k, worker id, number of records, step
     RECORDS           32 bytes   x num_records: request id, seq_no, offset, counts, status
     TOKEN_IDS   int32 [num_tokens, num_slots]   slot 0 = chosen token, slots 1..top_k = top-K
     LOGPROBS  float32 [num_tokens, num_slots]

@@ -11,8 +11,12 @@ REQUEST_STREAM = "SPECMESH_REQUESTS"
 REQUESTS = f"{PREFIX}.requests"  # gateway -> worker (JetStream, work queue); body: schemas.WorkRequest
 WORKER_CONSUMER = "workers"  # the durable pull consumer every worker shares
 
+# The detokenizer reads both of these through one subscription, so that it sees them in the order the
+# server received them: a request's DetokOpen (published before the request entered the queue) always
+# precedes the first frame of that request.
+DETOK_INBOX = f"{PREFIX}.detok.>"
 DETOK_OPEN = f"{PREFIX}.detok.open"  # gateway -> detokenizer; body: schemas.DetokOpen
-FRAMES = f"{PREFIX}.frames"  # worker -> detokenizer; body: a binary frame (shared/frames.py)
+FRAMES = f"{PREFIX}.detok.frames"  # worker -> detokenizer; body: a binary frame (shared/frames.py)
 CANCEL = f"{PREFIX}.cancel"  # gateway or detokenizer -> workers and detokenizer; body: schemas.Cancel
 
 

@@ -1,6 +1,6 @@
 """Fixtures for gateway tests: a real nats-server with JetStream, a tiny real model directory, the gateway app.
 
-Import the fixtures into a test module (`from gatewayfixture import client, gateway, ...`).
+Import the fixtures into a test module (`from tests.gatewayfixture import client, gateway, ...`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 from nats.aio.client import Client
-from natsfixture import running_nats_server
+from tests.natsfixture import running_nats_server
 
 from services.gateway.app import GatewayConfig, create_app
 from services.worker.demo_model.tokenizer import train_tokenizer

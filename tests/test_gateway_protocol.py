@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from gatewayfixture import MODEL, client, gateway, model_dir, nats_url, start_gateway
+from tests.gatewayfixture import MODEL, client, gateway, model_dir, nats_url, start_gateway
 from nats.aio.client import Client
 
 from shared import subjects

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_url
+from tests.gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_url
 
 __all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
 

@@ -44,7 +44,7 @@ DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 
 
 class Detokenizer:
-    """The service's state and its three message handlers."""
+    """The service's state and its message handlers."""
 
     def __init__(self, nc: Client, table: TokenTable) -> None:
         self._nc = nc
@@ -52,6 +52,13 @@ class Detokenizer:
         self._requests: dict[str, RequestAssembler] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._drafts: dict[DraftKey, dict[str, Record]] = {}
+
+    async def on_inbox(self, msg: Msg) -> None:
+        """DetokOpen and frames share one subscription, which keeps their order (see shared/subjects.py)."""
+        if msg.subject == subjects.FRAMES:
+            await self.on_frame(msg)
+        else:
+            await self.on_open(msg)
 
     async def on_open(self, msg: Msg) -> None:
         try:
@@ -76,10 +83,6 @@ class Detokenizer:
             self._close(cancel.request_id)
 
     async def on_frame(self, msg: Msg) -> None:
-        # nats-py runs each subscription's callbacks in its own task, so a DetokOpen read from the socket
-        # before this frame may still wait in its task's queue. Its task is already scheduled; yielding
-        # once lets it run first, which keeps the gateway's "open before work" order intact.
-        await asyncio.sleep(0)
         try:
             frame = decode(msg.data)
         except FrameError as err:
@@ -149,9 +152,8 @@ async def run(args: argparse.Namespace) -> None:
     nc = await natsutil.connect(args.nats_url, SERVICE)
     detok = Detokenizer(nc, table)
     try:
-        await nc.subscribe(subjects.DETOK_OPEN, cb=detok.on_open)
+        await nc.subscribe(subjects.DETOK_INBOX, cb=detok.on_inbox)
         await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
-        await nc.subscribe(subjects.FRAMES, cb=detok.on_frame)
         # Subscriptions are registered at the server only once flushed; callers may publish right after.
         await nc.flush()
         log.info("detokenizer serving on %s", args.nats_url)
