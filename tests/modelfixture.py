@@ -1,0 +1,71 @@
+"""A tiny random Llama or Qwen2 checkpoint with a real tokenizer, for tests that run the engine.
+
+Use the fixture by importing it into a test module (`from tests.modelfixture import tiny_model_dir`), or call
+`make_tiny_model_dir(path)` directly. The fixture builds the directory once per test session.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.demo_model.tokenizer import END_OF_TEXT, train_tokenizer
+
+TOKENIZER_VOCAB_SIZE = 512
+# A few stdlib modules of different styles: enough text for the BPE merges, read in well under a second.
+TOKENIZER_CORPUS = ("textwrap.py", "bisect.py", "colorsys.py", "fnmatch.py", "shlex.py", "string.py")
+MODEL_SEED = 0
+MODEL_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+MODEL_KINDS = ("llama", "qwen2")
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    return [(stdlib / name).read_text(encoding="utf-8") for name in TOKENIZER_CORPUS]
+
+
+def _build_model(kind: str, vocab_size: int, eos_id: int):
+    import transformers  # a dev dependency: only tests that build a model need it
+
+    common = dict(
+        MODEL_SHAPE, vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        torch_dtype=torch.float32,
+    )
+    # A private RNG state, so building the fixture does not shift the random streams of the tests around it.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED)
+        if kind == "llama":
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+
+
+def make_tiny_model_dir(path: Path, kind: str = "llama") -> Path:
+    """Writes tokenizer files, config.json (eos = <|endoftext|>) and float32 random weights to `path`."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
+    path = Path(path)
+    tok = train_tokenizer(_corpus(), TOKENIZER_VOCAB_SIZE, path)
+    eos_id = tok.token_to_id(END_OF_TEXT)
+    model = _build_model(kind, tok.get_vocab_size(with_added_tokens=True), eos_id)
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("eos_token_id") != eos_id:
+        raise AssertionError(f"config.json eos_token_id {config.get('eos_token_id')!r}, expected {eos_id}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint with a trained byte-level BPE tokenizer, shared by the whole session."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
