@@ -93,6 +93,8 @@ class Engine:
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         if num_tokens >= self.config.max_model_len:
             raise ValueError(f"{num_tokens} tokens leave no room in max_model_len {self.config.max_model_len}")
+        if len(request.output_token_ids) >= sampling.max_tokens:
+            raise ValueError(f"{len(request.output_token_ids)} tokens already reach max_tokens {sampling.max_tokens}")
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         if sampling.seed is None:
             log.debug("request %s runs with seed %d", request.request_id, seed)
@@ -113,6 +115,7 @@ class Engine:
     def step(self) -> list[SeqOutput]:
         self.step_no += 1
         self.stats.num_steps += 1
+        self.scheduler.release_finished()  # aborted since the last step: their slots go to waiting requests now
         admitted = self.scheduler.admit()
         decoding = [s for s in self.scheduler.running if s not in admitted and not s.is_finished]
         top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)

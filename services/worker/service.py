@@ -106,6 +106,9 @@ class Worker:
                 if request.request_id in self._recent_cancels:
                     await msg.ack()
                     continue
+                if request.request_id in self._messages:
+                    log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
+                    continue
                 self._inbox.append((request, msg))
             self._wake.set()
 
