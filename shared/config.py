@@ -16,12 +16,24 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["naive", "ngram"] = "ngram"
+    method: Literal["naive", "ngram", "suffix", "mtp"] = "ngram"
     num_speculative_tokens: int = Field(3, ge=0, le=8)
+    # ngram (prompt lookup), also the filler of mtp_strategy "with_ngram"
     max_ngram_size: int = Field(5, ge=1)
     min_ngram_size: int = Field(2, ge=1)
-    verify_strategy: Literal["rejection"] = "rejection"
+    # mtp: how many tokens the MTP module drafts by feeding itself; "with_ngram" fills the rest with ngram
+    num_model_steps: int = Field(1, ge=1)
+    mtp_strategy: Literal["default", "with_ngram"] = "default"
+    # suffix decoding over this request's tokens and recent requests' outputs
+    suffix_decoding_max_tree_depth: int = Field(64, ge=1)
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0.0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0.0, le=1.0)
+    # verification: rejection and target_match are lossless; greedy and topp are not (see docs/api.md)
+    verify_strategy: Literal["rejection", "target_match", "greedy", "topp"] = "rejection"
     accept_policy: Literal["normal", "accept_all", "reject_all"] = "normal"
+    # adaptive: choose each request's number of drafts per step from its acceptance and the batch size
+    adaptive: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
@@ -29,6 +41,13 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(
                 f"min_ngram_size ({self.min_ngram_size}) must not exceed max_ngram_size ({self.max_ngram_size})"
             )
+        if self.method == "mtp" and self.num_model_steps > max(1, self.num_speculative_tokens):
+            raise ValueError(
+                f"num_model_steps ({self.num_model_steps}) must not exceed "
+                f"num_speculative_tokens ({self.num_speculative_tokens})"
+            )
+        if self.mtp_strategy != "default" and self.method != "mtp":
+            raise ValueError('mtp_strategy applies to method "mtp" only')
         return self
 
     @property
