@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
-from shared.nats_server import default_store_dir, start_nats_server
+from shared.nats_server import default_store_dir, free_port, start_nats_server
 
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # Linux prctl option: signal the child when its parent dies
@@ -106,17 +106,23 @@ def run(args: argparse.Namespace) -> None:
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
         common = ["--nats-url", nats_url, "--model", str(args.model)]
-        children.append(("detokenizer", _spawn("detokenizer", args.log_level, *common)))
+        url = f"http://{args.host}:{args.port}"
+        metrics_urls = {"gateway": f"{url}/metrics"}
+        detok_port = free_port()
+        metrics_urls["detokenizer"] = f"http://127.0.0.1:{detok_port}/metrics"
+        children.append(("detokenizer", _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(detok_port))))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
         for i in range(args.workers):
-            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, "--worker-id", str(i))))
+            port = free_port()
+            metrics_urls[f"worker-{i}"] = f"http://127.0.0.1:{port}/metrics"
+            extra = ("--worker-id", str(i), "--metrics-port", str(port))
+            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
         children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args)))
 
-        url = f"http://{args.host}:{args.port}"
         deadline = time.monotonic() + args.startup_timeout
         while not _probe(url, Path(args.model).name):
             dead = [name for name, proc in children if proc.poll() is not None]
@@ -126,6 +132,8 @@ def run(args: argparse.Namespace) -> None:
                 raise RuntimeError(f"the mesh did not answer within {args.startup_timeout}s")
             time.sleep(0.5)
         print(f"specmesh is up: {url}/v1 (model {Path(args.model).name}, NATS {nats_url})", flush=True)
+        for name, metrics_url in metrics_urls.items():
+            print(f"  metrics of {name}: {metrics_url}", flush=True)
         while True:
             dead = [name for name, proc in children if proc.poll() is not None]
             if dead:

@@ -2,20 +2,21 @@
 
 The layout is documented in docs/frames.md. In short, all little-endian:
 
-    HEADER            24 bytes   magic, version, kind, top_k, worker id, number of records, step
+    HEADER            32 bytes   magic, version, kind, top_k, worker id, number of records, step, time sent
     RECORDS           32 bytes   x num_records: request id, seq_no, offset, counts, status
     TOKEN_IDS   int32 [num_tokens, num_slots]   slot 0 = chosen token, slots 1..top_k = top-K
     LOGPROBS  float32 [num_tokens, num_slots]
     RANKS       int32 [num_tokens]              1-based rank of the chosen token
 
 where `num_tokens` is the sum of the records' token counts and `num_slots = top_k + 1`.
-Only what exists is packed: a step with 3 sequences and 5 tokens costs 24 + 3*32 + 5*(8*num_slots + 4)
+Only what exists is packed: a step with 3 sequences and 5 tokens costs 32 + 3*32 + 5*(8*num_slots + 4)
 bytes. Decoding is zero-copy: the arrays of a `Frame` are views into the received buffer.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ HEADER = np.dtype(
         ("worker_id", "<u4"),
         ("num_records", "<u4"),
         ("step", "<u8"),
+        ("sent_at_us", "<u8"),  # wall clock when the step ended, microseconds since the epoch: for lag metrics
     ]
 )
 
@@ -50,7 +52,7 @@ RECORD = np.dtype(
         ("_pad", "V2"),
     ]
 )
-assert HEADER.itemsize == 24 and RECORD.itemsize == 32
+assert HEADER.itemsize == 32 and RECORD.itemsize == 32
 
 
 class FrameKind(enum.IntEnum):
@@ -103,6 +105,7 @@ class Frame:
     worker_id: int
     step: int
     top_k: int
+    sent_at_us: int
     records: np.ndarray  # [num_records] of RECORD
     token_ids: np.ndarray  # [num_tokens, num_slots] int32
     logprobs: np.ndarray  # [num_tokens, num_slots] float32
@@ -184,8 +187,10 @@ class FrameBuilder:
 
     def encode(self) -> bytes:
         num_slots = self.top_k + 1
+        sent_at_us = time.time_ns() // 1000
         header = np.array(
-            [(MAGIC, VERSION, int(self.kind), self.top_k, self.worker_id, len(self._records), self.step)], dtype=HEADER
+            [(MAGIC, VERSION, int(self.kind), self.top_k, self.worker_id, len(self._records), self.step, sent_at_us)],
+            dtype=HEADER,
         )
         records = np.array(self._records, dtype=RECORD)
         empty2 = np.empty((0, num_slots))
@@ -193,6 +198,11 @@ class FrameBuilder:
         logprobs = np.concatenate(self._logprobs or [empty2]).astype("<f4", copy=False)
         ranks = np.concatenate(self._ranks or [np.empty(0)]).astype("<i4", copy=False)
         return b"".join(a.tobytes() for a in (header, records, token_ids, logprobs, ranks))
+
+
+def frame_kind(buf: bytes | memoryview) -> FrameKind:
+    """The kind of a frame this process encoded, read from its header without decoding the rest."""
+    return FrameKind(int(np.frombuffer(buf, dtype=HEADER, count=1)[0]["kind"]))
 
 
 def decode(buf: bytes | memoryview) -> Frame:
@@ -229,4 +239,6 @@ def decode(buf: bytes | memoryview) -> Frame:
     logprobs = np.frombuffer(buf, dtype="<f4", count=num_tokens * num_slots, offset=pos).reshape(num_tokens, num_slots)
     pos += logprobs.nbytes
     ranks = np.frombuffer(buf, dtype="<i4", count=num_tokens, offset=pos)
-    return Frame(kind, int(head["worker_id"]), int(head["step"]), top_k, records, token_ids, logprobs, ranks)
+    return Frame(
+        kind, int(head["worker_id"]), int(head["step"]), top_k, int(head["sent_at_us"]), records, token_ids, logprobs, ranks
+    )

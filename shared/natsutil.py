@@ -12,6 +12,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from nats.js.errors import BadRequestError
 
 from shared import subjects
+from shared.observability import NatsMetrics
 
 log = logging.getLogger(__name__)
 
@@ -20,34 +21,32 @@ REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this 
 
 
 class NatsErrors:
-    """Counts what nats-py reports through its callbacks (issue #4 exports these as metrics)."""
+    """Counts what nats-py reports through its callbacks, as the service's NATS metrics."""
 
     def __init__(self, service: str) -> None:
         self.service = service
-        self.reconnects = 0
-        self.slow_consumers = 0
-        self.errors = 0
+        self.metrics = NatsMetrics.for_service(service)
 
     async def on_error(self, exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
-            self.slow_consumers += 1
+            self.metrics.slow_consumers.inc()
             log.warning("%s: slow consumer on %s, messages dropped", self.service, exc.subject)
         else:
-            self.errors += 1
+            self.metrics.errors.inc()
             log.warning("%s: NATS error: %s", self.service, exc)
 
     async def on_reconnect(self) -> None:
-        self.reconnects += 1
+        self.metrics.reconnects.inc()
         log.info("%s: reconnected to NATS", self.service)
 
     async def on_disconnect(self) -> None:
         log.warning("%s: disconnected from NATS", self.service)
 
 
-async def connect(url: str, service: str, errors: NatsErrors | None = None) -> Client:
-    """Connects and keeps reconnecting for as long as the service lives."""
-    errors = errors or NatsErrors(service)
-    return await nats.connect(
+async def connect(url: str, service: str) -> Client:
+    """Connects and keeps reconnecting for as long as the service lives; counts what goes wrong."""
+    errors = NatsErrors(service)
+    nc = await nats.connect(
         url,
         name=f"specmesh-{service}",
         max_reconnect_attempts=-1,
@@ -56,6 +55,8 @@ async def connect(url: str, service: str, errors: NatsErrors | None = None) -> C
         reconnected_cb=errors.on_reconnect,
         disconnected_cb=errors.on_disconnect,
     )
+    errors.metrics.watch(nc)
+    return nc
 
 
 async def ensure_request_stream(js: JetStreamContext) -> None:

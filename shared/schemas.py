@@ -43,11 +43,16 @@ class SamplingParams(_Message):
 
 
 class WorkRequest(_Message):
-    """gateway -> worker. `output_token_ids` holds tokens already streamed, so another worker can resume."""
+    """gateway -> worker. `output_token_ids` holds tokens already streamed, so another worker can resume.
+
+    A worker that must leave before a request finishes re-queues it with its progress: the tokens so far,
+    the next record number and the seed it drew, so that the next worker continues the same output.
+    """
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     output_token_ids: tuple[int, ...] = ()
+    next_seq_no: int = Field(0, ge=0)  # seq_no of the next TARGET record: non-zero when a request resumes
     sampling: SamplingParams
     created: float
 

@@ -10,18 +10,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 
 from services.detokenizer.assembler import Record, RequestAssembler
 from services.detokenizer.incremental import TokenTable
 from shared import config, natsutil, subjects
 from shared.frames import Frame, FrameError, FrameKind, decode
+from shared.observability import Readiness, start_http
 from shared.schemas import Cancel, Chunk, DetokOpen
 from shared.tokenizer import Tokenizer
 
@@ -40,6 +42,16 @@ BAD_MESSAGES = Counter(
     "specmesh_detokenizer_bad_messages_total", "DetokOpen or Cancel messages that failed validation", ["subject"]
 )
 
+FRAMES = Counter("specmesh_detokenizer_frames", "Frames decoded, by kind", ["kind"])
+TOKENS = Counter("specmesh_detokenizer_tokens", "Emitted tokens processed (from TARGET records)")
+CHUNKS = Counter("specmesh_detokenizer_chunks", "Chunks sent to gateways")
+ACTIVE = Gauge("specmesh_detokenizer_active_requests", "Requests opened and not yet finished")
+LAG = Histogram(
+    "specmesh_detokenizer_step_to_chunk_lag_seconds",
+    "From the end of a worker step (frame header) to its chunk leaving the detokenizer",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
 DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 
 
@@ -52,6 +64,11 @@ class Detokenizer:
         self._requests: dict[str, RequestAssembler] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._drafts: dict[DraftKey, dict[str, Record]] = {}
+        ACTIVE.set_function(lambda: len(self._requests))
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
 
     async def on_inbox(self, msg: Msg) -> None:
         """DetokOpen and frames share one subscription, which keeps their order (see shared/subjects.py)."""
@@ -89,6 +106,7 @@ class Detokenizer:
             MALFORMED_FRAMES.labels(reason=err.reason).inc()
             log.warning("malformed frame dropped (%s): %s", err.reason, err)
             return
+        FRAMES.labels(kind=frame.kind.name.lower()).inc()
         if frame.kind == FrameKind.DRAFT:
             self._buffer_drafts(frame)
         else:
@@ -109,9 +127,11 @@ class Detokenizer:
             if not self._known(request_id):
                 continue
             assembler = self._requests[request_id]
+            TOKENS.inc(len(token_ids))
             chunk = assembler.consume(Record.from_row(rec, token_ids, logprobs, ranks), drafts.get(request_id))
             if chunk is not None:
                 await self._send(assembler, chunk)
+                LAG.observe(max(0.0, time.time() - frame.sent_at_us / 1e6))
 
     def _known(self, request_id: str) -> bool:
         """Whether records of this request are wanted; counts those of requests never opened here."""
@@ -123,6 +143,7 @@ class Detokenizer:
 
     async def _send(self, assembler: RequestAssembler, chunk: Chunk) -> None:
         await self._nc.publish(assembler.reply_subject, chunk.to_bytes())
+        CHUNKS.inc()
         if chunk.error is not None:
             log.warning("request %s failed: %s", assembler.request_id, chunk.error)
         if not assembler.finished:
@@ -144,19 +165,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=config.DEFAULT_MODEL_DIR, help="model directory holding tokenizer.json"
     )
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-port", type=int, default=9101, help="/metrics, /health and /ready; 0 picks one")
+    parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds open requests may finish on SIGTERM")
 
 
 async def run(args: argparse.Namespace) -> None:
-    """Serves until cancelled, then drains the NATS connection so in-flight chunks still go out."""
+    """Serves until cancelled; then reports not ready, lets open requests finish, and drains NATS."""
+    readiness = Readiness()
+    http = await start_http(readiness, args.metrics_host, args.metrics_port)
     table = TokenTable.from_tokenizer(Tokenizer(args.model))
     nc = await natsutil.connect(args.nats_url, SERVICE)
+    readiness.nc = nc
     detok = Detokenizer(nc, table)
     try:
         await nc.subscribe(subjects.DETOK_INBOX, cb=detok.on_inbox)
         await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
         # Subscriptions are registered at the server only once flushed; callers may publish right after.
         await nc.flush()
+        readiness.started = True
         log.info("detokenizer serving on %s", args.nats_url)
         await asyncio.Future()
+    except asyncio.CancelledError:
+        readiness.draining = True
+        deadline = time.monotonic() + args.drain_timeout
+        while detok.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
     finally:
         await nc.drain()
+        await http.cleanup()

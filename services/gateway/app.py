@@ -13,7 +13,6 @@ from pathlib import Path
 
 from aiohttp import web
 from nats.aio.client import Client
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway import metrics
@@ -22,11 +21,11 @@ from services.gateway.generation import Generator
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR
 from shared.natsutil import ensure_request_stream
+from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
 
 MIB = 1024 * 1024
 OWNER = "specmesh"
-UNHEALTHY = 503
 
 
 class GatewayConfig(BaseModel):
@@ -57,6 +56,7 @@ class Gateway:
         self.created = int(time.time())
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
         self.generator = Generator(nc, tokenizer, self.router, config.served_model_name, config.max_model_len)
+        self.readiness = Readiness(nc=nc)
 
     def model_card(self) -> dict:
         return {
@@ -82,19 +82,13 @@ class Gateway:
             raise model_not_found(name)
         return web.json_response(self.model_card())
 
-    async def health(self, request: web.Request) -> web.Response:
-        if self.nc.is_connected:
-            return web.json_response({"status": "ok"})
-        return web.json_response({"status": "nats_disconnected"}, status=UNHEALTHY)
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     async def start(self, app: web.Application) -> None:
         await ensure_request_stream(self.nc.jetstream())
         await self.router.start()
+        self.readiness.started = True
 
     async def stop(self, app: web.Application) -> None:
+        self.readiness.draining = True
         await self.router.stop()
 
 
@@ -117,8 +111,7 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/v1/models/{model}", gateway.get_model)
-    app.router.add_get("/health", gateway.health)
-    app.router.add_get("/metrics", gateway.metrics)
+    add_routes(app, gateway.readiness)
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
     return app

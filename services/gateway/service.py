@@ -9,9 +9,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from shared.config import DEFAULT_MODEL_DIR
-from shared.natsutil import NatsErrors, connect
+from shared.natsutil import connect
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +43,17 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 async def run(args: argparse.Namespace) -> None:
     """Serves until cancelled; then stops accepting, lets in-flight requests finish, and drains NATS."""
     config = config_from_args(args)
-    nc = await connect(args.nats_url, SERVICE, NatsErrors(SERVICE))
+    nc = await connect(args.nats_url, SERVICE)
     try:
-        runner = web.AppRunner(
-            create_app(config, nc), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S
-        )
+        app = create_app(config, nc)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, args.host, args.port).start()
             log.info("gateway serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
             await asyncio.Event().wait()
         finally:
+            app[GATEWAY].readiness.draining = True  # /ready turns 503 while in-flight requests finish
             await runner.cleanup()
     finally:
         await nc.drain()

@@ -1,8 +1,8 @@
-"""The worker process: takes requests from the JetStream work queue, steps the engine, publishes frames.
+"""`specmesh worker`: options and the lifecycle of one worker process.
 
-The engine runs in one dedicated thread so that NATS traffic keeps flowing while the model computes. A
-request's message is acknowledged only when the request is finished; until then the worker tells JetStream
-it is still in progress, so a request held by a crashed worker is redelivered rather than lost.
+Start: load the model, warm it up, connect, then take requests. SIGTERM: readiness goes false, no new work
+is taken, in-flight requests may finish for `--drain-timeout` seconds, the rest are handed back to the queue
+with their progress for another worker to continue, and the NATS connection is drained.
 """
 
 from __future__ import annotations
@@ -12,28 +12,22 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+import uuid
 from pathlib import Path
-
-import numpy as np
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import ValidationError
 
 from shared import subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
-from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus
-from shared.natsutil import REQUEST_ACK_WAIT_S, connect, ensure_request_stream
-from shared.schemas import Cancel, WorkRequest
+from shared.natsutil import connect, ensure_request_stream
+from shared.observability import Readiness, start_http
+from shared.schemas import SamplingParams, WorkRequest
 from services.worker.engine import Engine
-from services.worker.publisher import step_frames
+from services.worker.metrics import WorkerMetrics
+from services.worker.queue_worker import QueueWorker
 
 log = logging.getLogger("specmesh.worker")
 
-FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before checking for shutdown
-HEARTBEAT_S = REQUEST_ACK_WAIT_S / 3
-RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
+WARMUP_PROMPT = (0, 1, 2, 3)
+WARMUP_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--worker-id", type=int, default=None, help="numeric id in frame headers (default: the pid)")
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-port", type=int, default=9100, help="/metrics, /health and /ready; 0 picks one")
+    parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests may finish on SIGTERM")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -58,138 +55,50 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-class Worker:
-    def __init__(self, engine: Engine, nc, worker_id: int) -> None:
-        self.engine = engine
-        self.nc = nc
-        self.worker_id = worker_id
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._inbox: list[tuple[WorkRequest, Msg]] = []
-        self._cancels: list[str] = []
-        self._recent_cancels: OrderedDict[str, None] = OrderedDict()
-        self._messages: dict[str, Msg] = {}  # unacknowledged work-queue messages by request id
-        self._wake = asyncio.Event()
-
-    @property
-    def capacity(self) -> int:
-        """Requests worth fetching now: free slots plus one batch of waiting ones to keep steps full."""
-        return 2 * self.engine.config.max_num_seqs - len(self._messages) - len(self._inbox)
-
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = Cancel.from_bytes(msg.data)
-        except (ValidationError, ValueError) as exc:
-            log.warning("ignoring malformed cancel: %s", exc)
-            return
-        self._recent_cancels[cancel.request_id] = None
-        while len(self._recent_cancels) > RECENT_CANCELS:
-            self._recent_cancels.popitem(last=False)
-        self._cancels.append(cancel.request_id)
-        self._wake.set()
-
-    async def fetch_loop(self, psub) -> None:
-        while True:
-            if self.capacity <= 0:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                msgs = await psub.fetch(batch=self.capacity, timeout=FETCH_TIMEOUT_S)
-            except (NatsTimeoutError, asyncio.TimeoutError):
-                continue
-            for msg in msgs:
-                try:
-                    request = WorkRequest.from_bytes(msg.data)
-                except (ValidationError, ValueError) as exc:
-                    log.error("dropping malformed work request: %s", exc)
-                    await msg.term()
-                    continue
-                if request.request_id in self._recent_cancels:
-                    await msg.ack()
-                    continue
-                if request.request_id in self._messages:
-                    log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
-                    continue
-                self._inbox.append((request, msg))
-            self._wake.set()
-
-    async def heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            for msg in list(self._messages.values()):
-                await msg.in_progress()
-
-    def _step(self, inbox: list[tuple[WorkRequest, Msg]], cancels: list[str]) -> tuple[list[bytes], list[str]]:
-        """Runs in the engine thread: admits, cancels and steps; returns frames and finished request ids."""
-        refused = []
-        for request, _ in inbox:
-            try:
-                self.engine.add_request(request)
-            except ValueError as exc:
-                log.warning("refusing request %s: %s", request.request_id, exc)
-                refused.append(request.request_id)
-        finished = list(refused)
-        for request_id in cancels:
-            if self.engine.abort(request_id) is not None:
-                finished.append(request_id)
-        frames = []
-        if refused:
-            frames.append(_abort_frame(refused, self.worker_id, self.engine.step_no))
-        if self.engine.has_work():
-            outputs = self.engine.step()
-            frames += step_frames(outputs, self.worker_id, self.engine.step_no)
-            finished += [o.seq.request_id for o in outputs if o.seq.is_finished]
-        return frames, finished
-
-    async def engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not (self._inbox or self._cancels or self.engine.has_work()):
-                self._wake.clear()
-                await self._wake.wait()
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-            for request, msg in inbox:
-                self._messages[request.request_id] = msg
-            frames, finished = await loop.run_in_executor(self._pool, self._step, inbox, cancels)
-            for frame in frames:
-                await self.nc.publish(subjects.FRAMES, frame)
-            for request_id in finished:
-                msg = self._messages.pop(request_id, None)
-                if msg is not None:
-                    await msg.ack()
-
-
-def _abort_frame(request_ids: list[str], worker_id: int, step: int) -> bytes:
-    builder = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k=0)
-    empty = np.empty((0, 1))
-    for request_id in request_ids:
-        builder.add(
-            request_id, seq_no=0, offset=0, token_ids=empty, logprobs=empty, ranks=np.empty(0),
-            status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT,
-        )
-    return builder.encode()
+def warm_up(engine: Engine) -> None:
+    """One short generation, so the first real request does not pay for lazy initialisation."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    engine.add_request(WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=WARMUP_PROMPT, sampling=sampling, created=0))
+    while engine.has_work():
+        engine.step()
 
 
 async def run(args: argparse.Namespace) -> None:
+    readiness = Readiness()
+    http = await start_http(readiness, args.metrics_host, args.metrics_port)
     config = engine_config(args)
     started = time.time()
     engine = Engine(config)
-    log.info(
-        "model %s loaded in %.1fs; speculation %s", config.model, time.time() - started,
-        config.speculative.model_dump_json(),
-    )
+    warm_up(engine)
+    log.info("model %s loaded and warmed up in %.1fs; speculation %s", config.model, time.time() - started,
+             config.speculative.model_dump_json())
+    worker_id = args.worker_id if args.worker_id is not None else os.getpid()
     nc = await connect(args.nats_url, "worker")
+    readiness.nc = nc
     js = nc.jetstream()
     await ensure_request_stream(js)
-    worker = Worker(engine, nc, args.worker_id if args.worker_id is not None else os.getpid())
+    worker = QueueWorker(engine, nc, worker_id, WorkerMetrics(engine, Path(config.model).name, worker_id))
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
-    tasks = [asyncio.create_task(c) for c in (worker.fetch_loop(psub), worker.heartbeat_loop(), worker.engine_loop())]
-    log.info("worker %d ready", worker.worker_id)
+    fetching = asyncio.create_task(worker.fetch_loop(psub))
+    heartbeat = asyncio.create_task(worker.heartbeat_loop())
+    stepping = asyncio.create_task(worker.engine_loop())
+    readiness.started = True
+    log.info("worker %d ready", worker_id)
     try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # asyncio.wait, unlike gather, leaves the tasks running when this coroutine is cancelled.
+        done, _ = await asyncio.wait([fetching, heartbeat, stepping], return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    except asyncio.CancelledError:
+        readiness.draining = True
+        fetching.cancel()
+        finished = await worker.wait_idle(args.drain_timeout)
+        worker.stop()
+        await stepping
+        if not finished:
+            log.warning("drain timeout: handed %d unfinished requests back to the queue", await worker.hand_back())
+        heartbeat.cancel()
+        await asyncio.gather(fetching, heartbeat, return_exceptions=True)
         await nc.drain()
+        await http.cleanup()

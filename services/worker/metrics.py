@@ -1,0 +1,87 @@
+"""The worker's Prometheus metrics, fed from each engine step's outputs (labels: model, method, worker)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.worker.engine import Engine, SeqOutput
+
+_LABELS = ["model", "method", "worker"]
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+
+RUNNING = Gauge("specmesh_worker_running_sequences", "Sequences holding a cache slot", _LABELS)
+WAITING = Gauge("specmesh_worker_waiting_sequences", "Sequences waiting for a cache slot", _LABELS)
+KV_USAGE = Gauge("specmesh_worker_kv_cache_usage_ratio", "Share of the KV cache's token positions in use", _LABELS)
+KV_BYTES = Gauge("specmesh_worker_kv_cache_bytes", "Memory of the KV cache", _LABELS)
+STEP_SECONDS = Histogram("specmesh_worker_step_duration_seconds", "Duration of an engine step", _LABELS, buckets=STEP_BUCKETS)
+BATCH_SIZE = Histogram("specmesh_worker_batch_size", "Sequences that produced output in a step", _LABELS, buckets=BATCH_BUCKETS)
+PREEMPTIONS = Counter("specmesh_worker_preemptions", "Sequences evicted from the KV cache to be recomputed", _LABELS)
+EMITTED = Counter("specmesh_worker_emitted_tokens", "Tokens emitted (accepted drafts and target tokens)", _LABELS)
+PROMPT_TOKENS = Counter("specmesh_worker_prompt_tokens", "Prompt tokens of the requests taken", _LABELS)
+FINISHED = Counter("specmesh_worker_finished_requests", "Requests finished, by reason", _LABELS + ["reason"])
+DRAFTS = Counter("specmesh_worker_spec_decode_drafts", "Sequence-steps that verified at least one draft", _LABELS)
+DRAFT_TOKENS = Counter("specmesh_worker_spec_decode_draft_tokens", "Draft tokens verified", _LABELS)
+ACCEPTED = Counter("specmesh_worker_spec_decode_accepted_tokens", "Draft tokens accepted", _LABELS)
+ACCEPTED_PER_POS = Counter(
+    "specmesh_worker_spec_decode_accepted_tokens_per_pos", "Draft tokens accepted, by draft position", _LABELS + ["position"]
+)
+DRAFTED_PER_POS = Counter(
+    "specmesh_worker_spec_decode_draft_tokens_per_pos", "Draft tokens verified, by draft position", _LABELS + ["position"]
+)
+ACCEPTANCE_LENGTH = Histogram(
+    "specmesh_worker_spec_decode_acceptance_length", "Tokens emitted per sequence-step that verified drafts",
+    _LABELS, buckets=ACCEPTANCE_BUCKETS,
+)
+FRAMES = Counter("specmesh_worker_frames_published", "Frames published, by kind", _LABELS + ["kind"])
+FRAME_BYTES = Counter("specmesh_worker_frame_bytes", "Bytes of frames published, by kind", _LABELS + ["kind"])
+REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from the work queue", _LABELS)
+REQUESTS_HANDED_BACK = Counter(
+    "specmesh_worker_requests_handed_back", "Unfinished requests re-queued with their progress at shutdown", _LABELS
+)
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine, model: str, worker_id: int) -> None:
+        self.engine = engine
+        self.labels = {"model": model, "method": engine.config.speculative.method, "worker": str(worker_id)}
+        cache = engine.runner.cache
+        KV_BYTES.labels(**self.labels).set(cache.nbytes)
+        RUNNING.labels(**self.labels).set_function(lambda: len(engine.scheduler.running))
+        WAITING.labels(**self.labels).set_function(lambda: len(engine.scheduler.waiting))
+        capacity = cache.num_slots * cache.max_model_len
+        KV_USAGE.labels(**self.labels).set_function(
+            lambda: sum(s.num_computed for s in engine.scheduler.running) / capacity
+        )
+
+    def counter(self, metric, **extra):
+        return metric.labels(**self.labels, **extra)
+
+    def observe_request(self, num_prompt_tokens: int) -> None:
+        self.counter(REQUESTS_TAKEN).inc()
+        self.counter(PROMPT_TOKENS).inc(num_prompt_tokens)
+
+    def observe_step(self, outputs: list[SeqOutput], seconds: float) -> None:
+        self.counter(STEP_SECONDS).observe(seconds)
+        if outputs:
+            self.counter(BATCH_SIZE).observe(len(outputs))
+        for out in outputs:
+            self.counter(EMITTED).inc(len(out.tokens))
+            if out.seq.is_finished:
+                self.counter(FINISHED, reason=out.finish_reason.name.lower()).inc()
+            num_drafted = len(out.draft_tokens)
+            if not num_drafted:
+                continue
+            self.counter(DRAFTS).inc()
+            self.counter(DRAFT_TOKENS).inc(num_drafted)
+            self.counter(ACCEPTED).inc(out.num_accepted)
+            self.counter(ACCEPTANCE_LENGTH).observe(out.num_accepted + 1)
+            for position in range(num_drafted):
+                self.counter(DRAFTED_PER_POS, position=str(position)).inc()
+                if position < out.num_accepted:
+                    self.counter(ACCEPTED_PER_POS, position=str(position)).inc()
+
+    def observe_frame(self, kind: str, size: int) -> None:
+        self.counter(FRAMES, kind=kind).inc()
+        self.counter(FRAME_BYTES, kind=kind).inc(size)
