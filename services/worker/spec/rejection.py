@@ -1,13 +1,27 @@
-"""Verification of drafts against the target model by the lossless rejection rule, vectorised over the batch.
+"""Verification of drafts against the target model, vectorised over the batch, under four strategies.
 
-With p the target distribution and q the draft distribution at a position, draft x is accepted with probability
-min(1, p(x)/q(x)). At the first rejection the emitted token is drawn from the residual max(p - q, 0), normalised;
-if every draft is accepted, a bonus token is drawn from p at the position after the last draft. Each emitted
-token is then distributed exactly as p, whatever q is.
+rejection (lossless): draft x is accepted with probability min(1, p(x)/q(x)), p the target distribution and q the
+  draft distribution at its position (a point mass at x when no q is given). At the first rejection the emitted
+  token is drawn from the residual max(p - q, 0); if every draft is accepted, a bonus token is drawn from p at the
+  position after the last draft. Each emitted token is then distributed exactly as p, whatever q is.
+target_match (lossless): draft j is accepted iff it equals the token the target samples at its position with the
+  noise plain decoding draws there, sample(p_j, seed, position + j, SAMPLE); the token after the accepted prefix is
+  the target's own sample. With the same seed this emits exactly the tokens plain decoding emits, whatever the
+  drafter and the number of drafts; only the number of steps changes.
+greedy (lossy for sampled rows): draft j is accepted while it equals argmax p_j; after the prefix a sampled row
+  samples from p (SAMPLE noise), a greedy row takes argmax p.
+topp (lossy): draft j is accepted while it lies inside the nucleus of p_j: the tokens whose strictly more likely
+  tokens hold less than top_p of the mass (tokens tied at the boundary are all inside). After the prefix: a sample
+  from p. top_p is per row (VerifyInput.top_p).
 
-Noise: the acceptance test of draft j uses uniform(seed, position + j, ACCEPT); the recovered or bonus token
-uses sample(..., seed, position + num_accepted, SAMPLE), the same noise plain decoding draws for the token it
-emits at that position. So a row with no drafts emits exactly the token plain decoding would.
+Greedy rows (temperature 0) follow the greedy rule under every strategy: accept while draft == argmax p, emit
+argmax p. That is also what target_match amounts to for them, since their p is one-hot.
+
+Noise: the rejection test of draft j uses uniform(seed, position + j, ACCEPT); every emitted token that is drawn
+uses sample(..., seed, position + num_accepted, SAMPLE), the noise plain decoding draws for the token it emits at
+that position, so a row with no drafts emits exactly the token plain decoding would.
+
+On CUDA tensors `verify` runs the fused Triton kernel of kernels/verify.py; `verify_torch` is its twin.
 """
 
 from __future__ import annotations
@@ -19,11 +33,13 @@ import torch
 from torch import Tensor
 
 from services.worker.spec.random import Purpose, uniform
-from services.worker.spec.sampling import sample
+from services.worker.spec.sampling import sample_torch
 
 PAD_TOKEN = -1  # fills draft_tokens past num_drafts and output_tokens past num_emitted
 AcceptPolicy = Literal["normal", "accept_all", "reject_all"]
 ACCEPT_POLICIES: tuple[str, ...] = get_args(AcceptPolicy)
+VerifyStrategy = Literal["rejection", "target_match", "greedy", "topp"]
+VERIFY_STRATEGIES: tuple[str, ...] = get_args(VerifyStrategy)
 
 
 @dataclass
@@ -35,6 +51,7 @@ class VerifyInput:
     greedy: Tensor  # [B] bool: accept while draft == argmax p, then emit argmax p
     seeds: Tensor  # [B] int64
     positions: Tensor  # [B] int64: output position of the first token emitted this step
+    top_p: Tensor | None = None  # [B] float: the nucleus of the "topp" strategy (required by it, unused otherwise)
 
 
 @dataclass
@@ -42,9 +59,17 @@ class VerifyOutput:
     num_accepted: Tensor  # [B] int64
     output_tokens: Tensor  # [B, K+1] int64: accepted drafts, then the recovered or bonus token, then PAD_TOKEN
     num_emitted: Tensor  # [B] int64 = num_accepted + 1
+    offsets: Tensor  # [B] int64: exclusive cumulative sum of num_emitted (where each row's tokens start, packed)
 
 
-def _check_shapes(inp: VerifyInput) -> None:
+def check_verify_args(inp: VerifyInput, accept_policy: str, verify_strategy: str) -> None:
+    """Raises ValueError for an unknown policy or strategy, a missing top_p, or inconsistent shapes."""
+    if accept_policy not in ACCEPT_POLICIES:
+        raise ValueError(f"accept_policy must be one of {ACCEPT_POLICIES}, got {accept_policy!r}")
+    if verify_strategy not in VERIFY_STRATEGIES:
+        raise ValueError(f"verify_strategy must be one of {VERIFY_STRATEGIES}, got {verify_strategy!r}")
+    if verify_strategy == "topp" and inp.top_p is None:
+        raise ValueError('verify_strategy "topp" needs VerifyInput.top_p')
     batch, num_slots = inp.draft_tokens.shape
     if inp.target_probs.dim() != 3 or inp.target_probs.shape[:2] != (batch, num_slots + 1):
         raise ValueError(
@@ -52,78 +77,124 @@ def _check_shapes(inp: VerifyInput) -> None:
         )
     if inp.draft_probs is not None and inp.draft_probs.shape != (batch, num_slots, inp.target_probs.shape[2]):
         raise ValueError(f"draft_probs {tuple(inp.draft_probs.shape)} must be [B, K, V] = {(batch, num_slots)}+[V]")
-    for name in ("num_drafts", "greedy", "seeds", "positions"):
-        if getattr(inp, name).shape != (batch,):
-            raise ValueError(f"{name} {tuple(getattr(inp, name).shape)} must be [B] = ({batch},)")
+    for name in ("num_drafts", "greedy", "seeds", "positions", "top_p"):
+        value = getattr(inp, name)
+        if value is not None and value.shape != (batch,):
+            raise ValueError(f"{name} {tuple(value.shape)} must be [B] = ({batch},)")
 
 
-def _accepted(inp: VerifyInput, has_draft: Tensor, accept_policy: AcceptPolicy) -> Tensor:
+def _slot_coordinates(inp: VerifyInput, num_slots: int) -> tuple[Tensor, Tensor]:
+    """Seeds and positions [B * K] of every draft slot, row-major."""
+    offsets = torch.arange(num_slots, device=inp.positions.device)
+    return inp.seeds.repeat_interleave(num_slots), (inp.positions.unsqueeze(1) + offsets).reshape(-1)
+
+
+def _rejection_test(inp: VerifyInput, drafted: Tensor, target_at_draft: Tensor) -> Tensor:
+    batch, num_slots = drafted.shape
+    if inp.draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = inp.draft_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1).to(target_at_draft.dtype)
+    u = uniform(*_slot_coordinates(inp, num_slots), Purpose.ACCEPT).reshape(batch, num_slots)
+    # u < p/q without dividing: exact when q(x) = 0, and p(x) = 0 is never accepted since u > 0.
+    return u * draft_at_draft < target_at_draft
+
+
+def _target_match_test(inp: VerifyInput, slot_probs: Tensor) -> Tensor:
+    batch, num_slots, vocab = slot_probs.shape
+    target_samples = sample_torch(slot_probs.reshape(-1, vocab), *_slot_coordinates(inp, num_slots), Purpose.SAMPLE)
+    return inp.draft_tokens == target_samples.reshape(batch, num_slots)
+
+
+def _topp_test(inp: VerifyInput, slot_probs: Tensor, target_at_draft: Tensor) -> Tensor:
+    # float64 sums so that the boundary decision depends as little as possible on summation order.
+    probs = slot_probs.to(torch.float64)
+    at_draft = target_at_draft.to(torch.float64).unsqueeze(-1)
+    mass_above = torch.where(probs > at_draft, probs, 0.0).sum(dim=-1)
+    return (target_at_draft > 0) & (mass_above < inp.top_p.to(torch.float64).unsqueeze(1))
+
+
+def _accepted(inp: VerifyInput, has_draft: Tensor, accept_policy: str, verify_strategy: str) -> Tensor:
     """[B, K] bool: whether each draft passes its own test (a prefix of these is what counts)."""
     if accept_policy == "accept_all":
         return has_draft
     if accept_policy == "reject_all":
         return torch.zeros_like(has_draft)
-    batch, num_slots = inp.draft_tokens.shape
-    drafted = inp.draft_tokens.clamp(min=0).unsqueeze(-1)
-    target_at_draft = inp.target_probs[:, :num_slots].gather(-1, drafted).squeeze(-1)
-    if inp.draft_probs is None:
-        draft_at_draft = torch.ones_like(target_at_draft)
+    num_slots = inp.draft_tokens.shape[1]
+    slot_probs = inp.target_probs[:, :num_slots]
+    drafted = inp.draft_tokens.clamp(min=0)
+    target_at_draft = slot_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1)
+    greedy = inp.draft_tokens == slot_probs.argmax(dim=-1)
+    if verify_strategy == "rejection":
+        test = _rejection_test(inp, drafted, target_at_draft)
+    elif verify_strategy == "target_match":
+        test = _target_match_test(inp, slot_probs)
+    elif verify_strategy == "greedy":
+        test = greedy
     else:
-        draft_at_draft = inp.draft_probs.gather(-1, drafted).squeeze(-1).to(target_at_draft.dtype)
-    offsets = torch.arange(num_slots, device=inp.positions.device)
-    u = uniform(
-        inp.seeds.repeat_interleave(num_slots),
-        (inp.positions.unsqueeze(1) + offsets).reshape(-1),
-        Purpose.ACCEPT,
-    ).reshape(batch, num_slots)
-    # u < p/q without dividing: exact when q(x) = 0, and p(x) = 0 is never accepted since u > 0.
-    stochastic = u * draft_at_draft < target_at_draft
-    greedy = inp.draft_tokens == inp.target_probs[:, :num_slots].argmax(dim=-1)
-    return has_draft & torch.where(inp.greedy.unsqueeze(1), greedy, stochastic)
+        test = _topp_test(inp, slot_probs, target_at_draft)
+    return has_draft & torch.where(inp.greedy.unsqueeze(1), greedy, test)
 
 
 def _residual(target: Tensor, draft: Tensor | None, drafted: Tensor) -> Tensor:
-    """max(p - q, 0) normalised, for rows whose draft was rejected; p where the residual has no mass.
+    """max(p - q, 0), unnormalised (the exponential race is scale-free), for rows whose draft was rejected;
+    p where the residual has no mass.
 
     Exact arithmetic never rejects a draft when p == q, but float rounding may leave the residual all zero.
+    Leaving it unnormalised keeps every entry an elementwise function of p and q, so the fused kernel
+    reproduces it bit for bit without depending on a summation order.
     """
     if draft is None:
         residual = target.scatter(1, drafted.clamp(min=0).unsqueeze(1), 0.0)
     else:
         residual = (target - draft.to(target.dtype)).clamp(min=0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target)
+    has_mass = residual.amax(dim=-1, keepdim=True) > 0
+    return torch.where(has_mass, residual, target)
 
 
-def verify(inp: VerifyInput, accept_policy: AcceptPolicy = "normal") -> VerifyOutput:
-    """Accepted prefix and emitted tokens for each row.
-
-    accept_policy is for debugging: accept_all takes every draft (lossy), reject_all takes none and draws the
-    emitted token from p itself, so its output equals plain decoding.
-    """
-    if accept_policy not in ACCEPT_POLICIES:
-        raise ValueError(f"accept_policy must be one of {ACCEPT_POLICIES}, got {accept_policy!r}")
-    _check_shapes(inp)
+def verify_torch(
+    inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
+) -> VerifyOutput:
+    """`verify` in torch ops, on any device: the reference the fused kernel is tested against."""
+    check_verify_args(inp, accept_policy, verify_strategy)
     batch, num_slots = inp.draft_tokens.shape
     device = inp.draft_tokens.device
     slots = torch.arange(num_slots, device=device).unsqueeze(0)
     has_draft = slots < inp.num_drafts.unsqueeze(1)
-    accepted = _accepted(inp, has_draft, accept_policy)
+    accepted = _accepted(inp, has_draft, accept_policy, verify_strategy)
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     rows = torch.arange(batch, device=device)
     target_next = inp.target_probs[rows, num_accepted]  # p at the position of the token emitted after the prefix
-    rejected = (num_accepted < inp.num_drafts) & (accept_policy == "normal")
     emit_dist = target_next
-    if num_slots > 0:
+    if num_slots > 0 and verify_strategy == "rejection" and accept_policy == "normal":
+        rejected = num_accepted < inp.num_drafts
         rejected_slot = num_accepted.clamp(max=num_slots - 1)
         draft = None if inp.draft_probs is None else inp.draft_probs[rows, rejected_slot]
         residual = _residual(target_next, draft, inp.draft_tokens[rows, rejected_slot])
         emit_dist = torch.where(rejected.unsqueeze(1), residual, target_next)
-    emitted = sample(emit_dist, inp.seeds, inp.positions + num_accepted, Purpose.SAMPLE)
+    emitted = sample_torch(emit_dist, inp.seeds, inp.positions + num_accepted, Purpose.SAMPLE)
     emitted = torch.where(inp.greedy, target_next.argmax(dim=-1), emitted)
 
     output_tokens = torch.full((batch, num_slots + 1), PAD_TOKEN, dtype=torch.int64, device=device)
     output_tokens[:, :num_slots] = torch.where(slots < num_accepted.unsqueeze(1), inp.draft_tokens, PAD_TOKEN)
     output_tokens.scatter_(1, num_accepted.unsqueeze(1), emitted.unsqueeze(1))
-    return VerifyOutput(num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_accepted + 1)
+    num_emitted = num_accepted + 1
+    offsets = num_emitted.cumsum(dim=0) - num_emitted
+    return VerifyOutput(num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_emitted, offsets=offsets)
+
+
+def verify(
+    inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
+) -> VerifyOutput:
+    """Accepted prefix and emitted tokens for each row (see the module docstring for the strategies).
+
+    accept_policy is for debugging: accept_all takes every draft (lossy), reject_all takes none and draws the
+    emitted token from p itself, so its output equals plain decoding.
+    """
+    if inp.target_probs.is_cuda:
+        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
+        from kernels.verify import verify as verify_fused
+
+        return verify_fused(inp, accept_policy, verify_strategy)
+    return verify_torch(inp, accept_policy, verify_strategy)

@@ -4,6 +4,8 @@ Sampling is the exponential race: argmax_i p_i / E_i with E_i = -log(u_i) indepe
 probability p_i. Unlike inverse-CDF sampling it needs no cumulative sum, so the result does not depend on float
 summation order, and with u from `random.uniform` it is a pure function of (p, seed, position, purpose): a request
 gets the same tokens alone or in any batch.
+
+On CUDA tensors `sample` runs the Triton kernel of kernels/sampling.py; `sample_torch` is its twin.
 """
 
 from __future__ import annotations
@@ -55,8 +57,19 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
 def sample(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = Purpose.SAMPLE) -> Tensor:
     """One token id per row [N] int64, by the exponential race with noise keyed by (seed, position, purpose).
 
-    A one-hot row yields its hot index. Tokens with probability 0 are never chosen.
+    A one-hot row yields its hot index. Tokens with probability 0 are never chosen. Rows need not sum to 1:
+    the race picks i with probability probs_i / sum(probs). Exact ties go to the lowest id.
     """
+    if probs.is_cuda:
+        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
+        from kernels.sampling import sample as sample_fused
+
+        return sample_fused(probs, seeds, positions, purpose)
+    return sample_torch(probs, seeds, positions, purpose)
+
+
+def sample_torch(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = Purpose.SAMPLE) -> Tensor:
+    """`sample` in torch ops, on any device: the reference the kernel is tested against."""
     u = uniform(seeds, positions, purpose, width=probs.shape[-1])
     exponential = -torch.log(u)
     return (probs.to(torch.float64) / exponential).argmax(dim=-1)
