@@ -1,0 +1,87 @@
+"""Every service's live /metrics passes `promtool check metrics`, shows the traffic it served, and answers
+/health and /ready."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import urllib.request
+
+import openai
+import pytest
+
+from services.mesh_process import Mesh, start_mesh
+from tests.test_e2e import E2E_MODEL, REPETITIVE
+
+pytestmark = pytest.mark.e2e
+
+METRICS_LINE = re.compile(r"metrics of (\S+): (\S+)")
+
+
+@pytest.fixture(scope="module")
+def served_mesh(tmp_path_factory: pytest.TempPathFactory):
+    mesh = start_mesh(tmp_path_factory.mktemp("obs"), model=E2E_MODEL)
+    client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+    for stream in (False, True):
+        r = client.completions.create(
+            model=mesh.model, prompt=REPETITIVE, max_tokens=32, temperature=0, stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        if stream:
+            list(r)
+    yield mesh
+    assert mesh.stop() == 0
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _metrics_urls(mesh: Mesh) -> dict[str, str]:
+    urls = dict(m.groups() for line in mesh.log if (m := METRICS_LINE.search(line)))
+    assert set(urls) == {"gateway", "detokenizer", "worker-0"}
+    return urls
+
+
+def _value(text: str, name: str, labels: str = "") -> float:
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", re.M)
+    return sum(float(m.group(2)) for m in pattern.finditer(text))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_every_services_metrics(served_mesh: Mesh) -> None:
+    for service, url in _metrics_urls(served_mesh).items():
+        status, text = _get(url)
+        assert status == 200
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, f"{service}: {check.stdout}{check.stderr}"
+
+
+def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
+    urls = _metrics_urls(served_mesh)
+    gateway, worker, detok = (_get(urls[s])[1] for s in ("gateway", "worker-0", "detokenizer"))
+    assert _value(gateway, "specmesh_gateway_requests_total", 'endpoint="/v1/completions",status="200"') >= 2
+    assert _value(gateway, "specmesh_gateway_time_to_first_token_seconds_count") >= 2
+    assert _value(worker, "specmesh_worker_emitted_tokens_total") >= 64
+    assert _value(worker, "specmesh_worker_spec_decode_draft_tokens_total") > 0
+    assert _value(worker, "specmesh_worker_spec_decode_accepted_tokens_per_pos_total", 'position="0"') > 0
+    assert _value(worker, "specmesh_worker_frames_published_total", 'kind="target"') > 0
+    assert _value(detok, "specmesh_detokenizer_tokens_total") >= 64
+    assert _value(detok, "specmesh_detokenizer_step_to_chunk_lag_seconds_count") > 0
+    assert _value(detok, "specmesh_detokenizer_malformed_frames_total") == 0
+    for text, service in ((gateway, "gateway"), (worker, "worker"), (detok, "detokenizer")):
+        assert f"specmesh_{service}_nats_reconnects_total" in text
+        assert f"specmesh_{service}_nats_pending_bytes" in text
+
+
+def test_health_and_ready_on_every_service(served_mesh: Mesh) -> None:
+    for url in _metrics_urls(served_mesh).values():
+        base = url.removesuffix("/metrics")
+        assert _get(f"{base}/health")[0] == 200
+        status, body = _get(f"{base}/ready")
+        assert status == 200, body
