@@ -7,6 +7,7 @@ from typing import Protocol
 from shared.config import SpeculativeConfig
 from services.worker.sequence import Sequence
 from services.worker.spec.ngram import NgramProposer
+from services.worker.spec.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
@@ -35,4 +36,6 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
         return NaiveProposer()
     if config.method == "ngram":
         return PromptLookupProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     raise ValueError(f"unknown speculative method {config.method!r}")
