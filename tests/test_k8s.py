@@ -1,0 +1,335 @@
+"""The Kubernetes manifests: rendered offline, validated against pinned Kubernetes schemas, and cross-checked.
+
+k8s/render.py renders each kustomization (the same objects as `kubectl kustomize`, checked where kubectl is
+installed). Core objects are validated with kubernetes-validate's strict schemas for KUBERNETES_VERSION; the
+custom resources (Prometheus Operator, KEDA) have no schemas there and are checked against the objects they
+point at. Container command lines are parsed by the services' own argument parsers, and the NATS server
+configuration by the real nats-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services import cli
+from shared import subjects
+from shared.config import SpeculativeConfig
+
+K8S = Path(__file__).resolve().parent.parent / "k8s"
+KUSTOMIZATIONS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "cpu-dev": K8S / "overlays" / "cpu-dev"}
+KUBERNETES_VERSION = "1.32"
+CUSTOM_GROUPS = {"monitoring.coreos.com", "keda.sh"}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+DASHBOARDS = {"specmesh-overview.json", "specmesh-speculative.json"}
+VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+GPU = "nvidia.com/gpu"
+POD_NAME = "specmesh-pod-0"  # stands in for fieldRef values when command lines are expanded
+
+_spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
+render_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_module)
+
+
+@pytest.fixture(scope="module", params=sorted(KUSTOMIZATIONS))
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render_module.render(KUSTOMIZATIONS[request.param])
+
+
+def find(objects: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+
+
+def one(objects: list[dict], kind: str, name: str) -> dict:
+    found = find(objects, kind, name)
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+
+
+def pods_selected(objects: list[dict], selector: dict) -> list[dict]:
+    """Workloads whose pod template carries every label of the selector."""
+    return [w for w in workloads(objects) if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+
+def containers(workload: dict) -> list[dict]:
+    spec = workload["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def port_names(workload: dict) -> set[str]:
+    return {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+
+
+def config_data(objects: list[dict]) -> dict[str, str]:
+    return one(objects, "ConfigMap", "specmesh-config")["data"]
+
+
+def secret_data(secret: dict) -> dict[str, str]:
+    return {**secret.get("stringData", {}), **secret.get("data", {})}
+
+
+def container_env(objects: list[dict], container: dict) -> dict[str, str]:
+    """The environment the kubelet would give the container, with $(VAR) references expanded."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(one(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {})
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "secretKeyRef" in ref:
+            env[var["name"]] = secret_data(one(objects, "Secret", ref["secretKeyRef"]["name"]))[ref["secretKeyRef"]["key"]]
+        elif "configMapKeyRef" in ref:
+            env[var["name"]] = one(objects, "ConfigMap", ref["configMapKeyRef"]["name"])["data"][ref["configMapKeyRef"]["key"]]
+        elif "fieldRef" in ref:
+            env[var["name"]] = POD_NAME
+        elif "resourceFieldRef" in ref:
+            env[var["name"]] = "1"
+        else:
+            raise AssertionError(f"unknown env source for {var['name']}: {var}")
+    return env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    def substitute(match: re.Match) -> str:
+        assert match.group(1) in env, f"$({match.group(1)}) is not defined in the container's environment"
+        return env[match.group(1)]
+
+    return VAR_REFERENCE.sub(substitute, text)
+
+
+def specmesh_containers(objects: list[dict]) -> list[tuple[dict, dict]]:
+    return [(w, c) for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]
+            if c["image"].startswith("specmesh:")]
+
+
+def parse_command_line(argv: list[str]) -> tuple[str, argparse.Namespace, object]:
+    """Parses argv exactly as `specmesh` does, without running anything."""
+    try:
+        top, rest = cli._parser().parse_known_args(argv)
+        module = importlib.import_module(cli.COMMANDS[top.command])
+        parser = argparse.ArgumentParser(prog=f"specmesh {top.command}")
+        module.add_arguments(parser)
+        return top.command, parser.parse_args(rest), module
+    except SystemExit:
+        pytest.fail(f"specmesh rejects the command line {argv} (its message is in the captured stderr)")
+
+
+def test_renderer_matches_kubectl_kustomize(rendered):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the manifests are still validated as k8s/render.py renders them")
+    name, objects = rendered
+    out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, check=True)
+
+    def by_id(items):
+        return {(o["kind"], o["metadata"]["name"]): o for o in items if o}
+
+    assert by_id(objects) == by_id(yaml.safe_load_all(out.stdout))
+
+
+def test_core_objects_match_the_kubernetes_schemas(rendered):
+    _, objects = rendered
+    for obj in objects:
+        if obj["apiVersion"].split("/")[0] in CUSTOM_GROUPS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+
+
+def test_services_select_pods_and_target_their_ports(rendered):
+    _, objects = rendered
+    for service in find(objects, "Service"):
+        selected = pods_selected(objects, service["spec"]["selector"])
+        assert len(selected) == 1, f"Service {service['metadata']['name']} selects {len(selected)} workloads"
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names(selected[0]), f"{service['metadata']['name']}: {port}"
+    for statefulset in find(objects, "StatefulSet"):
+        one(objects, "Service", statefulset["spec"]["serviceName"])
+
+
+def test_workload_selectors_probes_and_references(rendered):
+    _, objects = rendered
+    for workload in workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        spec = workload["spec"]["template"]["spec"]
+        claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        for volume in spec.get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+            if "configMap" in volume:
+                one(objects, "ConfigMap", volume["configMap"]["name"])
+        volumes = {v["name"] for v in spec.get("volumes", [])} | claims
+        for container in containers(workload):
+            container_env(objects, container)  # every ConfigMap, Secret and key it names exists
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+            ports = {p["name"] for p in container.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in container:
+                    assert container[probe]["httpGet"]["port"] in ports, f"{container['name']} {probe}"
+        for container in spec["containers"]:
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container) or container["name"] == "exporter"
+
+
+def test_specmesh_probes_use_health_for_liveness_and_ready_for_readiness(rendered):
+    _, objects = rendered
+    for _, container in specmesh_containers(objects):
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert container["startupProbe"]["httpGet"]["path"] == "/health"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_command_lines_parse_with_the_services_own_options(rendered):
+    _, objects = rendered
+    config = config_data(objects)
+    nats_service = one(objects, "Service", "specmesh-nats")
+    client_port = next(p["port"] for p in nats_service["spec"]["ports"] if p["name"] == "client")
+    credentials = secret_data(one(objects, "Secret", "specmesh-nats"))
+    for workload, container in specmesh_containers(objects):
+        env = container_env(objects, container)
+        command, args, _ = parse_command_line([expand(a, env) for a in container["args"]])
+        assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == command
+        url = urlsplit(args.nats_url)
+        assert (url.hostname, url.port) == (nats_service["metadata"]["name"], client_port)
+        assert (url.username, url.password) == (credentials["NATS_USER"], credentials["NATS_PASSWORD"])
+        assert str(args.model) == config["MODEL_PATH"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if command == "gateway":
+            assert (args.host, args.port) == ("0.0.0.0", ports["http"])
+            assert args.served_model_name == config["SERVED_MODEL_NAME"]
+        else:
+            assert (args.metrics_host, args.metrics_port) == ("0.0.0.0", ports["metrics"])
+        if command == "worker":
+            SpeculativeConfig.from_json(args.speculative_config)
+            assert (args.max_num_seqs, args.device) == (int(config["MAX_NUM_SEQS"]), config["DEVICE"])
+
+
+def test_grace_periods_outlast_the_drains(rendered):
+    _, objects = rendered
+    for workload, container in specmesh_containers(objects):
+        env = container_env(objects, container)
+        command, args, module = parse_command_line([expand(a, env) for a in container["args"]])
+        drain_s = getattr(args, "drain_timeout", None) or module.SHUTDOWN_TIMEOUT_S
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        grace_s = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace_s > pre_stop_s + drain_s, f"{command}: grace {grace_s}s, preStop {pre_stop_s}s + drain {drain_s}s"
+    nats = one(objects, "StatefulSet", "specmesh-nats")
+    conf = one(objects, "ConfigMap", "specmesh-nats-config")["data"]["nats.conf"]
+    lame_duck_s = sum(int(s) for s in re.findall(r"^\s*lame_duck_(?:duration|grace_period):\s*(\d+)s$", conf, re.M))
+    assert lame_duck_s > 0 and nats["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > lame_duck_s
+
+
+def test_nats_server_accepts_its_configuration(rendered, tmp_path):
+    _, objects = rendered
+    statefulset = one(objects, "StatefulSet", "specmesh-nats")
+    nats = next(c for c in statefulset["spec"]["template"]["spec"]["containers"] if c["name"] == "nats")
+    config_path = tmp_path / "nats.conf"
+    config_path.write_text(one(objects, "ConfigMap", "specmesh-nats-config")["data"]["nats.conf"])
+    binary = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
+    result = subprocess.run([binary, "-c", str(config_path), "-t"], env=container_env(objects, nats),
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert nats["args"] == ["--config", "/etc/nats/nats.conf"]
+    assert nats["lifecycle"]["preStop"]["exec"]["command"][:3] == ["nats-server", "--signal", "ldm=/var/run/nats/nats.pid"]
+    assert "pid_file: /var/run/nats/nats.pid" in config_path.read_text()
+
+
+def test_autoscalers_and_budgets_target_existing_workloads(rendered):
+    _, objects = rendered
+    for hpa in find(objects, "HorizontalPodAutoscaler"):
+        target = hpa["spec"]["scaleTargetRef"]
+        one(objects, target["kind"], target["name"])
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    for pdb in find(objects, "PodDisruptionBudget"):
+        assert len(pods_selected(objects, pdb["spec"]["selector"]["matchLabels"])) == 1
+    components = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for pdb in find(objects, "PodDisruptionBudget")
+                  for w in pods_selected(objects, pdb["spec"]["selector"]["matchLabels"])}
+    assert components == {"gateway", "detokenizer", "worker"}
+
+
+def test_monitors_scrape_named_ports_of_existing_pods(rendered):
+    _, objects = rendered
+    for monitor in find(objects, "PodMonitor"):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        selected = pods_selected(objects, monitor["spec"]["selector"]["matchLabels"])
+        assert len(selected) == 1, f"PodMonitor {monitor['metadata']['name']} selects {len(selected)} workloads"
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] in port_names(selected[0]) and endpoint["path"] == "/metrics"
+    for monitor in find(objects, "ServiceMonitor"):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        services = [s for s in find(objects, "Service")
+                    if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert len(services) == 1, f"ServiceMonitor {monitor['metadata']['name']} selects {len(services)} Services"
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in {p["name"] for p in services[0]["spec"]["ports"]}
+            assert endpoint["path"] == "/metrics"
+
+
+def test_workers_scale_on_the_request_queue(rendered):
+    _, objects = rendered
+    for scaled in find(objects, "ScaledObject"):
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        target = scaled["spec"]["scaleTargetRef"]
+        worker = one(objects, target.get("kind", "Deployment"), target["name"])
+        assert worker["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+        assert not find(objects, "HorizontalPodAutoscaler", target["name"]), "KEDA owns the worker's HPA"
+        assert scaled["spec"]["minReplicaCount"] >= 1, "a worker must stay up to take the first request"
+        (trigger,) = scaled["spec"]["triggers"]
+        meta = trigger["metadata"]
+        assert trigger["type"] == "nats-jetstream"
+        assert (meta["stream"], meta["consumer"]) == (subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)
+        assert meta["lagThreshold"] == config_data(objects)["MAX_NUM_SEQS"]
+        nats = one(objects, "Service", "specmesh-nats")
+        monitor_port = next(p["port"] for p in nats["spec"]["ports"] if p["name"] == "monitor")
+        expected = f"specmesh-nats.{nats['metadata']['namespace']}.svc.cluster.local:{monitor_port}"
+        assert meta["natsServerMonitoringEndpoint"] == expected
+
+
+def test_dashboards_are_provisioned_for_the_grafana_sidecar(rendered):
+    _, objects = rendered
+    dashboards = one(objects, "ConfigMap", "specmesh-dashboards")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert set(dashboards["data"]) == DASHBOARDS
+    for text in dashboards["data"].values():
+        dashboard = json.loads(text)
+        assert dashboard["title"] and isinstance(dashboard["panels"], list)
+
+
+def test_overlays_fit_their_hardware():
+    gpu = render_module.render(KUSTOMIZATIONS["gpu"])
+    worker = one(gpu, "Deployment", "specmesh-worker")
+    (container,) = worker["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"][GPU] == 1 == container["resources"]["requests"][GPU]
+    assert container["image"].endswith("-cuda") and config_data(gpu)["DEVICE"] == "cuda"
+    assert worker["spec"]["template"]["spec"]["nodeSelector"] and worker["spec"]["template"]["spec"]["tolerations"]
+
+    dev = render_module.render(KUSTOMIZATIONS["cpu-dev"])
+    assert all(o["apiVersion"].split("/")[0] not in CUSTOM_GROUPS for o in dev), "cpu-dev needs no operator"
+    assert not find(dev, "HorizontalPodAutoscaler")
+    for workload in workloads(dev):
+        assert workload["spec"]["replicas"] == 1
+        for container in containers(workload):
+            assert GPU not in json.dumps(container.get("resources", {}))
+            assert not container["image"].endswith("-cuda")
