@@ -15,15 +15,28 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, 
     """(ids [N, top_k+1] int32, logprobs [N, top_k+1] float32, ranks [N] int32) under log_softmax(logits).
 
     Logprobs are of the raw model logits, before temperature or truncation, as the OpenAI API reports them.
-    Rank is 1 + the number of tokens with a strictly higher logprob, so a token tied with others gets the best
-    rank of its tie group. Ties inside the top-K list are ordered as torch.topk returns them.
+    Rank is 1 + the number of tokens with a strictly higher logit (the same order as the logprobs, without their
+    rounding), so a token tied with others gets the best rank of its tie group. Top-K is taken over the logits
+    too; the order of exactly tied logits inside it is torch.topk's here and lowest id first in the kernel.
+    On CUDA tensors this runs the Triton kernel of kernels/logprobs.py; `token_logprobs_torch` is its twin.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if logits.is_cuda:
+        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
+        from kernels.logprobs import token_logprobs as token_logprobs_fused
+
+        return token_logprobs_fused(logits, chosen, top_k)
+    return token_logprobs_torch(logits, chosen, top_k)
+
+
+def token_logprobs_torch(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`token_logprobs` in torch ops, on any device: the reference the kernel is tested against."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
     chosen_logprob = logprobs.gather(1, chosen.unsqueeze(1))
-    top_logprobs, top_ids = logprobs.topk(top_k, dim=-1)
+    top_ids = logits.topk(top_k, dim=-1).indices
     ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1).to(torch.int32)
-    values = torch.cat([chosen_logprob, top_logprobs], dim=1)
-    ranks = ((logprobs > chosen_logprob).sum(dim=-1) + 1).to(torch.int32)
+    values = torch.cat([chosen_logprob, logprobs.gather(1, top_ids)], dim=1)
+    ranks = ((logits > logits.gather(1, chosen.unsqueeze(1))).sum(dim=-1) + 1).to(torch.int32)
     return ids, values, ranks
 
 
