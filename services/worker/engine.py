@@ -18,12 +18,15 @@ from shared.config import EngineConfig
 from shared.frames import FinishReason
 from shared.schemas import WorkRequest
 from shared.tokenizer import Tokenizer
+from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.draft import Draft, stack_probs
 from services.worker.model.loader import load_model
 from services.worker.proposer import Proposer, build_proposer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence
-from services.worker.spec.logprobs import point_mass_logprobs, token_logprobs
+from services.worker.spec.logprobs import token_logprobs
+from services.worker.spec.mtp import MtpDrafter
 from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, verify
 from services.worker.spec.sampling import process_logits, sample
 
@@ -81,9 +84,20 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model = load_model(config.model, _DTYPES[config.dtype], config.device)
+        spec = config.speculative
+        if spec.method == "mtp" and model.config.num_mtp_layers == 0:
+            raise ValueError(
+                f'speculative method "mtp" needs a checkpoint with MTP modules; {config.model} has none '
+                "(no num_nextn_predict_layers in config.json): use method \"ngram\" or \"naive\""
+            )
         self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs)
-        self.proposer: Proposer = build_proposer(config.speculative)
+        # The MTP drafter writes its cache after every trunk pass, so it exists only when it will draft.
+        self.mtp = (
+            MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
+            if spec.method == "mtp" and spec.num_drafts > 0 else None
+        )
+        self.proposer: Proposer = build_proposer(spec, self.mtp)
         self.eos_token_ids = Tokenizer(config.model).eos_token_ids
         self.step_no = 0
         self.stats = EngineStats()
@@ -115,24 +129,34 @@ class Engine:
     def step(self) -> list[SeqOutput]:
         self.step_no += 1
         self.stats.num_steps += 1
-        self.scheduler.release_finished()  # aborted since the last step: their slots go to waiting requests now
+        self._release_finished()  # aborted since the last step: their slots go to waiting requests now
         admitted = self.scheduler.admit()
         decoding = [s for s in self.scheduler.running if s not in admitted and not s.is_finished]
         top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
         outputs = self._prefill(admitted, top_k) if admitted else []
         if decoding:
             outputs += self._decode(decoding, top_k)
-        self.scheduler.release_finished()
+        self._release_finished()
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
 
-    def _sampling_tensors(self, seqs: list[Sequence], rows: int) -> tuple[torch.Tensor, ...]:
-        """Per-row temperature, top_k, top_p for `rows` consecutive rows of each sequence."""
-        device = self.runner.device
-        temp = torch.tensor([s.sampling.temperature for s in seqs], device=device).repeat_interleave(rows)
-        top_k = torch.tensor([s.sampling.top_k for s in seqs], device=device).repeat_interleave(rows)
-        top_p = torch.tensor([s.sampling.top_p for s in seqs], device=device).repeat_interleave(rows)
-        return temp, top_k, top_p
+    def _release_finished(self) -> None:
+        for seq in self.scheduler.release_finished():
+            self.proposer.on_finished(seq)
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts for the sequence's next step: at most what it may still emit, less the token verification adds."""
+        return min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
+
+    def _catch_up(self, seqs: list[Sequence], hidden: torch.Tensor, tokens: list[list[int]], starts: list[int]) -> None:
+        """Brings the MTP drafter's cache up to the sequences' new tokens (see spec/mtp.py); finished ones need none."""
+        if self.mtp is None:
+            return
+        live = [b for b, s in enumerate(seqs) if not s.is_finished]
+        self.mtp.catch_up(
+            [seqs[b] for b in live], hidden[live], [tokens[b] for b in live], [starts[b] for b in live],
+            [self._draft_budget(seqs[b]) for b in live],
+        )
 
     def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
         """Computes the cache for every known token and samples each sequence's next token."""
@@ -140,8 +164,8 @@ class Engine:
         hidden = self.runner.forward(tokens, [0] * len(seqs), [s.slot for s in seqs])
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.runner.device)
         logits = self.runner.logits(hidden[torch.arange(len(seqs)), last])  # [B, vocab]
-        probs = process_logits(logits, *self._sampling_tensors(seqs, 1))
-        seeds, positions = self._seeds_positions(seqs)
+        probs = process_logits(logits, *sampling_tensors(seqs, self.runner.device))
+        seeds, positions = seeds_positions(seqs, self.runner.device)
         chosen = sample(probs, seeds, positions)
         target = token_logprobs(logits, chosen, top_k)
         outputs = []
@@ -150,40 +174,34 @@ class Engine:
             offset = len(seq.output_ids)
             kept = seq.append([int(chosen[b])], self.config.max_model_len)
             outputs.append(SeqOutput(seq, offset, kept, TokenLogprobs.of(tuple(a[b : b + 1] for a in target))))
+        # Trunk row j (position j) pairs with token j + 1 in the MTP module.
+        self._catch_up(seqs, hidden, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
         return outputs
 
-    def _seeds_positions(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.runner.device
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=device)
-        positions = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, device=device)
-        return seeds, positions
-
     def _decode(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
-        # Draft: at most what the sequence may still emit, less the token verification always adds.
-        max_drafts = self.config.speculative.num_drafts
-        drafts = [
-            self.proposer.propose(s, min(max_drafts, s.max_new_tokens(self.config.max_model_len) - 1)) for s in seqs
-        ]
-        width = max(len(d) for d in drafts)
+        device = self.runner.device
+        drafts: list[Draft] = [self.proposer.propose(s, self._draft_budget(s)) for s in seqs]
+        width = max(len(d.tokens) for d in drafts)
         # Verify: score the last token and every draft in one pass; row j holds p for the token at j.
+        starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
         hidden = self.runner.forward(
-            [[s.output_ids[-1], *d] for s, d in zip(seqs, drafts)], [s.num_computed for s in seqs], [s.slot for s in seqs]
+            [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)], [s.num_computed for s in seqs],
+            [s.slot for s in seqs],
         )
         logits = self.runner.logits(hidden[:, : width + 1])  # [B, width + 1, vocab]
         batch, rows, vocab = logits.shape
-        probs = process_logits(logits.reshape(-1, vocab), *self._sampling_tensors(seqs, rows)).view(batch, rows, vocab)
+        probs = process_logits(logits.reshape(-1, vocab), *sampling_tensors(seqs, device, rows)).view(batch, rows, vocab)
         draft_tokens = torch.full((batch, width), PAD_TOKEN, dtype=torch.long)
         for b, d in enumerate(drafts):
-            draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        seeds, positions = self._seeds_positions(seqs)
-        device = self.runner.device
+            draft_tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        seeds, positions = seeds_positions(seqs, device)
         result = verify(
             VerifyInput(
                 target_probs=probs,
                 draft_tokens=draft_tokens.to(device),
-                num_drafts=torch.tensor([len(d) for d in drafts], device=device),
-                draft_probs=None,  # ngram proposals are point masses: q(x) = 1
-                greedy=torch.tensor([s.sampling.greedy for s in seqs], device=device),
+                num_drafts=torch.tensor([len(d.tokens) for d in drafts], device=device),
+                draft_probs=stack_probs(drafts, width, vocab, device),
+                greedy=greedy_mask(seqs, device),
                 seeds=seeds,
                 positions=positions,
             ),
@@ -199,11 +217,16 @@ class Engine:
             kept = seq.append(emitted[b], self.config.max_model_len)
             rows_b = logits[b, : len(kept)]
             target = TokenLogprobs.of(token_logprobs(rows_b, torch.tensor(kept, device=device), top_k))
-            out = SeqOutput(seq, offset, kept, target, num_accepted=min(num_accepted[b], len(kept)), draft_tokens=drafts[b])
-            if drafts[b] and seq.sampling.include_draft_logprobs and seq.sampling.logprobs is not None:
-                out.draft = TokenLogprobs.of(point_mass_logprobs(torch.tensor(drafts[b]), top_k))
-            self._count(seq, len(drafts[b]), num_accepted[b])
+            draft = drafts[b]
+            out = SeqOutput(
+                seq, offset, kept, target, num_accepted=min(num_accepted[b], len(kept)), draft_tokens=draft.tokens
+            )
+            if draft.tokens and seq.sampling.include_draft_logprobs and seq.sampling.logprobs is not None:
+                out.draft = TokenLogprobs.of(draft.logprobs(top_k))
+            self._count(seq, len(draft.tokens), num_accepted[b])
             outputs.append(out)
+        # Verify row j (position start - 1 + j) pairs with emitted token j; a live sequence kept all it emitted.
+        self._catch_up(seqs, hidden, emitted, starts)
         return outputs
 
     def _count(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:

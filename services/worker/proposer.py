@@ -1,24 +1,49 @@
-"""Drafting methods behind one interface: given a sequence, propose up to k tokens to verify."""
+"""Drafting methods behind one interface: given a sequence, propose up to k tokens to verify, with the
+distribution q they were drawn from (None for point-mass proposals)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from shared.config import SpeculativeConfig
+from services.worker.draft import Draft, point_mass_rows
 from services.worker.sequence import Sequence
+from services.worker.spec.mtp import MtpDrafter
 from services.worker.spec.ngram import NgramProposer
+from services.worker.spec.suffix import SuffixProposer
 from services.worker.spec.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, num_drafts: int) -> list[int]: ...
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft: ...
+
+    def on_finished(self, seq: Sequence) -> None:
+        """Called once when a running sequence finishes or is aborted."""
 
 
 class NaiveProposer:
     """The speculative code path with no drafts: every step verifies nothing and emits one token."""
 
-    def propose(self, seq: Sequence, num_drafts: int) -> list[int]:
-        return []
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
+        return Draft([])
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass
+
+
+class TokenListProposer:
+    """Adapts a proposer of bare token ids (suffix decoding) to Draft: its proposals are point masses."""
+
+    def __init__(self, inner: SuffixProposer) -> None:
+        self._inner = inner
+
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
+        return Draft(self._inner.propose(seq, num_drafts))
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._inner.on_finished(seq)
 
 
 class PromptLookupProposer:
@@ -27,15 +52,64 @@ class PromptLookupProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self._ngram = NgramProposer(config.max_ngram_size, config.min_ngram_size)
 
-    def propose(self, seq: Sequence, num_drafts: int) -> list[int]:
-        return self._ngram.propose(seq.token_ids, num_drafts) if num_drafts > 0 else []
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
+        return Draft(self._ngram.propose(seq.token_ids, num_drafts) if num_drafts > 0 else [])
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
+class MtpProposer:
+    """mtp: the drafts the MTP module computed at the end of the last step (MtpDrafter).
+
+    With mtp_strategy "with_ngram", prompt lookup over the sequence and the MTP drafts fills the rest of the
+    budget; those tokens are point masses, so their q rows are one-hot.
+    """
+
+    def __init__(self, drafter: MtpDrafter, config: SpeculativeConfig) -> None:
+        self._drafter = drafter
+        with_ngram = config.mtp_strategy == "with_ngram"
+        self._filler = NgramProposer(config.max_ngram_size, config.min_ngram_size) if with_ngram else None
+
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
+        draft = self._drafter.pending(seq, num_drafts)
+        room = num_drafts - len(draft.tokens)
+        if self._filler is None or room <= 0 or draft.probs is None:
+            return draft
+        extra = self._filler.propose(seq.token_ids + draft.tokens, room)
+        if not extra:
+            return draft
+        one_hot = point_mass_rows(extra, draft.probs.shape[1], draft.probs.device)
+        return Draft(draft.tokens + extra, torch.cat([draft.probs, one_hot]), draft.report_logits)
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass  # the next sequence in its slot overwrites its pending drafts at prefill
+
+
+class SuffixDecodingProposer:
+    """suffix: the most frequent continuation of the sequence's suffix in its own tokens or recent outputs.
+    The engine calls on_finished for every finished sequence: its output joins the cache, its state is freed."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self._suffix = SuffixProposer(config)
+
+    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
+        return Draft(self._suffix.propose(seq, num_drafts))
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._suffix.on_finished(seq)
+
+
+def build_proposer(config: SpeculativeConfig, mtp: MtpDrafter | None = None) -> Proposer:
+    """mtp: the engine's MTP drafter, required for method "mtp"."""
     if config.method == "naive" or config.num_speculative_tokens == 0:
         return NaiveProposer()
     if config.method == "ngram":
         return PromptLookupProposer(config)
     if config.method == "suffix":
-        return SuffixProposer(config)
+        return SuffixDecodingProposer(config)
+    if config.method == "mtp":
+        if mtp is None:
+            raise ValueError('method "mtp" needs the MTP drafter of a checkpoint with MTP modules')
+        return MtpProposer(mtp, config)
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -1,0 +1,105 @@
+"""MTP drafting: the checkpoint's own multi-token-prediction module proposes the next tokens.
+
+The one stateful part of spec/: it owns the MTP module's KV cache bookkeeping and the drafts waiting for the
+next step, kept per cache slot. For a sequence of N tokens x_0..x_{N-1}, between steps:
+
+- the MTP cache holds positions 1..N-1; its entry at position p is the module run on (h_{p-1}, x_p), where
+  h is the trunk's last hidden state before the final norm (position 0 has no entry: nothing precedes x_0);
+- the pending drafts d_1..d_k and their q rows were computed from the last of those entries.
+
+`catch_up` restores this after every trunk pass (prefill, or verify with its accepted tokens) in one batched
+call, then `draft` feeds the module its own output hidden state and draft to propose the rest. Those
+self-fed entries sit past the sequence's end and are overwritten by the next catch-up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.draft import Draft
+from services.worker.runner import ModelRunner
+from services.worker.sequence import Sequence
+from services.worker.spec.random import Purpose
+from services.worker.spec.sampling import process_logits, sample
+
+# Every draft step runs module 0. A further module would attend to cache entries that only it could write,
+# and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
+# one module, and verification keeps the output exact whichever module drafts.
+DRAFT_MODULE = 0
+
+
+class MtpDrafter:
+    def __init__(self, runner: ModelRunner, num_steps: int, max_num_seqs: int) -> None:
+        vocab_size, device = runner.model.config.vocab_size, runner.device
+        self.runner = runner
+        self.num_steps = num_steps
+        self._tokens = torch.zeros(max_num_seqs, num_steps, dtype=torch.long)
+        self._probs = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
+        self._report = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
+        self._count = [0] * max_num_seqs
+
+    def catch_up(
+        self, seqs: list[Sequence], hidden: Tensor, tokens: list[list[int]], starts: list[int], budgets: list[int]
+    ) -> None:
+        """Writes the MTP cache for tokens[b] at positions starts[b].., token j paired with hidden[b, j] (the
+        trunk's hidden state at the position before it), then drafts up to budgets[b] tokens per sequence.
+
+        tokens[b] must end with the sequence's last token, so the last entry predicts the next one.
+        """
+        if not seqs:
+            return
+        out = self.runner.mtp_forward(DRAFT_MODULE, hidden, tokens, starts, [s.slot for s in seqs])
+        last = torch.tensor([len(t) - 1 for t in tokens], device=self.runner.device)
+        self.draft(seqs, out[torch.arange(len(seqs), device=last.device), last], budgets)
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:
+        """Drafts min(num_steps, budgets[b]) tokens from the module's hidden state at each sequence's last token
+        [B, hidden]: step j's draft and hidden state are the module's input at the position after it.
+
+        Draft j is drawn from q (the module's logits under the request's temperature, top-k and top-p) with the
+        noise of (seed, output position of that draft, DRAFT); greedy rows take the argmax.
+        """
+        device = self.runner.device
+        num_steps = [min(self.num_steps, b) for b in budgets]
+        steps = torch.tensor(num_steps, device=device)
+        seeds, out_positions = seeds_positions(seqs, device)
+        temperature, top_k, top_p = sampling_tensors(seqs, device)
+        greedy = greedy_mask(seqs, device)
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        next_positions = torch.tensor([s.num_tokens for s in seqs], device=device)
+        for seq, count in zip(seqs, num_steps):
+            self._count[seq.slot] = count
+        rows = torch.arange(len(seqs), device=device)[steps > 0]
+        hidden = hidden[steps > 0]
+        for j in range(max(num_steps, default=0)):
+            logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
+            q = process_logits(logits, temperature[rows], top_k[rows], top_p[rows])
+            chosen = sample(q, seeds[rows], out_positions[rows] + j, Purpose.DRAFT)
+            # A greedy row's q is one-hot, which says nothing; its logprobs are the module's own distribution.
+            report = torch.where(greedy[rows, None], logits, q.log())
+            self._tokens[slots[rows].cpu(), j] = chosen.cpu()
+            self._probs[slots[rows], j] = q
+            self._report[slots[rows], j] = report
+            more = steps[rows] > j + 1
+            if not bool(more.any()):
+                break
+            rows, chosen, hidden = rows[more], chosen[more], hidden[more]
+            hidden = self.runner.mtp_forward(
+                DRAFT_MODULE, hidden[:, None], [[t] for t in chosen.tolist()],
+                (next_positions[rows] + j).tolist(), slots[rows].tolist(),
+            )[:, 0]
+
+    def pending(self, seq: Sequence, limit: int) -> Draft:
+        """The sequence's drafts for this step, at most `limit` of them."""
+        count = min(self._count[seq.slot], limit)
+        if count <= 0:
+            return Draft([])
+        slot = seq.slot
+        return Draft(
+            self._tokens[slot, :count].tolist(),
+            self._probs[slot, :count].clone(),
+            self._report[slot, :count].clone(),
+        )
