@@ -1,0 +1,173 @@
+"""Adaptive speculation: how many drafts each request verifies this step, so that speculation never costs more
+than it saves. At large batches a step's cost grows with the tokens it scores and rejected drafts are pure
+overhead (vLLM measured n-gram speculation 1.8x slower than plain decoding at high load).
+
+Model: a request whose drafts are each accepted with probability alpha (given the ones before were) emits
+(1 - alpha^(k+1)) / (1 - alpha) tokens per step with k drafts; a step scoring T tokens costs c0 + c1 * T, with
+T = sum over the batch of (1 + k). The policy maximises emitted tokens per unit cost. Starting from no drafts at
+all (plain decoding), it adds drafts one at a time, best marginal gain alpha^(k+1) first, while each one raises
+the throughput; gains only shrink, so the first draft that does not pay ends the search, and the result is
+never below plain decoding under the model. Only c1 / c0 matters, so an uncalibrated prior ratio is enough to
+start; `observe_step` fits c0 and c1 from the engine's own step timings.
+
+Plain-Python bookkeeping on the host; no tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+DEFAULT_PRIOR_WEIGHT = 4.0  # the prior acceptance counts as this many observed draft positions
+DEFAULT_MEMORY = 0.9  # per observation, a request's earlier evidence keeps this weight: text changes character
+# Per step without drafts, a request's estimate keeps this much of its distance from the prior, so a request
+# that lost its drafts to a bad stretch gets to try again.
+IDLE_RELAXATION = 0.98
+# Before steps are timed: one more token costs 2% of a step's fixed cost, as in memory-bound decoding on an
+# accelerator where weights, not tokens, dominate a small batch.
+DEFAULT_TOKEN_COST_RATIO = 0.02
+_CERTAIN = 1.0 - 1e-12  # alpha at or above this is treated as 1 (every draft accepted)
+_MIN_SPREAD = 1e-9  # relative variance of token counts below which timings cannot separate c0 from c1
+
+
+def expected_tokens(alpha: float, num_drafts: int) -> float:
+    """Tokens one step emits with num_drafts drafts each accepted with probability alpha: accepted plus one."""
+    if alpha >= _CERTAIN:
+        return num_drafts + 1.0
+    return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
+
+
+def modelled_throughput(alphas: list[float], drafts: list[int], other_seqs: int, c0: float, c1: float) -> float:
+    """Tokens per unit cost of one step: the requests' expected tokens, plus one per sequence without drafts."""
+    emitted = sum(map(expected_tokens, alphas, drafts)) + other_seqs
+    return emitted / (c0 + c1 * (sum(drafts) + len(drafts) + other_seqs))
+
+
+class StepCostModel:
+    """Step time ~ c0 + c1 * tokens, by least squares over running (optionally exponentially forgotten) sums."""
+
+    def __init__(self, token_cost_ratio: float = DEFAULT_TOKEN_COST_RATIO, forgetting: float = 1.0) -> None:
+        if token_cost_ratio < 0 or not 0 < forgetting <= 1:
+            raise ValueError(
+                f"need token_cost_ratio >= 0 and 0 < forgetting <= 1, got {token_cost_ratio}, {forgetting}"
+            )
+        self.token_cost_ratio = token_cost_ratio
+        self.forgetting = forgetting
+        self._weight = 0.0
+        self._mean_tokens = 0.0
+        self._mean_seconds = 0.0
+        self._var_tokens = 0.0  # weighted sums of squared and cross deviations from the means
+        self._cov = 0.0
+
+    @property
+    def num_observations(self) -> float:
+        return self._weight
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        # West's weighted update: older weights shrink by `forgetting`, which scales the sums but not the means.
+        self._weight = self.forgetting * self._weight + 1.0
+        dx = num_tokens - self._mean_tokens
+        self._mean_tokens += dx / self._weight
+        self._mean_seconds += (seconds - self._mean_seconds) / self._weight
+        self._var_tokens = self.forgetting * self._var_tokens + dx * (num_tokens - self._mean_tokens)
+        self._cov = self.forgetting * self._cov + dx * (seconds - self._mean_seconds)
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(c0, c1). With too little spread in the token counts, the prior ratio scaled to the mean step time."""
+        spread = self._var_tokens / self._weight if self._weight else 0.0
+        if spread > _MIN_SPREAD * max(1.0, self._mean_tokens**2):
+            c1 = max(self._cov / self._var_tokens, 0.0)
+            c0 = max(self._mean_seconds - c1 * self._mean_tokens, 0.0)
+            if c0 > 0 or c1 > 0:
+                return c0, c1
+        scale = self._mean_seconds if self._weight else 1.0
+        c0 = scale / (1.0 + self.token_cost_ratio * self._mean_tokens)
+        return c0, self.token_cost_ratio * c0
+
+
+@dataclass
+class _Acceptance:
+    """Exponentially weighted accepted / tried draft positions, started at the prior's pseudo-counts."""
+
+    accepted: float
+    tried: float
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+
+class AdaptiveSpeculation:
+    def __init__(
+        self,
+        max_drafts: int,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = DEFAULT_PRIOR_WEIGHT,
+        memory: float = DEFAULT_MEMORY,
+        cost: StepCostModel | None = None,
+    ) -> None:
+        if max_drafts < 0 or not 0 <= prior_acceptance <= 1 or prior_weight <= 0 or not 0 < memory <= 1:
+            raise ValueError(
+                f"need max_drafts >= 0, 0 <= prior_acceptance <= 1, prior_weight > 0, 0 < memory <= 1; got "
+                f"{max_drafts}, {prior_acceptance}, {prior_weight}, {memory}"
+            )
+        self.max_drafts = max_drafts
+        self.memory = memory
+        self._prior = _Acceptance(prior_acceptance * prior_weight, prior_weight)
+        self.cost = cost if cost is not None else StepCostModel()
+        self._requests: dict[str, _Acceptance] = {}
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's estimated per-draft acceptance rate (the prior before any observation)."""
+        return self._requests.get(request_id, self._prior).alpha
+
+    def choose(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+        """Drafts per request for this step. batch_size: sequences in the verify pass, the requests here
+        included; the others score one token each without drafts."""
+        if batch_size < len(request_ids):
+            raise ValueError(f"batch_size {batch_size} is smaller than the {len(request_ids)} requests to choose for")
+        c0, c1 = self.cost.coefficients
+        alphas = [self.acceptance(r) for r in request_ids]
+        drafts = [0] * len(request_ids)
+        emitted, cost = float(batch_size), c0 + c1 * batch_size
+        gains = [(-alpha, i) for i, alpha in enumerate(alphas) if alpha > 0 and self.max_drafts > 0]
+        heapq.heapify(gains)
+        while gains:
+            neg_gain, i = heapq.heappop(gains)
+            # One more draft pays iff (emitted + gain) / (cost + c1) > emitted / cost.
+            if -neg_gain * cost <= emitted * c1:
+                break
+            drafts[i] += 1
+            emitted, cost = emitted - neg_gain, cost + c1
+            if drafts[i] < self.max_drafts:
+                heapq.heappush(gains, (neg_gain * alphas[i], i))
+        for request_id, k in zip(request_ids, drafts):
+            if k == 0:
+                self._relax(request_id)
+        return dict(zip(request_ids, drafts))
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """One verified step: num_accepted of num_drafted drafts (a prefix) were accepted."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted} of {num_drafted}")
+        if num_drafted == 0:
+            return
+        # The drafts after the first rejection were never tried: they say nothing about alpha.
+        tried = num_accepted + (1 if num_accepted < num_drafted else 0)
+        estimate = self._requests.setdefault(request_id, _Acceptance(self._prior.accepted, self._prior.tried))
+        estimate.accepted = self.memory * estimate.accepted + num_accepted
+        estimate.tried = self.memory * estimate.tried + tried
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Timing of one forward pass that scored num_tokens tokens."""
+        self.cost.observe(num_tokens, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _relax(self, request_id: str) -> None:
+        estimate = self._requests.get(request_id)
+        if estimate is not None:
+            estimate.accepted = self._prior.accepted + IDLE_RELAXATION * (estimate.accepted - self._prior.accepted)
+            estimate.tried = self._prior.tried + IDLE_RELAXATION * (estimate.tried - self._prior.tried)

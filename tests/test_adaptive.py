@@ -1,0 +1,167 @@
+"""Adaptive speculation: drafts per request from acceptance and batch size under the step cost model, never
+below plain decoding, the acceptance estimate, and the step cost calibration."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from services.worker.spec.adaptive import (
+    AdaptiveSpeculation,
+    StepCostModel,
+    expected_tokens,
+    modelled_throughput,
+)
+
+MAX_DRAFTS = 5
+# A cost model where one token is 1% of a step's fixed cost: speculation pays at small batches.
+C0, C1 = 1.0, 0.01
+
+
+def _calibrated(c0: float = C0, c1: float = C1) -> StepCostModel:
+    """A cost model fitted from exact timings of this line."""
+    cost = StepCostModel()
+    for num_tokens in (1, 64, 256):
+        cost.observe(num_tokens, c0 + c1 * num_tokens)
+    return cost
+
+
+def _policy(**kwargs: object) -> AdaptiveSpeculation:
+    return AdaptiveSpeculation(MAX_DRAFTS, cost=_calibrated(), **kwargs)
+
+
+def _observe_many(policy: AdaptiveSpeculation, request_id: str, accepted: int, times: int = 30) -> None:
+    for _ in range(times):
+        policy.observe(request_id, MAX_DRAFTS, accepted)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_high_acceptance_at_a_small_batch_drafts_the_most() -> None:
+    policy = _policy()
+    _observe_many(policy, "a", MAX_DRAFTS)
+    assert policy.choose(["a"], 1) == {"a": MAX_DRAFTS}
+
+
+def test_low_acceptance_drafts_nothing() -> None:
+    policy = _policy()
+    _observe_many(policy, "a", 0)
+    _observe_many(policy, "b", MAX_DRAFTS)
+    assert policy.choose(["a", "b"], 2) == {"a": 0, "b": MAX_DRAFTS}
+
+
+def test_a_large_batch_drafts_less() -> None:
+    policy = _policy(prior_acceptance=0.7)
+    ids = [f"r{i}" for i in range(256)]
+    small = policy.choose(ids[:1], 1)["r0"]
+    large = policy.choose(ids, len(ids))
+    assert small == MAX_DRAFTS
+    assert max(large.values()) < small
+    # Sequences outside the choice (those that cannot draft) make the batch large too.
+    assert policy.choose(["r0"], 1000)["r0"] < small
+
+
+def test_speculation_stops_when_tokens_cost_all_the_time() -> None:
+    policy = AdaptiveSpeculation(MAX_DRAFTS, cost=_calibrated(c0=0.0, c1=1e-3))
+    _observe_many(policy, "a", MAX_DRAFTS - 1)
+    assert policy.choose(["a"], 1) == {"a": 0}
+
+
+def test_choice_is_optimal_and_never_below_plain_decoding() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        c0, c1 = rng.uniform(0.0, 1.0), rng.uniform(0.0, 0.5)
+        policy = AdaptiveSpeculation(3, cost=_calibrated(c0, c1))
+        ids = [f"r{i}" for i in range(rng.randint(1, 3))]
+        for request_id in ids:
+            for _ in range(10):
+                drafted = rng.randint(1, 3)
+                policy.observe(request_id, drafted, rng.randint(0, drafted))
+        others = rng.randint(0, 4)
+        alphas = [policy.acceptance(r) for r in ids]
+        chosen = policy.choose(ids, len(ids) + others)
+        fitted = policy.cost.coefficients
+        value = modelled_throughput(alphas, [chosen[r] for r in ids], others, *fitted)
+        every_choice = itertools.product(range(4), repeat=len(ids))
+        best = max(modelled_throughput(alphas, list(ks), others, *fitted) for ks in every_choice)
+        plain = modelled_throughput(alphas, [0] * len(ids), others, *fitted)
+        assert value == pytest.approx(best, rel=1e-9)
+        assert value >= plain
+
+
+def test_acceptance_estimate_moves_from_the_prior_towards_observations() -> None:
+    policy = _policy(prior_acceptance=0.6)
+    assert policy.acceptance("a") == pytest.approx(0.6)
+    policy.observe("a", 4, 4)
+    high = policy.acceptance("a")
+    assert high > 0.6
+    _observe_many(policy, "a", 0)
+    assert policy.acceptance("a") < 0.1
+    # Drafts after the first rejection were never tried: 2 of 5 accepted is 2 of 3 tries.
+    policy.forget("a")
+    assert policy.acceptance("a") == pytest.approx(0.6)
+    exact = AdaptiveSpeculation(MAX_DRAFTS, prior_weight=1e-9, memory=1.0)
+    exact.observe("b", 5, 2)
+    assert exact.acceptance("b") == pytest.approx(2 / 3)
+    policy.observe("c", 0, 0)  # nothing drafted: nothing learnt
+    assert policy.acceptance("c") == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="num_accepted"):
+        policy.observe("c", 2, 3)
+
+
+def test_a_request_without_drafts_drifts_back_to_the_prior() -> None:
+    policy = _policy()
+    _observe_many(policy, "a", 0)
+    batch_size = 10  # nine sequences beside it that do not draft
+    assert policy.choose(["a"], batch_size) == {"a": 0}
+    for _ in range(300):
+        policy.choose(["a"], batch_size)
+    assert policy.choose(["a"], batch_size)["a"] > 0
+
+
+def test_calibration_recovers_the_coefficients_from_noisy_timings() -> None:
+    rng = random.Random(9)
+    c0, c1 = 4e-3, 1e-4
+    policy = AdaptiveSpeculation(MAX_DRAFTS)
+    for _ in range(2000):
+        num_tokens = rng.randint(1, 512)
+        policy.observe_step(num_tokens, (c0 + c1 * num_tokens) * rng.uniform(0.95, 1.05))
+    fit_c0, fit_c1 = policy.cost.coefficients
+    assert fit_c0 == pytest.approx(c0, rel=0.1)
+    assert fit_c1 == pytest.approx(c1, rel=0.05)
+
+
+def test_forgetting_follows_a_change_in_cost() -> None:
+    cost = StepCostModel(forgetting=0.99)
+    rng = random.Random(2)
+    for c0, c1 in [(1.0, 0.1), (2.0, 0.01)]:
+        for _ in range(2000):
+            num_tokens = rng.randint(1, 100)
+            cost.observe(num_tokens, c0 + c1 * num_tokens)
+    assert cost.coefficients == pytest.approx((2.0, 0.01), rel=1e-3)
+
+
+def test_uncalibrated_cost_uses_the_prior_ratio() -> None:
+    cost = StepCostModel(token_cost_ratio=0.05)
+    assert cost.coefficients == pytest.approx((1.0, 0.05))
+    for _ in range(10):
+        cost.observe(8, 0.02)  # a single token count cannot separate c0 from c1
+    c0, c1 = cost.coefficients
+    assert c1 / c0 == pytest.approx(0.05)
+    assert c0 + 8 * c1 == pytest.approx(0.02)
+
+
+def test_invalid_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="prior_acceptance"):
+        AdaptiveSpeculation(MAX_DRAFTS, prior_acceptance=1.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        _policy().choose(["a", "b"], 1)
+    with pytest.raises(ValueError, match="forgetting"):
+        StepCostModel(forgetting=0.0)
+    assert AdaptiveSpeculation(0).choose(["a"], 1) == {"a": 0}
