@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+_QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases
 
 
 class UnsupportedModelError(ValueError):
@@ -27,7 +28,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2 has q/k/v biases
+    attention_bias: bool  # Qwen2 and MiMo have q/k/v biases
     num_mtp_layers: int  # multi-token-prediction modules stored beside the decoder (0 = none)
 
     def __post_init__(self) -> None:
@@ -63,7 +64,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            attention_bias=arch in _QWEN2_FAMILY or bool(raw.get("attention_bias", False)),
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
         )
 

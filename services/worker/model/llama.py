@@ -1,7 +1,8 @@
 """A Llama-family causal LM (Llama, Qwen2) with optional multi-token-prediction (MTP) modules.
 
 Parameter names follow Hugging Face's so checkpoints load as they are. MTP modules (DeepSeek-V3 style) live
-under `model.mtp_layers.{i}.*`; see docs/model.md for their layout. One module turns the trunk's hidden state
+under `model.mtp_layers.{i}.*`; DeepSeek- and MiMo-style checkpoints are renamed to that at load time
+(model/mtp_layout.py); see docs/model.md. One module turns the trunk's hidden state
 at position i and the embedding of token i+1 into a prediction of token i+2, sharing embedding and LM head.
 """
 

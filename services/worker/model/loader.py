@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import CausalLM
+from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
 
 SHARD_INDEX = "model.safetensors.index.json"
 # Buffers some exporters save although they are derived from the config.
@@ -42,8 +43,8 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     """Builds the model from config.json and fills every parameter from the checkpoint, refusing gaps."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    state = load_state_dict(model_dir)
-    has_mtp = any(k.startswith("model.mtp_layers.") for k in state)
+    state = normalize_mtp_weights(load_state_dict(model_dir), cfg)
+    has_mtp = any(k.startswith(MTP_PREFIX) for k in state)
     if cfg.num_mtp_layers and not has_mtp:
         raise CheckpointError(f"config.json declares {cfg.num_mtp_layers} MTP layers but the checkpoint has none")
     with torch.device("meta"):
