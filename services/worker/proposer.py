@@ -13,7 +13,6 @@ from services.worker.sequence import Sequence
 from services.worker.spec.mtp import MtpDrafter
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.suffix import SuffixProposer
-from services.worker.spec.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
@@ -86,20 +85,6 @@ class MtpProposer:
         pass  # the next sequence in its slot overwrites its pending drafts at prefill
 
 
-class SuffixDecodingProposer:
-    """suffix: the most frequent continuation of the sequence's suffix in its own tokens or recent outputs.
-    The engine calls on_finished for every finished sequence: its output joins the cache, its state is freed."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self._suffix = SuffixProposer(config)
-
-    def propose(self, seq: Sequence, num_drafts: int) -> Draft:
-        return Draft(self._suffix.propose(seq, num_drafts))
-
-    def on_finished(self, seq: Sequence) -> None:
-        self._suffix.on_finished(seq)
-
-
 def build_proposer(config: SpeculativeConfig, mtp: MtpDrafter | None = None) -> Proposer:
     """mtp: the engine's MTP drafter, required for method "mtp"."""
     if config.method == "naive" or config.num_speculative_tokens == 0:
@@ -107,7 +92,7 @@ def build_proposer(config: SpeculativeConfig, mtp: MtpDrafter | None = None) -> 
     if config.method == "ngram":
         return PromptLookupProposer(config)
     if config.method == "suffix":
-        return SuffixDecodingProposer(config)
+        return TokenListProposer(SuffixProposer(config))
     if config.method == "mtp":
         if mtp is None:
             raise ValueError('method "mtp" needs the MTP drafter of a checkpoint with MTP modules')
