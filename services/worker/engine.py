@@ -190,7 +190,8 @@ class Engine:
         )
         logits = self.runner.logits(hidden[:, : width + 1])  # [B, width + 1, vocab]
         batch, rows, vocab = logits.shape
-        probs = process_logits(logits.reshape(-1, vocab), *sampling_tensors(seqs, device, rows)).view(batch, rows, vocab)
+        params = sampling_tensors(seqs, device, rows)
+        probs = process_logits(logits.reshape(-1, vocab), *params).view(batch, rows, vocab)
         draft_tokens = torch.full((batch, width), PAD_TOKEN, dtype=torch.long)
         for b, d in enumerate(drafts):
             draft_tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
