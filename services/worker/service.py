@@ -100,5 +100,6 @@ async def run(args: argparse.Namespace) -> None:
             log.warning("drain timeout: handed %d unfinished requests back to the queue", await worker.hand_back())
         heartbeat.cancel()
         await asyncio.gather(fetching, heartbeat, return_exceptions=True)
+        await psub.unsubscribe()  # a pull subscription with a fetch outstanding would stall the drain
         await nc.drain()
         await http.cleanup()

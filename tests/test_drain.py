@@ -1,0 +1,98 @@
+"""SIGTERM on real processes: a draining worker finishes its requests, or hands them back to the queue for
+another worker, which continues the same output; the process exits on its own."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from shared.nats_server import free_port
+from tests.natsfixture import running_nats_server
+from tests.test_e2e import CODE_PROMPT, E2E_MODEL
+
+pytestmark = pytest.mark.e2e
+
+EXIT_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 120.0
+LONG = dict(max_tokens=400, temperature=1.0, seed=99, extra_body={"ignore_eos": True})
+
+
+class Service:
+    def __init__(self, name: str, nats_url: str, *extra: str) -> None:
+        self.port = free_port()
+        port_flag = "--port" if name == "gateway" else "--metrics-port"
+        cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", name, "--nats-url", nats_url,
+               "--model", str(E2E_MODEL), port_flag, str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.ready():
+            assert self.proc.poll() is None, f"{name} exited during start-up"
+            assert time.monotonic() < deadline, f"{name} not ready after {READY_TIMEOUT_S}s"
+            time.sleep(0.2)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=EXIT_TIMEOUT_S)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def mesh_parts(tmp_path: Path):
+    started: list[Service] = []
+    with running_nats_server(tmp_path / "nats") as nats:
+        def start(name: str, *extra: str) -> Service:
+            started.append(Service(name, nats.url, *extra))
+            return started[-1]
+
+        start("detokenizer")
+        gateway = start("gateway")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0)
+        yield start, client
+        for service in started:
+            service.kill()
+
+
+def _stream(client: openai.OpenAI):
+    return client.completions.create(model=E2E_MODEL.name, prompt=CODE_PROMPT, stream=True, **LONG)
+
+
+def test_draining_worker_finishes_its_request_and_exits(mesh_parts) -> None:
+    start, client = mesh_parts
+    worker = start("worker", "--drain-timeout", "60")
+    stream = _stream(client)
+    text = next(iter(stream)).choices[0].text
+    worker.proc.send_signal(signal.SIGTERM)
+    text += "".join(c.choices[0].text for c in stream if c.choices)
+    assert worker.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+    assert len(text) > 0
+
+
+def test_worker_that_must_leave_hands_its_request_to_another(mesh_parts) -> None:
+    start, client = mesh_parts
+    leaving = start("worker", "--drain-timeout", "0", "--worker-id", "1")
+    stream = _stream(client)
+    chunks = iter(stream)
+    text = "".join(next(chunks).choices[0].text for _ in range(5))
+    assert leaving.terminate() == 0  # hands the unfinished request back with its progress
+    start("worker", "--worker-id", "2")
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    uninterrupted = client.completions.create(model=E2E_MODEL.name, prompt=CODE_PROMPT, **LONG).choices[0].text
+    assert text == uninterrupted
