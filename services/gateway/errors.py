@@ -7,11 +7,13 @@ bad input is a 4xx naming the parameter when there is one, and only a bug in the
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
 from pydantic import ValidationError
+
+from services.gateway import metrics
+from services.gateway.metrics import Handler
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,6 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class OpenAIError(Exception):
@@ -52,6 +53,7 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
+        metrics.REQUEST_ERRORS.labels(self.type).inc()
         return web.json_response(self.body(), status=self.status, dumps=_dumps)
 
 

@@ -65,6 +65,7 @@ class Generation:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     saw_first_chunk: bool = False
+    last_chunk_at: float = 0.0  # monotonic
 
     def envelope(self, model: str, stream: bool) -> dict:
         return {
@@ -75,9 +76,15 @@ class Generation:
         }
 
     def observe(self, chunk: Chunk) -> None:
+        now = time.monotonic()
         if not self.saw_first_chunk:
             self.saw_first_chunk = True
-            metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(time.monotonic() - self.started)
+            metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(now - self.started)
+        elif chunk.num_tokens:
+            per_token = (now - self.last_chunk_at) / chunk.num_tokens
+            for _ in range(chunk.num_tokens):
+                metrics.INTER_TOKEN_LATENCY.labels(self.api).observe(per_token)
+        self.last_chunk_at = now
         if chunk.final and chunk.usage is not None:
             metrics.REQUEST_DURATION.labels(self.api).observe(time.monotonic() - self.started)
             metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
@@ -122,6 +129,7 @@ class Generator:
             return await self._respond(gen, chunks)
         except (asyncio.CancelledError, ConnectionResetError):
             reason = CLIENT_DISCONNECTED
+            metrics.CLIENT_DISCONNECTS.inc()
             raise
         finally:
             if not chunks.finished:

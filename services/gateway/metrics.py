@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.gateway.errors import Handler
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 UNMATCHED_ENDPOINT = "unmatched"  # one label for every unknown path, so clients cannot blow up cardinality
 CLIENT_GONE_STATUS = "client_disconnected"
@@ -27,6 +29,14 @@ REQUEST_DURATION = Histogram(
     ["endpoint"],
     buckets=LATENCY_BUCKETS,
 )
+INTER_TOKEN_LATENCY = Histogram(
+    "specmesh_gateway_inter_token_latency_seconds",
+    "Time between tokens as the client receives them (a chunk's gap shared by its tokens)",
+    ["endpoint"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+CLIENT_DISCONNECTS = Counter("specmesh_gateway_client_disconnects", "Generation requests abandoned by their client")
+REQUEST_ERRORS = Counter("specmesh_gateway_request_errors", "Requests answered with an error, by error type", ["type"])
 PROMPT_TOKENS = Counter("specmesh_gateway_prompt_tokens", "Prompt tokens of finished generation requests")
 COMPLETION_TOKENS = Counter("specmesh_gateway_completion_tokens", "Tokens generated for finished requests")
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
