@@ -36,6 +36,7 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 DASHBOARDS = {"specmesh-overview.json", "specmesh-speculative.json"}
 VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 GPU = "nvidia.com/gpu"
+UNPROBED_SIDECARS = {"exporter"}  # prometheus-nats-exporter: restarts with the pod, nothing depends on its readiness
 POD_NAME = "specmesh-pod-0"  # stands in for fieldRef values when command lines are expanded
 
 _spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
@@ -188,7 +189,8 @@ def test_workload_selectors_probes_and_references(rendered):
                 if probe in container:
                     assert container[probe]["httpGet"]["port"] in ports, f"{container['name']} {probe}"
         for container in spec["containers"]:
-            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container) or container["name"] == "exporter"
+            if container["name"] not in UNPROBED_SIDECARS:
+                assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), container["name"]
 
 
 def test_specmesh_probes_use_health_for_liveness_and_ready_for_readiness(rendered):
@@ -333,3 +335,18 @@ def test_overlays_fit_their_hardware():
         for container in containers(workload):
             assert GPU not in json.dumps(container.get("resources", {}))
             assert not container["image"].endswith("-cuda")
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_images_fit_the_manifests(variant):
+    dockerfile = (K8S.parent / "docker" / f"Dockerfile.{variant}").read_text()
+    assert 'ENTRYPOINT ["specmesh"]' in dockerfile and "COPY models models" in dockerfile
+    (uid,) = re.findall(r"^ARG SPECMESH_UID=(\d+)$", dockerfile, re.M)
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.M)
+    objects = render_module.render(KUSTOMIZATIONS["gpu" if variant == "cuda" else "cpu-dev"])
+    for workload, container in specmesh_containers(objects):
+        assert container["image"].endswith(f"-{variant}")
+        assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+    for workload in workloads(objects):
+        for init in workload["spec"]["template"]["spec"].get("initContainers", []):
+            assert init["command"][2].startswith(f"{workdir}/models/"), "the demo model's place in the image"
