@@ -205,8 +205,10 @@ class Engine:
                 greedy=greedy_mask(seqs, device),
                 seeds=seeds,
                 positions=positions,
+                top_p=params[2][::rows],
             ),
             self.config.speculative.accept_policy,
+            self.config.speculative.verify_strategy,
         )
         # Accept: keep accepted drafts plus the recovered or bonus token, and rewind the cache past rejections.
         num_accepted = result.num_accepted.tolist()
