@@ -11,8 +11,10 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 from shared import subjects
@@ -38,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--worker-id", type=int, default=None, help="numeric id in frame headers (default: the pid)")
+    parser.add_argument(
+        "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--metrics-port", type=int, default=9100, help="/metrics, /health and /ready; 0 picks one")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests may finish on SIGTERM")
@@ -72,7 +76,8 @@ async def run(args: argparse.Namespace) -> None:
     warm_up(engine)
     log.info("model %s loaded and warmed up in %.1fs; speculation %s", config.model, time.time() - started,
              config.speculative.model_dump_json())
-    worker_id = args.worker_id if args.worker_id is not None else os.getpid()
+    # Every container's pid is 1, so the host name (the pod's name on Kubernetes) must go into the default id.
+    worker_id = args.worker_id if args.worker_id is not None else zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode())
     nc = await connect(args.nats_url, "worker")
     readiness.nc = nc
     js = nc.jetstream()
