@@ -205,7 +205,9 @@ def verify_launch(
             OFFSETS_BLOCK=OFFSETS_BLOCK,
             num_warps=NUM_WARPS,
         )
-    return VerifyOutput(num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_accepted + 1, offsets=offsets)
+    return VerifyOutput(
+        num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_accepted + 1, offsets=offsets
+    )
 
 
 def verify(

@@ -181,7 +181,9 @@ def verify_torch(
     output_tokens.scatter_(1, num_accepted.unsqueeze(1), emitted.unsqueeze(1))
     num_emitted = num_accepted + 1
     offsets = num_emitted.cumsum(dim=0) - num_emitted
-    return VerifyOutput(num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_emitted, offsets=offsets)
+    return VerifyOutput(
+        num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_emitted, offsets=offsets
+    )
 
 
 def verify(

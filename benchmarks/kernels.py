@@ -1,0 +1,154 @@
+"""Each Triton kernel against its torch twin on a GPU, over serving shapes: time, nominal GB/s, speedup, and
+whether the two gave the same result.
+
+    python -m benchmarks.kernels [--batches 1 8 64 256] [--vocabs 32000 151936] [--ks 1 3 5] [--reps 10]
+
+GB/s is nominal: the bytes of the input tensors divided by the time. Verification reads only the rows a request
+needs (it stops at the first rejection), so its figure can exceed what it really moved; logprobs re-reads each
+row once per top-K slot, so its figure understates it. On a machine without CUDA it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from services.worker.spec.random import Purpose
+from services.worker.spec.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput
+
+WARMUP = 3
+LOGPROBS_TOP_K = 5
+NGRAM_CONTEXT = 4096
+NGRAM_ALPHABET = 64  # a small alphabet, so suffixes recur as in code or structured output
+NGRAM_MAX, NGRAM_MIN = 5, 2
+
+
+def _milliseconds(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
+        return torch.allclose(a, b, atol=1e-5, rtol=0)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b))
+    return all(_same(getattr(a, f), getattr(b, f)) for f in ("num_accepted", "output_tokens", "offsets"))
+
+
+def _report(name: str, shape: str, nbytes: int, kernel: Callable[[], object], twin: Callable[[], object], reps: int):
+    kernel_ms, twin_ms = _milliseconds(kernel, reps), _milliseconds(twin, reps)
+    same = "yes" if _same(kernel(), twin()) else "NO"
+    print(
+        f"{name:<22} {shape:<28} kernel {kernel_ms:8.3f} ms {nbytes / kernel_ms / 1e6:8.1f} GB/s   "
+        f"twin {twin_ms:8.3f} ms   speedup {twin_ms / kernel_ms:6.1f}x   same {same}"
+    )
+
+
+def _probs(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.softmax(3 * torch.randn(rows, vocab, device="cuda", generator=generator), dim=-1)
+
+
+def bench_sampling(batches: list[int], vocabs: list[int], reps: int, generator: torch.Generator) -> None:
+    from kernels.sampling import sample_launch
+    from services.worker.spec.sampling import sample_torch
+
+    for vocab in vocabs:
+        for batch in batches:
+            probs = _probs(batch, vocab, generator)
+            seeds = torch.arange(batch, device="cuda")
+            args = (probs, seeds, seeds, Purpose.SAMPLE)
+            _report("sample", f"N={batch} V={vocab}", probs.nbytes, lambda: sample_launch(*args),
+                    lambda: sample_torch(*args), reps)  # fmt: skip
+
+
+def _verify_input(batch: int, k: int, vocab: int, generator: torch.Generator) -> VerifyInput:
+    target = _probs(batch * (k + 1), vocab, generator).view(batch, k + 1, vocab)
+    right = target[:, :k].argmax(dim=-1)
+    drafts = torch.where(torch.rand(batch, k, device="cuda", generator=generator) < 0.7, right, (right + 1) % vocab)
+    return VerifyInput(
+        target_probs=target,
+        draft_tokens=drafts if k else torch.full((batch, 0), PAD_TOKEN, device="cuda"),
+        num_drafts=torch.full((batch,), k, device="cuda"),
+        draft_probs=None,
+        greedy=torch.arange(batch, device="cuda") % 4 == 0,
+        seeds=torch.arange(batch, device="cuda"),
+        positions=torch.full((batch,), 100, device="cuda"),
+        top_p=torch.full((batch,), 0.9, device="cuda"),
+    )
+
+
+def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
+    from kernels.verify import verify_launch
+    from services.worker.spec.rejection import verify_torch
+
+    for strategy in VERIFY_STRATEGIES:
+        for vocab in vocabs:
+            for batch in batches:
+                for k in ks:
+                    inp = _verify_input(batch, k, vocab, generator)
+                    _report(f"verify/{strategy}", f"B={batch} K={k} V={vocab}", inp.target_probs.nbytes,
+                            lambda: verify_launch(inp, "normal", strategy),
+                            lambda: verify_torch(inp, "normal", strategy), reps)  # fmt: skip
+
+
+def bench_logprobs(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
+    from kernels.logprobs import token_logprobs_launch
+    from services.worker.spec.logprobs import token_logprobs_torch
+
+    for vocab in vocabs:
+        for batch in batches:
+            rows = batch * (max(ks) + 1)  # every emitted token of a step with all drafts accepted
+            logits = 4 * torch.randn(rows, vocab, device="cuda", generator=generator)
+            chosen = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+            args = (logits, chosen, LOGPROBS_TOP_K)
+            _report(f"logprobs/top{LOGPROBS_TOP_K}", f"N={rows} V={vocab}", logits.nbytes,
+                    lambda: token_logprobs_launch(*args), lambda: token_logprobs_torch(*args), reps)  # fmt: skip
+
+
+def bench_ngram(batches: list[int], ks: list[int], reps: int, generator: torch.Generator) -> None:
+    from kernels.ngram import ngram_propose_launch, ngram_propose_torch
+
+    for batch in batches:
+        tokens = torch.randint(0, NGRAM_ALPHABET, (batch, NGRAM_CONTEXT), device="cuda", generator=generator)
+        lengths = torch.full((batch,), NGRAM_CONTEXT, device="cuda")
+        k = max(ks)
+        args = (tokens, lengths, torch.full((batch,), k, device="cuda"), k, NGRAM_MAX, NGRAM_MIN)
+        _report("ngram", f"B={batch} L={NGRAM_CONTEXT} K={k}", tokens.nbytes, lambda: ngram_propose_launch(*args),
+                lambda: ngram_propose_torch(*args), reps)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 151936])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.kernels needs a CUDA GPU: the Triton kernels run on CUDA tensors only (torch sees none)")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}")
+    bench_sampling(args.batches, args.vocabs, args.reps, generator)
+    bench_verify(args.batches, args.vocabs, args.ks, args.reps, generator)
+    bench_logprobs(args.batches, args.vocabs, args.ks, args.reps, generator)
+    bench_ngram(args.batches, args.ks, args.reps, generator)
+
+
+if __name__ == "__main__":
+    main()
