@@ -388,3 +388,17 @@ def test_step_frames_decode_with_draft_first_and_counting_records(tiny_model_dir
     assert drafts and [int(r["seq_no"]) for r, _ in drafts] == list(range(len(drafts)))
     assert all(int(r["num_accepted"]) <= int(r["num_tokens"]) for r, _ in drafts)
     assert not records[FrameKind.DRAFT, plain.request_id] and not records[FrameKind.DRAFT, late.request_id]
+
+
+def test_adaptive_speculation_keeps_greedy_output_and_trims_unpaid_drafts(
+    tiny_model_dir, prompts, greedy_reference  # noqa: F811
+) -> None:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=True)
+    engine = Engine(EngineConfig(model=tiny_model_dir, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, speculative=spec))
+    requests = [_request(p, max_tokens=30, **GREEDY) for p in prompts[:4]]
+    steps = _run(engine, {0: requests})
+    for request in requests:
+        assert _tokens(steps, request) == greedy_reference(list(request.prompt_token_ids), 30)
+    drafted_per_step = [len(o.draft_tokens) for outputs in steps for o in outputs]
+    assert engine.stats.num_accepted_tokens > 0
+    assert min(drafted_per_step) < 5  # the policy chose fewer drafts than the maximum somewhere

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from services.worker.proposer import Proposer, build_proposer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence
+from services.worker.spec.adaptive import AdaptiveSpeculation
 from services.worker.spec.logprobs import token_logprobs
 from services.worker.spec.mtp import MtpDrafter
 from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, verify
@@ -98,6 +100,9 @@ class Engine:
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
         self.proposer: Proposer = build_proposer(spec, self.mtp)
+        # Adaptive speculation trims each request's drafts when they do not pay for their share of the step.
+        self.adaptive = AdaptiveSpeculation(spec.num_drafts) if spec.adaptive and spec.num_drafts > 0 else None
+        self._adaptive_drafts: dict[str, int] = {}
         self.eos_token_ids = Tokenizer(config.model).eos_token_ids
         self.step_no = 0
         self.stats = EngineStats()
@@ -143,10 +148,15 @@ class Engine:
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
             self.proposer.on_finished(seq)
+            if self.adaptive is not None:
+                self.adaptive.forget(seq.request_id)
+                self._adaptive_drafts.pop(seq.request_id, None)
 
     def _draft_budget(self, seq: Sequence) -> int:
-        """Drafts for the sequence's next step: at most what it may still emit, less the token verification adds."""
-        return min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
+        """Drafts for the sequence's next step: at most what it may still emit, less the token verification adds,
+        and, with adaptive speculation, what its acceptance earns at the current batch size."""
+        budget = min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
+        return min(budget, self._adaptive_drafts.get(seq.request_id, budget))
 
     def _catch_up(self, seqs: list[Sequence], hidden: torch.Tensor, tokens: list[list[int]], starts: list[int]) -> None:
         """Brings the MTP drafter's cache up to the sequences' new tokens (see spec/mtp.py); finished ones need none."""
@@ -180,10 +190,13 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
         device = self.runner.device
+        if self.adaptive is not None:
+            self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
         drafts: list[Draft] = [self.proposer.propose(s, self._draft_budget(s)) for s in seqs]
         width = max(len(d.tokens) for d in drafts)
         # Verify: score the last token and every draft in one pass; row j holds p for the token at j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
+        verify_started = time.perf_counter()
         hidden = self.runner.forward(
             [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)], [s.num_computed for s in seqs],
             [s.slot for s in seqs],
@@ -211,7 +224,10 @@ class Engine:
             self.config.speculative.verify_strategy,
         )
         # Accept: keep accepted drafts plus the recovered or bonus token, and rewind the cache past rejections.
-        num_accepted = result.num_accepted.tolist()
+        num_accepted = result.num_accepted.tolist()  # waits for the device: the verify pass is over
+        if self.adaptive is not None:
+            num_batch_tokens = sum(1 + len(d.tokens) for d in drafts)
+            self.adaptive.observe_step(num_batch_tokens, time.perf_counter() - verify_started)
         emitted = [result.output_tokens[b, : num_accepted[b] + 1].tolist() for b in range(batch)]
         outputs = []
         for b, seq in enumerate(seqs):
@@ -238,6 +254,8 @@ class Engine:
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
+        if self.adaptive is not None:
+            self.adaptive.observe(seq.request_id, num_drafted, num_accepted)
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafted
         self.stats.num_accepted_tokens += num_accepted
