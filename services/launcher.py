@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--detokenizers", type=int, default=1)
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     parser.add_argument("--nats-port", type=int, default=4222)
     parser.add_argument("--nats-store-dir", type=Path, default=default_store_dir())
@@ -108,9 +109,11 @@ def run(args: argparse.Namespace) -> None:
         common = ["--nats-url", nats_url, "--model", str(args.model)]
         url = f"http://{args.host}:{args.port}"
         metrics_urls = {"gateway": f"{url}/metrics"}
-        detok_port = free_port()
-        metrics_urls["detokenizer"] = f"http://127.0.0.1:{detok_port}/metrics"
-        children.append(("detokenizer", _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(detok_port))))
+        for i in range(args.detokenizers):
+            port = free_port()
+            name = "detokenizer" if args.detokenizers == 1 else f"detokenizer-{i}"
+            metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+            children.append((name, _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(port))))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device]
         if args.speculative_config:

@@ -53,6 +53,8 @@ class WorkRequest(_Message):
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     output_token_ids: tuple[int, ...] = ()
     next_seq_no: int = Field(0, ge=0)  # seq_no of the next TARGET record: non-zero when a request resumes
+    # The detokenizer that owns this request's output (set by the gateway; empty only for in-process use).
+    detok_id: str = Field("", pattern=r"^[0-9a-zA-Z_-]{0,64}$")
     sampling: SamplingParams
     created: float
 
@@ -67,6 +69,12 @@ class DetokOpen(_Message):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     include_draft_logprobs: bool = False
     num_prompt_tokens: int = Field(ge=1)
+
+
+class DetokReady(_Message):
+    """detokenizer -> gateway, the reply to DetokOpen: this detokenizer owns the request."""
+
+    detok_id: str = Field(pattern=r"^[0-9a-zA-Z_-]{1,64}$")
 
 
 class Cancel(_Message):

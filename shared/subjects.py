@@ -11,12 +11,17 @@ REQUEST_STREAM = "SPECMESH_REQUESTS"
 REQUESTS = f"{PREFIX}.requests"  # gateway -> worker (JetStream, work queue); body: schemas.WorkRequest
 WORKER_CONSUMER = "workers"  # the durable pull consumer every worker shares
 
-# The detokenizer reads both of these through one subscription, so that it sees them in the order the
-# server received them: a request's DetokOpen (published before the request entered the queue) always
-# precedes the first frame of that request.
-DETOK_INBOX = f"{PREFIX}.detok.>"
-DETOK_OPEN = f"{PREFIX}.detok.open"  # gateway -> detokenizer; body: schemas.DetokOpen
-FRAMES = f"{PREFIX}.detok.frames"  # worker -> detokenizer; body: a binary frame (shared/frames.py)
+# Opening a request is a request/reply to the detokenizers' queue group: exactly one detokenizer takes the
+# request and answers with its id (schemas.DetokReady); the gateway writes that id into the WorkRequest, and
+# the worker sends the request's frames to that detokenizer's own subject. Since the gateway queues the
+# request only after the answer, a detokenizer always knows a request before its first frame arrives.
+DETOK_OPEN = f"{PREFIX}.detok.open"  # gateway -> one detokenizer; body: schemas.DetokOpen
+DETOK_QUEUE = "detokenizers"
+
+
+def frames(detok_id: str) -> str:
+    """worker -> the detokenizer that owns the request; body: a binary frame (shared/frames.py)."""
+    return f"{PREFIX}.detok.{detok_id}.frames"
 CANCEL = f"{PREFIX}.cancel"  # gateway or detokenizer -> workers and detokenizer; body: schemas.Cancel
 
 

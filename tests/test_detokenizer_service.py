@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
+import nats.errors
 import numpy as np
 import pytest
 from nats.aio.client import Client
@@ -20,13 +21,15 @@ from services.detokenizer import service
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus
-from shared.schemas import Cancel, Chunk, DetokOpen
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from shared.tokenizer import Tokenizer
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
 
 VOCAB_SIZE = 600
 TRAINING_FILES = ("argparse.py", "codecs.py", "json/encoder.py")
 WORKER_ID = 4
+DETOK_ID = "detok-under-test"
+DETOK_FRAMES = subjects.frames(DETOK_ID)
 TOP_K = 2
 PROMPT_TOKENS = 5
 RECEIVE_TIMEOUT_S = 5.0
@@ -80,8 +83,8 @@ class Worker:
 
     async def publish(self, draft: FrameBuilder, target: FrameBuilder) -> None:
         if len(draft):
-            await self.nc.publish(subjects.FRAMES, draft.encode())
-        await self.nc.publish(subjects.FRAMES, target.encode())
+            await self.nc.publish(DETOK_FRAMES, draft.encode())
+        await self.nc.publish(DETOK_FRAMES, target.encode())
 
 
 async def open_request(nc: Client, **fields) -> tuple[str, asyncio.Queue]:
@@ -96,7 +99,8 @@ async def open_request(nc: Client, **fields) -> tuple[str, asyncio.Queue]:
     await nc.subscribe(reply_subject, cb=received)
     fields = {"api": "chat", "num_prompt_tokens": PROMPT_TOKENS} | fields
     opened = DetokOpen(request_id=request_id, reply_subject=reply_subject, **fields)
-    await nc.publish(subjects.DETOK_OPEN, opened.to_bytes())
+    reply = await nc.request(subjects.DETOK_OPEN, opened.to_bytes(), timeout=RECEIVE_TIMEOUT_S)
+    assert DetokReady.from_bytes(reply.data).detok_id == DETOK_ID
     return request_id, chunks
 
 
@@ -125,14 +129,20 @@ def counter(name: str, **labels: str) -> float:
 async def nc(nats_server: NatsServer, model_dir: Path, tokenizer: Tokenizer) -> AsyncIterator[Client]:  # noqa: F811
     parser = argparse.ArgumentParser()
     service.add_arguments(parser)
-    args = parser.parse_args(["--nats-url", nats_server.url, "--model", str(model_dir)])
+    args = parser.parse_args(
+        ["--nats-url", nats_server.url, "--model", str(model_dir), "--metrics-port", "0", "--detokenizer-id", DETOK_ID]
+    )
     task = asyncio.create_task(service.run(args))
     client = await nats.connect(nats_server.url)
     worker = Worker(client)
     eos = min(tokenizer.eos_token_ids)
     # The service is ready once a request opened and finished through it comes back.
     for _ in range(int(RECEIVE_TIMEOUT_S / PROBE_TIMEOUT_S)):
-        request_id, chunks = await open_request(client)
+        try:
+            request_id, chunks = await open_request(client)
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(PROBE_TIMEOUT_S)
+            continue
         await client.flush()
         await finish_immediately(client, worker, request_id, eos)
         with contextlib.suppress(TimeoutError):
@@ -189,8 +199,8 @@ async def test_malformed_frames_are_counted_and_do_not_stop_the_service(
 ) -> None:
     bad_magic_before = counter("specmesh_detokenizer_malformed_frames_total", reason="bad_magic")
     truncated_before = counter("specmesh_detokenizer_malformed_frames_total", reason="truncated")
-    await nc.publish(subjects.FRAMES, b"\xff" * 64)
-    await nc.publish(subjects.FRAMES, b"\x00" * 3)
+    await nc.publish(DETOK_FRAMES, b"\xff" * 64)
+    await nc.publish(DETOK_FRAMES, b"\x00" * 3)
 
     request_id, chunks = await open_request(nc, api="completion")
     await nc.flush()

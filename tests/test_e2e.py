@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
@@ -182,3 +183,26 @@ def test_client_disconnect_frees_the_slot(client: openai.OpenAI, mesh: Mesh) -> 
     while asyncio.run(_num_ack_pending(mesh.nats_url)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert asyncio.run(_num_ack_pending(mesh.nats_url)) == 0, "the worker did not finish the abandoned request"
+
+
+def test_requests_spread_over_several_detokenizers(tmp_path: Path) -> None:
+    """Each request is owned by the one detokenizer that took it; the others never send its chunks."""
+    mesh = start_mesh(tmp_path, "--detokenizers", "2", "--max-num-seqs", "4", model=E2E_MODEL)
+    try:
+        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+        def run(seed: int) -> str:
+            stream = client.completions.create(
+                model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed, stream=True
+            )
+            return "".join(c.choices[0].text for c in stream if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            streamed = list(pool.map(run, range(8)))
+        for seed, text in enumerate(streamed):
+            whole = client.completions.create(
+                model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed
+            ).choices[0].text
+            assert text == whole
+    finally:
+        assert mesh.stop() == 0

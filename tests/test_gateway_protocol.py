@@ -19,11 +19,12 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.natsutil import connect
-from shared.schemas import Cancel, Chunk, DetokOpen, Usage, WorkRequest
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, Usage, WorkRequest
 
 __all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
 
 WAIT_S = 5.0
+PEER_ID = "test-peer"
 SHORT_TIMEOUT_S = 0.5
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8)
 CHAT = [{"role": "user", "content": "hello"}]
@@ -47,7 +48,9 @@ class Peer:
         )
 
     async def take(self) -> tuple[DetokOpen, WorkRequest]:
-        opening = DetokOpen.from_bytes((await self.opens.next_msg(timeout=WAIT_S)).data)
+        msg = await self.opens.next_msg(timeout=WAIT_S)
+        opening = DetokOpen.from_bytes(msg.data)
+        await msg.respond(DetokReady(detok_id=PEER_ID).to_bytes())
         while True:  # requests left by earlier tests that nobody answered are skipped
             (msg,) = await self.work.fetch(1, timeout=WAIT_S)
             await msg.ack()
@@ -186,12 +189,13 @@ async def test_lost_chunk_fails_the_stream_and_cancels(client: openai.AsyncOpenA
 
 async def test_client_disconnect_cancels(gateway: TestServer, peer: Peer) -> None:
     body = {"model": MODEL, "messages": CHAT, "stream": True}
+    taken = asyncio.create_task(peer.take())  # answers the gateway's DetokOpen, as a detokenizer does
     async with aiohttp.ClientSession() as session:
         response = await session.post(gateway.make_url("/v1/chat/completions"), json=body)
         assert response.headers["Content-Type"] == "text/event-stream"
         assert response.headers["Cache-Control"] == "no-cache"
         assert (await response.content.readline()).startswith(b"data: ")  # the role chunk
-        opening, _ = await peer.take()
+        opening, _ = await taken
         response.close()
     assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="client_disconnected")
 
@@ -199,11 +203,12 @@ async def test_client_disconnect_cancels(gateway: TestServer, peer: Peer) -> Non
 async def test_silence_times_out_and_cancels(nats_url: str, model_dir, peer: Peer) -> None:
     server, nc = await start_gateway(nats_url, model_dir, request_timeout_s=SHORT_TIMEOUT_S)
     try:
+        taken = asyncio.create_task(peer.take())
         async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:
             with pytest.raises(openai.APIStatusError) as info:
                 await c.completions.create(model=MODEL, prompt="x")
         assert info.value.status_code == 504
-        opening, _ = await peer.take()
+        opening, _ = await taken
         assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="error")
     finally:
         await server.close()

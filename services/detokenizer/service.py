@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from services.detokenizer.incremental import TokenTable
 from shared import config, natsutil, subjects
 from shared.frames import Frame, FrameError, FrameKind, decode
 from shared.observability import Readiness, start_http
-from shared.schemas import Cancel, Chunk, DetokOpen
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 class Detokenizer:
     """The service's state and its message handlers."""
 
-    def __init__(self, nc: Client, table: TokenTable) -> None:
+    def __init__(self, nc: Client, table: TokenTable, detok_id: str) -> None:
         self._nc = nc
+        self.detok_id = detok_id
         self._table = table
         self._requests: dict[str, RequestAssembler] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
@@ -70,14 +72,8 @@ class Detokenizer:
     def num_active(self) -> int:
         return len(self._requests)
 
-    async def on_inbox(self, msg: Msg) -> None:
-        """DetokOpen and frames share one subscription, which keeps their order (see shared/subjects.py)."""
-        if msg.subject == subjects.FRAMES:
-            await self.on_frame(msg)
-        else:
-            await self.on_open(msg)
-
     async def on_open(self, msg: Msg) -> None:
+        """Takes the request and answers with this detokenizer's id, which routes the request's frames here."""
         try:
             opened = DetokOpen.from_bytes(msg.data)
         except (ValidationError, ValueError) as err:
@@ -86,8 +82,9 @@ class Detokenizer:
             return
         if opened.request_id in self._requests:
             log.warning("request %s opened twice; keeping the first", opened.request_id)
-            return
-        self._requests[opened.request_id] = RequestAssembler(opened, self._table)
+        else:
+            self._requests[opened.request_id] = RequestAssembler(opened, self._table)
+        await msg.respond(DetokReady(detok_id=self.detok_id).to_bytes())
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -168,6 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--metrics-port", type=int, default=9101, help="/metrics, /health and /ready; 0 picks one")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds open requests may finish on SIGTERM")
+    parser.add_argument("--detokenizer-id", default=None, help="names this instance's frames subject (default: random)")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -177,10 +175,11 @@ async def run(args: argparse.Namespace) -> None:
     table = TokenTable.from_tokenizer(Tokenizer(args.model))
     nc = await natsutil.connect(args.nats_url, SERVICE)
     readiness.nc = nc
-    detok = Detokenizer(nc, table)
+    detok = Detokenizer(nc, table, args.detokenizer_id or uuid.uuid4().hex[:12])
+    await nc.subscribe(subjects.frames(detok.detok_id), cb=detok.on_frame)
+    await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
+    opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=detok.on_open)
     try:
-        await nc.subscribe(subjects.DETOK_INBOX, cb=detok.on_inbox)
-        await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
         # Subscriptions are registered at the server only once flushed; callers may publish right after.
         await nc.flush()
         readiness.started = True
@@ -188,6 +187,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.Future()
     except asyncio.CancelledError:
         readiness.draining = True
+        await opens.unsubscribe()  # new requests go to the other detokenizers
         deadline = time.monotonic() + args.drain_timeout
         while detok.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

@@ -35,12 +35,13 @@ from services.gateway.errors import (
 from services.gateway.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
-from shared.schemas import Cancel, Chunk, DetokOpen, SamplingParams, WorkRequest
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 PUBLISH_ACK_TIMEOUT_S = 5.0
+DETOK_OPEN_TIMEOUT_S = 5.0
 SERVICE_UNAVAILABLE = 503
 INTERNAL_ERROR = 500
 CLIENT_DISCONNECTED = "client_disconnected"
@@ -193,14 +194,20 @@ class Generator:
             include_draft_logprobs=gen.sampling.include_draft_logprobs,
             num_prompt_tokens=len(gen.prompt_ids),
         )
+        try:
+            reply = await self._nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=DETOK_OPEN_TIMEOUT_S)
+        except nats.errors.Error as exc:
+            raise OpenAIError(
+                SERVICE_UNAVAILABLE, f"No detokenizer took the request: {exc!r}", type=UNAVAILABLE
+            ) from exc
         work = WorkRequest(
             request_id=gen.request_id,
             prompt_token_ids=tuple(gen.prompt_ids),
             sampling=gen.sampling,
+            detok_id=DetokReady.from_bytes(reply.data).detok_id,
             created=time.time(),
         )
         try:
-            await self._nc.publish(subjects.DETOK_OPEN, opening.to_bytes())
             await self._js.publish(subjects.REQUESTS, work.to_bytes(), timeout=PUBLISH_ACK_TIMEOUT_S)
         except nats.errors.Error as exc:
             await self._cancel(gen.request_id, FAILED)

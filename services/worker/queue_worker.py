@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 from nats.aio.msg import Msg
@@ -28,6 +30,7 @@ from services.worker.metrics import REQUESTS_HANDED_BACK, WorkerMetrics
 from services.worker.publisher import step_frames
 
 log = logging.getLogger("specmesh.worker")
+T = TypeVar("T")
 
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
 HEARTBEAT_S = REQUEST_ACK_WAIT_S / 3
@@ -93,6 +96,9 @@ class QueueWorker:
             return
         if request.request_id in self._recent_cancels:
             await msg.ack()
+        elif not request.detok_id:
+            log.error("dropping work request %s that names no detokenizer", request.request_id)
+            await msg.term()
         elif request.request_id in self._messages:
             log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
         else:
@@ -105,8 +111,9 @@ class QueueWorker:
             for msg in list(self._messages.values()):
                 await msg.in_progress()
 
-    def _step(self, inbox: list[WorkRequest], cancels: list[str]) -> tuple[list[bytes], list[str]]:
-        """Runs in the engine thread: admits, cancels and steps; returns frames and finished request ids."""
+    def _step(self, inbox: list[WorkRequest], cancels: list[str]) -> tuple[list[tuple[str, bytes]], list[str]]:
+        """Runs in the engine thread: admits, cancels and steps; returns (detokenizer id, frame) pairs and
+        finished request ids."""
         refused = []
         for request in inbox:
             try:
@@ -120,16 +127,25 @@ class QueueWorker:
         for request_id in cancels:
             if self.engine.abort(request_id) is not None:
                 finished.append(request_id)
-        frames = []
-        if refused:
-            frames.append(_abort_frame(refused, self.worker_id, self.engine.step_no))
+        frames = [
+            (detok_id, _abort_frame(ids, self.worker_id, self.engine.step_no))
+            for detok_id, ids in self._by_detokenizer(refused, lambda request_id: request_id).items()
+        ]
         if self.engine.has_work():
             started = time.perf_counter()
             outputs = self.engine.step()
             self.metrics.observe_step(outputs, time.perf_counter() - started)
-            frames += step_frames(outputs, self.worker_id, self.engine.step_no)
+            for detok_id, group in self._by_detokenizer(outputs, lambda out: out.seq.request_id).items():
+                frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no)]
             finished += [o.seq.request_id for o in outputs if o.seq.is_finished]
         return frames, finished
+
+    def _by_detokenizer(self, items: list[T], request_id_of: Callable[[T], str]) -> dict[str, list[T]]:
+        """Groups a step's items by the detokenizer that owns their request: each gets its own frames."""
+        groups: dict[str, list[T]] = defaultdict(list)
+        for item in items:
+            groups[self._requests[request_id_of(item)].detok_id].append(item)
+        return groups
 
     def stop(self) -> None:
         """Makes engine_loop return after the step in progress has been published."""
@@ -151,8 +167,8 @@ class QueueWorker:
                 self._messages[request.request_id] = msg
                 self._requests[request.request_id] = request
             frames, finished = await loop.run_in_executor(self._pool, self._step, [r for r, _ in inbox], cancels)
-            for frame in frames:
-                await self.nc.publish(subjects.FRAMES, frame)
+            for detok_id, frame in frames:
+                await self.nc.publish(subjects.frames(detok_id), frame)
                 self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
             for request_id in finished:
                 self._requests.pop(request_id, None)
