@@ -1,0 +1,91 @@
+"""The figure of benchmarks/methods.py: tokens/s by method and batch (one panel per temperature) above acceptance
+by draft position (one panel per temperature, counts pooled over batches).
+
+    python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: benchmarks run on machines without a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+BASELINE = "naive"  # the dashed line: what a busy worker must not fall below
+BAR_GROUP_WIDTH = 0.8  # fraction of a method's slot that its batch bars fill
+ACCEPTANCE_AXIS_TOP = 1.05  # room above 1.0 so lines of always-accepted drafts stay visible
+FIGURE_SIZE = (14, 9)
+DPI = 120
+
+
+def _tokens_per_s(ax: plt.Axes, runs: list[dict], temperature: float) -> None:
+    runs = [r for r in runs if r["temperature"] == temperature]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    batches = sorted({r["batch"] for r in runs})
+    width = BAR_GROUP_WIDTH / len(batches)
+    for i, batch in enumerate(batches):
+        by_method = {r["method"]: r["tokens_per_s"] for r in runs if r["batch"] == batch}
+        xs = [m + (i - (len(batches) - 1) / 2) * width for m, name in enumerate(methods) if name in by_method]
+        ax.bar(xs, [by_method[name] for name in methods if name in by_method], width, label=f"batch {batch}")
+    for batch in batches[-1:]:
+        naive = [r["tokens_per_s"] for r in runs if r["method"] == BASELINE and r["batch"] == batch]
+        if naive:
+            ax.axhline(naive[0], color="grey", linestyle="--", linewidth=1, label=f"{BASELINE}, batch {batch}")
+    ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"throughput, temperature {temperature:g}")
+    ax.legend()
+
+
+def _per_position(ax: plt.Axes, runs: list[dict], temperature: float, colors: dict[str, str]) -> None:
+    drafted: dict[str, list[int]] = defaultdict(list)
+    accepted: dict[str, list[int]] = defaultdict(list)
+    for r in runs:
+        if r["temperature"] != temperature or not any(r["drafted_at"]):
+            continue
+        for totals, counts in ((drafted[r["method"]], r["drafted_at"]), (accepted[r["method"]], r["accepted_at"])):
+            totals.extend([0] * (len(counts) - len(totals)))
+            for j, n in enumerate(counts):
+                totals[j] += n
+    for method, d in drafted.items():
+        rates = [a / n if n else float("nan") for a, n in zip(accepted[method], d)]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method, color=colors[method])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafted")
+    ax.set_ylim(0, ACCEPTANCE_AXIS_TOP)
+    ax.set_xticks(range(1, max((len(d) for d in drafted.values()), default=1) + 1))
+    ax.set_title(f"acceptance by position, temperature {temperature:g} (all batches)")
+    ax.legend()
+
+
+def plot(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/methods.py writes) into the PNG at path."""
+    runs = report["runs"]
+    temperatures = sorted({r["temperature"] for r in runs})
+    # A method keeps its colour in every panel.
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in runs))}
+    fig, axes = plt.subplots(2, len(temperatures), figsize=FIGURE_SIZE, squeeze=False)
+    for col, temperature in enumerate(temperatures):
+        _tokens_per_s(axes[0][col], runs, temperature)
+        _per_position(axes[1][col], runs, temperature, colors)
+    fig.suptitle(f"specmesh drafting methods on {Path(report['model']).name}, {report['max_tokens']} tokens per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", type=Path, help="methods.json written by benchmarks/methods.py")
+    args = parser.parse_args()
+    plot(json.loads(args.report.read_text()), args.report.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
