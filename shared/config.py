@@ -71,3 +71,6 @@ class EngineConfig(BaseModel):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # KV cache blocks of block_size positions; None: enough for max_num_seqs full-length sequences (no preemption)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)

@@ -2,7 +2,9 @@
 decoding step (draft, verify, accept) for every running sequence. It returns what each sequence emitted.
 
 Randomness is a function of (request seed, output position, purpose) only, so a seeded request yields the
-same tokens alone or in any batch (services/worker/spec/random.py).
+same tokens alone or in any batch (services/worker/spec/random.py). When KV blocks run out, the scheduler
+preempts sequences; one that comes back (or arrives from another worker with output already sent) recomputes
+its cache up to its last token and then decodes like any other, so its output does not change.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from shared.frames import FinishReason
 from shared.schemas import WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.block_manager import BlockManager, blocks_for
 from services.worker.draft import Draft, stack_probs
 from services.worker.model.loader import load_model
 from services.worker.proposer import Proposer, build_proposer
@@ -92,13 +95,20 @@ class Engine:
                 f'speculative method "mtp" needs a checkpoint with MTP modules; {config.model} has none '
                 "(no num_nextn_predict_layers in config.json): use method \"ngram\" or \"naive\""
             )
-        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len)
-        self.scheduler = Scheduler(config.max_num_seqs)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
+        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks)
         # The MTP drafter writes its cache after every trunk pass, so it exists only when it will draft.
         self.mtp = (
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
+        # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
+        lookahead = spec.num_drafts + (spec.num_model_steps if self.mtp is not None else 0)
+        blocks = BlockManager(num_blocks, config.block_size, config.max_model_len)
+        self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead)
+        self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = build_proposer(spec, self.mtp)
         # Adaptive speculation trims each request's drafts when they do not pay for their share of the step.
         self.adaptive = AdaptiveSpeculation(spec.num_drafts) if spec.adaptive and spec.num_drafts > 0 else None
@@ -125,6 +135,12 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV cache's blocks held by running sequences."""
+        blocks = self.scheduler.blocks
+        return blocks.num_used / blocks.num_blocks
+
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
 
@@ -135,10 +151,15 @@ class Engine:
         self.step_no += 1
         self.stats.num_steps += 1
         self._release_finished()  # aborted since the last step: their slots go to waiting requests now
-        admitted = self.scheduler.admit()
-        decoding = [s for s in self.scheduler.running if s not in admitted and not s.is_finished]
+        self.last_preempted = self.scheduler.reserve()
+        # Blocks just freed by preemption would only readmit what was preempted: admission waits a step.
+        admitted = [] if self.last_preempted else self.scheduler.admit()
+        for slot, table in self.scheduler.blocks.take_changed().items():
+            self.runner.cache.set_block_table(slot, table)
         top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
         outputs = self._prefill(admitted, top_k) if admitted else []
+        sampled = {o.seq.request_id for o in outputs}
+        decoding = [s for s in self.scheduler.running if s.request_id not in sampled and not s.is_finished]
         if decoding:
             outputs += self._decode(decoding, top_k)
         self._release_finished()
@@ -169,23 +190,39 @@ class Engine:
         )
 
     def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
-        """Computes the cache for every known token and samples each sequence's next token."""
-        tokens = [s.token_ids for s in seqs]
+        """Computes the cache of admitted sequences. A new one gets every token cached and samples its next
+        token here. One that already has output (preempted, or handed back by another worker) is recomputed up
+        to its last token and emits nothing here: it decodes in this step as if it had never left, so its
+        drafts and noise, and therefore its tokens, are the ones it would have had."""
+        fresh = [b for b, s in enumerate(seqs) if not s.output_ids]
+        tokens = [s.token_ids if not s.output_ids else s.token_ids[:-1] for s in seqs]
         hidden = self.runner.forward(tokens, [0] * len(seqs), [s.slot for s in seqs])
-        last = torch.tensor([len(t) - 1 for t in tokens], device=self.runner.device)
-        logits = self.runner.logits(hidden[torch.arange(len(seqs)), last])  # [B, vocab]
-        probs = process_logits(logits, *sampling_tensors(seqs, self.runner.device))
-        seeds, positions = seeds_positions(seqs, self.runner.device)
+        for seq, row in zip(seqs, tokens):
+            seq.num_computed = len(row)
+        outputs = self._sample_first(seqs, fresh, hidden, [len(t) - 1 for t in tokens], top_k)
+        # Trunk row j (position j) pairs with token j + 1 in the MTP module.
+        self._catch_up(seqs, hidden, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
+        return outputs
+
+    def _sample_first(
+        self, seqs: list[Sequence], fresh: list[int], hidden: torch.Tensor, last: list[int], top_k: int
+    ) -> list[SeqOutput]:
+        """Samples the next token of seqs[b] for b in fresh from its trunk row last[b] of hidden [B, L, hidden]."""
+        if not fresh:
+            return []
+        device = self.runner.device
+        rows, last_rows = torch.tensor(fresh, device=device), torch.tensor([last[b] for b in fresh], device=device)
+        logits = self.runner.logits(hidden[rows, last_rows])  # [len(fresh), vocab]
+        seqs = [seqs[b] for b in fresh]
+        probs = process_logits(logits, *sampling_tensors(seqs, device))
+        seeds, positions = seeds_positions(seqs, device)
         chosen = sample(probs, seeds, positions)
         target = token_logprobs(logits, chosen, top_k)
         outputs = []
         for b, seq in enumerate(seqs):
-            seq.num_computed = seq.num_tokens
             offset = len(seq.output_ids)
             kept = seq.append([int(chosen[b])], self.config.max_model_len)
             outputs.append(SeqOutput(seq, offset, kept, TokenLogprobs.of(tuple(a[b : b + 1] for a in target))))
-        # Trunk row j (position j) pairs with token j + 1 in the MTP module.
-        self._catch_up(seqs, hidden, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
         return outputs
 
     def _decode(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:

@@ -1,4 +1,4 @@
-"""Runs the model over a ragged batch against the KV cache. All tensor code of the engine lives here."""
+"""Runs the model over a ragged batch against the block-paged KV cache. All tensor code of the engine lives here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ MTP_FIRST_POSITION = 1
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self, model: CausalLM, max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int
+    ) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.model = model
@@ -23,7 +25,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cache = KVCache(
             model.num_cache_layers, max_num_seqs, max_model_len, cfg.num_key_value_heads, cfg.head_dim,
-            param.dtype, param.device,
+            param.dtype, param.device, block_size, num_blocks,
         )
 
     def _batch(

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run this step. Plain-Python bookkeeping, unit-tested without a model.
 
-Sequences join between steps while a cache slot is free and leave as soon as they finish or are aborted.
-The static KV cache reserves `max_model_len` positions per slot, so a running sequence never runs out of
-memory and needs no preemption; a block-paged cache will bring both.
+Sequences join between steps while a cache slot and the KV blocks for their whole prefill are free, first come
+first served, and leave as soon as they finish or are aborted. Before each step every running sequence is
+given the blocks the step may write; when blocks run out, the most recently admitted sequences are preempted:
+their slot and blocks are freed and they wait at the front of the queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ from __future__ import annotations
 from collections import deque
 
 from shared.frames import FinishReason
+from services.worker.block_manager import BlockManager
 from services.worker.sequence import Sequence, SeqState
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0) -> None:
+        """blocks: the KV block pool; None leaves memory unlimited (a slot is all a sequence needs).
+        lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries)."""
         self.max_num_seqs = max_num_seqs
+        self.blocks = blocks
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -27,23 +33,66 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def _tokens_needed(self, seq: Sequence) -> int:
+        return seq.num_tokens + self.lookahead
+
     def admit(self) -> list[Sequence]:
-        """Moves waiting sequences into free slots, first come first served; returns the admitted ones."""
+        """Moves waiting sequences into free slots while their blocks fit, first come first served (the head of
+        the queue is never overtaken); returns the admitted ones."""
         admitted = []
         while self.waiting and self._free_slots:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            slot = self._free_slots[-1]
+            if self.blocks is not None:
+                if not self.blocks.can_allocate(slot, self._tokens_needed(seq)):
+                    break
+                self.blocks.allocate(slot, self._tokens_needed(seq))
+            self.waiting.popleft()
             seq.slot = self._free_slots.pop()
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
+    def reserve(self) -> list[Sequence]:
+        """Gives every running sequence the blocks this step may write, oldest first, preempting the most
+        recently admitted ones while blocks are short; returns the preempted sequences, newest first."""
+        preempted: list[Sequence] = []
+        if self.blocks is None:
+            return preempted
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            needed = self._tokens_needed(seq)
+            while not self.blocks.can_allocate(seq.slot, needed) and self.running[-1] is not seq:
+                preempted.append(self._preempt(self.running[-1]))
+            if self.blocks.can_allocate(seq.slot, needed):
+                self.blocks.allocate(seq.slot, needed)
+                index += 1
+            else:
+                preempted.append(self._preempt(seq))  # the newest left: nothing after it is running
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        """Evicts a running sequence: its cache is dropped and it waits first in line to be recomputed."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.WAITING
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        return seq
+
+    def _free(self, seq: Sequence) -> None:
+        if self.blocks is not None:
+            self.blocks.free(seq.slot)
+        self._free_slots.append(seq.slot)
+        seq.slot = None
+
     def release_finished(self) -> list[Sequence]:
-        """Frees the slots of finished sequences and returns them."""
+        """Frees the slots and blocks of finished sequences and returns them."""
         done = [s for s in self.running if s.is_finished]
         for seq in done:
-            self._free_slots.append(seq.slot)
-            seq.slot = None
+            self._free(seq)
         self.running = [s for s in self.running if not s.is_finished]
         return done
 

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
     parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None,
+        help="KV cache blocks (default: enough for max-num-seqs full-length sequences); fewer preempt sequences",
+    )
+    parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -53,6 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
         device=args.device,
         dtype=args.dtype,
         speculative=SpeculativeConfig.from_json(args.speculative_config),

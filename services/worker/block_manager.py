@@ -1,0 +1,80 @@
+"""Which KV-cache blocks each sequence owns. Plain-Python bookkeeping, unit-tested without a model.
+
+The cache is divided into blocks of `block_size` token positions. A running sequence holds a table of blocks,
+keyed by its cache slot: position p lives in block table[p // block_size] at offset p % block_size. Tables
+only grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are
+freed whole when it finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` positions."""
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_blocks_per_seq = blocks_for(max_model_len, block_size)
+        # A sequence that cannot fit alone could never finish, whatever is preempted for it.
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {block_size} positions cannot hold one sequence of max_model_len "
+                f"{max_model_len}: it needs {self.max_blocks_per_seq}"
+            )
+        # Popped from the end: the lowest ids go out first, which keeps tests and dumps readable.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._changed: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a sequence needs to hold positions [0, num_tokens); positions past max_model_len are never
+        written, so the need stops there."""
+        return min(blocks_for(num_tokens, self.block_size), self.max_blocks_per_seq)
+
+    def table(self, slot: int) -> list[int]:
+        """The slot's blocks in position order (empty when it holds none)."""
+        return list(self._tables.get(slot, ()))
+
+    def num_missing(self, slot: int, num_tokens: int) -> int:
+        """Blocks the slot must still receive to hold `num_tokens` positions."""
+        return max(0, self.blocks_needed(num_tokens) - len(self._tables.get(slot, ())))
+
+    def can_allocate(self, slot: int, num_tokens: int) -> bool:
+        return self.num_missing(slot, num_tokens) <= len(self._free)
+
+    def allocate(self, slot: int, num_tokens: int) -> None:
+        """Grows the slot's table to hold `num_tokens` positions."""
+        missing = self.num_missing(slot, num_tokens)
+        if missing > len(self._free):
+            raise RuntimeError(f"slot {slot} needs {missing} more KV blocks but only {len(self._free)} are free")
+        if missing:
+            table = self._tables.setdefault(slot, [])
+            table.extend(self._free.pop() for _ in range(missing))
+            self._changed.add(slot)
+
+    def free(self, slot: int) -> None:
+        """Returns all of the slot's blocks to the pool."""
+        table = self._tables.pop(slot, [])
+        self._free.extend(reversed(table))
+        if table:
+            self._changed.add(slot)
+
+    def take_changed(self) -> dict[int, list[int]]:
+        """The tables changed since the last call (an empty list for a slot that was freed), for the cache's copy."""
+        changed = {slot: self.table(slot) for slot in sorted(self._changed)}
+        self._changed.clear()
+        return changed

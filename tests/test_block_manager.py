@@ -1,0 +1,177 @@
+"""KV block bookkeeping without a model: allocation, freeing, can_allocate, tables, exhaustion; and the
+scheduler's use of it (admission needs the whole prefill, preemption of the newest sequences)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.block_manager import BlockManager, blocks_for
+from services.worker.kv_cache import KVCache
+from services.worker.scheduler import Scheduler
+from services.worker.sequence import SeqState, Sequence
+from shared.schemas import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 16  # 4 blocks per sequence
+SEED = 5
+
+
+def _manager(num_blocks: int) -> BlockManager:
+    return BlockManager(num_blocks, BLOCK_SIZE, MAX_MODEL_LEN)
+
+
+def _seq(name: str, prompt_len: int) -> Sequence:
+    request_id = name.encode().hex().ljust(32, "0")
+    return Sequence(request_id, list(range(prompt_len)), SamplingParams(max_tokens=MAX_MODEL_LEN), SEED, frozenset())
+
+
+@pytest.mark.parametrize("num_tokens,expected", [(0, 0), (1, 1), (4, 1), (5, 2), (16, 4)])
+def test_blocks_for_rounds_up(num_tokens: int, expected: int) -> None:
+    assert blocks_for(num_tokens, BLOCK_SIZE) == expected
+
+
+def test_allocation_grows_a_table_in_position_order_with_distinct_blocks() -> None:
+    blocks = _manager(8)
+    blocks.allocate(0, 5)
+    assert blocks.table(0) == [0, 1]
+    blocks.allocate(1, 3)
+    blocks.allocate(0, 8)  # still two blocks: nothing new
+    assert blocks.table(0) == [0, 1]
+    blocks.allocate(0, 9)
+    assert blocks.table(0) == [0, 1, 3]
+    assert blocks.table(1) == [2]
+    assert blocks.num_used == 4 and blocks.num_free == 4
+
+
+def test_need_stops_at_max_model_len() -> None:
+    blocks = _manager(8)
+    assert blocks.blocks_needed(MAX_MODEL_LEN + 7) == MAX_MODEL_LEN // BLOCK_SIZE
+    blocks.allocate(0, MAX_MODEL_LEN + 7)
+    assert len(blocks.table(0)) == MAX_MODEL_LEN // BLOCK_SIZE
+
+
+def test_free_returns_every_block_and_they_are_reused() -> None:
+    blocks = _manager(6)
+    blocks.allocate(0, 8)
+    blocks.allocate(1, 8)
+    freed = blocks.table(0)
+    blocks.free(0)
+    assert blocks.table(0) == []
+    assert blocks.num_free == 4
+    blocks.allocate(2, 16)
+    assert set(freed) <= set(blocks.table(2))
+    assert set(blocks.table(2)).isdisjoint(blocks.table(1))
+    blocks.free(5)  # a slot that holds nothing: nothing changes
+    assert blocks.num_free == 0
+
+
+def test_can_allocate_counts_only_the_missing_blocks() -> None:
+    blocks = _manager(4)
+    blocks.allocate(0, 12)
+    assert blocks.num_free == 1
+    assert blocks.can_allocate(0, 16)  # one more block
+    assert not blocks.can_allocate(1, 5)  # two new blocks
+    assert blocks.can_allocate(1, 4)
+
+
+def test_exhaustion_is_refused_loudly_and_leaves_the_tables_alone() -> None:
+    blocks = _manager(4)
+    blocks.allocate(0, 12)
+    with pytest.raises(RuntimeError, match="needs 2 more KV blocks but only 1 are free"):
+        blocks.allocate(1, 8)
+    assert blocks.table(1) == [] and blocks.num_free == 1
+
+
+def test_a_pool_too_small_for_one_sequence_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        _manager(3)
+
+
+def test_changed_tables_are_reported_once() -> None:
+    blocks = _manager(8)
+    blocks.allocate(0, 4)
+    blocks.allocate(1, 4)
+    assert blocks.take_changed() == {0: [0], 1: [1]}
+    assert blocks.take_changed() == {}
+    blocks.allocate(0, 4)  # nothing new
+    blocks.free(1)
+    assert blocks.take_changed() == {1: []}
+
+
+def test_cache_reads_back_what_it_wrote_through_scattered_blocks() -> None:
+    cache = KVCache(1, 2, MAX_MODEL_LEN, 1, 2, torch.float32, "cpu", BLOCK_SIZE, num_blocks=8)
+    cache.set_block_table(1, [6, 2, 4])
+    positions = torch.arange(10)[None]
+    k = torch.arange(20, dtype=torch.float32).view(1, 10, 1, 2)
+    cache.write(0, torch.ones_like(positions), positions, k, -k)
+    keys, values = cache.read(0, torch.tensor([1]), 10)
+    assert torch.equal(keys[0, 0], k[0, :, 0]) and torch.equal(values[0, 0], -k[0, :, 0])
+    assert torch.equal(cache.keys[0][2, 0, 1], k[0, 5, 0])  # position 5: second block, offset 1
+    padding = torch.full_like(positions, cache.padding_slot)
+    cache.write(0, padding, positions, 100 + k, 100 + k)  # padding writes land in the padding block only
+    assert torch.equal(cache.read(0, torch.tensor([1]), 10)[0], keys)
+
+
+def _scheduler(num_blocks: int, max_num_seqs: int = 4, lookahead: int = 0) -> Scheduler:
+    return Scheduler(max_num_seqs, _manager(num_blocks), lookahead)
+
+
+def test_admission_needs_blocks_for_the_whole_prefill_and_keeps_the_queue_order() -> None:
+    scheduler = _scheduler(6, lookahead=2)
+    first, second, third, small = _seq("a", 6), _seq("b", 7), _seq("c", 3), _seq("d", 1)  # 2, 3, 2, 1 blocks
+    for seq in (first, second, third, small):
+        scheduler.add(seq)
+    assert scheduler.admit() == [first, second]
+    assert len(scheduler.blocks.table(first.slot)) == 2 and len(scheduler.blocks.table(second.slot)) == 3
+    assert list(scheduler.waiting) == [third, small]  # small would fit, but never overtakes the head
+    assert scheduler.blocks.num_free == 1
+
+
+def test_reserve_grows_tables_and_preempts_the_newest_sequences_first() -> None:
+    scheduler = _scheduler(6)
+    seqs = [_seq(name, 4) for name in "abc"]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert scheduler.admit() == seqs  # one block each, 3 free
+    for seq in seqs:
+        seq.append([1] * 4, MAX_MODEL_LEN)  # 8 tokens: two blocks each, 3 more in all
+        seq.num_computed = 7
+    assert scheduler.reserve() == []
+    assert scheduler.blocks.num_free == 0
+    for seq in seqs:
+        seq.append([1], MAX_MODEL_LEN)  # 9 tokens: a third block each
+    slot_c = seqs[2].slot
+    preempted = scheduler.reserve()
+    assert preempted == [seqs[2]]  # its two blocks let a and b grow
+    assert scheduler.running == seqs[:2]
+    assert all(len(scheduler.blocks.table(s.slot)) == 3 for s in seqs[:2])
+    victim = seqs[2]
+    assert victim.state is SeqState.WAITING and victim.slot is None and victim.num_computed == 0
+    assert scheduler.blocks.table(slot_c) == []
+    assert list(scheduler.waiting) == [victim]
+
+
+def test_preempted_sequences_wait_first_in_their_admission_order() -> None:
+    scheduler = _scheduler(5)
+    seqs = [_seq(name, 4) for name in "abcd"]
+    late = _seq("e", 1)
+    for seq in seqs + [late]:
+        scheduler.add(seq)
+    assert scheduler.admit() == seqs
+    seqs[0].append([1] * 11, MAX_MODEL_LEN)  # 15 tokens: four blocks, three more than it holds
+    preempted = scheduler.reserve()
+    assert preempted == [seqs[3], seqs[2]]
+    assert list(scheduler.waiting) == [seqs[2], seqs[3], late]
+
+
+def test_the_only_sequence_that_does_not_fit_preempts_itself() -> None:
+    scheduler = _scheduler(4, max_num_seqs=2)
+    older, newer = _seq("a", 4), _seq("b", 8)
+    scheduler.add(older)
+    scheduler.add(newer)
+    assert scheduler.admit() == [older, newer]
+    newer.append([1] * 5, MAX_MODEL_LEN)  # wants a fourth block; older holds the other
+    assert scheduler.reserve() == [newer]
+    assert scheduler.running == [older]
+    assert scheduler.blocks.num_free == 3
