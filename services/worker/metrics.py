@@ -13,7 +13,7 @@ ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 RUNNING = Gauge("specmesh_worker_running_sequences", "Sequences holding a cache slot", _LABELS)
 WAITING = Gauge("specmesh_worker_waiting_sequences", "Sequences waiting for a cache slot", _LABELS)
-KV_USAGE = Gauge("specmesh_worker_kv_cache_usage_ratio", "Share of the KV cache's token positions in use", _LABELS)
+KV_USAGE = Gauge("specmesh_worker_kv_cache_usage_ratio", "Share of the KV cache's blocks in use", _LABELS)
 KV_BYTES = Gauge("specmesh_worker_kv_cache_bytes", "Memory of the KV cache", _LABELS)
 STEP_SECONDS = Histogram("specmesh_worker_step_duration_seconds", "Duration of an engine step", _LABELS, buckets=STEP_BUCKETS)
 BATCH_SIZE = Histogram("specmesh_worker_batch_size", "Sequences that produced output in a step", _LABELS, buckets=BATCH_BUCKETS)
@@ -46,14 +46,10 @@ class WorkerMetrics:
     def __init__(self, engine: Engine, model: str, worker_id: int) -> None:
         self.engine = engine
         self.labels = {"model": model, "method": engine.config.speculative.method, "worker": str(worker_id)}
-        cache = engine.runner.cache
-        KV_BYTES.labels(**self.labels).set(cache.nbytes)
+        KV_BYTES.labels(**self.labels).set(engine.runner.cache.nbytes)
         RUNNING.labels(**self.labels).set_function(lambda: len(engine.scheduler.running))
         WAITING.labels(**self.labels).set_function(lambda: len(engine.scheduler.waiting))
-        capacity = cache.num_slots * cache.max_model_len
-        KV_USAGE.labels(**self.labels).set_function(
-            lambda: sum(s.num_computed for s in engine.scheduler.running) / capacity
-        )
+        KV_USAGE.labels(**self.labels).set_function(lambda: engine.kv_usage)
 
     def counter(self, metric, **extra):
         return metric.labels(**self.labels, **extra)

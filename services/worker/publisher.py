@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
 from shared.frames import FrameBuilder, FrameKind, SeqStatus
 from services.worker.engine import SeqOutput
+from services.worker.sequence import Sequence
 
 
-def step_frames(outputs: list[SeqOutput], worker_id: int, step: int) -> list[bytes]:
+def step_frames(
+    outputs: list[SeqOutput], worker_id: int, step: int, preempted: Seq[Sequence] = ()
+) -> list[bytes]:
     """Frames of one step, in publishing order. DRAFT goes first so the detokenizer holds a request's drafts
-    when the TARGET record of the same step arrives; it joins them by request id and step."""
+    when the TARGET record of the same step arrives; it joins them by request id and step.
+
+    A preempted sequence gets a TARGET record with no tokens and status PREEMPTED at the offset where it will
+    continue, so the record count stays gapless while it waits to be recomputed."""
     top_k = max((o.target.token_ids.shape[1] - 1 for o in outputs), default=0)
     target = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k)
     draft = FrameBuilder(FrameKind.DRAFT, worker_id, step, top_k)
@@ -35,6 +45,13 @@ def step_frames(outputs: list[SeqOutput], worker_id: int, step: int) -> list[byt
             num_accepted=out.num_accepted,
             status=SeqStatus.FINISHED if seq.is_finished else SeqStatus.RUNNING,
             finish_reason=seq.finish_reason,
+        )
+        seq.target_seq_no += 1
+    no_tokens = np.empty((0, top_k + 1))
+    for seq in preempted:
+        target.add(
+            seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), token_ids=no_tokens,
+            logprobs=no_tokens, ranks=np.empty(0), status=SeqStatus.PREEMPTED,
         )
         seq.target_seq_no += 1
     return [b.encode() for b in (draft, target) if len(b)]

@@ -26,7 +26,7 @@ from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus, fram
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from shared.schemas import Cancel, WorkRequest
 from services.worker.engine import Engine
-from services.worker.metrics import REQUESTS_HANDED_BACK, WorkerMetrics
+from services.worker.metrics import PREEMPTIONS, REQUESTS_HANDED_BACK, WorkerMetrics
 from services.worker.publisher import step_frames
 
 log = logging.getLogger("specmesh.worker")
@@ -135,8 +135,12 @@ class QueueWorker:
             started = time.perf_counter()
             outputs = self.engine.step()
             self.metrics.observe_step(outputs, time.perf_counter() - started)
-            for detok_id, group in self._by_detokenizer(outputs, lambda out: out.seq.request_id).items():
-                frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no)]
+            preempted = self._by_detokenizer(self.engine.last_preempted, lambda seq: seq.request_id)
+            self.metrics.counter(PREEMPTIONS).inc(len(self.engine.last_preempted))
+            groups = self._by_detokenizer(outputs, lambda out: out.seq.request_id)
+            for detok_id in groups.keys() | preempted.keys():
+                group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
+                frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
             finished += [o.seq.request_id for o in outputs if o.seq.is_finished]
         return frames, finished
 
