@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from services.detokenizer.logprobs import MIN_LOGPROB
 from services.mesh_process import Mesh, start_mesh
 from tests.methodfixture import METHOD_NAMES, METHODS
 from tests.test_e2e import E2E_MODEL
@@ -45,11 +46,13 @@ def client(mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def _greedy(client: openai.OpenAI, mesh: Mesh, api: str, stream: bool) -> tuple[str, list[dict], list[dict]]:
+def _generate(
+    client: openai.OpenAI, mesh: Mesh, api: str, stream: bool, **sampling
+) -> tuple[str, list[dict], list[dict]]:
     """Text, target logprob entries and draft entries (as {token, logprob, top: [(token, logprob)], accepted,
-    text_offset}) of a greedy request on a repetitive prompt, whichever API and mode."""
+    text_offset}) of a request on a repetitive prompt, whichever API and mode; greedy unless sampling says."""
     extra = dict(extra_body={"include_draft_logprobs": True, "ignore_eos": True})
-    common = dict(model=mesh.model, max_tokens=MAX_TOKENS, temperature=0, stream=stream, **extra)
+    common = dict(model=mesh.model, max_tokens=MAX_TOKENS, temperature=0, stream=stream, **extra) | sampling
     if api == "chat":
         response = client.chat.completions.create(
             messages=[{"role": "user", "content": REPETITIVE}], logprobs=True, top_logprobs=TOP_LOGPROBS, **common
@@ -123,7 +126,7 @@ def _assert_method_logprobs(method: str, drafts: list[dict]) -> None:
 def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_method(
     client: openai.OpenAI, mesh: Mesh, api: str, stream: bool
 ) -> None:
-    text, targets, drafts = _greedy(client, mesh, api, stream)
+    text, targets, drafts = _generate(client, mesh, api, stream)
     assert text and "".join(t["token"] for t in targets) == text
     assert len(targets) == MAX_TOKENS
     for target in targets:
@@ -139,6 +142,19 @@ def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_me
     if api == "completion":  # an accepted draft is the output token at its place in the text
         emitted = {t["text_offset"]: t["token"] for t in targets}
         assert all(emitted.get(d["text_offset"]) == d["token"] for d in drafts if d["accepted"])
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_sampled_mtp_drafts_report_their_probability_under_q(client: openai.OpenAI, mesh: Mesh, api: str) -> None:
+    """A sampled request's MTP drafts are drawn from q, so each has a probability under it (no -inf entry)."""
+    if METHODS[mesh.method].method != "mtp":
+        pytest.skip("only MTP drafts come from a distribution")
+    _, _, drafts = _generate(client, mesh, api, stream=False, temperature=0.8, seed=3)
+    assert drafts
+    for draft in drafts:
+        _assert_well_formed(draft)
+        assert draft["logprob"] > MIN_LOGPROB
+    assert any(d["logprob"] < NGRAM_LOGPROB for d in drafts)
 
 
 @pytest.mark.parametrize("api", APIS)

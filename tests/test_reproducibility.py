@@ -118,6 +118,20 @@ def test_target_match_yields_exactly_the_tokens_of_plain_decoding(model_dirs, pr
     assert engine.stats.num_accepted_tokens > 0  # drafts did replace target samples
 
 
+@pytest.mark.parametrize("name", ["ngram", "mtp"])
+def test_target_match_with_adaptive_drafts_yields_the_tokens_of_plain_decoding(
+    model_dirs, prompts, naive_tokens, name
+) -> None:
+    """Adaptive speculation changes the number of drafts with the batch and the measured step times; under
+    target_match that changes only the number of steps."""
+    method = METHODS[name]
+    engine = make_engine(model_dirs(method), method, verify_strategy="target_match", adaptive=True)
+    requests = _sampled_requests(prompts)
+    steps = run(engine, {0: requests})
+    assert [tokens_of(steps, r) for r in requests] == naive_tokens
+    assert engine.stats.num_accepted_tokens > 0
+
+
 def _rng_states() -> tuple:
     return torch.random.get_rng_state(), np.random.get_state(), random.getstate()
 
