@@ -30,13 +30,16 @@ _GREEDY_TEXTS: dict[tuple[str, bool], str] = {}
 
 
 @pytest.fixture(scope="module", params=METHOD_NAMES)
-def mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    spec = METHODS[request.param].config().model_dump_json()
+def method(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def mesh(method: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     m = start_mesh(
         tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "512",
-        "--speculative-config", spec, model=E2E_MODEL,
+        "--speculative-config", METHODS[method].config().model_dump_json(), model=E2E_MODEL,
     )
-    m.method = request.param
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
 
@@ -124,7 +127,7 @@ def _assert_method_logprobs(method: str, drafts: list[dict]) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("api", APIS)
 def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_method(
-    client: openai.OpenAI, mesh: Mesh, api: str, stream: bool
+    client: openai.OpenAI, mesh: Mesh, method: str, api: str, stream: bool
 ) -> None:
     text, targets, drafts = _generate(client, mesh, api, stream)
     assert text and "".join(t["token"] for t in targets) == text
@@ -132,22 +135,24 @@ def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_me
     for target in targets:
         assert target["logprob"] == pytest.approx(target["top"][0][1], abs=LOGPROB_TOLERANCE)  # greedy: the top
     assert _GREEDY_TEXTS.setdefault((api, stream), text) == text, "greedy text differs between methods"
-    if mesh.method == "naive":
+    if method == "naive":
         assert drafts == []
         return
     assert drafts and any(d["accepted"] for d in drafts)
     for draft in drafts:
         _assert_well_formed(draft)
-    _assert_method_logprobs(mesh.method, drafts)
+    _assert_method_logprobs(method, drafts)
     if api == "completion":  # an accepted draft is the output token at its place in the text
         emitted = {t["text_offset"]: t["token"] for t in targets}
         assert all(emitted.get(d["text_offset"]) == d["token"] for d in drafts if d["accepted"])
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_sampled_mtp_drafts_report_their_probability_under_q(client: openai.OpenAI, mesh: Mesh, api: str) -> None:
+def test_sampled_mtp_drafts_report_their_probability_under_q(
+    client: openai.OpenAI, mesh: Mesh, method: str, api: str
+) -> None:
     """A sampled request's MTP drafts are drawn from q, so each has a probability under it (no -inf entry)."""
-    if METHODS[mesh.method].method != "mtp":
+    if not METHODS[method].needs_mtp:
         pytest.skip("only MTP drafts come from a distribution")
     _, _, drafts = _generate(client, mesh, api, stream=False, temperature=0.8, seed=3)
     assert drafts
@@ -159,9 +164,9 @@ def test_sampled_mtp_drafts_report_their_probability_under_q(client: openai.Open
 
 @pytest.mark.parametrize("api", APIS)
 def test_streamed_text_equals_whole_text_for_a_seeded_request(
-    client: openai.OpenAI, mesh: Mesh, api: str, request: pytest.FixtureRequest
+    client: openai.OpenAI, mesh: Mesh, method: str, api: str, request: pytest.FixtureRequest
 ) -> None:
-    if mesh.method in SEED_REPRODUCIBLE_ONLY_UNDER_TARGET_MATCH:
+    if method in SEED_REPRODUCIBLE_ONLY_UNDER_TARGET_MATCH:
         request.applymarker(pytest.mark.xfail(
             reason="suffix drafts come from earlier outputs, and rejection's tokens depend on the drafts",
             raises=AssertionError,

@@ -138,7 +138,8 @@ def _rng_states() -> tuple:
 
 def _assert_same_rng_states(before: tuple, after: tuple) -> None:
     assert torch.equal(before[0], after[0]), "the engine used the global torch RNG"
-    assert before[1][0] == after[1][0] and np.array_equal(before[1][1], after[1][1]) and before[1][2:] == after[1][2:], (
+    (name, keys, *counters), (name_after, keys_after, *counters_after) = before[1], after[1]
+    assert name == name_after and np.array_equal(keys, keys_after) and counters == counters_after, (
         "the engine used numpy's global RNG"
     )
     assert before[2] == after[2], "the engine used Python's global random module"
@@ -219,7 +220,9 @@ def looping_prompt(prompts, greedy_reference) -> list[int]:
     return looping
 
 
-def test_rejection_with_ngram_drafts_keeps_the_target_distribution(tiny_model_dir, looping_prompt) -> None:  # noqa: F811
+def test_rejection_with_ngram_drafts_keeps_the_target_distribution(
+    tiny_model_dir, looping_prompt  # noqa: F811
+) -> None:
     def engine(method: str, accept_policy: str = "normal") -> Engine:
         return make_engine(
             tiny_model_dir, Method(method, method, 1), max_num_seqs=NUM_SEEDS,
