@@ -54,19 +54,29 @@ class Service:
             self.proc.wait()
 
 
-@pytest.fixture
-def mesh_parts(tmp_path: Path):
-    started: list[Service] = []
-    with running_nats_server(tmp_path / "nats") as nats:
-        def start(name: str, *extra: str) -> Service:
-            started.append(Service(name, nats.url, *extra))
-            return started[-1]
+class Parts:
+    """A mesh started service by service: a detokenizer and a gateway first, workers as the test needs."""
 
-        start("detokenizer")
-        gateway = start("gateway")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0)
-        yield start, client
-        for service in started:
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.started: list[Service] = []
+        self.detokenizer = self.start("detokenizer")
+        self.gateway = self.start("gateway")
+        base_url = f"http://127.0.0.1:{self.gateway.port}/v1"
+        self.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+    def start(self, name: str, *extra: str) -> Service:
+        service = Service(name, self.nats_url, *extra)
+        self.started.append(service)
+        return service
+
+
+@pytest.fixture
+def parts(tmp_path: Path):
+    with running_nats_server(tmp_path / "nats") as nats:
+        mesh = Parts(nats.url)
+        yield mesh
+        for service in mesh.started:
             service.kill()
 
 
@@ -74,10 +84,9 @@ def _stream(client: openai.OpenAI):
     return client.completions.create(model=E2E_MODEL.name, prompt=CODE_PROMPT, stream=True, **LONG)
 
 
-def test_draining_worker_finishes_its_request_and_exits(mesh_parts) -> None:
-    start, client = mesh_parts
-    worker = start("worker", "--drain-timeout", "60")
-    stream = _stream(client)
+def test_draining_worker_finishes_its_request_and_exits(parts: Parts) -> None:
+    worker = parts.start("worker", "--drain-timeout", "60")
+    stream = _stream(parts.client)
     text = next(iter(stream)).choices[0].text
     worker.proc.send_signal(signal.SIGTERM)
     text += "".join(c.choices[0].text for c in stream if c.choices)
@@ -85,14 +94,26 @@ def test_draining_worker_finishes_its_request_and_exits(mesh_parts) -> None:
     assert len(text) > 0
 
 
-def test_worker_that_must_leave_hands_its_request_to_another(mesh_parts) -> None:
-    start, client = mesh_parts
-    leaving = start("worker", "--drain-timeout", "0", "--worker-id", "1")
-    stream = _stream(client)
+def test_worker_that_must_leave_hands_its_request_to_another(parts: Parts) -> None:
+    leaving = parts.start("worker", "--drain-timeout", "0", "--worker-id", "1")
+    stream = _stream(parts.client)
     chunks = iter(stream)
     text = "".join(next(chunks).choices[0].text for _ in range(5))
     assert leaving.terminate() == 0  # hands the unfinished request back with its progress
-    start("worker", "--worker-id", "2")
+    parts.start("worker", "--worker-id", "2")
     text += "".join(c.choices[0].text for c in chunks if c.choices)
-    uninterrupted = client.completions.create(model=E2E_MODEL.name, prompt=CODE_PROMPT, **LONG).choices[0].text
+    uninterrupted = parts.client.completions.create(model=E2E_MODEL.name, prompt=CODE_PROMPT, **LONG).choices[0].text
     assert text == uninterrupted
+
+
+def test_draining_gateway_and_detokenizer_finish_the_open_stream(parts: Parts) -> None:
+    parts.start("worker")
+    stream = _stream(parts.client)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    for service in (parts.gateway, parts.detokenizer):
+        service.proc.send_signal(signal.SIGTERM)
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    for service in (parts.gateway, parts.detokenizer):
+        assert service.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+    assert len(text) > 0 and stream.response.is_closed
