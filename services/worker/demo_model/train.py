@@ -39,7 +39,7 @@ class TrainConfig:
     num_kv_heads: int = 4
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 3000
+    steps: int = 2500
     lr: float = 3e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
