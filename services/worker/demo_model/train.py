@@ -180,6 +180,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     metrics = train(TrainConfig(steps=args.steps), args.out)
     print(json.dumps(metrics, indent=2))
