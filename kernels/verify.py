@@ -69,11 +69,15 @@ def _draft_passes(p_row, q_row, drafted, is_greedy, seed, position, top_p, vocab
     if is_greedy | (STRATEGY == GREEDY):
         passes = drafted == argmax(p_row, vocab, BLOCK)
     elif STRATEGY == REJECTION:
-        u = uniform_scalar(noise_key(seed, position, ACCEPT))
+        q_at_draft = tl.full((), 1.0, p_at_draft.dtype)
         if HAS_Q:
-            passes = u * tl.load(q_row + drafted).to(p_at_draft.dtype) < p_at_draft
+            q_at_draft = tl.load(q_row + drafted).to(p_at_draft.dtype)
+        if q_at_draft >= 1.0:  # a point mass: the coupled test, x == the target's own sample (see the twin)
+            target_sample, _ = race(p_row, p_row, drafted, vocab, noise_key(seed, position, SAMPLE), RACE_PLAIN, BLOCK)
+            passes = drafted == target_sample
         else:
-            passes = u < p_at_draft
+            u = uniform_scalar(noise_key(seed, position, ACCEPT))
+            passes = u * q_at_draft < p_at_draft
     elif STRATEGY == TARGET_MATCH:
         target_sample, _ = race(p_row, p_row, drafted, vocab, noise_key(seed, position, SAMPLE), RACE_PLAIN, BLOCK)
         passes = drafted == target_sample

@@ -24,7 +24,6 @@ LOGPROB_TOLERANCE = 1e-5
 APIS = ("chat", "completion")
 # Suffix decoding drafts from earlier requests' outputs, so a repeated request gets other drafts, and under the
 # default rejection strategy the tokens emitted depend on the drafts: the same seed can give another text.
-SEED_REPRODUCIBLE_ONLY_UNDER_TARGET_MATCH = frozenset({"suffix"})
 # Greedy texts by (api, stream), filled by the first method's mesh and compared with every later one's.
 _GREEDY_TEXTS: dict[tuple[str, bool], str] = {}
 
@@ -164,13 +163,8 @@ def test_sampled_mtp_drafts_report_their_probability_under_q(
 
 @pytest.mark.parametrize("api", APIS)
 def test_streamed_text_equals_whole_text_for_a_seeded_request(
-    client: openai.OpenAI, mesh: Mesh, method: str, api: str, request: pytest.FixtureRequest
+    client: openai.OpenAI, mesh: Mesh, method: str, api: str
 ) -> None:
-    if method in SEED_REPRODUCIBLE_ONLY_UNDER_TARGET_MATCH:
-        request.applymarker(pytest.mark.xfail(
-            reason="suffix drafts come from earlier outputs, and rejection's tokens depend on the drafts",
-            raises=AssertionError,
-        ))
     common = dict(model=mesh.model, max_tokens=MAX_TOKENS, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
     if api == "chat":
         messages = [{"role": "user", "content": REPETITIVE}]

@@ -4,6 +4,10 @@ rejection (lossless): draft x is accepted with probability min(1, p(x)/q(x)), p 
   draft distribution at its position (a point mass at x when no q is given). At the first rejection the emitted
   token is drawn from the residual max(p - q, 0); if every draft is accepted, a bonus token is drawn from p at the
   position after the last draft. Each emitted token is then distributed exactly as p, whatever q is.
+  A point-mass draft (q(x) = 1: ngram, suffix) takes the test in its coupled form: x is accepted iff it equals
+  the target's own sample at that position, which happens with probability p(x) = min(1, p(x)/q(x)); after a
+  rejection the residual sample is that same target sample. So for point-mass drafts the output does not depend
+  on what was drafted, and a seeded request reproduces whatever the suffix cache or the batch proposed.
 target_match (lossless): draft j is accepted iff it equals the token the target samples at its position with the
   noise plain decoding draws there, sample(p_j, seed, position + j, SAMPLE); the token after the accepted prefix is
   the target's own sample. With the same seed this emits exactly the tokens plain decoding emits, whatever the
@@ -89,15 +93,18 @@ def _slot_coordinates(inp: VerifyInput, num_slots: int) -> tuple[Tensor, Tensor]
     return inp.seeds.repeat_interleave(num_slots), (inp.positions.unsqueeze(1) + offsets).reshape(-1)
 
 
-def _rejection_test(inp: VerifyInput, drafted: Tensor, target_at_draft: Tensor) -> Tensor:
+def _rejection_test(inp: VerifyInput, drafted: Tensor, slot_probs: Tensor, target_at_draft: Tensor) -> Tensor:
     batch, num_slots = drafted.shape
     if inp.draft_probs is None:
-        draft_at_draft = torch.ones_like(target_at_draft)
-    else:
-        draft_at_draft = inp.draft_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1).to(target_at_draft.dtype)
+        return _target_match_test(inp, slot_probs)  # every draft is a point mass
+    draft_at_draft = inp.draft_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1).to(target_at_draft.dtype)
     u = uniform(*_slot_coordinates(inp, num_slots), Purpose.ACCEPT).reshape(batch, num_slots)
     # u < p/q without dividing: exact when q(x) = 0, and p(x) = 0 is never accepted since u > 0.
-    return u * draft_at_draft < target_at_draft
+    test = u * draft_at_draft < target_at_draft
+    point_mass = draft_at_draft >= 1.0
+    if bool(point_mass.any()):
+        test = torch.where(point_mass, _target_match_test(inp, slot_probs), test)
+    return test
 
 
 def _target_match_test(inp: VerifyInput, slot_probs: Tensor) -> Tensor:
@@ -126,7 +133,7 @@ def _accepted(inp: VerifyInput, has_draft: Tensor, accept_policy: str, verify_st
     target_at_draft = slot_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1)
     greedy = inp.draft_tokens == slot_probs.argmax(dim=-1)
     if verify_strategy == "rejection":
-        test = _rejection_test(inp, drafted, target_at_draft)
+        test = _rejection_test(inp, drafted, slot_probs, target_at_draft)
     elif verify_strategy == "target_match":
         test = _target_match_test(inp, slot_probs)
     elif verify_strategy == "greedy":
