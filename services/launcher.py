@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None)
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
     parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: no preemption)")
+    parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-level", default="INFO")
@@ -115,7 +117,9 @@ def run(args: argparse.Namespace) -> None:
             metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
             children.append((name, _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(port))))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
-        worker_args += ["--device", args.device]
+        worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
+        if args.num_kv_blocks is not None:
+            worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
         for i in range(args.workers):
