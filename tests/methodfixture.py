@@ -1,5 +1,5 @@
-"""Every drafting method on the tiny test checkpoints, for engine-level tests of speculation: the method table,
-an engine builder, a step loop, and transformers' greedy continuation to compare with.
+"""The engine tests' shared helpers: every drafting method on the tiny test checkpoints (the method table), an
+engine builder, requests, a step loop and its outputs, and transformers' greedy continuation to compare with.
 
 Methods that need no MTP module run on tests/modelfixture.py's tiny Llama; "mtp" and "mtp+with_ngram" run on
 tests/mtpfixture.py's copy of the same trunk with a fitted MTP module, so one reference serves all of them.
@@ -9,7 +9,7 @@ Import the fixtures by name into a test module (`from tests.methodfixture import
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +22,11 @@ from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.mtpfixture import mtp_model_dirs  # noqa: F401
+from tests.threadfixture import single_thread  # noqa: F401
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 4
-MAX_STEPS = 1000  # far more than any test needs: a scheduler that stalls fails instead of hanging
+MAX_STEPS = 500  # far more than any test needs: a scheduler that stalls fails instead of hanging
 REFERENCE_TOKENS = 40  # the longest greedy continuation a test compares
 PROMPT_TEXTS = (
     "def wrap(text, width=70):\n    return text",
@@ -35,6 +36,7 @@ PROMPT_TEXTS = (
 )
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 Steps = list[list[SeqOutput]]
+OnStep = Callable[[list[SeqOutput]], None]
 
 
 @dataclass(frozen=True)
@@ -74,25 +76,10 @@ METHOD_NAMES = tuple(METHODS)
 DRAFTING_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafts)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny matrices gain nothing from more, and the CPU is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def mtp_model_dir(request: pytest.FixtureRequest) -> Path:
-    """The specmesh-layout MTP checkpoint. Fitting its module is ~10x slower with two threads on a busy CPU,
-    and session fixtures are built before any module's single_thread, so the fit is made single-threaded here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return request.getfixturevalue("mtp_model_dirs")["specmesh"]
-    finally:
-        torch.set_num_threads(before)
+def mtp_model_dir(mtp_model_dirs: dict[str, Path]) -> Path:  # noqa: F811
+    """The specmesh-layout MTP checkpoint."""
+    return mtp_model_dirs["specmesh"]
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +88,29 @@ def model_dirs(tiny_model_dir: Path, mtp_model_dir: Path) -> Callable[[Method], 
     return lambda method: mtp_model_dir if method.needs_mtp else tiny_model_dir
 
 
+def encode_prompts(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
+    tok = Tokenizer(model_dir)
+    return [tok.encode(text) for text in texts]
+
+
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir: Path) -> list[list[int]]:  # noqa: F811
-    tok = Tokenizer(tiny_model_dir)
-    return [tok.encode(text) for text in PROMPT_TEXTS]
+    """PROMPT_TEXTS as token ids (every test checkpoint shares the tiny Llama's tokenizer)."""
+    return encode_prompts(tiny_model_dir, PROMPT_TEXTS)
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:  # noqa: F811
+def reference_model(tiny_model_dir: Path):  # noqa: F811
+    """transformers' own model of the tiny Llama (the trunk of the MTP checkpoints too)."""
+    import transformers  # a dev dependency: test modules that use it importorskip it
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(reference_model) -> Callable[[list[int], int], list[int]]:
     """transformers' greedy continuation with EOS disabled, generated once per prompt (a greedy continuation
     of n tokens is the first n of a longer one)."""
-    import transformers
-
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     memo: dict[tuple[int, ...], list[int]] = {}
 
     def generate(prompt: list[int], num_tokens: int) -> list[int]:
@@ -123,43 +120,48 @@ def greedy_reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[in
             # An explicit mask: the prompt starts with the BOS token, which is also the pad id transformers
             # would otherwise mask out.
             with torch.no_grad():
-                out = reference.generate(
+                out = reference_model.generate(
                     ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=REFERENCE_TOKENS,
                     eos_token_id=None, pad_token_id=0,
                 )
             memo[tuple(prompt)] = out[0, len(prompt) :].tolist()
+            assert len(memo[tuple(prompt)]) == REFERENCE_TOKENS
         return memo[tuple(prompt)][:num_tokens]
 
     return generate
 
 
-def make_engine(
-    model_dir: Path, method: Method, max_num_seqs: int = MAX_NUM_SEQS, max_model_len: int = MAX_MODEL_LEN,
-    **overrides,
-) -> Engine:
-    """An engine running `method`; overrides replace speculative config keys (verify_strategy, k, ...)."""
-    config = EngineConfig(
-        model=model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        speculative=method.config(**overrides),
-    )
-    return Engine(config)
+def make_engine(model_dir: Path, method: Method, **overrides) -> Engine:
+    """An engine running `method` with MAX_NUM_SEQS slots of MAX_MODEL_LEN; overrides replace EngineConfig keys
+    (max_num_seqs, max_model_len, block_size, num_kv_blocks, ...) or the method's speculative config keys
+    (num_speculative_tokens, verify_strategy, accept_policy, ...)."""
+    engine_keys = {key: value for key, value in overrides.items() if key in EngineConfig.model_fields}
+    speculative_keys = {key: value for key, value in overrides.items() if key not in engine_keys}
+    engine_keys = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN) | engine_keys
+    return Engine(EngineConfig(model=model_dir, speculative=method.config(**speculative_keys), **engine_keys))
 
 
-def make_request(prompt: list[int], **sampling) -> WorkRequest:
+def make_request(prompt: list[int], output_token_ids: Sequence[int] = (), **sampling) -> WorkRequest:
+    """A request under a fresh id; output_token_ids are tokens already emitted, for a request that resumes."""
     return WorkRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=SamplingParams(**sampling), created=0.0
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, output_token_ids=output_token_ids,
+        sampling=SamplingParams(**sampling), created=0.0,
     )
 
 
-def run(engine: Engine, arrivals: dict[int, list[WorkRequest]]) -> Steps:
-    """Steps until every request finished; requests in arrivals[i] are added before step i (0-based)."""
+def run(engine: Engine, arrivals: dict[int, list[WorkRequest]], on_step: OnStep | None = None) -> Steps:
+    """Steps until every request finished; requests in arrivals[i] are added before step i (0-based), and
+    on_step sees each step's outputs as soon as the step returns them."""
     steps: Steps = []
     pending = dict(arrivals)
     while pending or engine.has_work():
         assert len(steps) < MAX_STEPS, "the engine stopped making progress"
         for request in pending.pop(len(steps), []):
             engine.add_request(request)
-        steps.append(engine.step() if engine.has_work() else [])
+        outputs = engine.step() if engine.has_work() else []
+        if on_step is not None:
+            on_step(outputs)
+        steps.append(outputs)
     return steps
 
 
@@ -169,10 +171,15 @@ def outputs_of(steps: Steps, request: WorkRequest) -> list[SeqOutput]:
 
 def tokens_of(steps: Steps, request: WorkRequest) -> list[int]:
     """The request's emitted tokens, checking that each step's offset continues where the last one ended."""
-    offset = 0
+    offset = len(request.output_token_ids)
     tokens: list[int] = []
     for out in outputs_of(steps, request):
         assert out.offset == offset
         offset += len(out.tokens)
         tokens += out.tokens
     return tokens
+
+
+def tokens_alone(engine: Engine, request: WorkRequest) -> list[int]:
+    """The tokens `request` gets as the only request of `engine`."""
+    return tokens_of(run(engine, {0: [request]}), request)

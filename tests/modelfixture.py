@@ -35,9 +35,18 @@ def _corpus() -> list[str]:
     return [(stdlib / name).read_text(encoding="utf-8") for name in TOKENIZER_CORPUS]
 
 
-def _build_model(kind: str, vocab_size: int, eos_id: int):
+def random_causal_lm(kind: str, **config):
+    """A transformers Llama or Qwen2 with these config keys, its random weights drawn from torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+
+
+def _build_model(kind: str, vocab_size: int, eos_id: int):
     common = dict(
         MODEL_SHAPE, vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
         torch_dtype=torch.float32,
@@ -45,15 +54,11 @@ def _build_model(kind: str, vocab_size: int, eos_id: int):
     # A private RNG state, so building the fixture does not shift the random streams of the tests around it.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
-        if kind == "llama":
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        return random_causal_lm(kind, **common)
 
 
 def make_tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     """Writes tokenizer files, config.json (eos = <|endoftext|>) and float32 random weights to `path`."""
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
     path = Path(path)
     tok = train_tokenizer(_corpus(), TOKENIZER_VOCAB_SIZE, path)
     eos_id = tok.token_to_id(END_OF_TEXT)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from services.worker.model.llama import MTPLayer
 from services.worker.model.loader import load_model
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (the fixture is used by name)
+from tests.threadfixture import one_torch_thread
 
 LAYOUTS = ("specmesh", "deepseek", "mimo")
 WEIGHTS_FILE = "model.safetensors"
@@ -46,12 +47,8 @@ def fit_mtp_module(model_dir: Path) -> dict[str, torch.Tensor]:
 
     Single-threaded: on a shared 2-core machine two threads make these small ops about ten times slower.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return _fit(model_dir)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _fit(model_dir: Path) -> dict[str, torch.Tensor]:

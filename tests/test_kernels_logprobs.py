@@ -3,14 +3,10 @@ ranks, logprobs within 1e-5."""
 
 from __future__ import annotations
 
-import os
+from tests.kernelfixture import single_thread  # noqa: F401  (first: it puts triton in interpreter mode)
 
-# Before triton is imported: the kernels are decorated in interpreter mode. Only CPU tensors reach them here, and
-# CPU tensors never reach a kernel elsewhere, so this setting changes nothing for other tests in the process.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -18,14 +14,6 @@ from kernels.logprobs import token_logprobs, token_logprobs_launch  # noqa: E402
 from services.worker.spec.logprobs import token_logprobs_torch  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _assert_same(logits: torch.Tensor, chosen: torch.Tensor, top_k: int) -> None:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
+from tests.kernelfixture import single_thread  # noqa: F401  (first: it puts triton in interpreter mode)
 
-# Before triton is imported: the kernels are decorated in interpreter mode. Only CPU tensors reach them here, and
-# CPU tensors never reach a kernel elsewhere, so this setting changes nothing for other tests in the process.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import random
 
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

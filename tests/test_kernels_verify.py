@@ -4,14 +4,10 @@ num_accepted, output tokens and offsets for every strategy and policy, on ragged
 
 from __future__ import annotations
 
-import os
+from tests.kernelfixture import single_thread  # noqa: F401  (first: it puts triton in interpreter mode)
 
-# Before triton is imported: the kernels are decorated in interpreter mode. Only CPU tensors reach them here, and
-# CPU tensors never reach a kernel elsewhere, so this setting changes nothing for other tests in the process.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -22,14 +18,6 @@ from services.worker.spec.sampling import sample_torch  # noqa: E402
 
 BATCH = 6
 FIELDS = ("num_accepted", "output_tokens", "num_emitted", "offsets")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ragged_input(num_slots: int, vocab: int, with_q: bool, seed: int) -> VerifyInput:

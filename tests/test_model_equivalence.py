@@ -9,30 +9,22 @@ from services.worker.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.layers import AttentionBatch
 from services.worker.model.loader import load_model
+from tests.modelfixture import MODEL_SHAPE, random_causal_lm
 
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
+VOCAB_SIZE = 311  # not a power of two on purpose
+# The engine tests' tiny shape with odd sizes and non-default rope and norm settings, so that loading reads them.
+SHAPE = MODEL_SHAPE | dict(
+    vocab_size=VOCAB_SIZE, intermediate_size=136, max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-5
+)
+SEED = 0
 
 
 def _save_tiny(kind: str, tied: bool, path: Path) -> "transformers.PreTrainedModel":
-    common = dict(
-        vocab_size=311,  # not a power of two on purpose
-        hidden_size=64,
-        intermediate_size=136,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    torch.manual_seed(SEED)
+    model = random_causal_lm(kind, **SHAPE, tie_word_embeddings=tied)
     with torch.no_grad():  # random biases and norms, so their loading is really checked
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -45,7 +37,7 @@ def _save_tiny(kind: str, tied: bool, path: Path) -> "transformers.PreTrainedMod
 def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     reference = _save_tiny(kind, tied, tmp_path)
     ours = load_model(tmp_path)
-    ids = torch.randint(0, 311, (2, 23), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB_SIZE, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits
         positions = torch.arange(23).expand(2, 23)
@@ -59,7 +51,7 @@ def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: s
     reference = _save_tiny(kind, False, tmp_path)
     ours = load_model(tmp_path)
     cfg = ours.config
-    ids = torch.randint(0, 311, (1, 14), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, VOCAB_SIZE, (1, 14), generator=torch.Generator().manual_seed(2))
     cache = KVCache(ours.num_cache_layers, 2, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     slot = torch.tensor([1])
 

@@ -5,10 +5,6 @@ without MTP modules is refused."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,135 +12,60 @@ import torch
 from services.worker.engine import Engine, SeqOutput
 from services.worker.publisher import step_frames
 from services.worker.sequence import Sequence
-from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import FrameKind, decode
-from shared.schemas import SamplingParams, WorkRequest
-from shared.tokenizer import Tokenizer
-from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
-from tests.mtpfixture import LAYOUTS, mtp_model_dirs  # noqa: F401
+from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
+    GREEDY, METHODS, Method, greedy_reference, make_engine, make_request, mtp_model_dir, mtp_model_dirs, outputs_of,
+    prompts, reference_model, run, single_thread, tiny_model_dir, tokens_alone, tokens_of,
+)
+from tests.mtpfixture import LAYOUTS
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-MAX_MODEL_LEN = 256
-MAX_NUM_SEQS = 4
-MAX_STEPS = 500
-REFERENCE_TOKENS = 40
 LOGIT_TOLERANCE = 1e-4
 WORKER_ID = 5
-PROMPT_TEXTS = (
-    "def wrap(text, width=70):\n    return text",
-    "import os\n",
-    "class Template:\n    delimiter = '$'\n",
-    "for i in range(10):\n    print(i, i * i)\n",
-)
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 # (num_speculative_tokens, num_model_steps, mtp_strategy)
 CONFIGS = [(1, 1, "default"), (2, 1, "default"), (2, 2, "default"), (3, 1, "default"), (3, 3, "default"),
            (3, 1, "with_ngram"), (3, 2, "with_ngram")]
-Steps = list[list[SeqOutput]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(mtp_model_dirs: dict[str, Path]) -> Path:  # noqa: F811
-    return mtp_model_dirs["specmesh"]
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir: Path) -> list[list[int]]:
-    tok = Tokenizer(model_dir)
-    return [tok.encode(text) for text in PROMPT_TEXTS]
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:  # noqa: F811
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def generate(prompt: list[int], num_tokens: int) -> list[int]:
-        if tuple(prompt) not in memo:
-            ids = torch.tensor([prompt])
-            # An explicit mask: the prompt starts with the BOS token, which is also the pad id.
-            with torch.no_grad():
-                out = reference.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=REFERENCE_TOKENS,
-                    eos_token_id=None, pad_token_id=0,
-                )
-            memo[tuple(prompt)] = out[0, len(prompt) :].tolist()
-        return memo[tuple(prompt)][:num_tokens]
-
-    return generate
-
-
-def _engine(model_dir: Path, k: int = 3, steps: int = 1, strategy: str = "default", **spec) -> Engine:
-    speculative = SpeculativeConfig(
-        method="mtp", num_speculative_tokens=k, num_model_steps=steps, mtp_strategy=strategy, **spec
-    )
-    return Engine(EngineConfig(model=model_dir, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                               speculative=speculative))
-
-
-def _request(prompt: list[int], **sampling) -> WorkRequest:
-    return WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=SamplingParams(**sampling),
-                       created=0.0)
-
-
-def _run(engine: Engine, arrivals: dict[int, list[WorkRequest]],
-         on_step: Callable[[list[SeqOutput]], None] | None = None) -> Steps:
-    steps: Steps = []
-    pending = dict(arrivals)
-    while pending or engine.has_work():
-        assert len(steps) < MAX_STEPS, "the engine stopped making progress"
-        for request in pending.pop(len(steps), []):
-            engine.add_request(request)
-        outputs = engine.step() if engine.has_work() else []
-        if on_step is not None:
-            on_step(outputs)
-        steps.append(outputs)
-    return steps
-
-
-def _outputs(steps: Steps, request: WorkRequest) -> list[SeqOutput]:
-    return [o for outputs in steps for o in outputs if o.seq.request_id == request.request_id]
-
-
-def _tokens(steps: Steps, request: WorkRequest) -> list[int]:
-    return [t for o in _outputs(steps, request) for t in o.tokens]
+def _mtp(k: int = 3, num_steps: int = 1, strategy: str = "default") -> Method:
+    """MTP drafting k tokens, num_steps of them by the module feeding itself (strategy "with_ngram": the rest by
+    n-gram lookup)."""
+    return Method(f"mtp-{k}-{num_steps}-{strategy}", "mtp", k, dict(num_model_steps=num_steps, mtp_strategy=strategy))
 
 
 @pytest.mark.parametrize("k,num_steps,strategy", CONFIGS)
-def test_greedy_alone_matches_transformers(model_dir, prompts, greedy_reference, k, num_steps, strategy) -> None:
-    engine = _engine(model_dir, k, num_steps, strategy)
-    request = _request(prompts[0], max_tokens=40, **GREEDY)
-    steps = _run(engine, {0: [request]})
-    assert _tokens(steps, request) == greedy_reference(prompts[0], 40)
-    drafted = [len(o.draft_tokens) for o in _outputs(steps, request)[1:]]
+def test_greedy_alone_matches_transformers(mtp_model_dir, prompts, greedy_reference, k, num_steps, strategy) -> None:
+    engine = make_engine(mtp_model_dir, _mtp(k, num_steps, strategy))
+    request = make_request(prompts[0], max_tokens=40, **GREEDY)
+    steps = run(engine, {0: [request]})
+    assert tokens_of(steps, request) == greedy_reference(prompts[0], 40)
+    drafted = [len(o.draft_tokens) for o in outputs_of(steps, request)[1:]]
     assert max(drafted) == k if strategy == "with_ngram" else all(1 <= n <= num_steps for n in drafted)
     assert engine.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("k,num_steps,strategy", [(2, 1, "default"), (3, 3, "default"), (3, 2, "with_ngram")])
 def test_mixed_batch_greedy_matches_transformers_and_sampling_matches_alone(
-    model_dir, prompts, greedy_reference, k, num_steps, strategy
+    mtp_model_dir, prompts, greedy_reference, k, num_steps, strategy
 ) -> None:
-    greedy = [_request(prompts[0], max_tokens=30, **GREEDY), _request(prompts[2], max_tokens=20, logprobs=2, **GREEDY),
-              _request(prompts[1], max_tokens=25, **GREEDY)]
-    sampled = [_request(prompts[3], max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
-               _request(prompts[1], max_tokens=16, temperature=1.0, top_k=40, top_p=0.9, seed=3, ignore_eos=True)]
-    engine = _engine(model_dir, k, num_steps, strategy)
-    steps = _run(engine, {0: [greedy[0], sampled[0], greedy[1]], 3: [sampled[1], greedy[2]]})
+    greedy = [
+        make_request(prompts[0], max_tokens=30, **GREEDY),
+        make_request(prompts[2], max_tokens=20, logprobs=2, **GREEDY),
+        make_request(prompts[1], max_tokens=25, **GREEDY),
+    ]
+    sampled = [
+        make_request(prompts[3], max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+        make_request(prompts[1], max_tokens=16, temperature=1.0, top_k=40, top_p=0.9, seed=3, ignore_eos=True),
+    ]
+    engine = make_engine(mtp_model_dir, _mtp(k, num_steps, strategy))
+    steps = run(engine, {0: [greedy[0], sampled[0], greedy[1]], 3: [sampled[1], greedy[2]]})
     for request in greedy:
-        assert _tokens(steps, request) == greedy_reference(list(request.prompt_token_ids), request.sampling.max_tokens)
+        expected = greedy_reference(list(request.prompt_token_ids), request.sampling.max_tokens)
+        assert tokens_of(steps, request) == expected
     for request in sampled:
-        alone = _engine(model_dir, k, num_steps, strategy)
-        assert _tokens(steps, request) == _tokens(_run(alone, {0: [request]}), request)
+        alone = make_engine(mtp_model_dir, _mtp(k, num_steps, strategy))
+        assert tokens_of(steps, request) == tokens_alone(alone, request)
     assert engine.stats.num_accepted_tokens > 0
 
 
@@ -168,11 +89,11 @@ def _scratch_drafts(engine: Engine, seq: Sequence, num_drafts: int) -> tuple[lis
 
 
 @pytest.mark.parametrize("num_steps", [1, 3])
-def test_drafts_after_each_step_equal_a_from_scratch_mtp_computation(model_dir, prompts, num_steps) -> None:
+def test_drafts_after_each_step_equal_a_from_scratch_mtp_computation(mtp_model_dir, prompts, num_steps) -> None:
     """The drafter's cache after prefill and after every verify (accepted, rejected, ragged batch) holds what a
     cache-free pass over the whole sequence computes: this is what catches bookkeeping errors."""
-    engine = _engine(model_dir, 3, num_steps)
-    requests = [_request(prompts[i], max_tokens=24, **GREEDY) for i in (0, 2, 3)]
+    engine = make_engine(mtp_model_dir, _mtp(3, num_steps))
+    requests = [make_request(prompts[i], max_tokens=24, **GREEDY) for i in (0, 2, 3)]
     checked = 0
 
     def check(outputs: list[SeqOutput]) -> None:
@@ -189,17 +110,17 @@ def test_drafts_after_each_step_equal_a_from_scratch_mtp_computation(model_dir, 
             assert torch.allclose(pending.report_logits[0], first_logits, atol=LOGIT_TOLERANCE)
             checked += 1
 
-    _run(engine, {0: requests[:2], 2: requests[2:]}, on_step=check)
+    run(engine, {0: requests[:2], 2: requests[2:]}, on_step=check)
     assert checked > 20
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens  # both outcomes were exercised
 
 
-def test_draft_logprobs_are_the_mtp_distribution_and_join_their_target_record(model_dir, prompts) -> None:
+def test_draft_logprobs_are_the_mtp_distribution_and_join_their_target_record(mtp_model_dir, prompts) -> None:
     top_k = 4
-    sampled = _request(prompts[0], max_tokens=30, temperature=0.9, seed=12, logprobs=top_k,
+    sampled = make_request(prompts[0], max_tokens=30, temperature=0.9, seed=12, logprobs=top_k,
                        include_draft_logprobs=True, ignore_eos=True)
-    greedy = _request(prompts[3], max_tokens=30, logprobs=top_k, include_draft_logprobs=True, **GREEDY)
-    engine = _engine(model_dir, 3, 2, "with_ngram")
+    greedy = make_request(prompts[3], max_tokens=30, logprobs=top_k, include_draft_logprobs=True, **GREEDY)
+    engine = make_engine(mtp_model_dir, _mtp(3, 2, "with_ngram"))
     joined: dict[str, int] = {}
 
     def publish(outputs: list[SeqOutput]) -> None:
@@ -215,10 +136,10 @@ def test_draft_logprobs_are_the_mtp_distribution_and_join_their_target_record(mo
             assert np.array_equal(logprobs, out.draft.logprobs)
             joined[out.seq.request_id] = joined.get(out.seq.request_id, 0) + 1
 
-    steps = _run(engine, {0: [sampled, greedy]}, on_step=publish)
+    steps = run(engine, {0: [sampled, greedy]}, on_step=publish)
     assert joined.get(sampled.request_id) and joined.get(greedy.request_id)
     for request in (sampled, greedy):
-        for out in _outputs(steps, request):
+        for out in outputs_of(steps, request):
             if out.draft is None:
                 continue
             modelled = min(2, len(out.draft_tokens))  # num_model_steps; n-gram fills the rest
@@ -234,21 +155,20 @@ def test_draft_logprobs_are_the_mtp_distribution_and_join_their_target_record(mo
 def test_layouts_load_to_identical_drafts(mtp_model_dirs, prompts) -> None:  # noqa: F811
     drafts = {}
     for layout in LAYOUTS:
-        request = _request(prompts[2], max_tokens=24, **GREEDY)
-        steps = _run(_engine(mtp_model_dirs[layout], 3, 2), {0: [request]})
-        drafts[layout] = [o.draft_tokens for o in _outputs(steps, request)]
+        request = make_request(prompts[2], max_tokens=24, **GREEDY)
+        steps = run(make_engine(mtp_model_dirs[layout], _mtp(3, 2)), {0: [request]})
+        drafts[layout] = [o.draft_tokens for o in outputs_of(steps, request)]
     assert any(drafts["specmesh"]) and drafts["deepseek"] == drafts["specmesh"] == drafts["mimo"]
 
 
-def test_reject_all_reproduces_plain_decoding_for_sampled_requests(model_dir, prompts) -> None:
+def test_reject_all_reproduces_plain_decoding_for_sampled_requests(mtp_model_dir, prompts) -> None:
     """Whatever q the drafts came from, rejecting them all leaves each emitted token as plain decoding draws it."""
-    request = _request(prompts[1], max_tokens=24, temperature=0.7, seed=4, ignore_eos=True)
-    plain = _tokens(_run(Engine(EngineConfig(model=model_dir, speculative=SpeculativeConfig(method="naive"))),
-                         {0: [request]}), request)
-    engine = _engine(model_dir, 3, 3, accept_policy="reject_all")
-    assert _tokens(_run(engine, {0: [request]}), request) == plain and engine.stats.num_draft_tokens > 0
+    request = make_request(prompts[1], max_tokens=24, temperature=0.7, seed=4, ignore_eos=True)
+    plain = tokens_alone(make_engine(mtp_model_dir, METHODS["naive"]), request)
+    engine = make_engine(mtp_model_dir, _mtp(3, 3), accept_policy="reject_all")
+    assert tokens_alone(engine, request) == plain and engine.stats.num_draft_tokens > 0
 
 
 def test_mtp_on_a_checkpoint_without_mtp_modules_is_refused(tiny_model_dir) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="needs a checkpoint with MTP modules"):
-        _engine(tiny_model_dir)
+        make_engine(tiny_model_dir, _mtp())

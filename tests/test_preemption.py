@@ -6,54 +6,36 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from services.detokenizer.assembler import Record, RequestAssembler
 from services.detokenizer.incremental import TokenTable
-from services.worker.engine import Engine
+from services.worker.engine import Engine, SeqOutput
 from services.worker.publisher import step_frames
-from shared.config import EngineConfig
 from shared.frames import FrameKind, SeqStatus, decode
 from shared.schemas import DetokOpen, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    MAX_STEPS,
-    METHODS,
-    make_request,
-    model_dirs,
-    mtp_model_dir,
-    mtp_model_dirs,
-    prompts,
-    single_thread,
-    tiny_model_dir,
+    GREEDY, METHODS, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs, prompts, run,
+    single_thread, tiny_model_dir,
 )
 
-MAX_NUM_SEQS = 4
-MAX_MODEL_LEN = 64
-BLOCK_SIZE = 8
-# 8 blocks hold one full-length sequence; four sequences of ~10-20 prompt and 36 new tokens need ~25.
+# Sequences of up to 64 positions in blocks of 8: 8 blocks hold one full-length sequence; four sequences of ~10-20
+# prompt and 36 new tokens need ~25.
+SMALL_CACHE = dict(max_model_len=64, block_size=8)
 TIGHT_KV_BLOCKS = 12
 MAX_TOKENS = 36
 WORKER_ID = 5
 SAMPLED = dict(temperature=0.8, top_p=0.95, ignore_eos=True, max_tokens=MAX_TOKENS)
-GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+GREEDY_ROW = GREEDY | dict(max_tokens=MAX_TOKENS)
 PREEMPTION_METHODS = ("naive", "ngram", "mtp")
-
-
-def _engine(model_dir: Path, method: str, num_kv_blocks: int | None) -> Engine:
-    config = EngineConfig(
-        model=model_dir, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-        num_kv_blocks=num_kv_blocks, speculative=METHODS[method].config(),
-    )
-    return Engine(config)
 
 
 def _requests(prompts: list[list[int]]) -> list[WorkRequest]:
     """Greedy and seeded-sampled requests, all arriving at once."""
     return [
-        make_request(prompt, **(GREEDY if i % 2 == 0 else SAMPLED | dict(seed=100 + i)))
+        make_request(prompt, **(GREEDY_ROW if i % 2 == 0 else SAMPLED | dict(seed=100 + i)))
         for i, prompt in enumerate(prompts)
     ]
 
@@ -61,18 +43,17 @@ def _requests(prompts: list[list[int]]) -> list[WorkRequest]:
 def _run_with_frames(engine: Engine, requests: list[WorkRequest]) -> tuple[list[bytes], int]:
     """Steps until done, turning every step into its frames as the worker does; returns the frames and how
     many sequences were preempted."""
-    for request in requests:
-        engine.add_request(request)
     frames: list[bytes] = []
     num_preempted = 0
-    for _ in range(MAX_STEPS):
-        if not engine.has_work():
-            return frames, num_preempted
-        outputs = engine.step()
+
+    def publish(outputs: list[SeqOutput]) -> None:
+        nonlocal num_preempted
         assert 0.0 <= engine.kv_usage <= 1.0
         num_preempted += len(engine.last_preempted)
-        frames += step_frames(outputs, WORKER_ID, engine.step_no, engine.last_preempted)
-    raise AssertionError("the engine stopped making progress")
+        frames.extend(step_frames(outputs, WORKER_ID, engine.step_no, engine.last_preempted))
+
+    run(engine, {0: requests}, on_step=publish)
+    return frames, num_preempted
 
 
 def _target_records(frames: list[bytes]) -> dict[str, list[Record]]:
@@ -98,19 +79,21 @@ def _tokens(records: list[Record]) -> list[int]:
 def alone(model_dirs) -> Callable[[str, WorkRequest], list[int]]:
     """A request's tokens when it runs alone with the default (ample) KV cache."""
 
-    def run(method: str, request: WorkRequest) -> list[int]:
-        engine = _engine(model_dirs(METHODS[method]), method, None)
+    def run_alone(method: str, request: WorkRequest) -> list[int]:
+        engine = make_engine(model_dirs(METHODS[method]), METHODS[method], **SMALL_CACHE)
         frames, num_preempted = _run_with_frames(engine, [request])
         assert num_preempted == 0
         return _tokens(_target_records(frames)[request.request_id])
 
-    return run
+    return run_alone
 
 
 @pytest.mark.parametrize("method", PREEMPTION_METHODS)
 def test_preempted_requests_yield_the_tokens_they_yield_alone(model_dirs, prompts, alone, method) -> None:
     requests = _requests(prompts)
-    engine = _engine(model_dirs(METHODS[method]), method, TIGHT_KV_BLOCKS)
+    engine = make_engine(
+        model_dirs(METHODS[method]), METHODS[method], num_kv_blocks=TIGHT_KV_BLOCKS, **SMALL_CACHE
+    )
     frames, num_preempted = _run_with_frames(engine, requests)
     assert num_preempted > 0
     records = _target_records(frames)
@@ -129,7 +112,8 @@ def test_preempted_requests_yield_the_tokens_they_yield_alone(model_dirs, prompt
 def test_the_detokenizer_takes_preempted_records_in_its_stride(tiny_model_dir, prompts) -> None:  # noqa: F811
     """A request's TARGET records, PREEMPTED ones included, assemble into the text of its tokens."""
     requests = _requests(prompts)
-    frames, num_preempted = _run_with_frames(_engine(tiny_model_dir, "ngram", TIGHT_KV_BLOCKS), requests)
+    engine = make_engine(tiny_model_dir, METHODS["ngram"], num_kv_blocks=TIGHT_KV_BLOCKS, **SMALL_CACHE)
+    frames, num_preempted = _run_with_frames(engine, requests)
     assert num_preempted > 0
     tokenizer = Tokenizer(tiny_model_dir)
     table = TokenTable.from_tokenizer(tokenizer)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from services.worker.engine import Engine
-from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    GREEDY, METHOD_NAMES, METHODS, Method, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir,
-    mtp_model_dirs, prompts, run, single_thread, tiny_model_dir, tokens_of,
-)
 from shared.schemas import WorkRequest
+from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
+    GREEDY, METHOD_NAMES, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir,
+    mtp_model_dirs, prompts, reference_model, run, single_thread, tiny_model_dir, tokens_alone, tokens_of,
+)
 
 pytest.importorskip("transformers")
 
@@ -63,10 +63,6 @@ def _copy(request: WorkRequest) -> WorkRequest:
     return make_request(list(request.prompt_token_ids), **request.sampling.model_dump())
 
 
-def _alone(engine_factory, request: WorkRequest) -> list[int]:
-    return tokens_of(run(engine_factory(), {0: [request]}), request)
-
-
 @pytest.mark.parametrize("name", METHOD_NAMES)
 def test_seeded_request_yields_the_same_tokens_alone_or_in_any_batch(model_dirs, prompts, name) -> None:
     method = METHODS[name]
@@ -77,7 +73,7 @@ def test_seeded_request_yields_the_same_tokens_alone_or_in_any_batch(model_dirs,
         return make_engine(model_dir, method, max_num_seqs=max_num_seqs, verify_strategy="rejection")
 
     requests = _sampled_requests(prompts)
-    alone = [_alone(make, r) for r in requests]
+    alone = [tokens_alone(make(), r) for r in requests]
 
     # All together, beside greedy rows, in the order given.
     together = [_copy(r) for r in requests]
@@ -170,7 +166,7 @@ def test_unseeded_requests_draw_fresh_seeds_and_log_them(tiny_model_dir, prompts
     assert tokens_of(steps, first) != tokens_of(steps, second)
     for request in (first, second):  # the logged seed reproduces the output
         again = make_request(prompts[0], seed=logged[request.request_id], **params)
-        assert _alone(lambda: make_engine(tiny_model_dir, method), again) == tokens_of(steps, request)
+        assert tokens_alone(make_engine(tiny_model_dir, method), again) == tokens_of(steps, request)
 
 
 def _second_tokens(engine: Engine, prompt: list[int], first_seed: int) -> list[int]:
@@ -221,7 +217,7 @@ def test_rejection_with_ngram_drafts_keeps_the_target_distribution(
 ) -> None:
     def engine(method: str, accept_policy: str = "normal") -> Engine:
         return make_engine(
-            tiny_model_dir, Method(method, method, 1), max_num_seqs=NUM_SEEDS,
+            tiny_model_dir, METHODS[method], num_speculative_tokens=1, max_num_seqs=NUM_SEEDS,
             max_model_len=DISTRIBUTION_MAX_MODEL_LEN, accept_policy=accept_policy,
             **({"min_ngram_size": 1} if method == "ngram" else {}),  # draft whenever the token occurred before
         )

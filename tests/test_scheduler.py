@@ -71,12 +71,18 @@ def test_slots_stay_distinct_through_many_arrivals_and_departures() -> None:
     assert scheduler.num_unfinished == 0
 
 
-def test_abort_of_a_waiting_sequence_removes_it_from_the_queue() -> None:
+def _one_running_one_waiting() -> tuple[Scheduler, Sequence, Sequence]:
+    """A one-slot scheduler running one sequence while another waits."""
     scheduler = Scheduler(max_num_seqs=1)
     running, waiting = _seq("a"), _seq("b")
     scheduler.add(running)
     scheduler.add(waiting)
     scheduler.admit()
+    return scheduler, running, waiting
+
+
+def test_abort_of_a_waiting_sequence_removes_it_from_the_queue() -> None:
+    scheduler, running, waiting = _one_running_one_waiting()
     assert scheduler.abort(waiting.request_id) is waiting
     assert waiting.is_finished and waiting.finish_reason is FinishReason.ABORT
     assert list(scheduler.waiting) == []
@@ -85,11 +91,7 @@ def test_abort_of_a_waiting_sequence_removes_it_from_the_queue() -> None:
 
 
 def test_abort_of_a_running_sequence_frees_its_slot_at_release() -> None:
-    scheduler = Scheduler(max_num_seqs=1)
-    running, waiting = _seq("a"), _seq("b")
-    scheduler.add(running)
-    scheduler.add(waiting)
-    scheduler.admit()
+    scheduler, running, waiting = _one_running_one_waiting()
     slot = running.slot
     assert scheduler.abort(running.request_id) is running
     assert running.is_finished and running.finish_reason is FinishReason.ABORT

@@ -10,7 +10,8 @@ from services.worker.engine import Engine, SeqOutput
 from services.worker.spec.rejection import VERIFY_STRATEGIES
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     DRAFTING_METHOD_NAMES, GREEDY, METHOD_NAMES, METHODS, Steps, greedy_reference, make_engine, make_request,
-    model_dirs, mtp_model_dir, mtp_model_dirs, outputs_of, prompts, run, single_thread, tiny_model_dir, tokens_of,
+    model_dirs, mtp_model_dir, mtp_model_dirs, outputs_of, prompts, reference_model, run, single_thread,
+    tiny_model_dir, tokens_of,
 )
 
 pytest.importorskip("transformers")
