@@ -1,0 +1,55 @@
+"""The shipped demo model: a real Hugging Face checkpoint, small, and with an MTP module that earns its place."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from shared.schemas import SamplingParams, WorkRequest
+from shared.tokenizer import Tokenizer
+from services.worker.demo_model.data import load_corpus
+from services.worker.engine import Engine
+from services.worker.model.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+MAX_CHECKPOINT_BYTES = 15 * 1024 * 1024
+MIN_MTP_ACCEPTANCE = 1 / 3
+NUM_PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 6, 64, 48
+
+
+def test_checkpoint_is_small_and_reports_its_training() -> None:
+    size = sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.glob("*.safetensors"))
+    assert 0 < size <= MAX_CHECKPOINT_BYTES
+    report = json.loads((DEFAULT_MODEL_DIR / "training_report.json").read_text())
+    assert {"held_out_loss", "mtp_top1_accuracy", "mtp_greedy_agreement"} <= report.keys()
+
+
+def test_transformers_loads_it_as_a_causal_lm_with_our_logits() -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    ours = load_model(DEFAULT_MODEL_DIR)
+    ids = torch.tensor([Tokenizer(DEFAULT_MODEL_DIR).encode("import os\n\ndef main(argv):\n    return 0\n")])
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=torch.ones_like(ids)).logits
+        got = ours.logits(ours(ids, torch.arange(ids.shape[1])[None]))
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_greedy_mtp_drafts_are_accepted_at_least_a_third_of_the_time() -> None:
+    """On held-out standard-library code, which the model never trained on."""
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+    engine = Engine(EngineConfig(model=DEFAULT_MODEL_DIR, max_num_seqs=NUM_PROMPTS, speculative=spec))
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    texts = [t for t in load_corpus().held_out if len(t) > 4000][:NUM_PROMPTS]
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text)[:PROMPT_TOKENS]
+        engine.add_request(WorkRequest(request_id=f"{i:032x}", prompt_token_ids=ids, sampling=sampling, created=0))
+    while engine.has_work():
+        engine.step()
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens / stats.num_draft_tokens >= MIN_MTP_ACCEPTANCE
