@@ -10,6 +10,7 @@ import pytest
 
 from services.worker.spec.adaptive import (
     AdaptiveSpeculation,
+    SpeculationGate,
     StepCostModel,
     expected_tokens,
     modelled_throughput,
@@ -165,3 +166,24 @@ def test_invalid_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="forgetting"):
         StepCostModel(forgetting=0.0)
     assert AdaptiveSpeculation(0).choose(["a"], 1) == {"a": 0}
+
+
+def test_gate_measures_both_modes_then_keeps_the_faster_with_probes() -> None:
+    gate = SpeculationGate(probe_every=4)
+    assert gate.speculate(8) is False  # plain decoding is measured first
+    gate.observe(8, False, num_tokens=8, seconds=1.0)
+    assert gate.speculate(8) is True  # then speculation
+    gate.observe(8, True, num_tokens=12, seconds=2.0)  # slower: 6 tokens/s against 8
+    decisions = [gate.speculate(8) for _ in range(8)]
+    assert decisions.count(True) == 2  # only the probes speculate
+    gate.observe(8, True, num_tokens=40, seconds=1.0)  # speculation now measured faster
+    gate.observe(8, True, num_tokens=40, seconds=1.0)
+    assert [gate.speculate(8) for _ in range(4)].count(True) == 3
+
+
+def test_gate_keeps_batch_sizes_apart() -> None:
+    gate = SpeculationGate()
+    gate.observe(1, False, 1, 1.0)
+    gate.observe(1, True, 3, 1.0)
+    assert gate.speculate(1) is True
+    assert gate.speculate(32) is False  # nothing measured at this batch size yet

@@ -29,7 +29,7 @@ from services.worker.proposer import Proposer, build_proposer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence
-from services.worker.spec.adaptive import AdaptiveSpeculation
+from services.worker.spec.adaptive import AdaptiveSpeculation, SpeculationGate
 from services.worker.spec.logprobs import token_logprobs
 from services.worker.spec.mtp import MtpDrafter
 from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, verify
@@ -37,6 +37,8 @@ from services.worker.spec.sampling import process_logits, sample
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_MAX_ROWS = 32
+CALIBRATION_REPEATS = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -113,6 +115,10 @@ class Engine:
         # Adaptive speculation trims each request's drafts when they do not pay for their share of the step.
         self.adaptive = AdaptiveSpeculation(spec.num_drafts) if spec.adaptive and spec.num_drafts > 0 else None
         self._adaptive_drafts: dict[str, int] = {}
+        self._speculate = True  # the gate's decision for the current step
+        self.gate = SpeculationGate() if self.adaptive is not None else None
+        if self.adaptive is not None:
+            self._calibrate_step_cost()
         self.eos_token_ids = Tokenizer(config.model).eos_token_ids
         self.step_no = 0
         self.stats = EngineStats()
@@ -166,6 +172,25 @@ class Engine:
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
 
+    def _calibrate_step_cost(self) -> None:
+        """Times verify-shaped steps of a few sizes on the idle engine (forward pass, sampling of every scored row,
+        logprobs), so that adaptive speculation starts from this device's own ratio of per-token to fixed step
+        cost: compute-bound CPUs and memory-bound GPUs differ by orders of magnitude, and the steps of one steady
+        batch cannot tell the two costs apart."""
+        device = self.runner.device
+        for num_rows in (1, min(self.config.max_num_seqs, CALIBRATION_MAX_ROWS)):
+            for width in (1, 1 + self.config.speculative.num_drafts):
+                n = num_rows * width
+                ones = torch.ones(n, device=device)
+                for _ in range(CALIBRATION_REPEATS):
+                    started = time.perf_counter()
+                    hidden = self.runner.forward([[0] * width] * num_rows, [0] * num_rows, list(range(num_rows)))
+                    logits = self.runner.logits(hidden).reshape(n, -1)
+                    probs = process_logits(logits, ones, torch.zeros(n, dtype=torch.long, device=device), ones)
+                    chosen = sample(probs, torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
+                    token_logprobs(logits, chosen, 0)[2].sum().item()  # waits for the device
+                    self.adaptive.observe_step(n, time.perf_counter() - started)
+
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
             self.proposer.on_finished(seq)
@@ -173,9 +198,13 @@ class Engine:
                 self.adaptive.forget(seq.request_id)
                 self._adaptive_drafts.pop(seq.request_id, None)
 
-    def _draft_budget(self, seq: Sequence) -> int:
+    def _draft_budget(self, seq: Sequence, gated: bool = True) -> int:
         """Drafts for the sequence's next step: at most what it may still emit, less the token verification adds,
-        and, with adaptive speculation, what its acceptance earns at the current batch size."""
+        and, with adaptive speculation, what its acceptance earns at the current batch size, and none while the
+        gate finds speculation slower. The MTP drafter prepares next step's drafts before the gate has decided
+        on that step, so it asks ungated."""
+        if gated and not self._speculate:
+            return 0
         budget = min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
         return min(budget, self._adaptive_drafts.get(seq.request_id, budget))
 
@@ -186,7 +215,7 @@ class Engine:
         live = [b for b, s in enumerate(seqs) if not s.is_finished]
         self.mtp.catch_up(
             [seqs[b] for b in live], hidden[live], [tokens[b] for b in live], [starts[b] for b in live],
-            [self._draft_budget(seqs[b]) for b in live],
+            [self._draft_budget(seqs[b], gated=False) for b in live],
         )
 
     def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
@@ -226,14 +255,25 @@ class Engine:
         return outputs
 
     def _decode(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
+        if self.adaptive is None:
+            return self._speculative_step(seqs, top_k)[0]
+        # The model picks each request's drafts; the gate checks, by measurement, that drafting pays at all.
+        self._speculate = speculate = self.gate.speculate(len(seqs))
+        self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
+        started = time.perf_counter()
+        outputs, num_batch_tokens = self._speculative_step(seqs, top_k)
+        seconds = time.perf_counter() - started  # the whole step: drafting, scoring, sampling, logprobs
+        self.adaptive.observe_step(num_batch_tokens, seconds)
+        self.gate.observe(len(seqs), speculate, sum(len(o.tokens) for o in outputs), seconds)
+        return outputs
+
+    def _speculative_step(self, seqs: list[Sequence], top_k: int) -> tuple[list[SeqOutput], int]:
+        """Draft, verify, accept for the running sequences; returns their outputs and the tokens scored."""
         device = self.runner.device
-        if self.adaptive is not None:
-            self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
         drafts: list[Draft] = [self.proposer.propose(s, self._draft_budget(s)) for s in seqs]
         width = max(len(d.tokens) for d in drafts)
         # Verify: score the last token and every draft in one pass; row j holds p for the token at j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
-        verify_started = time.perf_counter()
         hidden = self.runner.forward(
             [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)], [s.num_computed for s in seqs],
             [s.slot for s in seqs],
@@ -261,10 +301,7 @@ class Engine:
             self.config.speculative.verify_strategy,
         )
         # Accept: keep accepted drafts plus the recovered or bonus token, and rewind the cache past rejections.
-        num_accepted = result.num_accepted.tolist()  # waits for the device: the verify pass is over
-        if self.adaptive is not None:
-            num_batch_tokens = sum(1 + len(d.tokens) for d in drafts)
-            self.adaptive.observe_step(num_batch_tokens, time.perf_counter() - verify_started)
+        num_accepted = result.num_accepted.tolist()
         emitted = [result.output_tokens[b, : num_accepted[b] + 1].tolist() for b in range(batch)]
         outputs = []
         for b, seq in enumerate(seqs):
@@ -283,7 +320,7 @@ class Engine:
             outputs.append(out)
         # Verify row j (position start - 1 + j) pairs with emitted token j; a live sequence kept all it emitted.
         self._catch_up(seqs, hidden, emitted, starts)
-        return outputs
+        return outputs, sum(1 + len(d.tokens) for d in drafts)
 
     def _count(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:

@@ -171,3 +171,41 @@ class AdaptiveSpeculation:
         if estimate is not None:
             estimate.accepted = self._prior.accepted + IDLE_RELAXATION * (estimate.accepted - self._prior.accepted)
             estimate.tried = self._prior.tried + IDLE_RELAXATION * (estimate.tried - self._prior.tried)
+
+
+PROBE_EVERY = 16  # one decode step in this many runs the mode that is currently losing, to keep measuring it
+GATE_MEMORY = 0.8  # weight an observed rate keeps per new observation of the same mode and batch size
+
+
+class SpeculationGate:
+    """Measured backstop for the cost model: per batch size (rounded to a power of two), an exponentially
+    weighted tokens-per-second of decode steps with speculation and without; speculation runs only while it is
+    measured to be the faster one. Whatever the model gets wrong (costs it does not see, a wrong acceptance
+    estimate), a busy worker then runs at the speed of plain decoding, less the occasional probe step."""
+
+    def __init__(self, probe_every: int = PROBE_EVERY, memory: float = GATE_MEMORY) -> None:
+        self.probe_every = probe_every
+        self.memory = memory
+        self._rates: dict[tuple[int, bool], float] = {}
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def _bucket(batch_size: int) -> int:
+        return 1 << (batch_size - 1).bit_length()
+
+    def speculate(self, batch_size: int) -> bool:
+        """Whether this step may draft: unmeasured modes are tried first, then the faster, with probes."""
+        bucket = self._bucket(batch_size)
+        step = self._steps.get(bucket, 0)
+        self._steps[bucket] = step + 1
+        with_drafts, without = self._rates.get((bucket, True)), self._rates.get((bucket, False))
+        if with_drafts is None or without is None:
+            return without is not None  # measure plain decoding first, then speculation
+        faster = with_drafts >= without
+        return (not faster) if (step + 1) % self.probe_every == 0 else faster
+
+    def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        key = (self._bucket(batch_size), speculated)
+        rate = num_tokens / max(seconds, 1e-9)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else self.memory * old + (1 - self.memory) * rate
