@@ -121,7 +121,9 @@ def test_target_match_with_adaptive_drafts_yields_the_tokens_of_plain_decoding(
     requests = _sampled_requests(prompts)
     steps = run(engine, {0: requests})
     assert [tokens_of(steps, r) for r in requests] == naive_tokens
-    assert engine.stats.num_accepted_tokens > 0
+    # Which steps draft follows measured step times (the gate), so how many drafts are accepted is not fixed;
+    # the gate always measures speculation once per batch size, so drafts are verified.
+    assert engine.stats.num_draft_tokens > 0
 
 
 def _rng_states() -> tuple:

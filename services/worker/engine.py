@@ -115,7 +115,9 @@ class Engine:
         # Adaptive speculation trims each request's drafts when they do not pay for their share of the step.
         self.adaptive = AdaptiveSpeculation(spec.num_drafts) if spec.adaptive and spec.num_drafts > 0 else None
         self._adaptive_drafts: dict[str, int] = {}
-        self._speculate = True  # the gate's decision for the current step
+        # The gate's decisions for this step and the next: the MTP drafter prepares the next step's drafts at the
+        # end of this one, so it must know then whether they will be used.
+        self._speculate = self._speculate_next = True
         self.gate = SpeculationGate() if self.adaptive is not None else None
         if self.adaptive is not None:
             self._calibrate_step_cost()
@@ -198,12 +200,11 @@ class Engine:
                 self.adaptive.forget(seq.request_id)
                 self._adaptive_drafts.pop(seq.request_id, None)
 
-    def _draft_budget(self, seq: Sequence, gated: bool = True) -> int:
-        """Drafts for the sequence's next step: at most what it may still emit, less the token verification adds,
-        and, with adaptive speculation, what its acceptance earns at the current batch size, and none while the
-        gate finds speculation slower. The MTP drafter prepares next step's drafts before the gate has decided
-        on that step, so it asks ungated."""
-        if gated and not self._speculate:
+    def _draft_budget(self, seq: Sequence, next_step: bool = False) -> int:
+        """Drafts for the sequence's step (this one, or the next for the MTP drafter): at most what it may still
+        emit, less the token verification adds; with adaptive speculation, what its acceptance earns at the
+        current batch size, and none in a step the gate keeps to plain decoding."""
+        if not (self._speculate_next if next_step else self._speculate):
             return 0
         budget = min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
         return min(budget, self._adaptive_drafts.get(seq.request_id, budget))
@@ -215,7 +216,7 @@ class Engine:
         live = [b for b, s in enumerate(seqs) if not s.is_finished]
         self.mtp.catch_up(
             [seqs[b] for b in live], hidden[live], [tokens[b] for b in live], [starts[b] for b in live],
-            [self._draft_budget(seqs[b], gated=False) for b in live],
+            [self._draft_budget(seqs[b], next_step=True) for b in live],
         )
 
     def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
@@ -258,7 +259,8 @@ class Engine:
         if self.adaptive is None:
             return self._speculative_step(seqs, top_k)[0]
         # The model picks each request's drafts; the gate checks, by measurement, that drafting pays at all.
-        self._speculate = speculate = self.gate.speculate(len(seqs))
+        self._speculate = speculate = self._speculate_next
+        self._speculate_next = self.gate.speculate(len(seqs))
         self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
         started = time.perf_counter()
         outputs, num_batch_tokens = self._speculative_step(seqs, top_k)
