@@ -68,18 +68,22 @@ def test_chat_stream_sends_role_content_finish_and_usage(client: openai.OpenAI, 
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
 
 
-@pytest.mark.parametrize("api", ["chat", "completion"])
-def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI, mesh: Mesh, api: str) -> None:
-    common = dict(model=mesh.model, max_tokens=40, temperature=0.8, seed=7)
+def whole_and_streamed(client: openai.OpenAI, api: str, text: str, **common) -> tuple[str, str]:
+    """The same request's text, asked for whole and streamed; `text` is the chat message or the prompt."""
     if api == "chat":
-        messages = [{"role": "user", "content": "parse a config file"}]
+        messages = [{"role": "user", "content": text}]
         whole = client.chat.completions.create(messages=messages, **common).choices[0].message.content
         stream = client.chat.completions.create(messages=messages, stream=True, **common)
-        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    else:
-        whole = client.completions.create(prompt=CODE_PROMPT, **common).choices[0].text
-        stream = client.completions.create(prompt=CODE_PROMPT, stream=True, **common)
-        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        return whole, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = client.completions.create(prompt=text, **common).choices[0].text
+    stream = client.completions.create(prompt=text, stream=True, **common)
+    return whole, "".join(c.choices[0].text for c in stream if c.choices)
+
+
+@pytest.mark.parametrize("api", ["chat", "completion"])
+def test_streamed_text_equals_non_streamed_text(client: openai.OpenAI, mesh: Mesh, api: str) -> None:
+    text = "parse a config file" if api == "chat" else CODE_PROMPT
+    whole, streamed = whole_and_streamed(client, api, text, model=mesh.model, max_tokens=40, temperature=0.8, seed=7)
     assert streamed == whole and whole
 
 

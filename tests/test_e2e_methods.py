@@ -12,11 +12,10 @@ import pytest
 from services.detokenizer.logprobs import MIN_LOGPROB
 from services.mesh_process import Mesh, start_mesh
 from tests.methodfixture import METHOD_NAMES, METHODS
-from tests.test_e2e import E2E_MODEL
+from tests.test_e2e import E2E_MODEL, REPETITIVE, whole_and_streamed
 
 pytestmark = pytest.mark.e2e
 
-REPETITIVE = "import os\nimport sys\nimport os\nimport sys\nimport os\nimport sys\nimport os\n"
 MAX_TOKENS = 24
 TOP_LOGPROBS = 2
 NGRAM_LOGPROB = 0.0  # an n-gram or suffix draft is a point mass under q
@@ -165,14 +164,8 @@ def test_sampled_mtp_drafts_report_their_probability_under_q(
 def test_streamed_text_equals_whole_text_for_a_seeded_request(
     client: openai.OpenAI, mesh: Mesh, method: str, api: str
 ) -> None:
-    common = dict(model=mesh.model, max_tokens=MAX_TOKENS, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
-    if api == "chat":
-        messages = [{"role": "user", "content": REPETITIVE}]
-        whole = client.chat.completions.create(messages=messages, **common).choices[0].message.content
-        stream = client.chat.completions.create(messages=messages, stream=True, **common)
-        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    else:
-        whole = client.completions.create(prompt=REPETITIVE, **common).choices[0].text
-        stream = client.completions.create(prompt=REPETITIVE, stream=True, **common)
-        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    whole, streamed = whole_and_streamed(
+        client, api, REPETITIVE, model=mesh.model, max_tokens=MAX_TOKENS, temperature=0.8, seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert streamed == whole and whole
