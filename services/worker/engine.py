@@ -118,6 +118,8 @@ class Engine:
         # The gate's decisions for this step and the next: the MTP drafter prepares the next step's drafts at the
         # end of this one, so it must know then whether they will be used.
         self._speculate = self._speculate_next = True
+        # MTP drafting for a step happens at the end of the one before; its time is charged to the step it serves.
+        self._drafting_seconds = self._prepared_seconds = 0.0
         self.gate = SpeculationGate() if self.adaptive is not None else None
         if self.adaptive is not None:
             self._calibrate_step_cost()
@@ -213,11 +215,13 @@ class Engine:
         """Brings the MTP drafter's cache up to the sequences' new tokens (see spec/mtp.py); finished ones need none."""
         if self.mtp is None:
             return
+        started = time.perf_counter()
         live = [b for b, s in enumerate(seqs) if not s.is_finished]
         self.mtp.catch_up(
             [seqs[b] for b in live], hidden[live], [tokens[b] for b in live], [starts[b] for b in live],
             [self._draft_budget(seqs[b], next_step=True) for b in live],
         )
+        self._drafting_seconds += time.perf_counter() - started
 
     def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
         """Computes the cache of admitted sequences. A new one gets every token cached and samples its next
@@ -262,9 +266,12 @@ class Engine:
         self._speculate = speculate = self._speculate_next
         self._speculate_next = self.gate.speculate(len(seqs))
         self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
+        prepared, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
         started = time.perf_counter()
         outputs, num_batch_tokens = self._speculative_step(seqs, top_k)
-        seconds = time.perf_counter() - started  # the whole step: drafting, scoring, sampling, logprobs
+        # The whole step (drafting, scoring, sampling, logprobs), with MTP drafting charged to the step it serves.
+        self._prepared_seconds, self._drafting_seconds = self._drafting_seconds, 0.0
+        seconds = time.perf_counter() - started - self._prepared_seconds + prepared
         self.adaptive.observe_step(num_batch_tokens, seconds)
         self.gate.observe(len(seqs), speculate, sum(len(o.tokens) for o in outputs), seconds)
         return outputs

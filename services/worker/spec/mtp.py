@@ -10,9 +10,16 @@ next step, kept per cache slot. For a sequence of N tokens x_0..x_{N-1}, between
 `catch_up` restores this after every trunk pass (prefill, or verify with its accepted tokens) in one batched
 call, then `draft` feeds the module its own output hidden state and draft to propose the rest. Those
 self-fed entries sit past the sequence's end and are overwritten by the next catch-up.
+
+A sequence that will not draft next step (adaptive speculation decided so) is not run through the module: its
+trunk states wait in a lag buffer and are caught up, in the same single pass, when it drafts again (or once
+the lag reaches LAG_LIMIT tokens). The module's cache entries depend only on (h_{p-1}, x_p) and earlier
+entries, so a late catch-up writes the same entries; only steps that draft pay for the module.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,6 +35,20 @@ from services.worker.spec.sampling import process_logits, sample
 # and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
 # one module, and verification keeps the output exact whichever module drafts.
 DRAFT_MODULE = 0
+LAG_LIMIT = 256  # tokens a sequence's MTP cache may fall behind before it is caught up anyway
+
+
+@dataclass
+class _Lag:
+    """Trunk states not yet run through the module: token j at position start + j, paired with hidden[j]."""
+
+    start: int
+    hidden: Tensor  # [n, hidden]
+    tokens: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 class MtpDrafter:
@@ -39,6 +60,7 @@ class MtpDrafter:
         self._probs = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._report = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._count = [0] * max_num_seqs
+        self._lag: dict[int, _Lag] = {}  # by cache slot
 
     def catch_up(
         self, seqs: list[Sequence], hidden: Tensor, tokens: list[list[int]], starts: list[int], budgets: list[int]
@@ -48,11 +70,35 @@ class MtpDrafter:
 
         tokens[b] must end with the sequence's last token, so the last entry predicts the next one.
         """
-        if not seqs:
+        pieces = [self._with_lag(seq, hidden[b, : len(tokens[b])], tokens[b], starts[b]) for b, seq in enumerate(seqs)]
+        run = []
+        for b, (seq, piece) in enumerate(zip(seqs, pieces)):
+            if budgets[b] <= 0 and len(piece.tokens) < LAG_LIMIT:
+                self._lag[seq.slot] = piece  # no drafts next step: the module can wait
+                self._count[seq.slot] = 0
+            else:
+                run.append(b)
+        if not run:
             return
-        out = self.runner.mtp_forward(DRAFT_MODULE, hidden, tokens, starts, [s.slot for s in seqs])
-        last = torch.tensor([len(t) - 1 for t in tokens], device=self.runner.device)
-        self.draft(seqs, out[torch.arange(len(seqs), device=last.device), last], budgets)
+        width = max(len(pieces[b].tokens) for b in run)
+        padded = hidden.new_zeros(len(run), width, hidden.shape[-1])  # [R, width, hidden]
+        for i, b in enumerate(run):
+            padded[i, : len(pieces[b].tokens)] = pieces[b].hidden
+        out = self.runner.mtp_forward(
+            DRAFT_MODULE, padded, [pieces[b].tokens for b in run], [pieces[b].start for b in run],
+            [seqs[b].slot for b in run],
+        )
+        last = torch.tensor([len(pieces[b].tokens) - 1 for b in run], device=self.runner.device)
+        rows = torch.arange(len(run), device=last.device)
+        self.draft([seqs[b] for b in run], out[rows, last], [budgets[b] for b in run])
+
+    def _with_lag(self, seq: Sequence, hidden: Tensor, tokens: list[int], start: int) -> _Lag:
+        """This catch-up's tokens, preceded by the sequence's lag if it ends where they begin (otherwise the lag
+        belonged to an earlier occupant of the slot, or to the sequence before a preemption, and is dropped)."""
+        lag = self._lag.pop(seq.slot, None)
+        if lag is None or lag.end != start:
+            return _Lag(start, hidden.clone(), list(tokens))
+        return _Lag(lag.start, torch.cat([lag.hidden, hidden]), lag.tokens + list(tokens))
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:
