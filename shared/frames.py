@@ -185,6 +185,22 @@ class FrameBuilder:
         self._logprobs.append(np.asarray(logprobs, dtype="<f4"))
         self._ranks.append(np.asarray(ranks, dtype="<i4"))
 
+    def add_status(
+        self,
+        request_id: str,
+        *,
+        seq_no: int,
+        offset: int,
+        status: SeqStatus,
+        finish_reason: FinishReason = FinishReason.NONE,
+    ) -> None:
+        """A record with no tokens: only the request's new status (preempted, or finished without output)."""
+        no_tokens = np.empty((0, self.top_k + 1))
+        self.add(
+            request_id, seq_no=seq_no, offset=offset, token_ids=no_tokens, logprobs=no_tokens, ranks=np.empty(0),
+            status=status, finish_reason=finish_reason,
+        )
+
     def encode(self) -> bytes:
         num_slots = self.top_k + 1
         sent_at_us = time.time_ns() // 1000

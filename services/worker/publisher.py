@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from shared.frames import FrameBuilder, FrameKind, SeqStatus
 from services.worker.engine import SeqOutput
 from services.worker.sequence import Sequence
@@ -47,11 +45,9 @@ def step_frames(
             finish_reason=seq.finish_reason,
         )
         seq.target_seq_no += 1
-    no_tokens = np.empty((0, top_k + 1))
     for seq in preempted:
-        target.add(
-            seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), token_ids=no_tokens,
-            logprobs=no_tokens, ranks=np.empty(0), status=SeqStatus.PREEMPTED,
+        target.add_status(
+            seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), status=SeqStatus.PREEMPTED
         )
         seq.target_seq_no += 1
     return [b.encode() for b in (draft, target) if len(b)]

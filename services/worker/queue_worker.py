@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import numpy as np
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
@@ -120,16 +119,16 @@ class QueueWorker:
                 seq = self.engine.add_request(request)
             except ValueError as exc:
                 log.warning("refusing request %s: %s", request.request_id, exc)
-                refused.append(request.request_id)
+                refused.append(request)
                 continue
             seq.target_seq_no = request.next_seq_no
-        finished = list(refused)
+        finished = [request.request_id for request in refused]
         for request_id in cancels:
             if self.engine.abort(request_id) is not None:
                 finished.append(request_id)
         frames = [
-            (detok_id, _abort_frame(ids, self.worker_id, self.engine.step_no))
-            for detok_id, ids in self._by_detokenizer(refused, lambda request_id: request_id).items()
+            (detok_id, _abort_frame(group, self.worker_id, self.engine.step_no))
+            for detok_id, group in self._by_detokenizer(refused, lambda request: request.request_id).items()
         ]
         if self.engine.has_work():
             started = time.perf_counter()
@@ -220,12 +219,12 @@ class QueueWorker:
         return handed
 
 
-def _abort_frame(request_ids: list[str], worker_id: int, step: int) -> bytes:
+def _abort_frame(requests: list[WorkRequest], worker_id: int, step: int) -> bytes:
+    """Refused requests finish with ABORT where their output stands (a resumed one continues its records)."""
     builder = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k=0)
-    empty = np.empty((0, 1))
-    for request_id in request_ids:
-        builder.add(
-            request_id, seq_no=0, offset=0, token_ids=empty, logprobs=empty, ranks=np.empty(0),
+    for request in requests:
+        builder.add_status(
+            request.request_id, seq_no=request.next_seq_no, offset=len(request.output_token_ids),
             status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT,
         )
     return builder.encode()
