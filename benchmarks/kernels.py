@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.spec.random import Purpose
-from services.worker.spec.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput
 
 WARMUP = 3
 LOGPROBS_TOP_K = 5
@@ -66,7 +66,7 @@ def _probs(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
 
 def bench_sampling(batches: list[int], vocabs: list[int], reps: int, generator: torch.Generator) -> None:
     from kernels.sampling import sample_launch
-    from services.worker.spec.sampling import sample_torch
+    from services.worker.sampling.sample import sample_torch
 
     for vocab in vocabs:
         for batch in batches:
@@ -95,7 +95,7 @@ def _verify_input(batch: int, k: int, vocab: int, generator: torch.Generator) ->
 
 def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
     from kernels.verify import verify_launch
-    from services.worker.spec.rejection import verify_torch
+    from services.worker.sampling.rejection import verify_torch
 
     for strategy in VERIFY_STRATEGIES:
         for vocab in vocabs:
@@ -109,7 +109,7 @@ def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int
 
 def bench_logprobs(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
     from kernels.logprobs import token_logprobs_launch
-    from services.worker.spec.logprobs import token_logprobs_torch
+    from services.worker.sampling.logprobs import token_logprobs_torch
 
     for vocab in vocabs:
         for batch in batches:

@@ -1,6 +1,6 @@
 """Batched prompt lookup: for each row of a padded token matrix, the tokens that followed the most recent earlier
 occurrence of the row's longest recurring suffix (max_ngram_size down to min_ngram_size tokens).
-Twin: spec/ngram.NgramProposer applied row by row (same match, same drafts).
+Twin: drafting/ngram.NgramProposer applied row by row (same match, same drafts).
 
 Layout: one program per row. Every earlier position e holding the row's last token is a candidate end; a block
 of candidates grows its matches backwards for up to MAX_NGRAM tokens at once (a static loop), and the best
@@ -16,8 +16,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import use_kernel
-from services.worker.spec.ngram import NgramProposer
-from services.worker.spec.rejection import PAD_TOKEN
+from services.worker.drafting.ngram import NgramProposer
+from services.worker.sampling.rejection import PAD_TOKEN
 
 BLOCK = 256
 NUM_WARPS = 4

@@ -1,4 +1,4 @@
-"""spec/random.py's counter-based uniforms inside Triton kernels, bit for bit.
+"""sampling/random.py's counter-based uniforms inside Triton kernels, bit for bit.
 
 The torch version works on int64 bit patterns (wrapping multiplication, masked shifts); here the same 64-bit
 patterns are uint64, whose shifts are logical and whose multiplication wraps, so each step is the same function.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.spec.random import GOLDEN_GAMMA, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
+from services.worker.sampling.random import GOLDEN_GAMMA, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
 
 _UINT64_MASK = (1 << 64) - 1
 GOLDEN = tl.constexpr(GOLDEN_GAMMA & _UINT64_MASK)

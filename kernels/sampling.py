@@ -1,5 +1,5 @@
 """Counter-based sampling: one token per row by the exponential race argmax_i p_i / -log(u_i), u keyed by
-(seed, position, purpose), in one pass over the row. Twin: spec/sampling.sample_torch (same uniforms, same
+(seed, position, purpose), in one pass over the row. Twin: sampling/sample.sample_torch (same uniforms, same
 float64 ratios, same lowest-id tie-break), so the two return the same ids.
 
 Layout: one program per row; it streams the row in BLOCK-wide chunks, keeping the best ratio and its id.
@@ -15,8 +15,8 @@ from torch import Tensor
 from kernels import use_kernel
 from kernels.noise import noise_key
 from kernels.race import RACE_PLAIN, race
-from services.worker.spec.random import Purpose
-from services.worker.spec.sampling import sample_torch
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.sample import sample_torch
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -55,7 +55,7 @@ def sample_launch(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purp
 
 
 def sample(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = Purpose.SAMPLE) -> Tensor:
-    """spec/sampling.sample's contract: the kernel on CUDA, the twin elsewhere."""
+    """sampling/sample.sample's contract: the kernel on CUDA, the twin elsewhere."""
     if use_kernel(probs):
         return sample_launch(probs, seeds, positions, purpose)
     return sample_torch(probs, seeds, positions, purpose)

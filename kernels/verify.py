@@ -1,5 +1,5 @@
-"""Fused verification: every strategy of spec/rejection.py, the gathering of the emitted tokens, and the packed
-output offsets (exclusive cumulative sum of num_emitted), in one kernel. Twin: spec/rejection.verify_torch.
+"""Fused verification: every strategy of sampling/rejection.py, the gathering of the emitted tokens, and the packed
+output offsets (exclusive cumulative sum of num_emitted), in one kernel. Twin: sampling/rejection.verify_torch.
 
 Layout: one program per request row. It walks the drafts in order and stops at the first rejection, so a row
 reads only the vocabulary rows it needs: none for a rejection test (two gathers), one scan per slot for argmax,
@@ -8,7 +8,7 @@ p or over the residual). It writes num_accepted and the row of output tokens. Th
 each program publishes its count atomically and takes a ticket; the program holding the last ticket has seen
 every count (acquire-release atomics) and writes the whole exclusive cumsum.
 
-The noise is spec/random.py's hash (kernels/noise.py) and each ratio is formed as in the twin, so the emitted
+The noise is sampling/random.py's hash (kernels/noise.py) and each ratio is formed as in the twin, so the emitted
 ids match the twin exactly. One decision is order-dependent: topp's mass above the draft is a float64 sum, whose
 rounding can differ from torch's in the last bits; only a top_p within that rounding of a boundary can differ.
 """
@@ -23,8 +23,8 @@ from torch import Tensor
 from kernels import use_kernel
 from kernels.noise import noise_key, uniform_scalar
 from kernels.race import RACE_PLAIN, RACE_POINT_MASS, RACE_RESIDUAL, argmax, race
-from services.worker.spec.random import Purpose
-from services.worker.spec.rejection import (
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.rejection import (
     PAD_TOKEN,
     AcceptPolicy,
     VerifyInput,
@@ -217,7 +217,7 @@ def verify_launch(
 def verify(
     inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
 ) -> VerifyOutput:
-    """spec/rejection.verify's contract: the fused kernel on CUDA, the twin elsewhere."""
+    """sampling/rejection.verify's contract: the fused kernel on CUDA, the twin elsewhere."""
     if use_kernel(inp.target_probs):
         return verify_launch(inp, accept_policy, verify_strategy)
     return verify_torch(inp, accept_policy, verify_strategy)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.worker.spec.adaptive import (
+from services.worker.drafting.adaptive import (
     AdaptiveSpeculation,
     SpeculationGate,
     StepCostModel,

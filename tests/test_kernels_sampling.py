@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.sampling import sample, sample_launch  # noqa: E402
-from services.worker.spec.random import Purpose  # noqa: E402
-from services.worker.spec.sampling import sample_torch  # noqa: E402
+from services.worker.sampling.random import Purpose  # noqa: E402
+from services.worker.sampling.sample import sample_torch  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab", [97, 1000, 4099])

@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.verify import verify, verify_launch  # noqa: E402
-from services.worker.spec.random import Purpose  # noqa: E402
-from services.worker.spec.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput, verify_torch  # noqa: E402
-from services.worker.spec.sampling import sample_torch  # noqa: E402
+from services.worker.sampling.random import Purpose  # noqa: E402
+from services.worker.sampling.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput, verify_torch  # noqa: E402
+from services.worker.sampling.sample import sample_torch  # noqa: E402
 
 BATCH = 6
 FIELDS = ("num_accepted", "output_tokens", "num_emitted", "offsets")

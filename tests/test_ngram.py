@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.worker.spec.ngram import NgramProposer
+from services.worker.drafting.ngram import NgramProposer
 
 
 def test_longest_match_is_preferred_over_a_more_recent_shorter_one() -> None:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.worker.spec.random import Purpose, uniform
-from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, VerifyOutput, verify
-from services.worker.spec.sampling import sample
+from services.worker.sampling.random import Purpose, uniform
+from services.worker.sampling.rejection import PAD_TOKEN, VerifyInput, VerifyOutput, verify
+from services.worker.sampling.sample import sample
 
 TRIALS = 20_000
 # The verdicts below are fixed outcomes (seeds are fixed), not flaky draws: the correct rule must look like p

@@ -68,7 +68,7 @@ def test_seeded_request_yields_the_same_tokens_alone_or_in_any_batch(model_dirs,
     method = METHODS[name]
     model_dir = model_dirs(method)
     # Suffix drafts depend on what other requests already produced; under rejection, point-mass drafts are
-    # verified in the coupled form (spec/rejection.py), so the output still cannot depend on them.
+    # verified in the coupled form (sampling/rejection.py), so the output still cannot depend on them.
     def make(max_num_seqs: int = 4) -> Engine:
         return make_engine(model_dir, method, max_num_seqs=max_num_seqs, verify_strategy="rejection")
 

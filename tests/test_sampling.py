@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.worker.spec.random import UNIFORM_BITS, Purpose, _to_unit_interval, mix64, uniform
-from services.worker.spec.sampling import process_logits, sample
+from services.worker.sampling.random import UNIFORM_BITS, Purpose, _to_unit_interval, mix64, uniform
+from services.worker.sampling.sample import process_logits, sample
 
 UINT64_MASK = (1 << 64) - 1
 

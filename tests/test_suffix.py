@@ -15,8 +15,8 @@ from shared.config import SpeculativeConfig
 from shared.frames import FinishReason
 from shared.schemas import SamplingParams
 from services.worker.sequence import Sequence
-from services.worker.spec.suffix import SuffixCache, SuffixProposer
-from services.worker.spec.suffix_tree import StoredSequence, SuffixTree
+from services.worker.drafting.suffix import SuffixCache, SuffixProposer
+from services.worker.drafting.suffix_tree import StoredSequence, SuffixTree
 
 SPEED_TOKENS = 4000
 MAX_STEP_SECONDS = 1e-3

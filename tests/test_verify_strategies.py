@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from services.worker.spec.random import Purpose
-from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, verify
-from services.worker.spec.sampling import sample
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.rejection import PAD_TOKEN, VerifyInput, verify
+from services.worker.sampling.sample import sample
 from tests.test_rejection import ACCEPT_P_VALUE, P, Q, _chi2_p_value, _inputs
 
 VOCAB = 11

@@ -2,7 +2,7 @@
 decoding step (draft, verify, accept) for every running sequence. It returns what each sequence emitted.
 
 Randomness is a function of (request seed, output position, purpose) only, so a seeded request yields the
-same tokens alone or in any batch (services/worker/spec/random.py). When KV blocks run out, the scheduler
+same tokens alone or in any batch (services/worker/sampling/random.py). When KV blocks run out, the scheduler
 preempts sequences; one that comes back (or arrives from another worker with output already sent) recomputes
 its cache up to its last token and then decodes like any other, so its output does not change.
 """
@@ -23,17 +23,17 @@ from shared.schemas import WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.block_manager import BlockManager, blocks_for
-from services.worker.draft import Draft, stack_probs
+from services.worker.drafting.draft import Draft, stack_probs
 from services.worker.model.loader import load_model
-from services.worker.proposer import Proposer, build_proposer
+from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence
-from services.worker.spec.adaptive import AdaptiveSpeculation, SpeculationGate
-from services.worker.spec.logprobs import token_logprobs
-from services.worker.spec.mtp import MtpDrafter
-from services.worker.spec.rejection import PAD_TOKEN, VerifyInput, verify
-from services.worker.spec.sampling import process_logits, sample
+from services.worker.drafting.adaptive import AdaptiveSpeculation, SpeculationGate
+from services.worker.sampling.logprobs import token_logprobs
+from services.worker.drafting.mtp import MtpDrafter
+from services.worker.sampling.rejection import PAD_TOKEN, VerifyInput, verify
+from services.worker.sampling.sample import process_logits, sample
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class Engine:
         return min(budget, self._adaptive_drafts.get(seq.request_id, budget))
 
     def _catch_up(self, seqs: list[Sequence], hidden: torch.Tensor, tokens: list[list[int]], starts: list[int]) -> None:
-        """Brings the MTP drafter's cache up to the sequences' new tokens (see spec/mtp.py); finished ones need none."""
+        """Brings the MTP drafter's cache up to the sequences' new tokens (see drafting/mtp.py); finished ones need none."""
         if self.mtp is None:
             return
         started = time.perf_counter()

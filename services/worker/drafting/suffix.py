@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from shared.config import SpeculativeConfig
 from shared.frames import FinishReason
 from services.worker.sequence import Sequence
-from services.worker.spec.suffix_tree import Location, StoredSequence, SuffixTree
+from services.worker.drafting.suffix_tree import Location, StoredSequence, SuffixTree
 
 SELF_OCCURRENCE = 1  # a request's tree holds the context's own suffix, which has no continuation yet
 _FLOOR_SLACK = 1e-9  # so that a factor like 0.1 * 10 floors to 1, not 0

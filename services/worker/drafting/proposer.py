@@ -8,11 +8,11 @@ from typing import Protocol
 import torch
 
 from shared.config import SpeculativeConfig
-from services.worker.draft import Draft, point_mass_rows
+from services.worker.drafting.draft import Draft, point_mass_rows
 from services.worker.sequence import Sequence
-from services.worker.spec.mtp import MtpDrafter
-from services.worker.spec.ngram import NgramProposer
-from services.worker.spec.suffix import SuffixProposer
+from services.worker.drafting.mtp import MtpDrafter
+from services.worker.drafting.ngram import NgramProposer
+from services.worker.drafting.suffix import SuffixProposer
 
 
 class Proposer(Protocol):

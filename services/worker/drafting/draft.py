@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.spec.logprobs import point_mass_logprobs, token_logprobs
+from services.worker.sampling.logprobs import point_mass_logprobs, token_logprobs
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.spec.random import Purpose, uniform
+from services.worker.sampling.random import Purpose, uniform
 
 GREEDY_TEMPERATURE = 0.0  # rows with this temperature take the argmax
 TOP_K_OFF = 0

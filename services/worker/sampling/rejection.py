@@ -36,8 +36,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from services.worker.spec.random import Purpose, uniform
-from services.worker.spec.sampling import sample_torch
+from services.worker.sampling.random import Purpose, uniform
+from services.worker.sampling.sample import sample_torch
 
 PAD_TOKEN = -1  # fills draft_tokens past num_drafts and output_tokens past num_emitted
 AcceptPolicy = Literal["normal", "accept_all", "reject_all"]

@@ -1,6 +1,6 @@
 """MTP drafting: the checkpoint's own multi-token-prediction module proposes the next tokens.
 
-The one stateful part of spec/: it owns the MTP module's KV cache bookkeeping and the drafts waiting for the
+The one stateful drafter: it owns the MTP module's KV cache bookkeeping and the drafts waiting for the
 next step, kept per cache slot. For a sequence of N tokens x_0..x_{N-1}, between steps:
 
 - the MTP cache holds positions 1..N-1; its entry at position p is the module run on (h_{p-1}, x_p), where
@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
-from services.worker.draft import Draft
+from services.worker.drafting.draft import Draft
 from services.worker.runner import ModelRunner
 from services.worker.sequence import Sequence
-from services.worker.spec.random import Purpose
-from services.worker.spec.sampling import process_logits, sample
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.sample import process_logits, sample
 
 # Every draft step runs module 0. A further module would attend to cache entries that only it could write,
 # and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
