@@ -94,8 +94,7 @@ def _verify_input(batch: int, k: int, vocab: int, generator: torch.Generator) ->
 
 
 def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
-    from kernels.verify import verify_launch
-    from services.worker.sampling.rejection import verify_torch
+    from services.worker.sampling.rejection import verify_fused, verify_torch
 
     for strategy in VERIFY_STRATEGIES:
         for vocab in vocabs:
@@ -103,7 +102,7 @@ def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int
                 for k in ks:
                     inp = _verify_input(batch, k, vocab, generator)
                     _report(f"verify/{strategy}", f"B={batch} K={k} V={vocab}", inp.target_probs.nbytes,
-                            lambda: verify_launch(inp, "normal", strategy),
+                            lambda: verify_fused(inp, "normal", strategy),
                             lambda: verify_torch(inp, "normal", strategy), reps)  # fmt: skip
 
 
@@ -122,7 +121,8 @@ def bench_logprobs(batches: list[int], vocabs: list[int], ks: list[int], reps: i
 
 
 def bench_ngram(batches: list[int], ks: list[int], reps: int, generator: torch.Generator) -> None:
-    from kernels.ngram import ngram_propose_launch, ngram_propose_torch
+    from kernels.ngram import ngram_propose_launch
+    from services.worker.drafting.ngram_batch import ngram_propose_torch
 
     for batch in batches:
         tokens = torch.randint(0, NGRAM_ALPHABET, (batch, NGRAM_CONTEXT), device="cuda", generator=generator)

@@ -1,9 +1,11 @@
 """Triton kernels for the hot spots of speculative decoding: n-gram lookup, fused verification, frame logprobs,
 counter-based sampling.
 
-Each module holds a kernel, its launcher (shape checks, then the launch), its torch twin (the reference it must
-match) and a dispatcher that launches the kernel for CUDA tensors and runs the twin otherwise. Importing this
-package does not import triton; the modules that do are imported only when a CUDA tensor reaches them.
+Each module holds a kernel and its launcher (shape checks, then the launch), taking plain tensors and ints. The
+torch twins (the references the kernels must match) and the dispatchers live with the worker's ops
+(services/worker/sampling/, drafting/ngram_batch.py), which import a kernel module lazily, when a CUDA tensor
+reaches them. The dependency is one-way: nothing here imports the worker (tests/test_layering.py). This package
+and kernels/constants.py, the values kernels and twins share, do not import triton.
 """
 
 from __future__ import annotations

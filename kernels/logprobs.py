@@ -1,5 +1,6 @@
 """Frame logprobs: log-softmax, the chosen token's logprob and rank, and the top-K ids and logprobs of each row.
-Twin: sampling/logprobs.token_logprobs_torch (ids and ranks equal, logprobs within float32 rounding).
+Twin: services/worker/sampling/logprobs.token_logprobs_torch (ids and ranks equal, logprobs within float32
+rounding).
 
 Layout: one program per row (the launcher takes exactly the rows to report, e.g. the emitted ones). Pass 1 streams
 the row once for the online max and sum of exponentials and the count of logits above the chosen one. Top-K then
@@ -15,9 +16,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from kernels import use_kernel
-from services.worker.sampling.logprobs import token_logprobs_torch
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -99,9 +97,3 @@ def token_logprobs_launch(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[T
         )
     return ids, logprobs, ranks
 
-
-def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """sampling/logprobs.token_logprobs's contract: the kernel on CUDA, the twin elsewhere."""
-    if use_kernel(logits):
-        return token_logprobs_launch(logits, chosen, top_k)
-    return token_logprobs_torch(logits, chosen, top_k)

@@ -1,6 +1,7 @@
 """Batched prompt lookup: for each row of a padded token matrix, the tokens that followed the most recent earlier
 occurrence of the row's longest recurring suffix (max_ngram_size down to min_ngram_size tokens).
-Twin: drafting/ngram.NgramProposer applied row by row (same match, same drafts).
+Twin: services/worker/drafting/ngram_batch.ngram_propose_torch, NgramProposer applied row by row (same match,
+same drafts).
 
 Layout: one program per row. Every earlier position e holding the row's last token is a candidate end; a block
 of candidates grows its matches backwards for up to MAX_NGRAM tokens at once (a static loop), and the best
@@ -15,9 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import use_kernel
-from services.worker.drafting.ngram import NgramProposer
-from services.worker.sampling.rejection import PAD_TOKEN
+from kernels.constants import PAD_TOKEN
 
 BLOCK = 256
 NUM_WARPS = 4
@@ -61,15 +60,6 @@ def _ngram_kernel(tokens_ptr, lengths_ptr, num_drafts_ptr, drafts_ptr, counts_pt
     tl.store(counts_ptr + row, count)
 
 
-def _check(tokens: Tensor, lengths: Tensor, num_drafts: Tensor, max_ngram_size: int, min_ngram_size: int) -> None:
-    assert tokens.dim() == 2, f"tokens must be [B, L], got {tuple(tokens.shape)}"
-    batch, width = tokens.shape
-    assert lengths.shape == (batch,) and num_drafts.shape == (batch,), "lengths and num_drafts must be [B]"
-    assert tokens.dtype == torch.int64, f"tokens must be int64, got {tokens.dtype}"
-    assert 1 <= min_ngram_size <= max_ngram_size, (min_ngram_size, max_ngram_size)
-    assert batch == 0 or int(lengths.max()) <= width, "a length exceeds the token matrix's width"
-
-
 def ngram_propose_launch(
     tokens: Tensor, lengths: Tensor, num_drafts: Tensor, k: int, max_ngram_size: int, min_ngram_size: int
 ) -> tuple[Tensor, Tensor]:
@@ -78,8 +68,12 @@ def ngram_propose_launch(
     tokens [B, L] int64 (row b's first lengths[b] entries are its sequence), num_drafts [B]: at most this many
     drafts per row (rows are capped by k too). Returns (drafts [B, k] int64, PAD_TOKEN past counts; counts [B]).
     """
-    _check(tokens, lengths, num_drafts, max_ngram_size, min_ngram_size)
+    assert tokens.dim() == 2, f"tokens must be [B, L], got {tuple(tokens.shape)}"
     batch, width = tokens.shape
+    assert lengths.shape == (batch,) and num_drafts.shape == (batch,), "lengths and num_drafts must be [B]"
+    assert tokens.dtype == torch.int64, f"tokens must be int64, got {tokens.dtype}"
+    assert 1 <= min_ngram_size <= max_ngram_size, (min_ngram_size, max_ngram_size)
+    assert batch == 0 or int(lengths.max()) <= width, "a length exceeds the token matrix's width"
     drafts = torch.full((batch, k), PAD_TOKEN, dtype=torch.int64, device=tokens.device)
     counts = torch.zeros(batch, dtype=torch.int64, device=tokens.device)
     if batch > 0 and width > 0:
@@ -99,26 +93,3 @@ def ngram_propose_launch(
         )
     return drafts, counts
 
-
-def ngram_propose_torch(
-    tokens: Tensor, lengths: Tensor, num_drafts: Tensor, k: int, max_ngram_size: int, min_ngram_size: int
-) -> tuple[Tensor, Tensor]:
-    """The launcher's contract computed by NgramProposer, one row at a time on the host."""
-    _check(tokens, lengths, num_drafts, max_ngram_size, min_ngram_size)
-    proposer = NgramProposer(max_ngram_size, min_ngram_size)
-    drafts = torch.full((tokens.shape[0], k), PAD_TOKEN, dtype=torch.int64)
-    counts = torch.zeros(tokens.shape[0], dtype=torch.int64)
-    for b, (row, length, wanted) in enumerate(zip(tokens.tolist(), lengths.tolist(), num_drafts.tolist())):
-        proposal = proposer.propose(row[:length], min(wanted, k))
-        drafts[b, : len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
-        counts[b] = len(proposal)
-    return drafts.to(tokens.device), counts.to(tokens.device)
-
-
-def ngram_propose(
-    tokens: Tensor, lengths: Tensor, num_drafts: Tensor, k: int, max_ngram_size: int, min_ngram_size: int
-) -> tuple[Tensor, Tensor]:
-    """Batched n-gram drafts: the kernel on CUDA, the twin elsewhere."""
-    if use_kernel(tokens):
-        return ngram_propose_launch(tokens, lengths, num_drafts, k, max_ngram_size, min_ngram_size)
-    return ngram_propose_torch(tokens, lengths, num_drafts, k, max_ngram_size, min_ngram_size)

@@ -1,7 +1,8 @@
-"""sampling/random.py's counter-based uniforms inside Triton kernels, bit for bit.
+"""services/worker/sampling/random.py's counter-based uniforms inside Triton kernels, bit for bit.
 
 The torch version works on int64 bit patterns (wrapping multiplication, masked shifts); here the same 64-bit
 patterns are uint64, whose shifts are logical and whose multiplication wraps, so each step is the same function.
+Both take their constants from kernels/constants.py.
 """
 
 from __future__ import annotations
@@ -9,12 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.sampling.random import GOLDEN_GAMMA, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
+from kernels.constants import GOLDEN_GAMMA, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
 
-_UINT64_MASK = (1 << 64) - 1
-GOLDEN = tl.constexpr(GOLDEN_GAMMA & _UINT64_MASK)
-MUL_1 = tl.constexpr(MIX_MUL_1 & _UINT64_MASK)
-MUL_2 = tl.constexpr(MIX_MUL_2 & _UINT64_MASK)
+GOLDEN = tl.constexpr(GOLDEN_GAMMA)
+MUL_1 = tl.constexpr(MIX_MUL_1)
+MUL_2 = tl.constexpr(MIX_MUL_2)
 DROP_BITS = tl.constexpr(64 - UNIFORM_BITS)
 UNIFORM_SCALE = tl.constexpr(2.0**-UNIFORM_BITS)
 

@@ -1,6 +1,6 @@
 """Counter-based sampling: one token per row by the exponential race argmax_i p_i / -log(u_i), u keyed by
-(seed, position, purpose), in one pass over the row. Twin: sampling/sample.sample_torch (same uniforms, same
-float64 ratios, same lowest-id tie-break), so the two return the same ids.
+(seed, position, purpose), in one pass over the row. Twin: services/worker/sampling/sample.sample_torch (same
+uniforms, same float64 ratios, same lowest-id tie-break), so the two return the same ids.
 
 Layout: one program per row; it streams the row in BLOCK-wide chunks, keeping the best ratio and its id.
 """
@@ -12,11 +12,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import use_kernel
+from kernels.constants import Purpose
 from kernels.noise import noise_key
 from kernels.race import RACE_PLAIN, race
-from services.worker.sampling.random import Purpose
-from services.worker.sampling.sample import sample_torch
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -53,9 +51,3 @@ def sample_launch(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purp
     )
     return out
 
-
-def sample(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = Purpose.SAMPLE) -> Tensor:
-    """sampling/sample.sample's contract: the kernel on CUDA, the twin elsewhere."""
-    if use_kernel(probs):
-        return sample_launch(probs, seeds, positions, purpose)
-    return sample_torch(probs, seeds, positions, purpose)

@@ -1,5 +1,6 @@
-"""Fused verification: every strategy of sampling/rejection.py, the gathering of the emitted tokens, and the packed
-output offsets (exclusive cumulative sum of num_emitted), in one kernel. Twin: sampling/rejection.verify_torch.
+"""Fused verification: every strategy of services/worker/sampling/rejection.py, the gathering of the emitted
+tokens, and the packed output offsets (exclusive cumulative sum of num_emitted), in one kernel.
+Twin: services/worker/sampling/rejection.verify_torch.
 
 Layout: one program per request row. It walks the drafts in order and stops at the first rejection, so a row
 reads only the vocabulary rows it needs: none for a rejection test (two gathers), one scan per slot for argmax,
@@ -20,28 +21,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import use_kernel
+from kernels.constants import ACCEPT_POLICY_CODES, PAD_TOKEN, VERIFY_STRATEGY_CODES, Purpose
 from kernels.noise import noise_key, uniform_scalar
 from kernels.race import RACE_PLAIN, RACE_POINT_MASS, RACE_RESIDUAL, argmax, race
-from services.worker.sampling.random import Purpose
-from services.worker.sampling.rejection import (
-    PAD_TOKEN,
-    AcceptPolicy,
-    VerifyInput,
-    VerifyOutput,
-    VerifyStrategy,
-    check_verify_args,
-    verify_torch,
-)
 
-STRATEGY_IDS = {"rejection": 0, "target_match": 1, "greedy": 2, "topp": 3}
-POLICY_IDS = {"normal": 0, "accept_all": 1, "reject_all": 2}
-REJECTION = tl.constexpr(STRATEGY_IDS["rejection"])
-TARGET_MATCH = tl.constexpr(STRATEGY_IDS["target_match"])
-GREEDY = tl.constexpr(STRATEGY_IDS["greedy"])
-NORMAL = tl.constexpr(POLICY_IDS["normal"])
-ACCEPT_ALL = tl.constexpr(POLICY_IDS["accept_all"])
-REJECT_ALL = tl.constexpr(POLICY_IDS["reject_all"])
+REJECTION = tl.constexpr(VERIFY_STRATEGY_CODES["rejection"])
+TARGET_MATCH = tl.constexpr(VERIFY_STRATEGY_CODES["target_match"])
+GREEDY = tl.constexpr(VERIFY_STRATEGY_CODES["greedy"])
+NORMAL = tl.constexpr(ACCEPT_POLICY_CODES["normal"])
+ACCEPT_ALL = tl.constexpr(ACCEPT_POLICY_CODES["accept_all"])
+REJECT_ALL = tl.constexpr(ACCEPT_POLICY_CODES["reject_all"])
 PAD = tl.constexpr(PAD_TOKEN)
 ACCEPT = tl.constexpr(int(Purpose.ACCEPT))
 SAMPLE = tl.constexpr(int(Purpose.SAMPLE))
@@ -170,29 +159,56 @@ def _verify_kernel(target_ptr, draft_tokens_ptr, num_drafts_ptr, draft_probs_ptr
 
 
 def verify_launch(
-    inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
-) -> VerifyOutput:
-    """Launches the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
-    check_verify_args(inp, accept_policy, verify_strategy)
-    batch, num_slots = inp.draft_tokens.shape
-    vocab = inp.target_probs.shape[2]
-    device = inp.target_probs.device
-    assert inp.draft_tokens.dtype == torch.int64 and inp.num_drafts.dtype == torch.int64, "tokens must be int64"
-    assert inp.seeds.dtype == torch.int64 and inp.positions.dtype == torch.int64, "seeds, positions must be int64"
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    num_drafts: Tensor,
+    draft_probs: Tensor | None,
+    greedy: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    top_p: Tensor | None,
+    strategy: int,
+    policy: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launches the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+
+    The tensors are sampling/rejection.VerifyInput's fields (draft_probs None: point-mass drafts; top_p None:
+    only the topp strategy reads it); strategy and policy are codes of kernels/constants.py. Returns int64
+    (num_accepted [B], output_tokens [B, K+1]: accepted drafts, the emitted token, then PAD_TOKEN, and offsets [B]:
+    the exclusive cumsum of num_accepted + 1).
+    """
+    assert draft_tokens.dim() == 2, f"draft_tokens must be [B, K], got {tuple(draft_tokens.shape)}"
+    batch, num_slots = draft_tokens.shape
+    assert target_probs.dim() == 3 and target_probs.shape[:2] == (batch, num_slots + 1), (
+        f"target_probs {tuple(target_probs.shape)} must be [B, K+1, V] for draft_tokens {(batch, num_slots)}"
+    )
+    assert draft_probs is None or draft_probs.shape == (batch, num_slots, target_probs.shape[2]), (
+        f"draft_probs {tuple(draft_probs.shape)} must be [B, K, V]"
+    )
+    per_row = {"num_drafts": num_drafts, "greedy": greedy, "seeds": seeds, "positions": positions, "top_p": top_p}
+    for name, value in per_row.items():
+        assert value is None or value.shape == (batch,), f"{name} {tuple(value.shape)} must be [B] = ({batch},)"
+    assert draft_tokens.dtype == torch.int64 and num_drafts.dtype == torch.int64, "tokens must be int64"
+    assert seeds.dtype == torch.int64 and positions.dtype == torch.int64, "seeds, positions must be int64"
+    assert strategy in VERIFY_STRATEGY_CODES.values(), f"unknown strategy code {strategy}"
+    assert policy in ACCEPT_POLICY_CODES.values(), f"unknown policy code {policy}"
+    assert strategy != VERIFY_STRATEGY_CODES["topp"] or top_p is not None, "the topp strategy needs top_p"
+    vocab = target_probs.shape[2]
+    device = target_probs.device
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     output_tokens = torch.full((batch, num_slots + 1), PAD_TOKEN, dtype=torch.int64, device=device)
     offsets = torch.zeros(batch, dtype=torch.int64, device=device)
     if batch > 0:
-        target = inp.target_probs.contiguous()
-        top_p = inp.top_p if inp.top_p is not None else torch.ones(batch, device=device)
+        target = target_probs.contiguous()
+        top_p = top_p if top_p is not None else torch.ones(batch, device=device)
         _verify_kernel[(batch,)](
             target,
-            inp.draft_tokens.contiguous(),
-            inp.num_drafts.contiguous(),
-            target if inp.draft_probs is None else inp.draft_probs.contiguous(),
-            inp.greedy.to(torch.int8),
-            inp.seeds.contiguous(),
-            inp.positions.contiguous(),
+            draft_tokens.contiguous(),
+            num_drafts.contiguous(),
+            target if draft_probs is None else draft_probs.contiguous(),
+            greedy.to(torch.int8),
+            seeds.contiguous(),
+            positions.contiguous(),
             top_p.to(torch.float64).contiguous(),  # the twin compares in float64 too
             num_accepted,
             output_tokens,
@@ -201,23 +217,12 @@ def verify_launch(
             batch,
             num_slots,
             vocab,
-            STRATEGY=STRATEGY_IDS[verify_strategy],
-            POLICY=POLICY_IDS[accept_policy],
-            HAS_Q=inp.draft_probs is not None,
+            STRATEGY=strategy,
+            POLICY=policy,
+            HAS_Q=draft_probs is not None,
             BLOCK=BLOCK,
             SLOTS_BLOCK=triton.next_power_of_2(num_slots + 1),
             OFFSETS_BLOCK=OFFSETS_BLOCK,
             num_warps=NUM_WARPS,
         )
-    return VerifyOutput(
-        num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_accepted + 1, offsets=offsets
-    )
-
-
-def verify(
-    inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
-) -> VerifyOutput:
-    """sampling/rejection.verify's contract: the fused kernel on CUDA, the twin elsewhere."""
-    if use_kernel(inp.target_probs):
-        return verify_launch(inp, accept_policy, verify_strategy)
-    return verify_torch(inp, accept_policy, verify_strategy)
+    return num_accepted, output_tokens, offsets

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.logprobs import token_logprobs, token_logprobs_launch  # noqa: E402
-from services.worker.sampling.logprobs import token_logprobs_torch  # noqa: E402
+from kernels.logprobs import token_logprobs_launch  # noqa: E402
+from services.worker.sampling.logprobs import token_logprobs, token_logprobs_torch  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-5
 

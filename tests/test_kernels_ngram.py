@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.ngram import ngram_propose, ngram_propose_launch, ngram_propose_torch  # noqa: E402
-from services.worker.sampling.rejection import PAD_TOKEN  # noqa: E402
+from kernels.constants import PAD_TOKEN  # noqa: E402
+from kernels.ngram import ngram_propose_launch  # noqa: E402
+from services.worker.drafting.ngram_batch import ngram_propose, ngram_propose_torch  # noqa: E402
 
 
 def _padded(rows: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

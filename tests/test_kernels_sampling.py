@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.sampling import sample, sample_launch  # noqa: E402
+from kernels.sampling import sample_launch  # noqa: E402
 from services.worker.sampling.random import Purpose  # noqa: E402
-from services.worker.sampling.sample import sample_torch  # noqa: E402
+from services.worker.sampling.sample import sample, sample_torch  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab", [97, 1000, 4099])

@@ -11,9 +11,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.verify import verify, verify_launch  # noqa: E402
+from kernels.constants import ACCEPT_POLICY_CODES, VERIFY_STRATEGY_CODES  # noqa: E402
+from kernels.verify import verify_launch  # noqa: E402
 from services.worker.sampling.random import Purpose  # noqa: E402
-from services.worker.sampling.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput, verify_torch  # noqa: E402
+from services.worker.sampling.rejection import (  # noqa: E402
+    ACCEPT_POLICIES,
+    PAD_TOKEN,
+    VERIFY_STRATEGIES,
+    VerifyInput,
+    verify,
+    verify_fused,
+    verify_torch,
+)
 from services.worker.sampling.sample import sample_torch  # noqa: E402
 
 BATCH = 6
@@ -50,7 +59,7 @@ def _ragged_input(num_slots: int, vocab: int, with_q: bool, seed: int) -> Verify
 
 
 def _assert_same(inp: VerifyInput, policy: str, strategy: str) -> None:
-    got, want = verify_launch(inp, policy, strategy), verify_torch(inp, policy, strategy)
+    got, want = verify_fused(inp, policy, strategy), verify_torch(inp, policy, strategy)
     for field in FIELDS:
         assert torch.equal(getattr(got, field), getattr(want, field)), (field, policy, strategy)
 
@@ -95,3 +104,17 @@ def test_a_single_row_and_the_dispatcher_on_cpu() -> None:
     alone = VerifyInput(**{name: value[2:3] if value is not None else None for name, value in vars(inp).items()})
     _assert_same(alone, "normal", "target_match")
     assert torch.equal(verify(inp).output_tokens, verify_torch(inp).output_tokens)
+
+
+def test_every_strategy_and_policy_has_a_kernel_code_and_the_launcher_checks_shapes() -> None:
+    assert set(VERIFY_STRATEGY_CODES) == set(VERIFY_STRATEGIES)
+    assert set(ACCEPT_POLICY_CODES) == set(ACCEPT_POLICIES)
+    inp = _ragged_input(2, 97, with_q=False, seed=9)
+    tensors = (inp.target_probs, inp.draft_tokens, inp.num_drafts, None, inp.greedy, inp.seeds, inp.positions, None)
+    codes = {"strategy": VERIFY_STRATEGY_CODES["rejection"], "policy": ACCEPT_POLICY_CODES["normal"]}
+    with pytest.raises(AssertionError, match="seeds"):
+        verify_launch(*tensors[:5], inp.seeds[:1], *tensors[6:], **codes)
+    with pytest.raises(AssertionError, match="int64"):
+        verify_launch(*tensors[:5], inp.seeds.to(torch.int32), *tensors[6:], **codes)
+    with pytest.raises(AssertionError, match="top_p"):
+        verify_launch(*tensors, strategy=VERIFY_STRATEGY_CODES["topp"], policy=ACCEPT_POLICY_CODES["normal"])

@@ -6,8 +6,11 @@ import random
 import time
 
 import pytest
+import torch
 
+from kernels.constants import PAD_TOKEN
 from services.worker.drafting.ngram import NgramProposer
+from services.worker.drafting.ngram_batch import ngram_propose
 
 
 def test_longest_match_is_preferred_over_a_more_recent_shorter_one() -> None:
@@ -90,3 +93,15 @@ def test_fast_on_long_sequences() -> None:
     for _ in range(100):
         proposer.propose(tokens, 4)
     assert time.perf_counter() - started < 1.0
+
+
+def test_the_batched_op_drafts_each_row_like_the_proposer() -> None:
+    rows = [[1, 2, 3, 1, 2], [7, 7, 7, 7], [4, 5]]
+    tokens = torch.full((3, 6), PAD_TOKEN, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = torch.tensor(row)
+    drafts, counts = ngram_propose(tokens, torch.tensor([5, 4, 2]), torch.tensor([3, 3, 1]), 2, 3, 1)
+    assert counts.tolist() == [2, 1, 0]
+    assert drafts.tolist() == [[3, 1], [7, PAD_TOKEN], [PAD_TOKEN, PAD_TOKEN]]
+    with pytest.raises(ValueError, match="lengths"):
+        ngram_propose(tokens, torch.tensor([5, 4]), torch.tensor([3, 3, 1]), 2, 3, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import use_kernel
 from shared.frames import NO_TOKEN
 
 POINT_MASS_LOGPROB = 0.0  # log 1: a point-mass proposal puts all its mass on the drafted token
@@ -18,13 +19,13 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, 
     Rank is 1 + the number of tokens with a strictly higher logit (the same order as the logprobs, without their
     rounding), so a token tied with others gets the best rank of its tie group. Top-K is taken over the logits
     too; the order of exactly tied logits inside it is torch.topk's here and lowest id first in the kernel.
-    On CUDA tensors this runs the Triton kernel of kernels/logprobs.py; `token_logprobs_torch` is its twin.
+    On CUDA tensors this runs the Triton kernel of kernels/logprobs.py (imported here, so CPU callers never import
+    triton); `token_logprobs_torch` is its twin.
     """
-    if logits.is_cuda:
-        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
-        from kernels.logprobs import token_logprobs as token_logprobs_fused
+    if use_kernel(logits):
+        from kernels.logprobs import token_logprobs_launch
 
-        return token_logprobs_fused(logits, chosen, top_k)
+        return token_logprobs_launch(logits, chosen, top_k)
     return token_logprobs_torch(logits, chosen, top_k)
 
 

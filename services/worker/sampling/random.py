@@ -7,24 +7,17 @@ computed, and never touches the global torch RNG.
 
 The hash is splitmix64's finaliser, chained over the coordinates, in int64 torch ops so it runs vectorised on any
 device. Two int64 facts it relies on: multiplication wraps modulo 2**64, and `>>` is arithmetic, so a logical
-shift masks off the copied sign bits.
+shift masks off the copied sign bits. kernels/noise.py is the same hash in Triton; the constants and the Purpose
+values live in kernels/constants.py, which both import.
 """
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import Tensor
 
-
-class Purpose(enum.IntEnum):
-    """What a random number is for: each purpose draws independent noise at the same (seed, position)."""
-
-    SAMPLE = 1  # the token emitted at a position (plain decoding, and the bonus/recovered token of a verify step)
-    ACCEPT = 2  # the acceptance test of the draft at a position
-    RECOVER = 3  # reserved for a sampler that needs noise of its own after a rejection
-    DRAFT = 4  # a draft model sampling its proposal for a position
+from kernels import constants
+from kernels.constants import UNIFORM_BITS, Purpose
 
 
 def _to_int64(value: int) -> int:
@@ -33,11 +26,10 @@ def _to_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-GOLDEN_GAMMA = _to_int64(0x9E3779B97F4A7C15)  # splitmix64's stream increment (2**64 / golden ratio, odd)
-MIX_MUL_1 = _to_int64(0xBF58476D1CE4E5B9)
-MIX_MUL_2 = _to_int64(0x94D049BB133111EB)
-
-UNIFORM_BITS = 52  # a float64 holds 52 bits below 1 exactly, so (k + 0.5) / 2**52 is never 0 and never rounds to 1
+# splitmix64's constants (kernels/constants.py, shared with the kernels) as the int64s with the same bits.
+GOLDEN_GAMMA = _to_int64(constants.GOLDEN_GAMMA)
+MIX_MUL_1 = _to_int64(constants.MIX_MUL_1)
+MIX_MUL_2 = _to_int64(constants.MIX_MUL_2)
 _UNIFORM_SCALE = 2.0**-UNIFORM_BITS
 
 

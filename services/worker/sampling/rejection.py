@@ -25,7 +25,8 @@ Noise: the rejection test of draft j uses uniform(seed, position + j, ACCEPT); e
 uses sample(..., seed, position + num_accepted, SAMPLE), the noise plain decoding draws for the token it emits at
 that position, so a row with no drafts emits exactly the token plain decoding would.
 
-On CUDA tensors `verify` runs the fused Triton kernel of kernels/verify.py; `verify_torch` is its twin.
+On CUDA tensors `verify` runs the fused Triton kernel of kernels/verify.py through `verify_fused`, which imports
+it (so CPU callers never import triton); `verify_torch` is its twin.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from kernels import use_kernel
+from kernels.constants import ACCEPT_POLICY_CODES, PAD_TOKEN, VERIFY_STRATEGY_CODES
 from services.worker.sampling.random import Purpose, uniform
 from services.worker.sampling.sample import sample_torch
 
-PAD_TOKEN = -1  # fills draft_tokens past num_drafts and output_tokens past num_emitted
 AcceptPolicy = Literal["normal", "accept_all", "reject_all"]
 ACCEPT_POLICIES: tuple[str, ...] = get_args(AcceptPolicy)
 VerifyStrategy = Literal["rejection", "target_match", "greedy", "topp"]
@@ -193,6 +195,30 @@ def verify_torch(
     )
 
 
+def verify_fused(
+    inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
+) -> VerifyOutput:
+    """`verify` on the fused kernel of kernels/verify.py: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    check_verify_args(inp, accept_policy, verify_strategy)
+    from kernels.verify import verify_launch
+
+    num_accepted, output_tokens, offsets = verify_launch(
+        inp.target_probs,
+        inp.draft_tokens,
+        inp.num_drafts,
+        inp.draft_probs,
+        inp.greedy,
+        inp.seeds,
+        inp.positions,
+        inp.top_p,
+        strategy=VERIFY_STRATEGY_CODES[verify_strategy],
+        policy=ACCEPT_POLICY_CODES[accept_policy],
+    )
+    return VerifyOutput(
+        num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_accepted + 1, offsets=offsets
+    )
+
+
 def verify(
     inp: VerifyInput, accept_policy: AcceptPolicy = "normal", verify_strategy: VerifyStrategy = "rejection"
 ) -> VerifyOutput:
@@ -201,9 +227,6 @@ def verify(
     accept_policy is for debugging: accept_all takes every draft (lossy), reject_all takes none and draws the
     emitted token from p itself, so its output equals plain decoding.
     """
-    if inp.target_probs.is_cuda:
-        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
-        from kernels.verify import verify as verify_fused
-
+    if use_kernel(inp.target_probs):
         return verify_fused(inp, accept_policy, verify_strategy)
     return verify_torch(inp, accept_policy, verify_strategy)

@@ -5,7 +5,8 @@ probability p_i. Unlike inverse-CDF sampling it needs no cumulative sum, so the 
 summation order, and with u from `random.uniform` it is a pure function of (p, seed, position, purpose): a request
 gets the same tokens alone or in any batch.
 
-On CUDA tensors `sample` runs the Triton kernel of kernels/sampling.py; `sample_torch` is its twin.
+On CUDA tensors `sample` runs the Triton kernel of kernels/sampling.py; `sample_torch` is its twin. The kernel
+module is imported inside `sample`, so CPU callers never import triton.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import use_kernel
 from services.worker.sampling.random import Purpose, uniform
 
 GREEDY_TEMPERATURE = 0.0  # rows with this temperature take the argmax
@@ -60,11 +62,10 @@ def sample(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose = P
     A one-hot row yields its hot index. Tokens with probability 0 are never chosen. Rows need not sum to 1:
     the race picks i with probability probs_i / sum(probs). Exact ties go to the lowest id.
     """
-    if probs.is_cuda:
-        # Imported here: kernels/ imports this module for its twin, and CPU callers never need triton.
-        from kernels.sampling import sample as sample_fused
+    if use_kernel(probs):
+        from kernels.sampling import sample_launch
 
-        return sample_fused(probs, seeds, positions, purpose)
+        return sample_launch(probs, seeds, positions, purpose)
     return sample_torch(probs, seeds, positions, purpose)
 
 
