@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from services.worker.model.llama import MTPLayer
 from services.worker.model.loader import load_model
+from services.worker.model.weights import split_projections
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (the fixture is used by name)
 from tests.threadfixture import one_torch_thread
 
@@ -64,17 +65,18 @@ def _fit(model_dir: Path) -> dict[str, torch.Tensor]:
             targets = model.logits(hidden).argmax(-1)[:, 1:]  # the trunk's choice after token p, p >= 1
             embeds = model.model.embed_tokens(ids[:, 1:])
         module = MTPLayer(cfg, cfg.num_hidden_layers)
-        rope = model.rotary(positions[:, 1:])
+        rope = model.rotary(positions[:, 1:], ids.shape[1])
         optimizer = torch.optim.Adam(module.parameters(), lr=FIT_LR)
         for _ in range(FIT_STEPS):
             x = module.eh_proj(torch.cat((module.enorm(embeds), module.hnorm(hidden[:, :-1])), dim=-1))
-            out = module.final_layernorm(module(x, rope, None))
+            out = module.final_layernorm(sum(module(x, None, rope, None)))  # layer output + residual
             logits = model._head(out)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # Hugging Face's names (separate q/k/v, gate/up), as a real checkpoint stores them.
+    return {k: v.detach().clone() for k, v in split_projections(module.state_dict(), cfg).items()}
 
 
 def _layout(module: dict[str, torch.Tensor], layout: str, trunk: dict[str, torch.Tensor], num_layers: int):

@@ -3,6 +3,7 @@ scheduler's use of it (admission needs the whole prefill, preemption of the newe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,9 +40,22 @@ def test_allocation_grows_a_table_in_position_order_with_distinct_blocks() -> No
     blocks.allocate(0, 8)  # still two blocks: nothing new
     assert blocks.table(0) == [0, 1]
     blocks.allocate(0, 9)
-    assert blocks.table(0) == [0, 1, 3]
-    assert blocks.table(1) == [2]
+    assert blocks.table(0) == [0, 1, 2]  # one ascending run: slot 1 started in its own home region
+    assert blocks.table(1) == [4]
     assert blocks.num_used == 4 and blocks.num_free == 4
+
+
+def test_tables_stay_one_run_while_the_pool_allows_and_take_the_lowest_free_block_otherwise() -> None:
+    blocks = _manager(6)  # less than a home region per slot: first come, lowest id first
+    blocks.allocate(0, 4)
+    blocks.allocate(1, 4)
+    blocks.allocate(0, 8)
+    assert blocks.table(0) == [0, 2] and blocks.table(1) == [1]  # block 1 is taken: the lowest free one
+    blocks.free(1)
+    blocks.allocate(0, 12)
+    assert blocks.table(0) == [0, 2, 3]  # the block after its last is free again
+    blocks.allocate(2, 8)
+    assert blocks.table(2) == [1, 4]
 
 
 def test_need_stops_at_max_model_len() -> None:
@@ -92,25 +106,27 @@ def test_changed_tables_are_reported_once() -> None:
     blocks = _manager(8)
     blocks.allocate(0, 4)
     blocks.allocate(1, 4)
-    assert blocks.take_changed() == {0: [0], 1: [1]}
+    assert blocks.take_changed() == {0: [0], 1: [4]}
     assert blocks.take_changed() == {}
     blocks.allocate(0, 4)  # nothing new
     blocks.free(1)
     assert blocks.take_changed() == {1: []}
 
 
-def test_cache_reads_back_what_it_wrote_through_scattered_blocks() -> None:
+def test_cache_writes_through_scattered_blocks_by_slot_mapping() -> None:
     cache = KVCache(1, 2, MAX_MODEL_LEN, 1, 2, torch.float32, "cpu", BLOCK_SIZE, num_blocks=8)
     cache.set_block_table(1, [6, 2, 4])
-    positions = torch.arange(10)[None]
-    k = torch.arange(20, dtype=torch.float32).view(1, 10, 1, 2)
-    cache.write(0, torch.ones_like(positions), positions, k, -k)
-    keys, values = cache.read(0, torch.tensor([1]), 10)
-    assert torch.equal(keys[0, 0], k[0, :, 0]) and torch.equal(values[0, 0], -k[0, :, 0])
-    assert torch.equal(cache.keys[0][2, 0, 1], k[0, 5, 0])  # position 5: second block, offset 1
-    padding = torch.full_like(positions, cache.padding_slot)
-    cache.write(0, padding, positions, 100 + k, 100 + k)  # padding writes land in the padding block only
-    assert torch.equal(cache.read(0, torch.tensor([1]), 10)[0], keys)
+    positions = np.arange(10)
+    mapping = cache.slot_mapping(np.ones(10, dtype=np.int64), positions)
+    assert mapping.tolist() == [6 * BLOCK_SIZE + p for p in range(4)] + [2 * BLOCK_SIZE + p for p in range(4)] + [
+        4 * BLOCK_SIZE + p for p in range(2)
+    ]
+    k = torch.arange(20, dtype=torch.float32).view(10, 1, 2)
+    cache.write(0, torch.from_numpy(mapping), k, -k)
+    assert torch.equal(cache.keys[0][2, 1, 0], k[5, 0])  # position 5: second block, offset 1
+    assert torch.equal(cache.values[0][4, 1, 0], -k[9, 0])
+    padding = cache.slot_mapping(np.full(10, cache.padding_slot), positions)
+    assert set(padding // BLOCK_SIZE) == {cache.padding_block}  # padding writes land in the padding block only
 
 
 def _scheduler(num_blocks: int, max_num_seqs: int = 4, lookahead: int = 0) -> Scheduler:

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.worker.forward_batch import pack
 from services.worker.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
-from services.worker.model.layers import AttentionBatch
 from services.worker.model.loader import load_model
 from tests.modelfixture import MODEL_SHAPE, random_causal_lm
 
@@ -53,14 +53,11 @@ def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: s
     cfg = ours.config
     ids = torch.randint(0, VOCAB_SIZE, (1, 14), generator=torch.Generator().manual_seed(2))
     cache = KVCache(ours.num_cache_layers, 2, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
-    slot = torch.tensor([1])
+    slot = 1
 
     def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
-        n = chunk.shape[1]
-        positions = torch.arange(start, start + n)[None]
-        mask = torch.arange(start + n)[None, None, None, :] <= positions[:, None, :, None]
-        batch = AttentionBatch(cache, slot[:, None].expand(1, n), positions, slot, mask, start + n)
-        return ours.logits(ours(chunk, positions, batch))
+        batch = pack(cache, [chunk[0].tolist()], [start], [slot], torch.device("cpu"))
+        return ours.logits(ours(batch.input_ids, batch.positions, batch))[None]
 
     with torch.no_grad():
         expected = reference(ids).logits

@@ -4,9 +4,17 @@ The cache is divided into blocks of `block_size` token positions. A running sequ
 keyed by its cache slot: position p lives in block table[p // block_size] at offset p % block_size. Tables
 only grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are
 freed whole when it finishes or is preempted.
+
+Blocks are handed out so that a sequence's table is one ascending run whenever the pool allows: a slot's first
+block comes from its home region (slot * max_blocks_per_seq .., when the pool holds a whole region per slot, as
+it does by default) and each next block is the one after its last, if free. Attention then reads such a
+sequence's context as one view of the cache, with no copy (model/paged_attention.py); when the pool is tight,
+any free block will do, lowest id first.
 """
 
 from __future__ import annotations
+
+import heapq
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -27,8 +35,8 @@ class BlockManager:
                 f"{num_blocks} KV blocks of {block_size} positions cannot hold one sequence of max_model_len "
                 f"{max_model_len}: it needs {self.max_blocks_per_seq}"
             )
-        # Popped from the end: the lowest ids go out first, which keeps tests and dumps readable.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = set(range(num_blocks))
+        self._lowest = list(range(num_blocks))  # a heap over free ids; entries of taken blocks are skipped lazily
         self._tables: dict[int, list[int]] = {}
         self._changed: set[int] = set()
 
@@ -63,13 +71,33 @@ class BlockManager:
             raise RuntimeError(f"slot {slot} needs {missing} more KV blocks but only {len(self._free)} are free")
         if missing:
             table = self._tables.setdefault(slot, [])
-            table.extend(self._free.pop() for _ in range(missing))
+            for _ in range(missing):
+                table.append(self._take(table[-1] + 1 if table else self._home(slot)))
             self._changed.add(slot)
+
+    def _home(self, slot: int) -> int:
+        """The first block of the slot's home region, or -1 when the pool is too small for one region per slot."""
+        start = slot * self.max_blocks_per_seq
+        return start if start + self.max_blocks_per_seq <= self.num_blocks else -1
+
+    def _take(self, wanted: int) -> int:
+        """The wanted block if it is free, else the lowest free one."""
+        if wanted not in self._free:
+            while self._lowest[0] not in self._free:
+                heapq.heappop(self._lowest)
+            wanted = heapq.heappop(self._lowest)
+        self._free.remove(wanted)
+        return wanted
 
     def free(self, slot: int) -> None:
         """Returns all of the slot's blocks to the pool."""
         table = self._tables.pop(slot, [])
-        self._free.extend(reversed(table))
+        self._free.update(table)
+        if len(self._lowest) + len(table) > 2 * self.num_blocks:  # drop stale entries before they pile up
+            self._lowest = sorted(self._free)
+        else:
+            for block in table:
+                heapq.heappush(self._lowest, block)
         if table:
             self._changed.add(slot)
 

@@ -1,10 +1,16 @@
-"""The worker's engine: one `step()` admits waiting requests, prefills them, and runs one speculative
-decoding step (draft, verify, accept) for every running sequence. It returns what each sequence emitted.
+"""The worker's engine. A step reads schedule -> execute -> postprocess:
 
-Randomness is a function of (request seed, output position, purpose) only, so a seeded request yields the
-same tokens alone or in any batch (services/worker/sampling/random.py). When KV blocks run out, the scheduler
-preempts sequences; one that comes back (or arrives from another worker with output already sent) recomputes
-its cache up to its last token and then decodes like any other, so its output does not change.
+- schedule: the scheduler reserves KV blocks (preempting when short) and admits waiting requests (StepPlan);
+- execute: one packed forward pass prefills the admitted sequences, and one speculative step runs for the
+  running ones: propose (a DraftBatch), score (the last token and the drafts in one pass), verify, accept;
+- postprocess: plain-Python bookkeeping appends the emitted tokens, finishes sequences and builds SeqOutputs.
+
+Work is done only for what was asked: greedy rows draw no noise, a step without drafts skips verification,
+logprobs are computed in one call for the rows of the requests that asked, and a step's results reach the host
+in one copy. Randomness is a function of (request seed, output position, purpose) only, so a seeded request
+yields the same tokens alone or in any batch (sampling/random.py). A sequence that comes back after preemption
+(or arrives from another worker with output already sent) recomputes its cache up to its last token and then
+decodes like any other, so its output does not change.
 """
 
 from __future__ import annotations
@@ -12,79 +18,35 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from shared.config import EngineConfig
-from shared.frames import FinishReason
 from shared.schemas import WorkRequest
 from shared.tokenizer import Tokenizer
-from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.batch import sampling_tensors, seeds_positions
 from services.worker.block_manager import BlockManager, blocks_for
-from services.worker.drafting.draft import Draft, stack_probs
-from services.worker.model.loader import load_model
+from services.worker.drafting.controller import SpeculationController
+from services.worker.drafting.draft import DraftBatch
+from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
+from services.worker.host_copy import fetch
+from services.worker.model.loader import load_model
+from services.worker.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.runner import ModelRunner
+from services.worker.sampling.greedy import greedy_verify
+from services.worker.sampling.logprobs import token_logprobs
+from services.worker.sampling.rejection import VerifyInput, verify
+from services.worker.sampling.sample import process_logits, sample
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence
-from services.worker.drafting.adaptive import AdaptiveSpeculation, SpeculationGate
-from services.worker.sampling.logprobs import token_logprobs
-from services.worker.drafting.mtp import MtpDrafter
-from services.worker.sampling.rejection import PAD_TOKEN, VerifyInput, verify
-from services.worker.sampling.sample import process_logits, sample
+
+__all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_MAX_ROWS = 32
-CALIBRATION_REPEATS = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TokenLogprobs:
-    """Frame-ready arrays for n tokens: ids and logprobs [n, top_k + 1] (slot 0 = the token), ranks [n]."""
-
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-
-    @classmethod
-    def of(cls, arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> "TokenLogprobs":
-        return cls(*(a.cpu().numpy() for a in arrays))
-
-
-@dataclass
-class SeqOutput:
-    """What one sequence produced in one step."""
-
-    seq: Sequence
-    offset: int  # output index of the first emitted token
-    tokens: list[int]
-    target: TokenLogprobs
-    num_accepted: int = 0
-    draft_tokens: list[int] = field(default_factory=list)
-    draft: TokenLogprobs | None = None  # only when the request asked for draft logprobs
-
-    @property
-    def finish_reason(self) -> FinishReason:
-        return self.seq.finish_reason
-
-
-@dataclass
-class EngineStats:
-    """Speculation counters in the vocabulary of vLLM's metrics: acceptance length = 1 + accepted / drafts."""
-
-    num_steps: int = 0
-    num_emitted_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 class Engine:
@@ -97,6 +59,7 @@ class Engine:
                 f'speculative method "mtp" needs a checkpoint with MTP modules; {config.model} has none '
                 "(no num_nextn_predict_layers in config.json): use method \"ngram\" or \"naive\""
             )
+        self.vocab_size = model.config.vocab_size
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
@@ -112,19 +75,11 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead)
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = build_proposer(spec, self.mtp)
-        # Adaptive speculation trims each request's drafts when they do not pay for their share of the step.
-        self.adaptive = AdaptiveSpeculation(spec.num_drafts) if spec.adaptive and spec.num_drafts > 0 else None
-        self._adaptive_drafts: dict[str, int] = {}
-        # The gate's decisions for this step and the next: the MTP drafter prepares the next step's drafts at the
-        # end of this one, so it must know then whether they will be used.
-        self._speculate = self._speculate_next = True
-        # MTP drafting for a step happens at the end of the one before; its time is charged to the step it serves.
-        self._drafting_seconds = self._prepared_seconds = 0.0
-        self.gate = SpeculationGate() if self.adaptive is not None else None
-        if self.adaptive is not None:
-            self._calibrate_step_cost()
+        self.controller = SpeculationController(spec, config.max_model_len)
+        self.controller.calibrate(self._calibration_step, config.max_num_seqs)
         self.eos_token_ids = Tokenizer(config.model).eos_token_ids
         self.step_no = 0
+        self._top_k = 0
         self.stats = EngineStats()
 
     def add_request(self, request: WorkRequest) -> Sequence:
@@ -161,175 +116,172 @@ class Engine:
         self.step_no += 1
         self.stats.num_steps += 1
         self._release_finished()  # aborted since the last step: their slots go to waiting requests now
-        self.last_preempted = self.scheduler.reserve()
-        # Blocks just freed by preemption would only readmit what was preempted: admission waits a step.
-        admitted = [] if self.last_preempted else self.scheduler.admit()
+        plan = self.scheduler.schedule()
+        self.last_preempted = plan.preempted
         for slot, table in self.scheduler.blocks.take_changed().items():
             self.runner.cache.set_block_table(slot, table)
-        top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
-        outputs = self._prefill(admitted, top_k) if admitted else []
-        sampled = {o.seq.request_id for o in outputs}
-        decoding = [s for s in self.scheduler.running if s.request_id not in sampled and not s.is_finished]
-        if decoding:
-            outputs += self._decode(decoding, top_k)
+        # One frame holds one top-K for all its records: the most any running request asked for.
+        self._top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
+        outputs = self._prefill(plan.prefills) if plan.prefills else []
+        if plan.decodes:
+            self.controller.begin_step(plan.decodes)
+            decoded, num_scored = self._speculative_step(plan.decodes)
+            self.controller.end_step(len(plan.decodes), num_scored, sum(len(o.tokens) for o in decoded))
+            outputs += decoded
         self._release_finished()
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
 
-    def _calibrate_step_cost(self) -> None:
-        """Times verify-shaped steps of a few sizes on the idle engine (forward pass, sampling of every scored row,
-        logprobs), so that adaptive speculation starts from this device's own ratio of per-token to fixed step
-        cost: compute-bound CPUs and memory-bound GPUs differ by orders of magnitude, and the steps of one steady
-        batch cannot tell the two costs apart."""
-        device = self.runner.device
-        for num_rows in (1, min(self.config.max_num_seqs, CALIBRATION_MAX_ROWS)):
-            for width in (1, 1 + self.config.speculative.num_drafts):
-                n = num_rows * width
-                ones = torch.ones(n, device=device)
-                for _ in range(CALIBRATION_REPEATS):
-                    started = time.perf_counter()
-                    hidden = self.runner.forward([[0] * width] * num_rows, [0] * num_rows, list(range(num_rows)))
-                    logits = self.runner.logits(hidden).reshape(n, -1)
-                    probs = process_logits(logits, ones, torch.zeros(n, dtype=torch.long, device=device), ones)
-                    chosen = sample(probs, torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
-                    token_logprobs(logits, chosen, 0)[2].sum().item()  # waits for the device
-                    self.adaptive.observe_step(n, time.perf_counter() - started)
-
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
             self.proposer.on_finished(seq)
-            if self.adaptive is not None:
-                self.adaptive.forget(seq.request_id)
-                self._adaptive_drafts.pop(seq.request_id, None)
+            self.controller.forget(seq)
 
     def _draft_budget(self, seq: Sequence, next_step: bool = False) -> int:
-        """Drafts for the sequence's step (this one, or the next for the MTP drafter): at most what it may still
-        emit, less the token verification adds; with adaptive speculation, what its acceptance earns at the
-        current batch size, and none in a step the gate keeps to plain decoding."""
-        if not (self._speculate_next if next_step else self._speculate):
-            return 0
-        budget = min(self.config.speculative.num_drafts, seq.max_new_tokens(self.config.max_model_len) - 1)
-        return min(budget, self._adaptive_drafts.get(seq.request_id, budget))
+        return self.controller.budget(seq, next_step)
 
-    def _catch_up(self, seqs: list[Sequence], hidden: torch.Tensor, tokens: list[list[int]], starts: list[int]) -> None:
-        """Brings the MTP drafter's cache up to the sequences' new tokens (see drafting/mtp.py); finished ones need none."""
+    def _catch_up(
+        self, seqs: list[Sequence], hidden: torch.Tensor, first_rows: np.ndarray, tokens: list[list[int]],
+        starts: list[int],
+    ) -> None:
+        """Brings the MTP drafter's cache up to the sequences' new tokens (see drafting/mtp.py); token j of
+        sequence b pairs with hidden row first_rows[b] + j. Finished sequences need none."""
         if self.mtp is None:
             return
         started = time.perf_counter()
         live = [b for b, s in enumerate(seqs) if not s.is_finished]
         self.mtp.catch_up(
-            [seqs[b] for b in live], hidden[live], [tokens[b] for b in live], [starts[b] for b in live],
-            [self._draft_budget(seqs[b], next_step=True) for b in live],
+            [seqs[b] for b in live], hidden, [int(first_rows[b]) for b in live], [tokens[b] for b in live],
+            [starts[b] for b in live], [self._draft_budget(seqs[b], next_step=True) for b in live],
         )
-        self._drafting_seconds += time.perf_counter() - started
+        self.controller.charge_drafting(time.perf_counter() - started)
 
-    def _prefill(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
-        """Computes the cache of admitted sequences. A new one gets every token cached and samples its next
-        token here. One that already has output (preempted, or handed back by another worker) is recomputed up
-        to its last token and emits nothing here: it decodes in this step as if it had never left, so its
-        drafts and noise, and therefore its tokens, are the ones it would have had."""
-        fresh = [b for b, s in enumerate(seqs) if not s.output_ids]
-        tokens = [s.token_ids if not s.output_ids else s.token_ids[:-1] for s in seqs]
-        hidden = self.runner.forward(tokens, [0] * len(seqs), [s.slot for s in seqs])
-        for seq, row in zip(seqs, tokens):
+    def _prefill(self, seqs: list[Sequence]) -> list[SeqOutput]:
+        """Computes the cache of admitted sequences in one packed pass. A new one samples its next token here;
+        one that already has output is recomputed up to its last token and emits nothing here."""
+        rows = [s.token_ids if not s.output_ids else s.token_ids[:-1] for s in seqs]
+        hidden, batch = self.runner.forward(rows, [0] * len(seqs), [s.slot for s in seqs])
+        for seq, row in zip(seqs, rows):
             seq.num_computed = len(row)
-        outputs = self._sample_first(seqs, fresh, hidden, [len(t) - 1 for t in tokens], top_k)
-        # Trunk row j (position j) pairs with token j + 1 in the MTP module.
-        self._catch_up(seqs, hidden, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
-        return outputs
-
-    def _sample_first(
-        self, seqs: list[Sequence], fresh: list[int], hidden: torch.Tensor, last: list[int], top_k: int
-    ) -> list[SeqOutput]:
-        """Samples the next token of seqs[b] for b in fresh from its trunk row last[b] of hidden [B, L, hidden]."""
-        if not fresh:
-            return []
-        device = self.runner.device
-        rows, last_rows = torch.tensor(fresh, device=device), torch.tensor([last[b] for b in fresh], device=device)
-        logits = self.runner.logits(hidden[rows, last_rows])  # [len(fresh), vocab]
-        seqs = [seqs[b] for b in fresh]
-        probs = process_logits(logits, *sampling_tensors(seqs, device))
-        seeds, positions = seeds_positions(seqs, device)
-        chosen = sample(probs, seeds, positions)
-        target = token_logprobs(logits, chosen, top_k)
+        fresh = [b for b, s in enumerate(seqs) if not s.output_ids]
         outputs = []
-        for b, seq in enumerate(seqs):
-            offset = len(seq.output_ids)
-            kept = seq.append([int(chosen[b])], self.config.max_model_len)
-            outputs.append(SeqOutput(seq, offset, kept, TokenLogprobs.of(tuple(a[b : b + 1] for a in target))))
+        if fresh:
+            last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
+            logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
+            fresh_seqs = [seqs[b] for b in fresh]
+            chosen = self._sample(logits, fresh_seqs)
+            outputs = self._accept(fresh_seqs, logits[:, None], chosen[:, None], None, None)
+        # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module.
+        self._catch_up(seqs, hidden, batch.host_query_starts, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
         return outputs
 
-    def _decode(self, seqs: list[Sequence], top_k: int) -> list[SeqOutput]:
-        if self.adaptive is None:
-            return self._speculative_step(seqs, top_k)[0]
-        # The model picks each request's drafts; the gate checks, by measurement, that drafting pays at all.
-        self._speculate = speculate = self._speculate_next
-        self._speculate_next = self.gate.speculate(len(seqs))
-        self._adaptive_drafts = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
-        prepared, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
-        started = time.perf_counter()
-        outputs, num_batch_tokens = self._speculative_step(seqs, top_k)
-        # The whole step (drafting, scoring, sampling, logprobs), with MTP drafting charged to the step it serves.
-        self._prepared_seconds, self._drafting_seconds = self._drafting_seconds, 0.0
-        seconds = time.perf_counter() - started - self._prepared_seconds + prepared
-        self.adaptive.observe_step(num_batch_tokens, seconds)
-        self.gate.observe(len(seqs), speculate, sum(len(o.tokens) for o in outputs), seconds)
-        return outputs
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row of logits [N, vocab]: the argmax for greedy rows, a seeded sample for the others
+        (the noise plain decoding draws at the sequence's next output position)."""
+        chosen = logits.argmax(dim=-1)
+        sampled = [b for b, s in enumerate(seqs) if not s.sampling.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            subset = [seqs[b] for b in sampled]
+            probs = process_logits(logits[rows], *sampling_tensors(subset, logits.device))
+            chosen[rows] = sample(probs, *seeds_positions(subset, logits.device))
+        return chosen
 
-    def _speculative_step(self, seqs: list[Sequence], top_k: int) -> tuple[list[SeqOutput], int]:
-        """Draft, verify, accept for the running sequences; returns their outputs and the tokens scored."""
+    def _speculative_step(self, seqs: list[Sequence]) -> tuple[list[SeqOutput], int]:
+        """Propose, score, verify, accept for the running sequences; returns their outputs and the tokens scored."""
         device = self.runner.device
-        drafts: list[Draft] = [self.proposer.propose(s, self._draft_budget(s)) for s in seqs]
-        width = max(len(d.tokens) for d in drafts)
-        # Verify: score the last token and every draft in one pass; row j holds p for the token at j.
+        drafts = DraftBatch.build(
+            [self.proposer.propose(s, self._draft_budget(s)) for s in seqs], self.vocab_size, device
+        )
+        # Score: the last token and every draft in one pass; row j of a sequence holds p for its token after j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
-        hidden = self.runner.forward(
-            [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts)], [s.num_computed for s in seqs],
+        hidden, batch = self.runner.forward(
+            [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts.drafts)], [s.num_computed for s in seqs],
             [s.slot for s in seqs],
         )
-        logits = self.runner.logits(hidden[:, : width + 1])  # [B, width + 1, vocab]
-        batch, rows, vocab = logits.shape
-        params = sampling_tensors(seqs, device, rows)
-        probs = process_logits(logits.reshape(-1, vocab), *params).view(batch, rows, vocab)
-        draft_tokens = torch.full((batch, width), PAD_TOKEN, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            draft_tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-        seeds, positions = seeds_positions(seqs, device)
+        logits = self.runner.logits(hidden)  # [T, vocab]
+        if drafts.width == 0:
+            # Nothing to verify: plain decoding, every row emits one token.
+            target = logits[:, None]
+            output_tokens, num_accepted = self._sample(logits, seqs)[:, None], None
+        else:
+            # Row j of sequence b, or its last row past its drafts (those rows are never read as emitted).
+            slots = np.minimum(np.arange(drafts.width + 1), drafts.host_counts[:, None])
+            target = logits[torch.from_numpy(batch.host_query_starts[:-1, None] + slots).to(device)]  # [B, K+1, V]
+            output_tokens, num_accepted = self._verify(target, drafts, seqs)
+        outputs = self._accept(seqs, target, output_tokens, num_accepted, drafts)
+        self._catch_up(seqs, hidden, batch.host_query_starts, [o.tokens for o in outputs], starts)
+        return outputs, len(seqs) + drafts.num_tokens
+
+    def _verify(
+        self, target: torch.Tensor, drafts: DraftBatch, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output_tokens [B, K+1], num_accepted [B]) under the configured strategy; an all-greedy batch takes
+        the greedy rule directly, drawing no noise (the debugging accept policies go through verify)."""
+        spec = self.config.speculative
+        if spec.accept_policy == "normal" and all(s.sampling.greedy for s in seqs):
+            return greedy_verify(target, drafts.tokens, drafts.counts)
+        batch, rows, vocab = target.shape
+        params = sampling_tensors(seqs, target.device, rows)
+        probs = process_logits(target.reshape(-1, vocab), *params).view(batch, rows, vocab)
+        seeds, positions = seeds_positions(seqs, target.device)
+        greedy = torch.tensor([s.sampling.greedy for s in seqs], device=target.device)
         result = verify(
             VerifyInput(
-                target_probs=probs,
-                draft_tokens=draft_tokens.to(device),
-                num_drafts=torch.tensor([len(d.tokens) for d in drafts], device=device),
-                draft_probs=stack_probs(drafts, width, vocab, device),
-                greedy=greedy_mask(seqs, device),
-                seeds=seeds,
-                positions=positions,
-                top_p=params[2][::rows],
+                target_probs=probs, draft_tokens=drafts.tokens, num_drafts=drafts.counts, draft_probs=drafts.q,
+                greedy=greedy, seeds=seeds, positions=positions, top_p=params[2][::rows],
             ),
-            self.config.speculative.accept_policy,
-            self.config.speculative.verify_strategy,
+            spec.accept_policy,
+            spec.verify_strategy,
         )
-        # Accept: keep accepted drafts plus the recovered or bonus token, and rewind the cache past rejections.
-        num_accepted = result.num_accepted.tolist()
-        emitted = [result.output_tokens[b, : num_accepted[b] + 1].tolist() for b in range(batch)]
+        return result.output_tokens, result.num_accepted
+
+    def _accept(
+        self,
+        seqs: list[Sequence],
+        target: torch.Tensor,  # [B, W, vocab] logits of each row's candidate tokens
+        output_tokens: torch.Tensor,  # [B, W] emitted tokens first, PAD_TOKEN after
+        num_accepted: torch.Tensor | None,  # [B] drafts accepted (None: no drafts this step)
+        drafts: DraftBatch | None,
+    ) -> list[SeqOutput]:
+        """Logprobs for the requests that asked, one copy to the host, then plain-Python bookkeeping: keep the
+        accepted drafts plus the recovered or bonus token (the cache rewinds by moving num_computed back)."""
+        asked = [b for b, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        top_k = self._top_k
+        to_fetch = [output_tokens] + ([num_accepted] if num_accepted is not None else [])
+        if asked:
+            rows = torch.tensor(asked, device=target.device)
+            width = target.shape[1]
+            chosen = output_tokens[rows].clamp(min=0).reshape(-1)
+            to_fetch += token_logprobs(target[rows].reshape(len(asked) * width, -1), chosen, top_k)
+        host = fetch(to_fetch)
+        tokens, accepted = host[0], (host[1] if num_accepted is not None else np.zeros(len(seqs), dtype=np.int32))
+        logprob_arrays = host[-3:] if asked else None
+        asked_index = {b: i for i, b in enumerate(asked)}
+        max_len = self.config.max_model_len
         outputs = []
         for b, seq in enumerate(seqs):
-            seq.num_computed = seq.num_tokens + num_accepted[b]
+            n_accepted = int(accepted[b])
             offset = len(seq.output_ids)
-            kept = seq.append(emitted[b], self.config.max_model_len)
-            rows_b = logits[b, : len(kept)]
-            target = TokenLogprobs.of(token_logprobs(rows_b, torch.tensor(kept, device=device), top_k))
-            draft = drafts[b]
-            out = SeqOutput(
-                seq, offset, kept, target, num_accepted=min(num_accepted[b], len(kept)), draft_tokens=draft.tokens
-            )
-            if draft.tokens and seq.sampling.include_draft_logprobs and seq.sampling.logprobs is not None:
-                out.draft = TokenLogprobs.of(draft.logprobs(top_k))
-            self._count(seq, len(draft.tokens), num_accepted[b])
+            if drafts is not None:
+                seq.num_computed = seq.num_tokens + n_accepted
+            kept = seq.append(tokens[b, : n_accepted + 1].tolist(), max_len)
+            if b in asked_index:
+                width = tokens.shape[1]
+                first = asked_index[b] * width
+                ids, values, ranks = (a[first : first + len(kept)] for a in logprob_arrays)
+                target_lp = TokenLogprobs(ids, values, ranks)
+            else:
+                target_lp = TokenLogprobs.tokens_only(kept, top_k)
+            out = SeqOutput(seq, offset, kept, target_lp, num_accepted=min(n_accepted, len(kept)))
+            if drafts is not None:
+                draft = drafts.drafts[b]
+                out.draft_tokens = draft.tokens
+                if draft.tokens and seq.sampling.include_draft_logprobs and seq.sampling.logprobs is not None:
+                    out.draft = TokenLogprobs(*(t.cpu().numpy() for t in draft.logprobs(top_k)))
+                self._count(seq, len(draft.tokens), n_accepted)
             outputs.append(out)
-        # Verify row j (position start - 1 + j) pairs with emitted token j; a live sequence kept all it emitted.
-        self._catch_up(seqs, hidden, emitted, starts)
-        return outputs, sum(1 + len(d.tokens) for d in drafts)
+        return outputs
 
     def _count(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:
@@ -337,8 +289,19 @@ class Engine:
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
-        if self.adaptive is not None:
-            self.adaptive.observe(seq.request_id, num_drafted, num_accepted)
+        self.controller.observe(seq, num_drafted, num_accepted)
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafted
         self.stats.num_accepted_tokens += num_accepted
+
+    def _calibration_step(self, num_rows: int, width: int) -> None:
+        """One verify-shaped step on the idle engine for the controller's timing: forward pass, sampling of every
+        scored row, logprobs, and a wait for the device."""
+        n = num_rows * width
+        device = self.runner.device
+        hidden, _ = self.runner.forward([[0] * width] * num_rows, [0] * num_rows, list(range(num_rows)))
+        logits = self.runner.logits(hidden)
+        ones = torch.ones(n, device=device)
+        probs = process_logits(logits, ones, torch.zeros(n, dtype=torch.long, device=device), ones)
+        chosen = sample(probs, torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
+        fetch(list(token_logprobs(logits, chosen, 0)))

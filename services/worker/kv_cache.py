@@ -1,18 +1,25 @@
-"""The KV cache behind a small interface: per layer, a pool of blocks of `block_size` token positions.
+"""The KV cache: per layer, a pool of blocks of `block_size` token positions, written and read in place.
 
 A sequence owns a slot, and the slot a table of blocks (services/worker/block_manager.py decides which):
-position p of the slot lives in block table[slot, p // block_size] at offset p % block_size. Rewinding after
-rejected drafts is just moving the sequence's length back: stale entries past the length are masked out and
-later overwritten. The model calls only `write` and `read`, so it never sees the blocks.
+position p of the slot lives in block table[slot, p // block_size] at offset p % block_size. The model writes a
+step's keys and values by a flat slot mapping (block * block_size + offset per token, one index_copy per layer)
+and the attention op reads the pool through the block tables (services/worker/model/paged_attention.py), so no
+step copies a sequence's context. Rewinding after rejected drafts is just moving the sequence's length back:
+stale entries past the length are never attended to and are overwritten later.
+
+The tables live on the host (numpy): the runner packs each step's inputs from them with array operations and
+hands the device one copy per step.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from services.worker.block_manager import blocks_for
 
 DEFAULT_BLOCK_SIZE = 16
+BLOCK_TABLE_DTYPE = np.int32
 
 
 class KVCache:
@@ -41,14 +48,14 @@ class KVCache:
         # every position there, so padding never touches a live sequence. Unassigned entries point there too.
         self.padding_block = num_blocks
         self.padding_slot = max_num_seqs
-        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)  # [blocks, block_size, kv_heads, head_dim]
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.block_tables = torch.full(
-            (max_num_seqs + 1, self.max_blocks_per_seq), self.padding_block, dtype=torch.long, device=device
+        self.block_tables = np.full(
+            (max_num_seqs + 1, self.max_blocks_per_seq), self.padding_block, dtype=BLOCK_TABLE_DTYPE
         )
         if static:
-            self.block_tables[:max_num_seqs] = torch.arange(num_blocks, device=device).view(max_num_seqs, -1)
+            self.block_tables[:max_num_seqs] = np.arange(num_blocks).reshape(max_num_seqs, -1)
 
     @property
     def nbytes(self) -> int:
@@ -58,25 +65,17 @@ class KVCache:
         """The slot's blocks in position order; the rest of its row goes back to the padding block."""
         if len(blocks) > self.max_blocks_per_seq:
             raise ValueError(f"{len(blocks)} blocks exceed the {self.max_blocks_per_seq} a sequence may hold")
-        row = torch.full((self.max_blocks_per_seq,), self.padding_block, dtype=torch.long)
-        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        self.block_tables[slot] = row.to(self.block_tables.device)
+        row = self.block_tables[slot]
+        row[:] = self.padding_block
+        row[: len(blocks)] = blocks
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots [B, L] (padding_slot for padding), positions [B, L], k/v [B, L, kv_heads, head_dim]."""
-        blocks = self.block_tables[slots, positions // self.block_size]
-        offsets = positions % self.block_size
-        self.keys[layer][blocks, :, offsets] = k.to(self.keys[layer].dtype)
-        self.values[layer][blocks, :, offsets] = v.to(self.values[layer].dtype)
+    def slot_mapping(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Flat pool index (block * block_size + offset) of each (slot, position) pair, on the host."""
+        blocks = self.block_tables[slots, positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + positions % self.block_size
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, length) for slots [B]: each [B, kv_heads, length, head_dim]."""
-        blocks = self.block_tables[slots, : blocks_for(length, self.block_size)]  # [B, n]
-        return self._gather(self.keys[layer], blocks, length), self._gather(self.values[layer], blocks, length)
-
-    @staticmethod
-    def _gather(pool: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-        batch, n = blocks.shape
-        _, heads, block_size, head_dim = pool.shape
-        gathered = pool[blocks].transpose(1, 2)  # [B, heads, n, block_size, head_dim]
-        return gathered.reshape(batch, heads, n * block_size, head_dim)[:, :, :length]
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slot_mapping [T] flat pool indices; k, v [T, kv_heads, head_dim]."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.view(-1, *keys.shape[2:]).index_copy_(0, slot_mapping, k.to(keys.dtype))
+        values.view(-1, *values.shape[2:]).index_copy_(0, slot_mapping, v.to(values.dtype))

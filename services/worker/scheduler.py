@@ -9,10 +9,24 @@ their slot and blocks are freed and they wait at the front of the queue to be re
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from shared.frames import FinishReason
 from services.worker.block_manager import BlockManager
 from services.worker.sequence import Sequence, SeqState
+
+
+@dataclass
+class StepPlan:
+    """What runs in one step."""
+
+    prefills: list[Sequence]  # admitted now: their cache is computed from position 0 (new ones sample a token)
+    decodes: list[Sequence]  # score their last token and drafts against the cache (resumed admissions included)
+    preempted: list[Sequence]  # evicted to make room, newest first
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefills or self.decodes)
 
 
 class Scheduler:
@@ -72,6 +86,17 @@ class Scheduler:
             else:
                 preempted.append(self._preempt(seq))  # the newest left: nothing after it is running
         return preempted
+
+    def schedule(self) -> StepPlan:
+        """Reserves this step's blocks (preempting when short) and admits waiting sequences. Blocks just freed by
+        preemption would only readmit what was preempted, so admission waits a step after a preemption. A new
+        sequence samples its first token in its prefill; one with output (preempted, or handed back by another
+        worker) is recomputed up to its last token and then decodes in the same step as if it had never left."""
+        preempted = self.reserve()
+        admitted = [] if preempted else self.admit()
+        fresh = {id(s) for s in admitted if not s.output_ids}
+        decodes = [s for s in self.running if id(s) not in fresh and not s.is_finished]
+        return StepPlan(prefills=admitted, decodes=decodes, preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Evicts a running sequence: its cache is dropped and it waits first in line to be recomputed."""

@@ -25,6 +25,7 @@ from services.worker.demo_model.data import encode_documents, load_corpus
 from services.worker.demo_model.tokenizer import train_tokenizer
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import CausalLM
+from services.worker.model.weights import split_projections
 
 IGNORE = -100  # cross-entropy target that contributes nothing
 
@@ -120,7 +121,8 @@ def evaluate(model: CausalLM, stream: np.ndarray, cfg: TrainConfig) -> dict[str,
 
 
 def save_checkpoint(model: CausalLM, cfg: TrainConfig, out_dir: Path, metrics: dict) -> None:
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    state = split_projections(model.state_dict(), model.config)  # HF names, so transformers loads it
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2) + "\n")
     generation = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}

@@ -1,14 +1,18 @@
-"""What a proposer hands the engine for one sequence and step: drafted tokens and the distribution q they came from."""
+"""What proposers hand the engine: per sequence a Draft (drafted tokens and the distribution q they came from),
+and per step a DraftBatch, the padded tensors that scoring and verification read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from services.worker.sampling.logprobs import point_mass_logprobs, token_logprobs
+from services.worker.sampling.rejection import PAD_TOKEN
 
 
 @dataclass
@@ -34,7 +38,6 @@ class Draft:
     def num_modelled(self) -> int:
         """How many leading tokens have a model distribution to report (the rest are point masses)."""
         return 0 if self.report_logits is None else self.report_logits.shape[0]
-
 
     def logprobs(self, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
         """Frame arrays (ids, logprobs, ranks) of the drafted tokens under the reported distributions."""
@@ -68,3 +71,39 @@ def stack_probs(drafts: list[Draft], width: int, vocab_size: int, device: torch.
         elif draft.tokens:
             probs[b, : len(draft.tokens)] = point_mass_rows(draft.tokens, vocab_size, device)
     return probs
+
+
+@dataclass
+class DraftBatch:
+    """One step's drafts for the whole batch, as verification reads them."""
+
+    drafts: list[Draft]
+    tokens: Tensor  # [B, K] int64, PAD_TOKEN past each row's count
+    counts: Tensor  # [B] int64
+    q: Tensor | None  # [B, K, vocab], or None when every draft is a point mass
+    host_counts: np.ndarray  # [B] the counts on the host
+
+    @property
+    def width(self) -> int:
+        """K: the most drafts any row has (0 when the step drafts nothing)."""
+        return self.tokens.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_counts.sum())
+
+    @classmethod
+    def build(cls, drafts: list[Draft], vocab_size: int, device: torch.device) -> "DraftBatch":
+        counts = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))
+        width = int(counts.max(initial=0))
+        tokens = np.full((len(drafts), width), PAD_TOKEN, dtype=np.int64)
+        for b, draft in enumerate(drafts):
+            tokens[b, : counts[b]] = draft.tokens
+        both = torch.from_numpy(np.concatenate([tokens.reshape(-1), counts])).to(device)
+        return cls(
+            drafts=drafts,
+            tokens=both[: tokens.size].view(tokens.shape),
+            counts=both[tokens.size :],
+            q=stack_probs(drafts, width, vocab_size, device),
+            host_counts=counts,
+        )

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 import torch
 from torch import Tensor
 
@@ -63,14 +65,24 @@ class MtpDrafter:
         self._lag: dict[int, _Lag] = {}  # by cache slot
 
     def catch_up(
-        self, seqs: list[Sequence], hidden: Tensor, tokens: list[list[int]], starts: list[int], budgets: list[int]
+        self,
+        seqs: list[Sequence],
+        hidden: Tensor,  # [T, hidden] a trunk pass's hidden states, packed
+        first_rows: list[int],
+        tokens: list[list[int]],
+        starts: list[int],
+        budgets: list[int],
     ) -> None:
-        """Writes the MTP cache for tokens[b] at positions starts[b].., token j paired with hidden[b, j] (the
-        trunk's hidden state at the position before it), then drafts up to budgets[b] tokens per sequence.
+        """Writes the MTP cache for tokens[b] at positions starts[b].., token j paired with hidden row
+        first_rows[b] + j (the trunk's hidden state at the position before it), then drafts up to budgets[b]
+        tokens per sequence.
 
         tokens[b] must end with the sequence's last token, so the last entry predicts the next one.
         """
-        pieces = [self._with_lag(seq, hidden[b, : len(tokens[b])], tokens[b], starts[b]) for b, seq in enumerate(seqs)]
+        pieces = [
+            self._with_lag(seq, hidden[first_rows[b] : first_rows[b] + len(tokens[b])], tokens[b], starts[b])
+            for b, seq in enumerate(seqs)
+        ]
         run = []
         for b, (seq, piece) in enumerate(zip(seqs, pieces)):
             if budgets[b] <= 0 and len(piece.tokens) < LAG_LIMIT:
@@ -80,17 +92,13 @@ class MtpDrafter:
                 run.append(b)
         if not run:
             return
-        width = max(len(pieces[b].tokens) for b in run)
-        padded = hidden.new_zeros(len(run), width, hidden.shape[-1])  # [R, width, hidden]
-        for i, b in enumerate(run):
-            padded[i, : len(pieces[b].tokens)] = pieces[b].hidden
+        packed = torch.cat([pieces[b].hidden for b in run]) if len(run) > 1 else pieces[run[0]].hidden
         out = self.runner.mtp_forward(
-            DRAFT_MODULE, padded, [pieces[b].tokens for b in run], [pieces[b].start for b in run],
+            DRAFT_MODULE, packed, [pieces[b].tokens for b in run], [pieces[b].start for b in run],
             [seqs[b].slot for b in run],
-        )
-        last = torch.tensor([len(pieces[b].tokens) - 1 for b in run], device=self.runner.device)
-        rows = torch.arange(len(run), device=last.device)
-        self.draft([seqs[b] for b in run], out[rows, last], [budgets[b] for b in run])
+        )  # [T', hidden]
+        last = np.cumsum([len(pieces[b].tokens) for b in run]) - 1
+        self.draft([seqs[b] for b in run], out[torch.from_numpy(last).to(out.device)], [budgets[b] for b in run])
 
     def _with_lag(self, seq: Sequence, hidden: Tensor, tokens: list[int], start: int) -> _Lag:
         """This catch-up's tokens, preceded by the sequence's lag if it ends where they begin (otherwise the lag
@@ -134,9 +142,9 @@ class MtpDrafter:
                 break
             rows, chosen, hidden = rows[more], chosen[more], hidden[more]
             hidden = self.runner.mtp_forward(
-                DRAFT_MODULE, hidden[:, None], [[t] for t in chosen.tolist()],
-                (next_positions[rows] + j).tolist(), slots[rows].tolist(),
-            )[:, 0]
+                DRAFT_MODULE, hidden, [[t] for t in chosen.tolist()], (next_positions[rows] + j).tolist(),
+                slots[rows].tolist(),
+            )
 
     def pending(self, seq: Sequence, limit: int) -> Draft:
         """The sequence's drafts for this step, at most `limit` of them."""

@@ -1,27 +1,21 @@
-"""The building blocks of a Llama-family decoder layer, numerically matching Hugging Face's definitions."""
+"""The building blocks of a Llama-family decoder layer, numerically matching Hugging Face's definitions.
+
+Serving runs packed: x is [T, hidden], every sequence's new tokens one after another (services/worker/
+forward_batch.py), and attention reads the paged KV cache in place. Training (no ForwardBatch) runs [B, L, hidden]
+with causal self-attention. q/k/v and gate/up are single matmuls (HF's separate weights are merged at load:
+model/weights.py), and the residual add is folded into the next RMSNorm, as fused serving stacks do, so a layer
+is a handful of ops.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.kv_cache import KVCache
+from services.worker.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig
-
-
-@dataclass
-class AttentionBatch:
-    """Where this forward pass's tokens live in the KV cache. None of it is needed in training."""
-
-    cache: KVCache
-    write_slots: torch.Tensor  # [B, L] cache slot per token (the padding slot for padding tokens)
-    positions: torch.Tensor  # [B, L] position of each token in its sequence
-    read_slots: torch.Tensor  # [B] the sequence's slot
-    mask: torch.Tensor  # [B, 1, L, C] True where a query may attend to a cached key
-    context_len: int  # C: keys read per sequence
+from services.worker.model.paged_attention import paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -30,36 +24,51 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: (norm(x + residual), x + residual), the sum being the new residual."""
+        if residual is not None:
+            x = residual = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if dtype == torch.float32:
+            normed = F.rms_norm(x, self.weight.shape, eps=self.eps) * self.weight
+        else:  # HF normalises in float32 and scales in the model's dtype
+            xf = x.float()
+            normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return normed if residual is None else (normed, residual)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding in the half-split layout Hugging Face uses for Llama and Qwen2."""
+    """Rotary position embedding in the half-split layout Hugging Face uses for Llama and Qwen2.
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    cos and sin of every position are computed once (and again only when a longer context shows up), so a step
+    looks them up instead of recomputing them per layer.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 0) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin", torch.empty(0, 2, head_dim // 2), persistent=False)
+        self._grow(max_positions)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [B, L, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+    def _grow(self, num_positions: int) -> None:
+        freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+        self.cos_sin = torch.stack((freqs.cos(), freqs.sin()), dim=1)  # [positions, 2, head_dim / 2]
+
+    def forward(self, positions: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """cos and sin [..., 2, head_dim / 2] at positions (all below num_positions)."""
+        if num_positions > self.cos_sin.shape[0]:
+            self._grow(max(num_positions, 2 * self.cos_sin.shape[0]))
+        return self.cos_sin[positions]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, head_dim]; cos_sin [..., 2, head_dim / 2] for the same leading dims."""
+    cos, sin = cos_sin[..., None, 0, :], cos_sin[..., None, 1, :]
+    xf = x.float()
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, head_dim]; cos/sin [B, L, head_dim]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return (x.float() * cos + _rotate_half(x.float()) * sin).to(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -67,40 +76,39 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.scale = self.head_dim**-0.5
+        qkv_heads = self.num_heads + 2 * self.num_kv_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch | None
-    ) -> torch.Tensor:
-        b, length, _ = x.shape  # [B, L, hidden]
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, heads, L, head_dim]
-        if batch is None:  # training: the sequence attends to itself causally
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            batch.cache.write(self.layer_index, batch.write_slots, batch.positions, k.transpose(1, 2), v.transpose(1, 2))
-            keys, values = batch.cache.read(self.layer_index, batch.read_slots, batch.context_len)
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+        qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [..., heads + 2 kv_heads, head_dim]
+        rotated = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[..., :rotated, :], cos_sin)  # q and k rotate together: one set of ops
+        q, k, v = qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., rotated:, :]
+        if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
             out = F.scaled_dot_product_attention(
-                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=batch.mask, enable_gqa=True
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            ).transpose(1, 2)
+        else:  # serving: [T, heads, head_dim] against the paged cache
+            batch.cache.write(self.layer_index, batch.slot_mapping, k, v)
+            out = paged_attention(
+                q, batch.cache.keys[self.layer_index], batch.cache.values[self.layer_index], batch.block_tables,
+                batch.query_starts, batch.context_lens, self.scale, batch.max_query_len, batch.max_context_len,
+                batch.first_position,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return self.o_proj(out.flatten(-2))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +119,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, batch: AttentionBatch | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): their sum is the layer's hidden state."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelConfig
-from services.worker.model.layers import AttentionBatch, DecoderLayer, RMSNorm, Rotary
+from services.worker.forward_batch import ForwardBatch
+from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary
 
 
 class MTPLayer(DecoderLayer):
@@ -46,7 +47,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -54,15 +55,20 @@ class CausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         return self.config.num_hidden_layers + self.config.num_mtp_layers
 
+    def _rope(self, positions: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+        num_positions = batch.max_context_len if batch is not None else int(positions.max()) + 1
+        return self.rotary(positions, num_positions)
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None
     ) -> torch.Tensor:
-        """input_ids, positions [B, L] -> the last layer's hidden states [B, L, hidden], before the final norm."""
-        rope = self.rotary(positions)
-        x = self.model.embed_tokens(input_ids)
+        """input_ids, positions [T] packed (serving, with a batch) or [B, L] (training) -> the last layer's hidden
+        states [..., hidden], before the final norm."""
+        cos_sin = self._rope(positions, batch)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return x
+            x, residual = layer(x, residual, cos_sin, batch)
+        return x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Trunk hidden states [..., hidden] -> logits [..., vocab] in float32."""
@@ -71,15 +77,16 @@ class CausalLM(nn.Module):
     def mtp_forward(
         self,
         index: int,
-        prev_hidden: torch.Tensor,  # [B, L, hidden] hidden state at position i (trunk's or previous module's)
-        next_ids: torch.Tensor,  # [B, L] token i+1
-        positions: torch.Tensor,  # [B, L] position of token i+1
-        batch: AttentionBatch | None = None,
+        prev_hidden: torch.Tensor,  # [..., hidden] hidden state at position i (trunk's or previous module's)
+        next_ids: torch.Tensor,  # [...] token i+1
+        positions: torch.Tensor,  # [...] position of token i+1
+        batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
-        """MTP module `index` -> its hidden states [B, L, hidden]; its logits predict token i+2."""
+        """MTP module `index` -> its hidden states [..., hidden]; its logits predict token i+2."""
         layer = self.model.mtp_layers[index]
         x = layer.fuse(self.model.embed_tokens(next_ids), prev_hidden)
-        return layer(x, self.rotary(positions), batch)
+        x, residual = layer(x, None, self._rope(positions, batch), batch)
+        return x + residual
 
     def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(self.model.mtp_layers[index].final_layernorm(hidden))

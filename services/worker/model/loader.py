@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import CausalLM
 from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
+from services.worker.model.weights import merge_projections
 
 SHARD_INDEX = "model.safetensors.index.json"
 # Buffers some exporters save although they are derived from the config.
@@ -43,7 +44,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     """Builds the model from config.json and fills every parameter from the checkpoint, refusing gaps."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    state = normalize_mtp_weights(load_state_dict(model_dir), cfg)
+    state = merge_projections(normalize_mtp_weights(load_state_dict(model_dir), cfg))
     has_mtp = any(k.startswith(MTP_PREFIX) for k in state)
     if cfg.num_mtp_layers and not has_mtp:
         raise CheckpointError(f"config.json declares {cfg.num_mtp_layers} MTP layers but the checkpoint has none")
@@ -58,5 +59,5 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta)  # meta buffers are rebuilt for real
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)  # meta buffers are rebuilt for real
     return model.to(device).eval()

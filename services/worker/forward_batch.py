@@ -1,0 +1,86 @@
+"""One forward pass's inputs, packed: every sequence's new tokens one after another, no padding.
+
+`pack` builds them from per-sequence token rows with array operations on the host (positions, the flat KV slot
+of every token, query offsets, context lengths, block tables) and moves them to the device in one copy. The
+attention op reads what it needs from here; nothing is per sequence on the device side.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from services.worker.block_manager import blocks_for
+from services.worker.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    cache: KVCache
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64: position of each token in its sequence
+    slot_mapping: Tensor  # [T] int64: flat KV pool index each token's keys and values go to
+    query_starts: Tensor  # [B + 1] int32: sequence b's tokens are rows query_starts[b] .. query_starts[b + 1] - 1
+    context_lens: Tensor  # [B] int32: keys of sequence b once this pass has written its tokens
+    block_tables: Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_context_len: int
+    first_position: int  # keys before this position are not attended to (MTP modules have none at 0)
+    host_query_starts: np.ndarray  # [B + 1] int64, the same offsets on the host for slicing outputs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.host_query_starts) - 1
+
+    @property
+    def last_rows(self) -> np.ndarray:
+        """[B] the row of each sequence's last token."""
+        return self.host_query_starts[1:] - 1
+
+
+def pack(
+    cache: KVCache,
+    rows: Seq[Seq[int]],
+    starts: Seq[int],
+    slots: Seq[int],
+    device: torch.device,
+    first_position: int = 0,
+) -> ForwardBatch:
+    """Feeds rows[b] at positions starts[b].. of cache slot slots[b]."""
+    num_seqs = len(rows)
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=num_seqs)
+    query_starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(lens, out=query_starts[1:])
+    num_tokens = int(query_starts[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=num_tokens)
+    starts_np = np.asarray(starts, dtype=np.int64)
+    slots_np = np.asarray(slots, dtype=np.int64)
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_starts[:-1] - starts_np, lens)
+    context_lens = starts_np + lens
+    max_context_len = int(context_lens.max(initial=0))
+    if max_context_len > cache.max_model_len:
+        raise ValueError(f"position {max_context_len - 1} is past max_model_len {cache.max_model_len}")
+    slot_mapping = cache.slot_mapping(np.repeat(slots_np, lens), positions)
+    tables = cache.block_tables[slots_np, : max(1, blocks_for(max_context_len, cache.block_size))]
+    # One host buffer, one copy to the device; the views below split it again.
+    host = np.concatenate([ids, positions, slot_mapping, query_starts, context_lens, tables.reshape(-1)])
+    staged = torch.from_numpy(host).to(device, non_blocking=True)
+    parts = torch.split(staged, [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, tables.size])
+    return ForwardBatch(
+        cache=cache,
+        input_ids=parts[0],
+        positions=parts[1],
+        slot_mapping=parts[2],
+        query_starts=parts[3].to(torch.int32),
+        context_lens=parts[4].to(torch.int32),
+        block_tables=parts[5].view(tables.shape).to(torch.int32),
+        max_query_len=int(lens.max(initial=0)),
+        max_context_len=max_context_len,
+        first_position=first_position,
+        host_query_starts=query_starts,
+    )

@@ -1,0 +1,205 @@
+"""Attention of a packed (varlen) batch against one layer's block-paged KV cache, read in place.
+
+A step's tokens of every sequence come flattened into one [T, heads, head_dim] tensor, sequence after sequence;
+sequence b owns the queries q[query_starts[b] : query_starts[b + 1]], which are the last n_b of its
+context_lens[b] positions, and position x lives at key_cache[block_tables[b, x // block_size], x % block_size].
+The same op serves prefill (n_b = context), decode (n_b = 1), speculative verification (n_b = K + 1) and mixed
+batches of these. On CUDA it launches kernels/paged_attention.py; `paged_attention_torch` is its twin and the
+CPU path, so it is written for speed on a small CPU, not only as a reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import use_kernel
+
+# The CPU twin's two strategies (timings in ms per call, 2 threads, 8 heads, 4 kv heads, head_dim 32, block 16):
+#
+#   batch x context     per-sequence views   batched gather      (decode, n_b = 1)
+#   ...filled in by the measurements...
+#
+# Per sequence, a contiguous run of blocks is attended as a view of the cache, so long contexts are never copied;
+# each sequence costs a fixed ~40 us of torch calls. The batched gather copies every context once per layer, which
+# only pays while the copies are small and the fixed cost would be paid many times: decode/verify batches of many
+# short sequences.
+GATHER_MAX_QUERY_LEN = 16  # the gather pads every sequence to the longest query run, so only decode/verify use it
+GATHER_MIN_SEQS = 4
+GATHER_MAX_KEYS = 8192  # batch x max_context_len: beyond this the copies (and their page faults) cost more
+
+
+def paged_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_starts: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    first_position: int = 0,
+) -> Tensor:
+    """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
+
+    q [T, heads, head_dim]; key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim] with this step's
+    keys already written; block_tables [B, max_blocks] int32 (entries past a sequence's blocks are any valid id);
+    query_starts [B + 1] int32; context_lens [B] int32. Query i of sequence b sits at position
+    context_lens[b] - n_b + i and attends to positions first_position..itself (an MTP module has no entry at
+    position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros.
+    max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
+    """
+    if use_kernel(q):
+        # Imported here: CPU callers never need triton.
+        from kernels.paged_attention import paged_attention_launch
+
+        return paged_attention_launch(
+            q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len,
+            max_context_len, first_position,
+        )
+    return paged_attention_torch(
+        q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
+        first_position,
+    )
+
+
+def paged_attention_torch(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_starts: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    first_position: int = 0,
+) -> Tensor:
+    """`paged_attention` in torch ops, on any device: the kernel's reference and the CPU path.
+
+    On the CPU, where reading the small index tensors costs nothing, it picks per call between attending each
+    sequence over a view of the cache and one batched attention over gathered contexts. Elsewhere it always
+    gathers, so that it never waits on the device.
+    """
+    if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
+        return torch.zeros_like(q)
+    batch = block_tables.shape[0]
+    gather_pays = (
+        max_query_len <= GATHER_MAX_QUERY_LEN
+        and batch >= GATHER_MIN_SEQS
+        and batch * max_context_len <= GATHER_MAX_KEYS
+    )
+    if q.device.type == "cpu" and not gather_pays:
+        return attend_per_sequence(
+            q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_context_len,
+            first_position,
+        )
+    return attend_gathered(
+        q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
+        first_position,
+    )
+
+
+def attend_per_sequence(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_starts: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_context_len: int,
+    first_position: int,
+) -> Tensor:
+    """One attention call per sequence. A sequence whose blocks are one ascending run (what the block manager
+    normally hands out) reads a view of the cache, no copy; any other gathers its own blocks. Reads the index
+    tensors on the host: for CPU tensors."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = q.shape[1] // num_kv_heads
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)  # position x of a run starting at block s: s * bs + x
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    starts = query_starts.tolist()
+    rows = block_tables[:, : -(-max_context_len // block_size)].tolist()
+    out = torch.zeros_like(q)  # queries before first_position keep these zeros
+    for b, context in enumerate(context_lens.tolist()):
+        visible = context - first_position  # keys at positions first_position..context - 1
+        count = min(starts[b + 1] - starts[b], visible)  # the queries that see at least one key
+        if count <= 0:
+            continue
+        end = starts[b + 1]
+        blocks = rows[b][: -(-context // block_size)]
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            base = blocks[0] * block_size
+            keys = flat_keys[base + first_position : base + context]
+            values = flat_values[base + first_position : base + context]
+        else:
+            index = torch.tensor(blocks, device=q.device)
+            keys = key_cache.index_select(0, index).view(-1, num_kv_heads, head_dim)[first_position:context]
+            values = value_cache.index_select(0, index).view(-1, num_kv_heads, head_dim)[first_position:context]
+        # [1, kv_heads, visible, head_dim]: 4-d, because CPU SDPA takes its flash path only for 4-d inputs
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        queries = q[end - count : end]
+        if count == 1:
+            # One query sees every visible key, so no mask; its heads that share a kv head become rows of one
+            # matrix, which needs no GQA expansion.
+            grouped = queries.view(1, num_kv_heads, group, head_dim)
+            out[end - 1] = F.scaled_dot_product_attention(grouped, keys, values, scale=scale).view(-1, head_dim)
+            continue
+        if count == visible:  # every visible position is a query (prefill): plain causal
+            mask, causal = None, True
+        else:  # the queries are the last `count` positions: causal with the diagonal moved right
+            mask = torch.ones(count, visible, dtype=torch.bool, device=q.device).tril_(visible - count)
+            causal = False
+        attended = F.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True,
+        )
+        out[end - count : end] = attended[0].transpose(0, 1)
+    return out
+
+
+def attend_gathered(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_starts: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    first_position: int,
+) -> Tensor:
+    """One batched attention over every sequence's gathered context [B, max_context_len, kv_heads, head_dim],
+    queries padded to max_query_len, mask built on q's device. Never reads a device tensor on the host."""
+    tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    batch = block_tables.shape[0]
+    device = q.device
+    num_blocks = -(-max_context_len // block_size)
+    index = block_tables[:, :num_blocks].reshape(-1)
+    keys = key_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+    keys = keys[:, first_position:max_context_len].transpose(1, 2)  # [B, kv_heads, C, head_dim], C from first_position
+    values = values[:, first_position:max_context_len].transpose(1, 2)
+
+    starts = query_starts[:-1].long()
+    counts = query_starts[1:].long() - starts
+    offsets = torch.arange(max_query_len, device=device)
+    # Padding rows (offset >= count) read some real query and are dropped below.
+    rows = (starts[:, None] + offsets).clamp_(max=tokens - 1)  # [B, Lq]
+    queries = q.index_select(0, rows.view(-1)).view(batch, max_query_len, num_heads, head_dim).transpose(1, 2)
+    positions = (context_lens.long() - counts)[:, None] + offsets  # [B, Lq]
+    key_positions = torch.arange(first_position, max_context_len, device=device)
+    mask = key_positions <= positions[:, None, :, None]  # [B, 1, Lq, C]: past a sequence's context too
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    # Token t of sequence s is row s * Lq + (t - start_s) of the padded output.
+    sequence = torch.repeat_interleave(torch.arange(batch, device=device), counts, output_size=tokens)
+    token_rows = sequence * max_query_len + torch.arange(tokens, device=device) - starts[sequence]
+    out = attended.transpose(1, 2).reshape(batch * max_query_len, num_heads, head_dim).index_select(0, token_rows)
+    # A query before first_position has no key: its fully masked row is not defined by SDPA, so it is zeroed.
+    has_key = positions.view(-1).index_select(0, token_rows) >= first_position
+    return torch.where(has_key[:, None, None], out, 0)
