@@ -2,7 +2,8 @@
 position, for batch 1, 8, 32 at temperature 0 and 1, next to transformers' `generate` (greedy, and greedy with
 prompt lookup) on the same checkpoint and prompts.
 
-    python -m benchmarks.methods [--model DIR] [--max-tokens 96] [--prompts 2] [--out bench-out/methods]
+    python -m benchmarks.methods [--device cpu|cuda] [--model DIR] [--max-tokens 96] [--prompts 2]
+        [--out bench-out/methods]
 
 Each engine run is in-process: all requests are submitted at once with max_num_seqs = batch and the engine is
 stepped until done; tokens/s = emitted tokens / that wall time (prefill included). A run has max(batch, --prompts)
@@ -101,10 +102,11 @@ def load_prompts(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> list[l
 
 
 def run_engine(
-    model: Path, name: str, spec: dict, batch: int, prompts: list[list[int]], max_tokens: int, temperature: float
+    model: Path, name: str, spec: dict, batch: int, prompts: list[list[int]], max_tokens: int, temperature: float,
+    device: str = "cpu",
 ) -> Run:
     config = SpeculativeConfig.model_validate(spec)
-    engine = Engine(EngineConfig(model=model, max_num_seqs=batch, speculative=config))
+    engine = Engine(EngineConfig(model=model, max_num_seqs=batch, speculative=config, device=device))
     outputs: list[list[int]] = [[] for _ in prompts]
     drafted, accepted = [0] * config.num_drafts, [0] * config.num_drafts
     requests = [
@@ -149,7 +151,7 @@ def run_transformers(
     with torch.inference_mode():
         started = time.perf_counter()
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             # An explicit mask: the prompt starts with BOS, which is also the pad id transformers would mask out.
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation)
             outputs.append(out[0, len(prompt) :].tolist())
@@ -218,15 +220,17 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--out", type=Path, default=Path("bench-out/methods"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
 
     counts = {b: max(b, args.prompts) for b in args.batches}
     prompts = load_prompts(Tokenizer(args.model), max(counts.values()), args.prompt_tokens)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    hf_model = hf_model.to(args.device).eval()
     run_transformers(hf_model, "warm-up", prompts[:1], WARMUP_TOKENS, None)
-    run_engine(args.model, "warm-up", METHODS[BASELINE], 1, prompts[:1], WARMUP_TOKENS, GREEDY)
+    run_engine(args.model, "warm-up", METHODS[BASELINE], 1, prompts[:1], WARMUP_TOKENS, GREEDY, args.device)
 
     greedy = run_transformers(hf_model, "transformers greedy", prompts, args.max_tokens, None)
     lookup = run_transformers(
@@ -242,7 +246,7 @@ def main() -> None:
             methods = {**METHODS, **(ADAPTIVE_METHODS if batch == ADAPTIVE_BATCH else {})}
             for name, spec in methods.items():
                 run = run_engine(
-                    args.model, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature
+                    args.model, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, args.device
                 )
                 runs.append(run)
                 print(json.dumps(run.figures()), flush=True)
@@ -264,6 +268,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": str(args.model),
+        "device": args.device,
         "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens,
         "torch_threads": threads,

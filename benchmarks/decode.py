@@ -1,0 +1,198 @@
+"""Batch-1 greedy decoding in-process, against transformers `generate` on the same checkpoint and prompts:
+
+- context sweep: decode ms/step and tokens/s of specmesh naive and transformers greedy at each prompt length;
+- self-repeating prompt (a held-out window written twice, so the continuation repeats it): specmesh ngram k=3
+  against transformers prompt lookup k=3 and greedy, and specmesh naive.
+
+    python -m benchmarks.decode [--device cpu|cuda] [--contexts 64 512 2048] [--max-tokens 128] [--out bench-out/decode]
+
+Decode rate excludes the prefill: specmesh's clock starts after the step that sampled the first token;
+transformers' decode time is generate(N tokens) minus generate(1 token). Each figure is the median of --repeats
+runs. Every specmesh run's tokens must equal transformers' greedy tokens (exit status 1 otherwise).
+Writes decode.json and decode.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from shared.schemas import SamplingParams, WorkRequest
+from shared.tokenizer import Tokenizer
+from services.worker.demo_model.data import load_corpus
+from services.worker.engine import Engine
+
+CONTEXTS = (64, 512, 2048)
+REPEAT_WINDOW = 192  # tokens of the window a self-repeating prompt writes twice
+LOOKUP_TOKENS = 3  # transformers' prompt_lookup_num_tokens, the same k as ngram's
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_REPEATS = 3
+NAIVE = {"method": "naive"}
+NGRAM = {"method": "ngram", "num_speculative_tokens": LOOKUP_TOKENS}
+
+
+def held_out_tokens(tokenizer: Tokenizer, count: int) -> list[int]:
+    """BOS and then count - 1 tokens of held-out standard-library text (files joined in order)."""
+    ids: list[int] = []
+    for text in load_corpus().held_out:
+        ids += tokenizer.encode(text)
+        if len(ids) >= count:
+            break
+    return ids[:1] + ids[1:count]
+
+
+def engine_decode(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    """(tokens, decode seconds after the first token, decode steps) of one greedy request alone."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(WorkRequest(request_id=f"{time.perf_counter_ns():032x}", prompt_token_ids=prompt,
+                                   sampling=sampling, created=0))
+    tokens = [t for out in engine.step() for t in out.tokens]
+    started, steps = time.perf_counter(), 0
+    while engine.has_work():
+        tokens += [t for out in engine.step() for t in out.tokens]
+        steps += 1
+    return tokens, time.perf_counter() - started, steps
+
+
+def hf_generate(model, prompt: list[int], max_tokens: int, lookup: int | None) -> tuple[list[int], float]:
+    bos = model.config.bos_token_id
+    config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, bos_token_id=bos, pad_token_id=bos,
+        prompt_lookup_num_tokens=lookup,
+    )
+    ids = torch.tensor([prompt], device=model.device)
+    _sync(model.device)
+    started = time.perf_counter()
+    # An explicit mask: the prompt starts with BOS, which is also the pad id transformers would mask out.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _sync(model.device)
+    return out[0, len(prompt) :].tolist(), time.perf_counter() - started
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_decode(model, prompt: list[int], max_tokens: int, lookup: int | None, repeats: int) -> tuple[list[int], float]:
+    """(tokens, median decode seconds after the first token)."""
+    times = []
+    for _ in range(repeats):
+        tokens, whole = hf_generate(model, prompt, max_tokens, lookup)
+        times.append(whole - hf_generate(model, prompt, 1, None)[1])
+    return tokens, statistics.median(times)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    tokenizer = Tokenizer(args.model)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    max_len = max(args.contexts) + args.max_tokens + 16
+    engines = {
+        name: Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, max_model_len=max_len,
+                                  speculative=SpeculativeConfig.model_validate(spec)))
+        for name, spec in (("naive", NAIVE), ("ngram k=3", NGRAM))
+    }
+    rows, mismatches = [], []
+
+    def run_engine(name: str, prompt: list[int], reference: list[int], case: str) -> dict:
+        runs = [engine_decode(engines[name], prompt, args.max_tokens) for _ in range(args.repeats)]
+        tokens, seconds, steps = runs[0][0], statistics.median(r[1] for r in runs), runs[0][2]
+        if tokens != reference:
+            mismatches.append(f"{name} on {case}")
+        return {"system": f"specmesh {name}", "ms_per_step": 1e3 * seconds / steps,
+                "tokens_per_s": (len(tokens) - 1) / seconds, "same_tokens": tokens == reference}
+
+    with torch.inference_mode():
+        warm = held_out_tokens(tokenizer, 16)
+        engine_decode(engines["naive"], warm, 8)
+        hf_generate(model, warm, 8, None)
+        for context in args.contexts:
+            prompt = held_out_tokens(tokenizer, context)
+            reference, seconds = hf_decode(model, prompt, args.max_tokens, None, args.repeats)
+            steps = len(reference) - 1
+            rows.append({"case": f"context {context}", "context": context, "system": "transformers greedy",
+                         "ms_per_step": 1e3 * seconds / steps, "tokens_per_s": steps / seconds, "same_tokens": True})
+            rows.append({"case": f"context {context}", "context": context,
+                         **run_engine("naive", prompt, reference, f"context {context}")})
+        window = held_out_tokens(tokenizer, REPEAT_WINDOW + 1)
+        prompt = window + window[1:]
+        case = f"self-repeating prompt ({len(prompt)} tokens)"
+        reference, greedy_s = hf_decode(model, prompt, args.max_tokens, None, args.repeats)
+        lookup_tokens, lookup_s = hf_decode(model, prompt, args.max_tokens, LOOKUP_TOKENS, args.repeats)
+        steps = len(reference) - 1
+        lookup_name = f"transformers prompt lookup k={LOOKUP_TOKENS}"
+        for system, seconds in (("transformers greedy", greedy_s), (lookup_name, lookup_s)):
+            rows.append({"case": case, "system": system, "ms_per_step": None, "tokens_per_s": steps / seconds,
+                         "same_tokens": system == "transformers greedy" or lookup_tokens == reference})
+        for name in engines:
+            rows.append({"case": case, **run_engine(name, prompt, reference, case)})
+    return {"model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
+            "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__, "rows": rows, "mismatches": mismatches}
+
+
+def plot_decode(report: dict, path: Path) -> None:
+    """Left: decode ms/step by context length, specmesh naive against transformers; right: tokens/s on the
+    self-repeating prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sweep = [r for r in report["rows"] if r.get("context")]
+    for system in dict.fromkeys(r["system"] for r in sweep):
+        points = [(r["context"], r["ms_per_step"]) for r in sweep if r["system"] == system]
+        left.plot(*zip(*points), marker="o", label=system)
+    left.set(xscale="log", xlabel="context (tokens)", ylabel="decode ms/step (lower is better)",
+             title=f"batch 1, greedy, {report['device']}")
+    left.legend()
+    repeat = [r for r in report["rows"] if not r.get("context")]
+    right.barh([r["system"] for r in repeat], [r["tokens_per_s"] for r in repeat])
+    right.set(xlabel="tokens/s (higher is better)", title=repeat[0]["case"] if repeat else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    lines = ["| case | system | ms/step | tokens/s | same tokens |", "|---|---|---:|---:|---|"]
+    for r in report["rows"]:
+        ms = "–" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        lines.append(f"| {r['case']} | {r['system']} | {ms} | {r['tokens_per_s']:.1f} | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/decode"))
+    args = parser.parse_args()
+    report = measure(args)
+    text = table(report)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "table.md").write_text(text + "\n")
+    plot_decode(report, args.out / "decode.png")
+    print(f"wrote {args.out / 'decode.json'}, {args.out / 'decode.png'}")
+    if report["mismatches"]:
+        print("MISMATCH: " + "; ".join(report["mismatches"]))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
