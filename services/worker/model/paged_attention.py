@@ -15,19 +15,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import use_kernel
+from services.worker.block_manager import blocks_for
 
-# The CPU twin's two strategies (timings in ms per call, 2 threads, 8 heads, 4 kv heads, head_dim 32, block 16):
+# The CPU twin has two strategies. Per sequence, a contiguous run of blocks is attended as a view of the cache,
+# so no context is copied, at a fixed ~25 us of torch calls per sequence. The batched gather pays those calls once
+# but copies every context once per layer (fresh pages each time), so it wins only for decode/verify batches of
+# many short sequences. Measured (ms per call, best of repeats, 2 torch threads on a shared 2-core CPU; 8 heads,
+# 4 kv heads, head_dim 32, block 16; decode n_b = 1 | verify n_b = 5):
 #
-#   batch x context     per-sequence views   batched gather      (decode, n_b = 1)
-#   ...filled in by the measurements...
+#   batch  context    per-sequence views    batched gather
+#       1       64      0.031 |  0.058      0.121 |  0.142
+#       1      512      0.046 |  0.096      0.154 |  0.200
+#       1     2048      0.148 |  0.257      0.257 |  0.389
+#       8       64      0.228 |  0.425      0.162 |  0.297
+#       8      512      0.407 |  0.806      0.382 |  0.680
+#       8     2048      2.597 |  2.952      3.241 |  4.064
+#      32       64      0.853 |  1.644      0.288 |  0.807
+#      32      512      3.186 |  3.857      2.623 |  8.313
+#      32     2048     12.394 | 15.054     34.563 | 37.495
 #
-# Per sequence, a contiguous run of blocks is attended as a view of the cache, so long contexts are never copied;
-# each sequence costs a fixed ~40 us of torch calls. The batched gather copies every context once per layer, which
-# only pays while the copies are small and the fixed cost would be paid many times: decode/verify batches of many
-# short sequences.
-GATHER_MAX_QUERY_LEN = 16  # the gather pads every sequence to the longest query run, so only decode/verify use it
-GATHER_MIN_SEQS = 4
-GATHER_MAX_KEYS = 8192  # batch x max_context_len: beyond this the copies (and their page faults) cost more
+# The crossover is near 5 sequences (decode and verify, contexts 64..1024) and batch x context ~8k keys.
+# A prefill (B = 1, per sequence, causal flash SDPA) takes 0.1 / 2.3 / 23 ms at 64 / 512 / 2048 tokens.
+GATHER_MAX_QUERY_LEN = 16  # the gather pads every sequence to the longest query run: decode/verify only
+GATHER_MIN_SEQS = 5
+GATHER_MAX_KEYS = 8192  # batch x max_context_len
 
 
 def paged_attention(
@@ -48,7 +59,8 @@ def paged_attention(
     keys already written; block_tables [B, max_blocks] int32 (entries past a sequence's blocks are any valid id);
     query_starts [B + 1] int32; context_lens [B] int32. Query i of sequence b sits at position
     context_lens[b] - n_b + i and attends to positions first_position..itself (an MTP module has no entry at
-    position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros.
+    position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros. q and the
+    caches share a dtype; scores and softmax are float32.
     max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
     """
     if use_kernel(q):
@@ -121,15 +133,17 @@ def attend_per_sequence(
     flat_keys = key_cache.view(-1, num_kv_heads, head_dim)  # position x of a run starting at block s: s * bs + x
     flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     starts = query_starts.tolist()
-    rows = block_tables[:, : -(-max_context_len // block_size)].tolist()
-    out = torch.zeros_like(q)  # queries before first_position keep these zeros
+    rows = block_tables[:, : blocks_for(max_context_len, block_size)].tolist()
+    pieces: list[Tensor] = []  # the output, sequence after sequence: one concatenation instead of a write per sequence
     for b, context in enumerate(context_lens.tolist()):
-        visible = context - first_position  # keys at positions first_position..context - 1
-        count = min(starts[b + 1] - starts[b], visible)  # the queries that see at least one key
-        if count <= 0:
-            continue
         end = starts[b + 1]
-        blocks = rows[b][: -(-context // block_size)]
+        visible = context - first_position  # keys at positions first_position..context - 1
+        count = max(min(end - starts[b], visible), 0)  # the queries that see at least one key
+        if count < end - starts[b]:  # the others come first, before first_position
+            pieces.append(q.new_zeros(end - starts[b] - count, *q.shape[1:]))
+        if count == 0:
+            continue
+        blocks = rows[b][: blocks_for(context, block_size)]
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             base = blocks[0] * block_size
             keys = flat_keys[base + first_position : base + context]
@@ -144,8 +158,9 @@ def attend_per_sequence(
         if count == 1:
             # One query sees every visible key, so no mask; its heads that share a kv head become rows of one
             # matrix, which needs no GQA expansion.
-            grouped = queries.view(1, num_kv_heads, group, head_dim)
-            out[end - 1] = F.scaled_dot_product_attention(grouped, keys, values, scale=scale).view(-1, head_dim)
+            grouped = queries.reshape(1, num_kv_heads, group, head_dim)
+            attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
+            pieces.append(attended.reshape(1, -1, head_dim))
             continue
         if count == visible:  # every visible position is a query (prefill): plain causal
             mask, causal = None, True
@@ -156,8 +171,8 @@ def attend_per_sequence(
             queries.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True,
         )
-        out[end - count : end] = attended[0].transpose(0, 1)
-    return out
+        pieces.append(attended[0].transpose(0, 1))
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
 
 
 def attend_gathered(
@@ -178,11 +193,12 @@ def attend_gathered(
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
     device = q.device
-    num_blocks = -(-max_context_len // block_size)
+    num_blocks = blocks_for(max_context_len, block_size)
     index = block_tables[:, :num_blocks].reshape(-1)
     keys = key_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
     values = value_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    keys = keys[:, first_position:max_context_len].transpose(1, 2)  # [B, kv_heads, C, head_dim], C from first_position
+    # [B, kv_heads, C, head_dim]: the C keys from first_position to the longest context
+    keys = keys[:, first_position:max_context_len].transpose(1, 2)
     values = values[:, first_position:max_context_len].transpose(1, 2)
 
     starts = query_starts[:-1].long()
@@ -193,7 +209,7 @@ def attend_gathered(
     queries = q.index_select(0, rows.view(-1)).view(batch, max_query_len, num_heads, head_dim).transpose(1, 2)
     positions = (context_lens.long() - counts)[:, None] + offsets  # [B, Lq]
     key_positions = torch.arange(first_position, max_context_len, device=device)
-    mask = key_positions <= positions[:, None, :, None]  # [B, 1, Lq, C]: past a sequence's context too
+    mask = key_positions <= positions[:, None, :, None]  # [B, 1, Lq, C]; also hides keys past each context
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
     # Token t of sequence s is row s * Lq + (t - start_s) of the padded output.
