@@ -50,7 +50,7 @@ def test_greedy_and_seeded_tokens_on_cuda(model_dirs, prompts, greedy_reference,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_kernel_matches_the_twin_on_cuda(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(0)
-    block_size, kv_heads, heads, head_dim, num_blocks = 16, 4, 8, 64, 64
+    block_size, kv_heads, heads, head_dim, num_blocks = 16, 4, 8, 64, 128
     keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to("cuda", dtype)
     values = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to("cuda", dtype)
     counts, contexts = [1, 4, 37, 1], [300, 20, 37, 1]

@@ -50,6 +50,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
 
     @property
     def num_cache_layers(self) -> int:
@@ -91,6 +92,12 @@ class CausalLM(nn.Module):
     def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(self.model.mtp_layers[index].final_layernorm(hidden))
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the embedding when tied."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return (normed @ weight.T).float()
+        if self.head_weight_t is not None:
+            return (normed @ self.head_weight_t).float()
+        return (normed @ self.head_weight.T).float()

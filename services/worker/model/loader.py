@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import CausalLM
 from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
+from services.worker.model.transposed import use_cpu_layout
 from services.worker.model.weights import merge_projections
 
 SHARD_INDEX = "model.safetensors.index.json"
@@ -60,4 +61,11 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
         )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)  # meta buffers are rebuilt for real
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if model_device(model).type == "cpu":
+        use_cpu_layout(model)
+    return model
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
