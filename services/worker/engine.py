@@ -244,41 +244,53 @@ class Engine:
         num_accepted: torch.Tensor | None,  # [B] drafts accepted (None: no drafts this step)
         drafts: DraftBatch | None,
     ) -> list[SeqOutput]:
-        """Logprobs for the requests that asked, one copy to the host, then plain-Python bookkeeping: keep the
-        accepted drafts plus the recovered or bonus token (the cache rewinds by moving num_computed back)."""
+        """Logprobs for the requests that asked (target and draft, each in one call), one copy to the host, then
+        plain-Python bookkeeping: keep the accepted drafts plus the recovered or bonus token (the cache rewinds
+        by moving num_computed back)."""
+        top_k, width = self._top_k, target.shape[1]
         asked = [b for b, s in enumerate(seqs) if s.sampling.logprobs is not None]
-        top_k = self._top_k
-        to_fetch = [output_tokens] + ([num_accepted] if num_accepted is not None else [])
+        want_drafts = [b for b in asked if seqs[b].sampling.include_draft_logprobs] if drafts is not None else []
+        device_arrays = [output_tokens] + ([num_accepted] if num_accepted is not None else [])
         if asked:
             rows = torch.tensor(asked, device=target.device)
-            width = target.shape[1]
             chosen = output_tokens[rows].clamp(min=0).reshape(-1)
-            to_fetch += token_logprobs(target[rows].reshape(len(asked) * width, -1), chosen, top_k)
-        host = fetch(to_fetch)
-        tokens, accepted = host[0], (host[1] if num_accepted is not None else np.zeros(len(seqs), dtype=np.int32))
-        logprob_arrays = host[-3:] if asked else None
+            device_arrays += token_logprobs(target[rows].reshape(len(asked) * width, -1), chosen, top_k)
+        modelled = drafts.modelled_rows(want_drafts) if want_drafts else None
+        want_drafts_set = set(want_drafts)
+        if modelled is not None:
+            device_arrays += token_logprobs(*modelled, top_k)
+        host = fetch(device_arrays)
+        tokens = host[0]
+        accepted = host[1] if num_accepted is not None else np.zeros(len(seqs), dtype=np.int32)
+        target_arrays = host[-6:-3] if modelled is not None else host[-3:]
+        draft_arrays = host[-3:] if modelled is not None else None
         asked_index = {b: i for i, b in enumerate(asked)}
-        max_len = self.config.max_model_len
+        next_modelled = 0  # where the next sequence's modelled draft rows start in draft_arrays
         outputs = []
         for b, seq in enumerate(seqs):
             n_accepted = int(accepted[b])
             offset = len(seq.output_ids)
             if drafts is not None:
                 seq.num_computed = seq.num_tokens + n_accepted
-            kept = seq.append(tokens[b, : n_accepted + 1].tolist(), max_len)
+            kept = seq.append(tokens[b, : n_accepted + 1].tolist(), self.config.max_model_len)
             if b in asked_index:
-                width = tokens.shape[1]
                 first = asked_index[b] * width
-                ids, values, ranks = (a[first : first + len(kept)] for a in logprob_arrays)
-                target_lp = TokenLogprobs(ids, values, ranks)
+                target_lp = TokenLogprobs(*(a[first : first + len(kept)] for a in target_arrays))
             else:
                 target_lp = TokenLogprobs.tokens_only(kept, top_k)
             out = SeqOutput(seq, offset, kept, target_lp, num_accepted=min(n_accepted, len(kept)))
             if drafts is not None:
                 draft = drafts.drafts[b]
                 out.draft_tokens = draft.tokens
-                if draft.tokens and seq.sampling.include_draft_logprobs and seq.sampling.logprobs is not None:
-                    out.draft = TokenLogprobs(*(t.cpu().numpy() for t in draft.logprobs(top_k)))
+                if draft.tokens and b in want_drafts_set:
+                    parts = []
+                    if draft.num_modelled:
+                        end = next_modelled + draft.num_modelled
+                        parts.append(TokenLogprobs(*(a[next_modelled:end] for a in draft_arrays)))
+                        next_modelled = end
+                    if len(draft.tokens) > draft.num_modelled:
+                        parts.append(TokenLogprobs.point_masses(draft.tokens[draft.num_modelled :], top_k))
+                    out.draft = TokenLogprobs.concat(parts)
                 self._count(seq, len(draft.tokens), n_accepted)
             outputs.append(out)
         return outputs

@@ -12,6 +12,8 @@ from services.worker.sequence import Sequence
 
 NOT_COMPUTED_LOGPROB = float("nan")  # a request that did not ask for logprobs gets none computed
 NOT_COMPUTED_RANK = 0
+POINT_MASS_LOGPROB = 0.0  # log 1: a point-mass proposal puts all its mass on the drafted token
+POINT_MASS_RANK = 1
 
 
 @dataclass
@@ -29,6 +31,24 @@ class TokenLogprobs:
         ids[:, 0] = tokens
         logprobs = np.full((len(tokens), top_k + 1), NOT_COMPUTED_LOGPROB, dtype=np.float32)
         return cls(ids, logprobs, np.full(len(tokens), NOT_COMPUTED_RANK, dtype=np.int32))
+
+
+    @classmethod
+    def point_masses(cls, tokens: list[int], top_k: int) -> "TokenLogprobs":
+        """The arrays of proposals that are certain (n-gram drafts): the drafted token is the only candidate, so it
+        fills slot 0 and the first top-K slot with logprob 0; the other slots are empty; rank 1."""
+        candidates = min(top_k, 1) + 1
+        ids = np.full((len(tokens), top_k + 1), NO_TOKEN, dtype=np.int32)
+        ids[:, :candidates] = np.asarray(tokens, dtype=np.int32)[:, None]
+        logprobs = np.full((len(tokens), top_k + 1), -np.inf, dtype=np.float32)
+        logprobs[:, :candidates] = POINT_MASS_LOGPROB
+        return cls(ids, logprobs, np.full(len(tokens), POINT_MASS_RANK, dtype=np.int32))
+
+    @classmethod
+    def concat(cls, parts: list["TokenLogprobs"]) -> "TokenLogprobs":
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("token_ids", "logprobs", "ranks")))
 
 
 @dataclass

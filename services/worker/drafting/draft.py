@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.sampling.logprobs import point_mass_logprobs, token_logprobs
 from services.worker.sampling.rejection import PAD_TOKEN
 
 
@@ -38,17 +36,6 @@ class Draft:
     def num_modelled(self) -> int:
         """How many leading tokens have a model distribution to report (the rest are point masses)."""
         return 0 if self.report_logits is None else self.report_logits.shape[0]
-
-    def logprobs(self, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Frame arrays (ids, logprobs, ranks) of the drafted tokens under the reported distributions."""
-        tokens = torch.tensor(self.tokens, dtype=torch.long)
-        parts = []
-        if self.report_logits is not None and self.num_modelled:
-            device = self.report_logits.device
-            parts.append(token_logprobs(self.report_logits, tokens[: self.num_modelled].to(device), top_k))
-        if len(tokens) > self.num_modelled:
-            parts.append(point_mass_logprobs(tokens[self.num_modelled :], top_k))
-        return tuple(torch.cat([p[i].cpu() for p in parts]) for i in range(3))
 
 
 def point_mass_rows(tokens: list[int], vocab_size: int, device: torch.device) -> Tensor:
@@ -107,3 +94,13 @@ class DraftBatch:
             q=stack_probs(drafts, width, vocab_size, device),
             host_counts=counts,
         )
+
+    def modelled_rows(self, rows: list[int]) -> tuple[Tensor, Tensor] | None:
+        """The reported logits [M, vocab] and drafted tokens [M] of the modelled drafts of these rows, one after
+        another (row order, then draft order), for one logprobs call; None when they have none."""
+        drafts = [self.drafts[b] for b in rows if self.drafts[b].num_modelled]
+        if not drafts:
+            return None
+        logits = torch.cat([d.report_logits for d in drafts])
+        tokens = torch.tensor([t for d in drafts for t in d.tokens[: d.num_modelled]], device=logits.device)
+        return logits, tokens

@@ -8,8 +8,6 @@ from torch import Tensor
 from kernels import use_kernel
 from shared.frames import NO_TOKEN
 
-POINT_MASS_LOGPROB = 0.0  # log 1: a point-mass proposal puts all its mass on the drafted token
-POINT_MASS_RANK = 1
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -38,17 +36,4 @@ def token_logprobs_torch(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Te
     ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1).to(torch.int32)
     values = torch.cat([chosen_logprob, logprobs.gather(1, top_ids)], dim=1)
     ranks = ((logits > logits.gather(1, chosen.unsqueeze(1))).sum(dim=-1) + 1).to(torch.int32)
-    return ids, values, ranks
-
-
-def point_mass_logprobs(tokens: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The same arrays for proposals that are certain (n-gram drafts): the drafted token is the only candidate,
-    so it fills slot 0 and the first top-K slot with logprob 0; the other slots are empty; rank 1."""
-    n = tokens.shape[0]
-    candidates = min(top_k, 1) + 1
-    ids = torch.full((n, top_k + 1), NO_TOKEN, dtype=torch.int32, device=tokens.device)
-    ids[:, :candidates] = tokens.to(torch.int32)[:, None]
-    values = torch.full((n, top_k + 1), float("-inf"), dtype=torch.float32, device=tokens.device)
-    values[:, :candidates] = POINT_MASS_LOGPROB
-    ranks = torch.full((n,), POINT_MASS_RANK, dtype=torch.int32, device=tokens.device)
     return ids, values, ranks
