@@ -1,8 +1,8 @@
 """Batch-1 greedy decoding in-process, against transformers `generate` on the same checkpoint and prompts:
 
 - context sweep: decode ms/step and tokens/s of specmesh naive and transformers greedy at each prompt length;
-- self-repeating prompt (a held-out window written twice, so the continuation repeats it): specmesh ngram k=3
-  against transformers prompt lookup k=3 and greedy, and specmesh naive.
+- self-repeating prompt (two import lines written over and over, whose greedy continuation keeps repeating
+  them): specmesh ngram k=3 against transformers prompt lookup k=3 and greedy, and specmesh naive.
 
     python -m benchmarks.decode [--device cpu|cuda] [--contexts 64 512 2048] [--max-tokens 128] [--out bench-out/decode]
 
@@ -31,7 +31,7 @@ from services.worker.demo_model.data import load_corpus
 from services.worker.engine import Engine
 
 CONTEXTS = (64, 512, 2048)
-REPEAT_WINDOW = 192  # tokens of the window a self-repeating prompt writes twice
+SELF_REPEATING_TEXT = "import os\nimport sys\n" * 16
 LOOKUP_TOKENS = 3  # transformers' prompt_lookup_num_tokens, the same k as ngram's
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_REPEATS = 3
@@ -122,8 +122,7 @@ def measure(args: argparse.Namespace) -> dict:
                          "ms_per_step": 1e3 * seconds / steps, "tokens_per_s": steps / seconds, "same_tokens": True})
             rows.append({"case": f"context {context}", "context": context,
                          **run_engine("naive", prompt, reference, f"context {context}")})
-        window = held_out_tokens(tokenizer, REPEAT_WINDOW + 1)
-        prompt = window + window[1:]
+        prompt = [model.config.bos_token_id] + tokenizer.encode(SELF_REPEATING_TEXT)
         case = f"self-repeating prompt ({len(prompt)} tokens)"
         reference, greedy_s = hf_decode(model, prompt, args.max_tokens, None, args.repeats)
         lookup_tokens, lookup_s = hf_decode(model, prompt, args.max_tokens, LOOKUP_TOKENS, args.repeats)
