@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.forward_batch import pack
+from services.worker.forward_batch import InputBuffers, pack
 from services.worker.kv_cache import KVCache
 from services.worker.model.config import ModelConfig
 from services.worker.model.weights import merge_projections, split_projections
@@ -27,7 +27,7 @@ def _cache() -> KVCache:
 
 def test_pack_lays_ragged_rows_out_flat() -> None:
     cache = _cache()
-    batch = pack(cache, [[7, 8, 9], [4]], starts=[2, 10], slots=[0, 2], device=torch.device("cpu"))
+    batch = pack(cache, [[7, 8, 9], [4]], starts=[2, 10], slots=[0, 2], buffers=InputBuffers(torch.device("cpu")))
     assert batch.input_ids.tolist() == [7, 8, 9, 4]
     assert batch.positions.tolist() == [2, 3, 4, 10]
     # slot 0: positions 2, 3 in block 5, position 4 in block 9; slot 2: position 10 in its third block (3)
@@ -40,7 +40,7 @@ def test_pack_lays_ragged_rows_out_flat() -> None:
 
 def test_pack_refuses_positions_past_max_model_len() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
-        pack(_cache(), [[1, 2]], starts=[MAX_MODEL_LEN - 1], slots=[0], device=torch.device("cpu"))
+        pack(_cache(), [[1, 2]], starts=[MAX_MODEL_LEN - 1], slots=[0], buffers=InputBuffers(torch.device("cpu")))
 
 
 def test_greedy_verify_equals_the_general_verifier_on_greedy_rows() -> None:

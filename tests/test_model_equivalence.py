@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.forward_batch import pack
+from services.worker.forward_batch import InputBuffers, pack
 from services.worker.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import load_model
@@ -56,7 +56,7 @@ def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: s
     slot = 1
 
     def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
-        batch = pack(cache, [chunk[0].tolist()], [start], [slot], torch.device("cpu"))
+        batch = pack(cache, [chunk[0].tolist()], [start], [slot], InputBuffers(torch.device("cpu")))
         return ours.logits(ours(batch.input_ids, batch.positions, batch))[None]
 
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """One forward pass's inputs, packed: every sequence's new tokens one after another, no padding.
 
 `pack` builds them from per-sequence token rows with array operations on the host (positions, the flat KV slot
-of every token, query offsets, context lengths, block tables) and moves them to the device in one copy. The
-attention op reads what it needs from here; nothing is per sequence on the device side.
+of every token, query offsets, context lengths, block tables) and moves them to the device in one copy, through
+persistent buffers (InputBuffers). The attention op reads what it needs from here; nothing is per sequence on the
+device side.
 """
 
 from __future__ import annotations
@@ -43,12 +44,40 @@ class ForwardBatch:
         return self.host_query_starts[1:] - 1
 
 
+class InputBuffers:
+    """The host staging buffer (pinned) and the device buffer that a pass's packed integers travel through. They
+    persist across steps, so a step allocates nothing for its inputs and they sit at fixed device addresses. On
+    the CPU the numpy array itself is the tensor: no copy at all."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._host = self._device = None
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device copy out of the staging buffer
+
+    def upload(self, values: np.ndarray) -> Tensor:
+        """values (int64) on the device; valid until the next upload."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(values)
+        size = values.size
+        if self._host is None or self._host.numel() < size:
+            capacity = max(size, 2 * (0 if self._host is None else self._host.numel()))
+            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            self._device = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        elif self._copied is not None:
+            self._copied.synchronize()  # the staging buffer may still be read by the previous copy
+        self._host[:size].numpy()[:] = values
+        self._device[:size].copy_(self._host[:size], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self._device[:size]
+
+
 def pack(
     cache: KVCache,
     rows: Seq[Seq[int]],
     starts: Seq[int],
     slots: Seq[int],
-    device: torch.device,
+    buffers: InputBuffers,
     first_position: int = 0,
 ) -> ForwardBatch:
     """Feeds rows[b] at positions starts[b].. of cache slot slots[b]."""
@@ -68,8 +97,7 @@ def pack(
     slot_mapping = cache.slot_mapping(np.repeat(slots_np, lens), positions)
     tables = cache.block_tables[slots_np, : max(1, blocks_for(max_context_len, cache.block_size))]
     # One host buffer, one copy to the device; the views below split it again.
-    host = np.concatenate([ids, positions, slot_mapping, query_starts, context_lens, tables.reshape(-1)])
-    staged = torch.from_numpy(host).to(device, non_blocking=True)
+    staged = buffers.upload(np.concatenate([ids, positions, slot_mapping, query_starts, context_lens, tables.ravel()]))
     parts = torch.split(staged, [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, tables.size])
     return ForwardBatch(
         cache=cache,

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from services.worker.forward_batch import ForwardBatch, pack
+from services.worker.forward_batch import ForwardBatch, InputBuffers, pack
 from services.worker.kv_cache import KVCache
 from services.worker.model.llama import CausalLM
 
@@ -24,13 +24,14 @@ class ModelRunner:
         self.model = model
         self.device = param.device
         self.max_model_len = max_model_len
+        self.buffers = InputBuffers(self.device)
         self.cache = KVCache(
             model.num_cache_layers, max_num_seqs, max_model_len, cfg.num_key_value_heads, cfg.head_dim,
             param.dtype, param.device, block_size, num_blocks,
         )
 
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
-        return pack(self.cache, rows, starts, slots, self.device, first_position)
+        return pack(self.cache, rows, starts, slots, self.buffers, first_position)
 
     @torch.inference_mode()
     def forward(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]) -> tuple[torch.Tensor, ForwardBatch]:
