@@ -8,7 +8,8 @@
 
 Decode rate excludes the prefill: specmesh's clock starts after the step that sampled the first token;
 transformers' decode time is generate(N tokens) minus generate(1 token). Each figure is the median of --repeats
-runs. Every specmesh run's tokens must equal transformers' greedy tokens (exit status 1 otherwise).
+runs, each system's runs interleaved with the others'. Every specmesh run's tokens must equal transformers'
+greedy tokens (exit status 1 otherwise).
 Writes decode.json and decode.png to --out.
 """
 
@@ -19,6 +20,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +40,8 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_REPEATS = 3
 NAIVE = {"method": "naive"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": LOOKUP_TOKENS}
+NAIVE_NAME, NGRAM_NAME = "naive", f"ngram k={LOOKUP_TOKENS}"
+GREEDY_NAME, LOOKUP_NAME = "transformers greedy", f"transformers prompt lookup k={LOOKUP_TOKENS}"
 
 
 def held_out_tokens(tokenizer: Tokenizer, count: int) -> list[int]:
@@ -82,58 +87,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_decode(model, prompt: list[int], max_tokens: int, lookup: int | None, repeats: int) -> tuple[list[int], float]:
-    """(tokens, median decode seconds after the first token)."""
-    times = []
+def hf_decode(model, prompt: list[int], max_tokens: int, lookup: int | None) -> tuple[list[int], float, int]:
+    """(tokens, decode seconds after the first token, decode steps: one a token for greedy, None for prompt
+    lookup, whose steps transformers does not report)."""
+    tokens, whole = hf_generate(model, prompt, max_tokens, lookup)
+    return tokens, whole - hf_generate(model, prompt, 1, None)[1], len(tokens) - 1 if lookup is None else None
+
+
+def interleaved(contenders: dict[str, Callable[[], tuple]], repeats: int) -> dict[str, tuple[list[int], float, int]]:
+    """Each contender's (tokens, median seconds, steps), its runs interleaved with the others' (A B C A B C ...),
+    so a machine whose speed drifts during the run moves every contender alike."""
+    runs: dict[str, list[tuple]] = {name: [] for name in contenders}
     for _ in range(repeats):
-        tokens, whole = hf_generate(model, prompt, max_tokens, lookup)
-        times.append(whole - hf_generate(model, prompt, 1, None)[1])
-    return tokens, statistics.median(times)
+        for name, contender in contenders.items():
+            runs[name].append(contender())
+    return {name: (r[0][0], statistics.median(x[1] for x in r), r[0][2]) for name, r in runs.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:
     tokenizer = Tokenizer(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
-    max_len = max(args.contexts) + args.max_tokens + 16
+    prompt = [model.config.bos_token_id] + tokenizer.encode(SELF_REPEATING_TEXT)
+    max_len = max(*args.contexts, len(prompt)) + args.max_tokens + 16
     engines = {
         name: Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, max_model_len=max_len,
                                   speculative=SpeculativeConfig.model_validate(spec)))
-        for name, spec in (("naive", NAIVE), ("ngram k=3", NGRAM))
+        for name, spec in ((NAIVE_NAME, NAIVE), (NGRAM_NAME, NGRAM))
     }
     rows, mismatches = [], []
 
-    def run_engine(name: str, prompt: list[int], reference: list[int], case: str) -> dict:
-        runs = [engine_decode(engines[name], prompt, args.max_tokens) for _ in range(args.repeats)]
-        tokens, seconds, steps = runs[0][0], statistics.median(r[1] for r in runs), runs[0][2]
-        if tokens != reference:
-            mismatches.append(f"{name} on {case}")
-        return {"system": f"specmesh {name}", "ms_per_step": 1e3 * seconds / steps,
-                "tokens_per_s": (len(tokens) - 1) / seconds, "same_tokens": tokens == reference}
+    def case_rows(case: str, prompt: list[int], systems: list[str], context: int | None = None) -> None:
+        contenders = {GREEDY_NAME: lambda: hf_decode(model, prompt, args.max_tokens, None)}
+        if LOOKUP_NAME in systems:
+            contenders[LOOKUP_NAME] = lambda: hf_decode(model, prompt, args.max_tokens, LOOKUP_TOKENS)
+        for name in engines:
+            if f"specmesh {name}" in systems:
+                contenders[f"specmesh {name}"] = partial(engine_decode, engines[name], prompt, args.max_tokens)
+        results = interleaved(contenders, args.repeats)
+        reference = results[GREEDY_NAME][0]
+        for system, (tokens, seconds, steps) in results.items():
+            if tokens != reference and system.startswith("specmesh"):
+                mismatches.append(f"{system} on {case}")
+            rows.append({
+                "case": case, "context": context, "system": system,
+                "ms_per_step": None if steps is None else 1e3 * seconds / steps,
+                "tokens_per_s": (len(tokens) - 1) / seconds, "same_tokens": tokens == reference,
+            })
 
     with torch.inference_mode():
         warm = held_out_tokens(tokenizer, 16)
-        engine_decode(engines["naive"], warm, 8)
+        engine_decode(engines[NAIVE_NAME], warm, 8)
         hf_generate(model, warm, 8, None)
         for context in args.contexts:
-            prompt = held_out_tokens(tokenizer, context)
-            reference, seconds = hf_decode(model, prompt, args.max_tokens, None, args.repeats)
-            steps = len(reference) - 1
-            rows.append({"case": f"context {context}", "context": context, "system": "transformers greedy",
-                         "ms_per_step": 1e3 * seconds / steps, "tokens_per_s": steps / seconds, "same_tokens": True})
-            rows.append({"case": f"context {context}", "context": context,
-                         **run_engine("naive", prompt, reference, f"context {context}")})
-        prompt = [model.config.bos_token_id] + tokenizer.encode(SELF_REPEATING_TEXT)
-        case = f"self-repeating prompt ({len(prompt)} tokens)"
-        reference, greedy_s = hf_decode(model, prompt, args.max_tokens, None, args.repeats)
-        lookup_tokens, lookup_s = hf_decode(model, prompt, args.max_tokens, LOOKUP_TOKENS, args.repeats)
-        steps = len(reference) - 1
-        lookup_name = f"transformers prompt lookup k={LOOKUP_TOKENS}"
-        for system, seconds in (("transformers greedy", greedy_s), (lookup_name, lookup_s)):
-            rows.append({"case": case, "system": system, "ms_per_step": None, "tokens_per_s": steps / seconds,
-                         "same_tokens": system == "transformers greedy" or lookup_tokens == reference})
-        for name in engines:
-            rows.append({"case": case, **run_engine(name, prompt, reference, case)})
-    return {"model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
+            case_rows(f"context {context}", held_out_tokens(tokenizer, context), [f"specmesh {NAIVE_NAME}"], context)
+        case_rows(f"self-repeating prompt ({len(prompt)} tokens)", prompt,
+                  [LOOKUP_NAME, f"specmesh {NAIVE_NAME}", f"specmesh {NGRAM_NAME}"])
+    return {"model": str(args.model), "device": args.device, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "rows": rows, "mismatches": mismatches}
 
