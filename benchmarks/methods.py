@@ -33,7 +33,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import load_corpus
-from services.worker.engine import Engine
+from services.worker.engine import Engine, EngineStats
 from benchmarks.plot import plot
 
 METHODS: dict[str, dict] = {
@@ -107,6 +107,7 @@ def run_engine(
 ) -> Run:
     config = SpeculativeConfig.model_validate(spec)
     engine = Engine(EngineConfig(model=model, max_num_seqs=batch, speculative=config, device=device))
+    warm_up(engine, prompts[0], temperature)
     outputs: list[list[int]] = [[] for _ in prompts]
     drafted, accepted = [0] * config.num_drafts, [0] * config.num_drafts
     requests = [
@@ -136,6 +137,16 @@ def run_engine(
         acceptance_rate=stats.num_accepted_tokens / stats.num_draft_tokens if drafts else None,
         drafted_at=drafted, accepted_at=accepted, outputs=outputs,
     )
+
+
+def warm_up(engine: Engine, prompt: list[int], temperature: float) -> None:
+    """A few steps before the clock starts, so that lazy initialisation (Triton compiling a kernel for this
+    configuration on first use) is not timed; the engine's counters are reset after."""
+    sampling = SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0)
+    engine.add_request(WorkRequest(request_id=f"{0:032x}", prompt_token_ids=prompt, created=0, sampling=sampling))
+    while engine.has_work():
+        engine.step()
+    engine.stats = EngineStats()
 
 
 def run_transformers(
