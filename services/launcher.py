@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: no preemption)")
     parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="each worker's torch intra-op threads (default 0: torch's own choice, one per core)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-level", default="INFO")
 
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> None:
             children.append((name, _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(port))))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
+        worker_args += ["--torch-threads", str(args.torch_threads)]
         if args.num_kv_blocks is not None:
             worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.speculative_config:

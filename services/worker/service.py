@@ -17,6 +17,8 @@ import uuid
 import zlib
 from pathlib import Path
 
+import torch
+
 from shared import subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.natsutil import connect, ensure_request_stream
@@ -44,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="torch intra-op threads for the engine (default 0: torch's own choice, one per core)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
@@ -78,6 +84,8 @@ async def run(args: argparse.Namespace) -> None:
     readiness = Readiness()
     http = await start_http(readiness, args.metrics_host, args.metrics_port)
     config = engine_config(args)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     started = time.time()
     engine = Engine(config)
     warm_up(engine)
