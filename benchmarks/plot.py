@@ -1,5 +1,7 @@
-"""The figure of benchmarks/methods.py: tokens/s by method and batch (one panel per temperature) above acceptance
-by draft position (one panel per temperature, counts pooled over batches).
+"""The figures of the benchmarks. benchmarks/methods.py: tokens/s by method and batch (one panel per temperature)
+above acceptance by draft position (one panel per temperature, counts pooled over batches). benchmarks/speculation.py
+(`plot_mesh`): engine and mesh tokens/s by streams above the mesh's inter-token latency beside the engine's step time
+(one column per prompt set).
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -75,6 +77,47 @@ def plot(report: dict, path: Path) -> None:
         _tokens_per_s(axes[0][col], runs, temperature)
         _per_position(axes[1][col], runs, temperature, colors)
     fig.suptitle(f"specmesh drafting methods on {Path(report['model']).name}, {report['max_tokens']} tokens per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def _by_streams(ax: plt.Axes, runs: list[dict], lines: dict[str, tuple[str, str]], colors: dict[str, str]) -> None:
+    """One line per method and figure (lines: JSON key -> (label, line style)) against the number of streams."""
+    for method, color in colors.items():
+        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["streams"])
+        for key, (label, style) in lines.items():
+            points = [(r["streams"], r[key]) for r in mine if r[key] is not None]
+            if points:
+                ax.plot(*zip(*points), linestyle=style, marker="o", color=color, label=f"{method}, {label}")
+    streams = sorted({r["streams"] for r in runs})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(streams, [str(s) for s in streams])
+    ax.set_xlabel("concurrent streams")
+    ax.legend(fontsize="small")
+
+
+def plot_mesh(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/speculation.py writes) into the PNG at path."""
+    runs = report["rows"]
+    prompt_sets = list(dict.fromkeys(r["prompts"] for r in runs))
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in runs))}
+    fig, axes = plt.subplots(2, len(prompt_sets), figsize=FIGURE_SIZE, squeeze=False)
+    for col, prompts in enumerate(prompt_sets):
+        mine = [r for r in runs if r["prompts"] == prompts]
+        top, bottom = axes[0][col], axes[1][col]
+        _by_streams(top, mine, {"engine_tokens_per_s": ("engine", "-"), "mesh_tokens_per_s": ("mesh", "--")}, colors)
+        top.set_ylabel("tokens/s")
+        top.set_title(f"throughput, {prompts} prompts")
+        _by_streams(bottom, mine, {
+            "engine_mean_step_ms": ("engine mean step", "-"),
+            "mesh_itl_p50_ms": ("mesh inter-token p50", "--"),
+            "mesh_itl_p99_ms": ("mesh inter-token p99", ":"),
+        }, colors)
+        bottom.set_ylabel("ms")
+        bottom.set_title(f"latency, {prompts} prompts")
+    fig.suptitle(f"engine in-process vs through the mesh on {Path(report['model']).name} ({report['device']}), "
+                 f"{report['max_tokens']} tokens per request, greedy")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -1,128 +1,283 @@
-"""Tokens/s and mean acceptance length, naive vs ngram, at 1 and 8 concurrent streams: in-process on the
-engine, then through the whole mesh, so the mesh's own cost shows as a ratio.
+"""Engine against mesh: tokens/s of the engine in-process and through the whole mesh, and the mesh's inter-token
+latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
-    python -m benchmarks.speculation [--model DIR] [--max-tokens 128] [--out bench-out/speculation.json]
+    python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128]
+                                     [--out bench-out/speculation]
 
-Prompts are the openings of held-out standard-library files (the demo model never trained on them). All
-requests are greedy, so naive and ngram must emit identical tokens: the benchmark checks that too.
+Two prompt sets: openings (96 tokens) of held-out standard-library files the demo model never trained on, and a
+self-repeating prompt (benchmarks/decode.py's two import lines written sixteen times) on which prompt lookup pays.
+Each run serves max(streams, 2) greedy requests of --max-tokens tokens (EOS ignored):
+
+- engine: one Engine with max_num_seqs = streams, every request added at once and stepped until done;
+  tokens/s = tokens / wall time; mean step time = that wall time / steps.
+- mesh: `specmesh up` (NATS, gateway, worker, detokenizer as processes; one mesh per method, its
+  max_num_seqs the largest --streams), driven by a light SSE client (aiohttp, no openai) that keeps `streams`
+  streaming completions in flight; tokens/s = tokens / wall time from the first request to the last stream's end.
+- inter-token latency (mesh): a chunk that brings n tokens brings them at once, so each of its tokens counts once
+  with the gap between its chunk's arrival and the previous chunk's, divided by n (what the gateway's
+  specmesh_gateway_inter_token_latency_seconds measures); the first chunk of a stream has no gap. A chunk's tokens
+  are found from its text: token i has arrived once the streamed text is as long as the engine's tokens 0..i
+  decoded. p50 and p99 are over every token of every stream of the run.
+
+Greedy outputs must agree: naive and ngram on the engine, and the mesh's text with the engine's tokens decoded
+(exit status 1 otherwise). Writes speculation.json and speculation.png to --out and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
+import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import openai
+import aiohttp
+import numpy as np
+import orjson
+import torch
 
+from benchmarks.decode import SELF_REPEATING_TEXT
+from benchmarks.methods import load_prompts
+from benchmarks.plot import plot_mesh
+from services.detokenizer.incremental import IncrementalDecoder, TokenTable
+from services.mesh_process import start_mesh
+from services.worker.engine import Engine
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
-from services.mesh_process import start_mesh
-from services.worker.demo_model.data import load_corpus
-from services.worker.engine import Engine
 
-METHODS = {"naive": '{"method": "naive"}', "ngram": '{"method": "ngram", "num_speculative_tokens": 3}'}
-CONCURRENCY = (1, 8)
+METHODS = {"naive": {"method": "naive"}, "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3}}
+STREAMS = (1, 8, 32)
 PROMPT_TOKENS = 96
+HELD_OUT = "held-out"
+SELF_REPEATING = "self-repeating"
+MIN_REQUESTS = 2  # even one stream serves two requests, one after the other
+WARMUP_TOKENS = 4
+DEFAULT_MAX_TOKENS = 128
+PERCENTILES = (50, 99)
+HTTP_TIMEOUT_S = 600.0
 
 
-def prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
-    texts = [t for t in load_corpus().held_out if len(t) > 2000][:count]
-    return [tokenizer.encode(t)[:PROMPT_TOKENS] for t in texts]
+@dataclass
+class Stream:
+    """One streamed completion as the client saw it."""
+
+    text: str
+    arrivals: list[tuple[float, int]]  # per SSE chunk: (perf_counter when it arrived, characters of text so far)
 
 
-def run_engine(model: Path, method: str, batch: int, prompt_ids: list[list[int]], max_tokens: int) -> dict:
-    engine = Engine(
-        EngineConfig(model=model, max_num_seqs=batch, speculative=SpeculativeConfig.from_json(METHODS[method]))
-    )
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs: dict[str, list[int]] = {}
-    started = time.perf_counter()
-    for i, ids in enumerate(prompt_ids):
-        outputs[f"{i:032x}"] = []
-        engine.add_request(WorkRequest(request_id=f"{i:032x}", prompt_token_ids=ids, sampling=sampling, created=0))
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.seq.request_id] += out.tokens
-    elapsed = time.perf_counter() - started
-    tokens = sum(len(t) for t in outputs.values())
+@dataclass
+class Row:
+    prompts: str
+    method: str
+    streams: int
+    requests: int
+    engine_tokens_per_s: float
+    engine_mean_step_ms: float
+    mean_acceptance_length: float | None  # None: the method drafts nothing
+    mesh_tokens_per_s: float | None = None
+    mesh_over_engine: float | None = None
+    mesh_itl_p50_ms: float | None = None
+    mesh_itl_p99_ms: float | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    def figures(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "outputs"}
+
+
+def prompt_sets(tokenizer: Tokenizer, count: int) -> dict[str, list[list[int]]]:
     return {
-        "tokens_per_s": tokens / elapsed,
-        "mean_acceptance_length": engine.stats.mean_acceptance_length,
-        "outputs": [outputs[k] for k in sorted(outputs)],
+        HELD_OUT: load_prompts(tokenizer, count, PROMPT_TOKENS),
+        SELF_REPEATING: [tokenizer.encode(SELF_REPEATING_TEXT)] * count,
     }
 
 
-async def _mesh_requests(base_url: str, model: str, prompt_ids: list[list[int]], batch: int, max_tokens: int):
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
-    limit = asyncio.Semaphore(batch)
+def _sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    async def one(ids: list[int]) -> int:
-        async with limit:
-            r = await client.completions.create(
-                model=model, prompt=ids, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
-            )
-            return r.usage.completion_tokens
 
+def run_engine(args: argparse.Namespace, prompts_name: str, name: str, streams: int, prompts: list[list[int]]) -> Row:
+    config = EngineConfig(
+        model=args.model, max_num_seqs=streams, device=args.device,
+        speculative=SpeculativeConfig.model_validate(METHODS[name]),
+    )
+    engine = Engine(config)
+    engine.add_request(WorkRequest(request_id=f"{len(prompts):032x}", prompt_token_ids=prompts[0],
+                                   sampling=_sampling(WARMUP_TOKENS), created=0))
+    while engine.has_work():
+        engine.step()
+    before = engine.stats.num_steps, engine.stats.num_drafts, engine.stats.num_accepted_tokens
+    outputs: list[list[int]] = [[] for _ in prompts]
     started = time.perf_counter()
-    counts = await asyncio.gather(*(one(ids) for ids in prompt_ids))
-    await client.close()
-    return sum(counts) / (time.perf_counter() - started)
+    for i, ids in enumerate(prompts):
+        engine.add_request(WorkRequest(request_id=f"{i:032x}", prompt_token_ids=ids,
+                                       sampling=_sampling(args.max_tokens), created=0))
+    while engine.has_work():
+        for out in engine.step():
+            outputs[int(out.seq.request_id, 16)] += out.tokens
+    seconds = time.perf_counter() - started
+    steps, drafts, accepted = (now - then for now, then in zip(
+        (engine.stats.num_steps, engine.stats.num_drafts, engine.stats.num_accepted_tokens), before))
+    return Row(
+        prompts=prompts_name, method=name, streams=streams, requests=len(prompts),
+        engine_tokens_per_s=sum(map(len, outputs)) / seconds, engine_mean_step_ms=1e3 * seconds / steps,
+        mean_acceptance_length=1 + accepted / drafts if drafts else None, outputs=outputs,
+    )
 
 
-def run_mesh(model: Path, method: str, batch: int, prompt_ids: list[list[int]], max_tokens: int) -> float:
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict) -> Stream:
+    pieces: list[str] = []
+    arrivals: list[tuple[float, int]] = []
+    length = 0
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            at = time.perf_counter()
+            event = orjson.loads(line[len(b"data: "):])
+            if "error" in event:
+                raise RuntimeError(f"the mesh failed a request: {event['error']}")
+            piece = event["choices"][0]["text"]
+            pieces.append(piece)
+            length += len(piece)
+            arrivals.append((at, length))
+    return Stream("".join(pieces), arrivals)
+
+
+async def _mesh_streams(base_url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int):
+    """Every prompt streamed, `streams` at a time; returns the streams and the wall time."""
+    limit = asyncio.Semaphore(streams)
+    url = f"{base_url}/completions"
+    timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(ids: list[int]) -> Stream:
+            async with limit:
+                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "ignore_eos": True}
+                return await _stream(session, url, body)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(ids) for ids in prompts))
+        return results, time.perf_counter() - started
+
+
+def token_ends(table: TokenTable, tokens: list[int]) -> tuple[str, list[int]]:
+    """The text of the tokens as the detokenizer renders it, and where each token's text ends in it."""
+    decoded = IncrementalDecoder(table).step(tokens, final=True)
+    return decoded.text, [end for _, end in decoded.spans]
+
+
+def inter_token_gaps(stream: Stream, ends: list[int]) -> list[float]:
+    """Per token after the first chunk: its chunk's gap to the previous chunk that brought tokens, divided by the
+    tokens its chunk brought (the module docstring's definition)."""
+    gaps: list[float] = []
+    seen, previous = 0, None
+    for at, length in stream.arrivals:
+        arrived = bisect.bisect_right(ends, length)
+        if arrived == seen:
+            continue
+        if previous is not None:
+            gaps += [(at - previous) / (arrived - seen)] * (arrived - seen)
+        seen, previous = arrived, at
+    return gaps
+
+
+def run_mesh(args: argparse.Namespace, name: str, rows: list[Row], sets: dict[str, list[list[int]]],
+             table: TokenTable) -> list[str]:
+    """Fills in the mesh figures of the method's rows; returns where the mesh's text differed from the engine's."""
+    mismatches = []
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(
-            Path(tmp), "--speculative-config", METHODS[method], "--max-num-seqs", str(batch), model=model
+            Path(tmp), "--speculative-config", json.dumps(METHODS[name]), "--max-num-seqs", str(max(args.streams)),
+            "--device", args.device, model=args.model,
         )
         try:
-            asyncio.run(_mesh_requests(mesh.base_url, mesh.model, prompt_ids[:1], 1, 4))  # warm-up
-            return asyncio.run(_mesh_requests(mesh.base_url, mesh.model, prompt_ids, batch, max_tokens))
+            asyncio.run(_mesh_streams(mesh.base_url, mesh.model, sets[HELD_OUT][:1], 1, WARMUP_TOKENS))
+            for row in rows:
+                prompts = sets[row.prompts][: row.requests]
+                streamed, seconds = asyncio.run(
+                    _mesh_streams(mesh.base_url, mesh.model, prompts, row.streams, args.max_tokens))
+                gaps: list[float] = []
+                for i, (stream, tokens) in enumerate(zip(streamed, row.outputs)):
+                    text, ends = token_ends(table, tokens)
+                    if stream.text != text:
+                        mismatches.append(f"mesh {name}, {row.prompts}, {row.streams} streams, request {i}")
+                    gaps += inter_token_gaps(stream, ends)
+                row.mesh_tokens_per_s = sum(map(len, row.outputs)) / seconds
+                row.mesh_over_engine = row.mesh_tokens_per_s / row.engine_tokens_per_s
+                row.mesh_itl_p50_ms, row.mesh_itl_p99_ms = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
+                print(json.dumps(row.figures()), flush=True)
         finally:
             mesh.stop()
+    return mismatches
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| prompts | method | streams | engine tok/s | mesh tok/s | mesh / engine | engine mean step ms "
+        "| mesh ITL p50 ms | mesh ITL p99 ms | mean acceptance length |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.prompts} | {r.method} | {r.streams} | {_fmt(r.engine_tokens_per_s)} | {_fmt(r.mesh_tokens_per_s)} "
+            f"| {_fmt(r.mesh_over_engine, 2)} | {_fmt(r.engine_mean_step_ms, 2)} | {_fmt(r.mesh_itl_p50_ms, 2)} "
+            f"| {_fmt(r.mesh_itl_p99_ms, 2)} | {_fmt(r.mean_acceptance_length, 2)} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=Path("bench-out/speculation.json"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
-    prompt_ids = prompts(Tokenizer(args.model), 8)
-    rows = []
-    reference: dict[int, list] = {}
-    for batch in CONCURRENCY:
-        batch_prompts = prompt_ids[: max(batch, 2)]
-        for method in METHODS:
-            engine = run_engine(args.model, method, batch, batch_prompts, args.max_tokens)
-            reference.setdefault(batch, engine["outputs"])
-            if engine["outputs"] != reference[batch]:
-                raise SystemExit(f"{method} at batch {batch} changed the greedy output")
-            mesh_tps = run_mesh(args.model, method, batch, batch_prompts, args.max_tokens)
-            rows.append(
-                {
-                    "method": method,
-                    "concurrency": batch,
-                    "engine_tokens_per_s": round(engine["tokens_per_s"], 1),
-                    "mesh_tokens_per_s": round(mesh_tps, 1),
-                    "mesh_over_engine": round(mesh_tps / engine["tokens_per_s"], 3),
-                    "mean_acceptance_length": round(engine["mean_acceptance_length"], 3),
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    header = "| method | streams | engine tok/s | mesh tok/s | mesh / engine | mean acceptance length |"
-    print("\n" + header + "\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['method']} | {r['concurrency']} | {r['engine_tokens_per_s']} | {r['mesh_tokens_per_s']} "
-            f"| {r['mesh_over_engine']} | {r['mean_acceptance_length']} |"
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows}, indent=2) + "\n")
+    tokenizer = Tokenizer(args.model)
+    sets = prompt_sets(tokenizer, max(max(args.streams), MIN_REQUESTS))
+
+    # Every engine run first, with no mesh process taking CPU time from it.
+    rows: list[Row] = []
+    mismatches: list[str] = []
+    with torch.inference_mode():
+        for prompts_name, prompts in sets.items():
+            for streams in args.streams:
+                requests = prompts[: max(streams, MIN_REQUESTS)]
+                runs = [run_engine(args, prompts_name, name, streams, requests) for name in METHODS]
+                rows += runs
+                mismatches += [f"engine {r.method}, {prompts_name}, {streams} streams"
+                               for r in runs if r.outputs != runs[0].outputs]
+    table = TokenTable.from_tokenizer(tokenizer)
+    for name in METHODS:
+        mismatches += run_mesh(args, name, [r for r in rows if r.method == name], sets, table)
+
+    text = markdown_table(rows)
+    print("\n" + text + "\n")
+    print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
+    report = {
+        "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
+        "prompt_tokens": PROMPT_TOKENS, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+        "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculation.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "table.md").write_text(text + "\n")
+    plot_mesh(report, args.out / "speculation.png")
+    print(f"wrote {args.out / 'speculation.json'}, {args.out / 'speculation.png'}, {args.out / 'table.md'}")
+    if mismatches:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.detokenizer.assembler import Record, RequestAssembler
+from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
+from services.detokenizer.service import encode_chunk
 from services.detokenizer.stop import StopMatcher
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared import frames
@@ -87,8 +88,8 @@ def record(
         uuid.uuid4().hex, seq_no=seq_no, offset=offset, token_ids=token_ids, logprobs=logprobs,
         ranks=np.ones(n), num_accepted=num_accepted, status=status, finish_reason=finish,
     )
-    (_, rec, tok, lp, rk), = frames.decode(builder.encode()).rows()
-    return Record.from_row(rec, tok, lp, rk)
+    ((_, decoded),) = frame_records(frames.decode(builder.encode()))
+    return decoded
 
 
 def text_of(chunk: Chunk) -> str:
@@ -245,7 +246,7 @@ def test_unused_top_slots_and_impossible_logprobs(tokenizer, table) -> None:
     draft = record(ids, seq_no=0, offset=0, top_k=2, num_accepted=1, kind=FrameKind.DRAFT, chosen_logprob=0.0)
     point_mass = Record(
         draft.seq_no, draft.offset, draft.num_accepted, draft.status, draft.finish_reason,
-        np.array([[ids[0], NO_TOKEN, NO_TOKEN]]), np.array([[0.0, -np.inf, -np.inf]]), draft.ranks,
+        np.array([[ids[0], NO_TOKEN, NO_TOKEN]]), np.array([[0.0, -np.inf, -np.inf]]), draft.ranks, ids[:1],
     )
     chunk = assembler.consume(record(ids, seq_no=0, offset=0, top_k=2), point_mass)
     assert chunk.choice["draft_logprobs"]["content"][0]["top_logprobs"] == []
@@ -307,3 +308,58 @@ def test_token_ids_outside_the_vocabulary_fail_the_request(table) -> None:
     assembler = RequestAssembler(opened(), table)
     chunk = assembler.consume(record([VOCAB_SIZE + 3], seq_no=0, offset=0))
     assert chunk.final and "outside the vocabulary" in chunk.error
+
+
+def test_a_used_top_alternative_outside_the_vocabulary_fails_the_request(table) -> None:
+    def with_slots(token_ids: list[list[int]]) -> Record:
+        builder = FrameBuilder(FrameKind.TARGET, worker_id=1, step=0, top_k=len(token_ids[0]) - 1)
+        shape = (len(token_ids), len(token_ids[0]))
+        builder.add(uuid.uuid4().hex, seq_no=0, offset=0, token_ids=np.array(token_ids), logprobs=np.zeros(shape),
+                    ranks=np.ones(len(token_ids)))
+        ((_, decoded),) = frame_records(frames.decode(builder.encode()))
+        return decoded
+
+    bad = with_slots([[5, 6, 7], [6, 7, VOCAB_SIZE]])
+    assert "outside the vocabulary" in RequestAssembler(opened(logprobs=2), table).consume(bad).error
+    assert RequestAssembler(opened(logprobs=1), table).consume(bad).error is None  # a slot it did not ask for
+    empty = with_slots([[5, NO_TOKEN, NO_TOKEN], [6, NO_TOKEN, NO_TOKEN]])
+    assert RequestAssembler(opened(logprobs=2), table).consume(empty).error is None
+    assert "outside the vocabulary" in RequestAssembler(opened(), table).consume(with_slots([[NO_TOKEN]])).error
+
+
+# --- one pass over a frame, and the chunk's encoding -------------------------------------------------------------
+
+
+def test_frame_records_read_every_record_as_rows_and_from_row_do() -> None:
+    builder = FrameBuilder(FrameKind.TARGET, worker_id=2, step=7, top_k=1)
+    for i, (n, status, reason) in enumerate(
+        [(3, SeqStatus.RUNNING, FinishReason.NONE), (0, SeqStatus.PREEMPTED, FinishReason.NONE),
+         (2, SeqStatus.FINISHED, FinishReason.STOP)]
+    ):
+        token_ids = np.arange(2 * n).reshape(n, 2) + 10 * i
+        builder.add(
+            uuid.uuid4().hex, seq_no=i, offset=4 * i, token_ids=token_ids, logprobs=-np.ones((n, 2)), ranks=np.ones(n),
+            num_accepted=min(n, 1), status=status, finish_reason=reason,
+        )
+    frame = frames.decode(builder.encode())
+    for (request_id, got), (want_id, rec, tok, lp, rk) in zip(frame_records(frame), frame.rows(), strict=True):
+        want = Record.from_row(rec, tok, lp, rk)
+        assert request_id == want_id
+        assert (got.seq_no, got.offset, got.num_accepted, got.status, got.finish_reason, got.ids) == (
+            want.seq_no, want.offset, want.num_accepted, want.status, want.finish_reason, want.ids
+        )
+        for name in ("token_ids", "logprobs", "ranks"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+
+
+def test_encoded_chunk_reads_back_as_to_bytes_does(tokenizer, table) -> None:
+    assembler = RequestAssembler(opened(logprobs=2, drafts=True), table)
+    ids = byte_tokens(tokenizer, "hé")
+    draft = record(ids[:2], seq_no=0, offset=0, top_k=2, num_accepted=1, kind=FrameKind.DRAFT, chosen_logprob=0.0)
+    chunks = [
+        assembler.consume(record(ids, seq_no=0, offset=0, top_k=2, num_accepted=1), draft),
+        assembler.consume(record([eos(tokenizer)], seq_no=1, offset=len(ids), top_k=2, finish=FinishReason.STOP)),
+        RequestAssembler(opened(), table).fail("the worker ended the request (ABORT)"),
+    ]
+    for chunk in chunks:
+        assert Chunk.from_bytes(encode_chunk(chunk)) == Chunk.from_bytes(chunk.to_bytes()) == chunk

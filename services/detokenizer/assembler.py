@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,11 +12,14 @@ import numpy as np
 from services.detokenizer import logprobs
 from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, TokenTable
 from services.detokenizer.stop import StopMatcher
-from shared.frames import NO_TOKEN, FinishReason, SeqStatus
+from shared.frames import NO_TOKEN, FinishReason, Frame, SeqStatus
 from shared.schemas import Chunk, DetokOpen, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 STOP_STRING_FINISH = "stop"
+# By value, for records whose fields decode() has already checked.
+_STATUSES = {int(s): s for s in SeqStatus}
+_FINISH_REASONS = {int(r): r for r in FinishReason}
 
 CancelReason = Literal["stop_string", "error"]
 
@@ -32,6 +36,7 @@ class Record:
     token_ids: np.ndarray  # [n, num_slots]
     logprobs: np.ndarray  # [n, num_slots]
     ranks: np.ndarray  # [n]
+    ids: list[int]  # token_ids[:, 0] as Python ints: the record's tokens
 
     @classmethod
     def from_row(cls, rec: np.void, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> "Record":
@@ -44,15 +49,31 @@ class Record:
             token_ids,
             logprobs,
             ranks,
+            token_ids[:, 0].tolist(),
         )
 
     @property
     def num_tokens(self) -> int:
-        return len(self.ranks)
+        return len(self.ids)
 
     @property
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def frame_records(frame: Frame) -> Iterator[tuple[str, Record]]:
+    """(request id, record) for every record of a decoded frame, in one pass: the header fields and the tokens of
+    all records become Python values in one conversion each, instead of one numpy access per field and record."""
+    tokens = frame.token_ids[:, 0].tolist()
+    start = 0
+    for raw_id, seq_no, offset, num_tokens, num_accepted, status, finish_reason, _ in frame.records.tolist():
+        end = start + num_tokens
+        rows = slice(start, end)
+        yield raw_id.hex(), Record(
+            seq_no, offset, num_accepted, _STATUSES[status], _FINISH_REASONS[finish_reason],
+            frame.token_ids[rows], frame.logprobs[rows], frame.ranks[rows], tokens[start:end],
+        )
+        start = end
 
 
 @dataclass(frozen=True)
@@ -93,7 +114,7 @@ class RequestAssembler:
         if problem := self._out_of_order(target) or self._bad_ids(target) or (draft and self._bad_ids(draft)):
             return self.fail(problem)
         self._next_seq_no += 1
-        ids = target.token_ids[:, 0].tolist()
+        ids = target.ids
         # A STOP finish means the last token is EOS or a stop token id: counted, never rendered.
         rendered = ids[:-1] if target.finish_reason == FinishReason.STOP and target.finished and ids else ids
         step = self._decoder.step(rendered, final=target.finished)
@@ -137,12 +158,14 @@ class RequestAssembler:
         return None
 
     def _bad_ids(self, record: Record) -> str | None:
-        slots = 1 + min(self._top_k or 0, record.token_ids.shape[1] - 1)
-        used = record.token_ids[:, :slots]
-        out_of_range = (used >= self._table.vocab_size) | ((used < 0) & (used != NO_TOKEN))
-        if out_of_range.any() or (used[:, 0] == NO_TOKEN).any():
-            return f"token id outside the vocabulary of {self._table.vocab_size} in record seq_no {record.seq_no}"
-        return None
+        """A token, or a top-K alternative the request uses, outside the vocabulary (an empty slot is NO_TOKEN)."""
+        vocab = self._table.vocab_size
+        bad = bool(record.ids) and (min(record.ids) < 0 or max(record.ids) >= vocab)
+        if not bad and self._top_k:
+            # A few ids per token: Python on one list beats numpy's per-call cost here.
+            top = record.token_ids[:, 1 : 1 + self._top_k].tolist()
+            bad = any(not (0 <= t < vocab or t == NO_TOKEN) for row in top for t in row)
+        return f"token id outside the vocabulary of {vocab} in record seq_no {record.seq_no}" if bad else None
 
     def _count(self, num_tokens: int) -> None:
         self._tokens_seen += num_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.tokenizer import Tokenizer
 
@@ -22,6 +22,8 @@ class TokenTable:
 
     token_bytes: Sequence[bytes]  # per id; b"" for special tokens
     special_names: dict[int, str]  # special id -> its literal text, only shown among top logprobs
+    # display() of each id asked for so far: logprobs name the same few thousand tokens over and over.
+    _displayed: dict[int, tuple[str, list[int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> "TokenTable":
@@ -39,8 +41,15 @@ class TokenTable:
         """The `token` string and `bytes` list of a logprobs entry for one token.
 
         A token that is a fragment of a UTF-8 character cannot be shown as text, so, as OpenAI does, it is
-        spelled as its escaped bytes; the `bytes` list lets a client reassemble the character.
+        spelled as its escaped bytes; the `bytes` list lets a client reassemble the character. The result is
+        shared between calls: read it, never change it.
         """
+        shown = self._displayed.get(token_id)
+        if shown is None:
+            shown = self._displayed[token_id] = self._spell(token_id)
+        return shown
+
+    def _spell(self, token_id: int) -> tuple[str, list[int]]:
         if token_id in self.special_names:
             name = self.special_names[token_id]
             return name, list(name.encode("utf-8"))

@@ -15,12 +15,13 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from services.detokenizer.assembler import Record, RequestAssembler
+from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.incremental import TokenTable
 from shared import config, natsutil, subjects
 from shared.frames import Frame, FrameError, FrameKind, decode
@@ -49,9 +50,10 @@ CHUNKS = Counter("specmesh_detokenizer_chunks", "Chunks sent to gateways")
 ACTIVE = Gauge("specmesh_detokenizer_active_requests", "Requests opened and not yet finished")
 LAG = Histogram(
     "specmesh_detokenizer_step_to_chunk_lag_seconds",
-    "From the end of a worker step (frame header) to its chunk leaving the detokenizer",
+    "From the end of a worker step (frame header) to its chunks leaving the detokenizer, once per TARGET frame",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
+FRAMES_BY_KIND = {kind: FRAMES.labels(kind=kind.name.lower()) for kind in FrameKind}
 
 DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 
@@ -103,7 +105,7 @@ class Detokenizer:
             MALFORMED_FRAMES.labels(reason=err.reason).inc()
             log.warning("malformed frame dropped (%s): %s", err.reason, err)
             return
-        FRAMES.labels(kind=frame.kind.name.lower()).inc()
+        FRAMES_BY_KIND[frame.kind].inc()
         if frame.kind == FrameKind.DRAFT:
             self._buffer_drafts(frame)
         else:
@@ -111,24 +113,30 @@ class Detokenizer:
 
     def _buffer_drafts(self, frame: Frame) -> None:
         drafts = self._drafts.setdefault((frame.worker_id, frame.step), {})
-        for request_id, rec, token_ids, logprobs, ranks in frame.rows():
+        for request_id, record in frame_records(frame):
             if self._known(request_id):
-                drafts[request_id] = Record.from_row(rec, token_ids, logprobs, ranks)
+                drafts[request_id] = record
 
     async def _consume_targets(self, frame: Frame) -> None:
+        """Turns a TARGET frame's records into chunks and sends them; metrics are counted once per frame."""
         drafts = self._drafts.pop((frame.worker_id, frame.step), {})
         # A DRAFT frame whose TARGET frame was lost would otherwise wait forever.
         for key in [k for k in self._drafts if k[0] == frame.worker_id and k[1] < frame.step]:
             del self._drafts[key]
-        for request_id, rec, token_ids, logprobs, ranks in frame.rows():
+        num_tokens = num_chunks = 0
+        for request_id, record in frame_records(frame):
             if not self._known(request_id):
                 continue
             assembler = self._requests[request_id]
-            TOKENS.inc(len(token_ids))
-            chunk = assembler.consume(Record.from_row(rec, token_ids, logprobs, ranks), drafts.get(request_id))
+            num_tokens += record.num_tokens
+            chunk = assembler.consume(record, drafts.get(request_id))
             if chunk is not None:
                 await self._send(assembler, chunk)
-                LAG.observe(max(0.0, time.time() - frame.sent_at_us / 1e6))
+                num_chunks += 1
+        TOKENS.inc(num_tokens)
+        if num_chunks:
+            CHUNKS.inc(num_chunks)
+            LAG.observe(max(0.0, time.time() - frame.sent_at_us / 1e6))
 
     def _known(self, request_id: str) -> bool:
         """Whether records of this request are wanted; counts those of requests never opened here."""
@@ -139,8 +147,7 @@ class Detokenizer:
         return False
 
     async def _send(self, assembler: RequestAssembler, chunk: Chunk) -> None:
-        await self._nc.publish(assembler.reply_subject, chunk.to_bytes())
-        CHUNKS.inc()
+        await self._nc.publish(assembler.reply_subject, encode_chunk(chunk))
         if chunk.error is not None:
             log.warning("request %s failed: %s", assembler.request_id, chunk.error)
         if not assembler.finished:
@@ -155,6 +162,12 @@ class Detokenizer:
         self._closed[request_id] = None
         if len(self._closed) > RECENTLY_CLOSED:
             self._closed.popitem(last=False)
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    """The chunk's JSON, equal to Chunk.to_bytes() once parsed, at a fraction of its cost: orjson writes the choice
+    directly, where model_dump would first copy it value by value (a tenth of the time with logprobs)."""
+    return orjson.dumps({**dict(chunk), "usage": None if chunk.usage is None else dict(chunk.usage)})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

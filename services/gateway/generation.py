@@ -82,9 +82,11 @@ class Generation:
             self.saw_first_chunk = True
             metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(now - self.started)
         elif chunk.num_tokens:
+            # The histogram counts tokens, so each of the chunk's tokens is one observation of the shared gap.
             per_token = (now - self.last_chunk_at) / chunk.num_tokens
+            inter_token = metrics.INTER_TOKEN_LATENCY.labels(self.api)
             for _ in range(chunk.num_tokens):
-                metrics.INTER_TOKEN_LATENCY.labels(self.api).observe(per_token)
+                inter_token.observe(per_token)
         self.last_chunk_at = now
         if chunk.final and chunk.usage is not None:
             metrics.REQUEST_DURATION.labels(self.api).observe(time.monotonic() - self.started)
@@ -227,22 +229,27 @@ class Generator:
         include_usage = gen.body.include_usage_in_stream
         if include_usage:
             envelope["usage"] = None
+        ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
         try:
             if gen.api == "chat":
-                await sse.send_event(response, {**envelope, "choices": [ROLE_CHOICE]})
+                await response.write(sse.event({**envelope, "choices": [ROLE_CHOICE]}))
             async for chunk in chunks:
                 gen.observe(chunk)
-                await sse.send_event(response, {**envelope, "choices": [chunk.choice]})
-                if chunk.final and include_usage:
-                    await sse.send_event(response, {**envelope, "choices": [], "usage": chunk.usage.model_dump()})
+                event = sse.event({**envelope, "choices": [chunk.choice]})
+                if not chunk.final:
+                    await response.write(event)
+                    continue
+                ending.append(event)
+                if include_usage:
+                    ending.append(sse.event({**envelope, "choices": [], "usage": chunk.usage.model_dump()}))
         except OpenAIError as exc:
-            await sse.send_event(response, exc.body())
+            ending.append(sse.event(exc.body()))
         except ConnectionResetError:
             raise
         except Exception:
             log.exception("request %s failed while streaming", gen.request_id)
-            await sse.send_event(response, OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body())
-        await sse.close_stream(response)
+            ending.append(sse.event(OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body()))
+        await sse.close_stream(response, ending)
         return response
 
     async def _respond(self, gen: Generation, chunks: ResponseStream) -> web.Response:

@@ -47,7 +47,9 @@ class ResponseStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            chunk = await asyncio.wait_for(self._queue.get(), self._idle_timeout_s)
+            # asyncio.timeout, unlike wait_for, does not wrap every wait in a task of its own.
+            async with asyncio.timeout(self._idle_timeout_s):
+                chunk = await self._queue.get()
         except TimeoutError:
             raise OpenAIError(
                 GATEWAY_TIMEOUT, f"no response from the mesh for {self._idle_timeout_s:g} s", type=TIMEOUT

@@ -19,10 +19,11 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def send_event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+def event(payload: dict) -> bytes:
+    """One event, serialized once; events that leave together are joined into one write."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def close_stream(response: web.StreamResponse) -> None:
-    await response.write(DONE)
-    await response.write_eof()
+async def close_stream(response: web.StreamResponse, last: list[bytes]) -> None:
+    """Writes the last events and [DONE] with the end of the response, in one write."""
+    await response.write_eof(b"".join([*last, DONE]))

@@ -1,7 +1,13 @@
 """Feeds the engine from the JetStream work queue and publishes what it produces.
 
-The engine runs in one dedicated thread so that NATS traffic keeps flowing while the model computes. A
-request's message is acknowledged only when the request is finished; until then the worker tells JetStream
+The engine runs in its own thread, step after step, and never waits for NATS: each step's frames, the acks of
+the requests it finished and its metrics go to the event loop, which sends them while the next step computes.
+The engine may run at most MAX_UNSENT_STEPS steps ahead of the sending, so a stalled connection stops the
+model instead of piling up frames. One coroutine sends the results in step order, so a request's frames go
+out in step order (DRAFT before TARGET within a step), and a request's ack follows its finishing frame on the
+same connection. New requests and cancels reach the engine thread between steps.
+
+A request's message is acknowledged only when the request is finished; until then the worker tells JetStream
 it is still in progress, so a request held by a crashed worker is redelivered rather than lost. A worker
 that drains hands its unfinished requests back to the queue with their progress (`hand_back`).
 """
@@ -9,11 +15,14 @@ that drains hands its unfinished requests back to the queue with their progress 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from nats.aio.msg import Msg
@@ -24,7 +33,7 @@ from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus, frame_kind
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from shared.schemas import Cancel, WorkRequest
-from services.worker.engine import Engine
+from services.worker.engine import Engine, SeqOutput
 from services.worker.metrics import PREEMPTIONS, REQUESTS_HANDED_BACK, WorkerMetrics
 from services.worker.publisher import step_frames
 
@@ -34,6 +43,21 @@ T = TypeVar("T")
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
 HEARTBEAT_S = REQUEST_ACK_WAIT_S / 3
 RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
+# Steps taken by the engine thread and not yet sent by the event loop, the one computing included: with 2 the
+# engine computes step N+1 while step N is sent, and waits only when sending a step takes longer than a step.
+MAX_UNSENT_STEPS = 2
+CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one engine step leaves for the event loop: built in the engine thread, sent while the next step runs."""
+
+    frames: list[tuple[str, bytes]]  # (detokenizer id, frame), in publishing order
+    finished: list[str]  # requests whose last frame is among `frames`: acknowledged once it is published
+    outputs: list[SeqOutput]  # for metrics, each with a copy of its sequence as it stood at the end of the step
+    seconds: float | None  # the engine step's duration; None when the step only refused or cancelled requests
+    num_preempted: int = 0
 
 
 class QueueWorker:
@@ -43,23 +67,28 @@ class QueueWorker:
         self.worker_id = worker_id
         self.metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._inbox: list[tuple[WorkRequest, Msg]] = []
-        self._cancels: list[str] = []
+        # Event loop only.
         self._recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._messages: dict[str, Msg] = {}  # unacknowledged work-queue messages by request id
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        self._acked = asyncio.Event()  # set whenever requests were acknowledged
+        # Handed between the event loop and the engine thread, under _handoff.
+        self._handoff = threading.Condition()
+        self._new: list[WorkRequest] = []  # taken from the queue, not yet given to the engine
+        self._cancels: list[str] = []
+        self._unsent = 0
         self._stopping = False
+        # Engine thread only: the detokenizer of each request in the engine, which its frames go to.
+        self._detok_ids: dict[str, str] = {}
 
     @property
     def capacity(self) -> int:
         """Requests worth fetching now: free slots plus one batch of waiting ones to keep steps full."""
-        return 2 * self.engine.config.max_num_seqs - len(self._messages) - len(self._inbox)
+        return 2 * self.engine.config.max_num_seqs - len(self._messages)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._messages) + len(self._inbox)
+        return len(self._messages)
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -70,21 +99,28 @@ class QueueWorker:
         self._recent_cancels[cancel.request_id] = None
         while len(self._recent_cancels) > RECENT_CANCELS:
             self._recent_cancels.popitem(last=False)
-        self._cancels.append(cancel.request_id)
-        self._wake.set()
+        with self._handoff:
+            self._cancels.append(cancel.request_id)
+            self._handoff.notify()
 
     async def fetch_loop(self, psub) -> None:
         while True:
             if self.capacity <= 0:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(CAPACITY_POLL_S)
                 continue
             try:
                 msgs = await psub.fetch(batch=self.capacity, timeout=FETCH_TIMEOUT_S)
             except (NatsTimeoutError, asyncio.TimeoutError):
-                continue
+                msgs = []
+            if asyncio.current_task().cancelling():
+                # nats-py waits with asyncio.wait_for, which loses a cancellation that races an arriving message
+                # (Python 3.11): the loop would go on taking requests after the drain began. What came back now
+                # returns to the queue.
+                for msg in msgs:
+                    await msg.nak()
+                raise asyncio.CancelledError
             for msg in msgs:
                 await self._take(msg)
-            self._wake.set()
 
     async def _take(self, msg: Msg) -> None:
         try:
@@ -102,7 +138,11 @@ class QueueWorker:
             log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
         else:
             self.metrics.observe_request(len(request.prompt_token_ids))
-            self._inbox.append((request, msg))
+            self._messages[request.request_id] = msg
+            self._requests[request.request_id] = request
+            with self._handoff:
+                self._new.append(request)
+                self._handoff.notify()
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -110,11 +150,74 @@ class QueueWorker:
             for msg in list(self._messages.values()):
                 await msg.in_progress()
 
-    def _step(self, inbox: list[WorkRequest], cancels: list[str]) -> tuple[list[tuple[str, bytes]], list[str]]:
-        """Runs in the engine thread: admits, cancels and steps; returns (detokenizer id, frame) pairs and
-        finished request ids."""
+    def stop(self) -> None:
+        """Makes engine_loop return once the step in progress, and every step before it, has been published."""
+        with self._handoff:
+            self._stopping = True
+            self._handoff.notify()
+
+    async def engine_loop(self) -> None:
+        """Runs the engine thread and sends each of its steps' results, in step order, until stop()."""
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[StepResult | None] = asyncio.Queue()
+        stepping = loop.run_in_executor(
+            self._pool, self._run_engine, lambda result: loop.call_soon_threadsafe(results.put_nowait, result)
+        )
+        try:
+            while (result := await results.get()) is not None:
+                await self._send(result)
+                with self._handoff:
+                    self._unsent -= 1
+                    self._handoff.notify()
+        finally:
+            self.stop()  # if sending failed, the engine thread must not wait for room forever
+            await stepping  # raises what the engine thread raised
+
+    async def _send(self, result: StepResult) -> None:
+        """Publishes a step's frames in order, then acknowledges the requests they finished, then counts."""
+        for detok_id, frame in result.frames:
+            await self.nc.publish(subjects.frames(detok_id), frame)
+        for request_id in result.finished:
+            self._requests.pop(request_id, None)
+            msg = self._messages.pop(request_id, None)
+            if msg is not None:
+                await msg.ack()
+        if result.finished:
+            self._acked.set()
+        if result.seconds is not None:
+            self.metrics.observe_step(result.outputs, result.seconds)
+        if result.num_preempted:
+            self.metrics.counter(PREEMPTIONS).inc(result.num_preempted)
+        for _, frame in result.frames:
+            self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
+
+    def _run_engine(self, post: Callable[[StepResult | None], None]) -> None:
+        """The engine thread: steps while there is work, until stopped; posts each step's result, then None."""
+        try:
+            while (work := self._next_work()) is not None:
+                post(self._step(*work))
+        finally:
+            post(None)
+
+    def _next_work(self) -> tuple[list[WorkRequest], list[str]] | None:
+        """Waits for something to step and room to send another result; takes the new requests and cancels.
+        None once stopped."""
+        with self._handoff:
+            self._handoff.wait_for(
+                lambda: self._stopping
+                or (self._unsent < MAX_UNSENT_STEPS and bool(self._new or self._cancels or self.engine.has_work()))
+            )
+            if self._stopping:
+                return None
+            new, self._new = self._new, []
+            cancels, self._cancels = self._cancels, []
+            self._unsent += 1
+            return new, cancels
+
+    def _step(self, new: list[WorkRequest], cancels: list[str]) -> StepResult:
+        """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send."""
         refused = []
-        for request in inbox:
+        for request in new:
             try:
                 seq = self.engine.add_request(request)
             except ValueError as exc:
@@ -122,85 +225,63 @@ class QueueWorker:
                 refused.append(request)
                 continue
             seq.target_seq_no = request.next_seq_no
+            self._detok_ids[request.request_id] = request.detok_id
         finished = [request.request_id for request in refused]
         for request_id in cancels:
             if self.engine.abort(request_id) is not None:
                 finished.append(request_id)
         frames = [
             (detok_id, _abort_frame(group, self.worker_id, self.engine.step_no))
-            for detok_id, group in self._by_detokenizer(refused, lambda request: request.request_id).items()
+            for detok_id, group in _grouped(refused, lambda request: request.detok_id).items()
         ]
+        outputs: list[SeqOutput] = []
+        seconds = None
+        num_preempted = 0
         if self.engine.has_work():
             started = time.perf_counter()
             outputs = self.engine.step()
-            self.metrics.observe_step(outputs, time.perf_counter() - started)
-            preempted = self._by_detokenizer(self.engine.last_preempted, lambda seq: seq.request_id)
-            self.metrics.counter(PREEMPTIONS).inc(len(self.engine.last_preempted))
-            groups = self._by_detokenizer(outputs, lambda out: out.seq.request_id)
+            seconds = time.perf_counter() - started
+            preempted = _grouped(self.engine.last_preempted, lambda seq: self._detok_ids[seq.request_id])
+            num_preempted = len(self.engine.last_preempted)
+            groups = _grouped(outputs, lambda out: self._detok_ids[out.seq.request_id])
             for detok_id in groups.keys() | preempted.keys():
                 group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
                 frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
             finished += [o.seq.request_id for o in outputs if o.seq.is_finished]
-        return frames, finished
-
-    def _by_detokenizer(self, items: list[T], request_id_of: Callable[[T], str]) -> dict[str, list[T]]:
-        """Groups a step's items by the detokenizer that owns their request: each gets its own frames."""
-        groups: dict[str, list[T]] = defaultdict(list)
-        for item in items:
-            groups[self._requests[request_id_of(item)].detok_id].append(item)
-        return groups
-
-    def stop(self) -> None:
-        """Makes engine_loop return after the step in progress has been published."""
-        self._stopping = True
-        self._wake.set()
-
-    async def engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            if not (self._inbox or self._cancels or self.engine.has_work()):
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            self._idle.clear()
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-            for request, msg in inbox:
-                self._messages[request.request_id] = msg
-                self._requests[request.request_id] = request
-            frames, finished = await loop.run_in_executor(self._pool, self._step, [r for r, _ in inbox], cancels)
-            for detok_id, frame in frames:
-                await self.nc.publish(subjects.frames(detok_id), frame)
-                self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
-            for request_id in finished:
-                self._requests.pop(request_id, None)
-                msg = self._messages.pop(request_id, None)
-                if msg is not None:
-                    await msg.ack()
+            # The event loop counts these while the next step changes the sequences: it gets copies.
+            outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
+        for request_id in finished:
+            self._detok_ids.pop(request_id, None)
+        return StepResult(frames, finished, outputs, seconds, num_preempted)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Waits until every request taken has finished; False if the timeout came first."""
+        """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
         deadline = time.monotonic() + timeout_s
-        while self.num_in_flight and time.monotonic() < deadline:
+        while self._messages and time.monotonic() < deadline:
+            self._acked.clear()
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                await asyncio.wait_for(self._acked.wait(), timeout=deadline - time.monotonic())
             except TimeoutError:
                 break
-            await asyncio.sleep(0.05)
-        return self.num_in_flight == 0
+        return not self._messages
 
     async def hand_back(self) -> int:
         """Re-queues every unfinished request with its progress, so another worker continues the same output.
 
-        Call only once the engine loop has stopped. The new message carries the tokens already sent, the
-        next record number and the seed this worker used; the original message is acknowledged after the
-        new one is stored, so the request is never lost and never doubled.
+        Call only once engine_loop has returned. The new message carries the tokens already sent, the next
+        record number and the seed this worker used; the original message is acknowledged after the new one is
+        stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
+        as they came (nak).
         """
         js = self.nc.jetstream()
+        with self._handoff:
+            never_started, self._new = self._new, []
+        unseen = {request.request_id for request in never_started}
         pending = {s.request_id: s for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)}
         handed = 0
         for request_id, msg in list(self._messages.items()):
+            if request_id in unseen:
+                continue
             original = self._requests[request_id]
             seq = pending.get(request_id)
             resumed = original if seq is None else original.model_copy(
@@ -213,10 +294,18 @@ class QueueWorker:
             await js.publish(subjects.REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1
-        for request, msg in self._inbox:
-            await msg.nak()  # never started: the original message is the whole request
+        for request in never_started:
+            await self._messages[request.request_id].nak()
         REQUESTS_HANDED_BACK.labels(**self.metrics.labels).inc(handed)
         return handed
+
+
+def _grouped(items: Iterable[T], detok_id_of: Callable[[T], str]) -> dict[str, list[T]]:
+    """Groups a step's items by the detokenizer that owns their request: each gets its own frames."""
+    groups: dict[str, list[T]] = defaultdict(list)
+    for item in items:
+        groups[detok_id_of(item)].append(item)
+    return groups
 
 
 def _abort_frame(requests: list[WorkRequest], worker_id: int, step: int) -> bytes:

@@ -1,0 +1,165 @@
+"""The worker's queue loop on a real engine (the tiny checkpoint) and a real nats-server: the engine steps on
+while the event loop cannot publish, yet every request's frames arrive in step order, DRAFT before TARGET, and its
+message is acknowledged only after its finishing frame; stop() publishes every step taken."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from services.worker.engine import Engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.queue_worker import MAX_UNSENT_STEPS, QueueWorker
+from shared import subjects
+from shared.config import EngineConfig, SpeculativeConfig
+from shared.frames import Frame, FrameKind, SeqStatus, decode
+from shared.natsutil import ensure_request_stream
+from shared.schemas import SamplingParams, WorkRequest
+from shared.tokenizer import Tokenizer
+from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
+from tests.natsfixture import NatsServer, nats_server  # noqa: F401
+from tests.threadfixture import single_thread  # noqa: F401
+
+WORKER_ID = 7
+DETOK_ID = "queue-worker-test"
+MAX_MODEL_LEN = 512
+MAX_TOKENS = 300  # long enough to still be running after every blocked stretch of the event loop
+REPETITIVE = "import os\nimport sys\nimport os\nimport sys\nimport os\n"  # prompt lookup drafts on it
+BLOCKS = 3
+BLOCK_S = 0.5  # far longer than a step of the tiny model
+RECEIVE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Received:
+    """The frames a detokenizer would get, in arrival order."""
+
+    frames: list[Frame] = field(default_factory=list)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_frame(self, msg) -> None:
+        frame = decode(msg.data)
+        self.frames.append(frame)
+        if frame.kind == FrameKind.TARGET and any(r["status"] == SeqStatus.FINISHED for r in frame.records):
+            self.finished.set()
+
+    def targets(self) -> list[Frame]:
+        return [f for f in self.frames if f.kind == FrameKind.TARGET]
+
+
+@dataclass
+class Running:
+    worker: QueueWorker
+    engine: Engine
+    received: Received
+    nc: Client
+    stepping: asyncio.Task
+
+
+@pytest.fixture
+async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterator[Running]:  # noqa: F811
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    engine = Engine(EngineConfig(model=tiny_model_dir, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, speculative=spec))
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await ensure_request_stream(js)
+    await js.purge_stream(subjects.REQUEST_STREAM)
+    received = Received()
+    await nc.subscribe(subjects.frames(DETOK_ID), cb=received.on_frame)
+    worker = QueueWorker(engine, nc, WORKER_ID, WorkerMetrics(engine, tiny_model_dir.name, WORKER_ID))
+    psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
+    fetching = asyncio.create_task(worker.fetch_loop(psub))
+    stepping = asyncio.create_task(worker.engine_loop())
+    yield Running(worker, engine, received, nc, stepping)
+    fetching.cancel()
+    worker.stop()
+    await asyncio.gather(fetching, stepping, return_exceptions=True)
+    await psub.unsubscribe()
+    await nc.close()
+
+
+async def submit(nc: Client, model_dir: Path) -> WorkRequest:
+    request = WorkRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=tuple(Tokenizer(model_dir).encode(REPETITIVE)),
+        detok_id=DETOK_ID,
+        sampling=SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, include_draft_logprobs=True
+        ),
+        created=time.time(),
+    )
+    await nc.jetstream().publish(subjects.REQUESTS, request.to_bytes())
+    return request
+
+
+async def num_ack_pending(nc: Client) -> int:
+    info = await nc.jetstream().consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)
+    return info.num_ack_pending
+
+
+async def until_acknowledged(nc: Client) -> None:
+    """JetStream applies an ack on its own schedule, so the count may lag the ack by a moment."""
+    deadline = time.monotonic() + RECEIVE_TIMEOUT_S
+    while await num_ack_pending(nc):
+        assert time.monotonic() < deadline, "the finished request was never acknowledged"
+        await asyncio.sleep(0.01)
+
+
+async def until(condition, what: str) -> None:
+    deadline = time.monotonic() + RECEIVE_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_engine_steps_on_while_the_event_loop_cannot_publish(running: Running, tiny_model_dir: Path) -> None:  # noqa: F811
+    request = await submit(running.nc, tiny_model_dir)
+    await until(lambda: running.received.targets(), "the first frame")
+    assert await num_ack_pending(running.nc) == 1  # held, unacknowledged, while it runs
+    advances = []
+    for _ in range(BLOCKS):
+        await asyncio.sleep(0.05)  # lets the loop send what is ready
+        before = running.engine.step_no
+        time.sleep(BLOCK_S)  # blocks the event loop: nothing is published meanwhile
+        advances.append(running.engine.step_no - before)
+    # A step the loop has not sent yet may be in progress when a block starts (then the engine cannot start another
+    # one), so at least one of the blocks, not each, shows the next step started while nothing could be published.
+    assert any(a > 0 for a in advances), f"the engine waited for the event loop: {advances}"
+    assert all(a <= MAX_UNSENT_STEPS for a in advances), f"the engine ran unboundedly ahead: {advances}"
+
+    await asyncio.wait_for(running.received.finished.wait(), RECEIVE_TIMEOUT_S)
+    await until_acknowledged(running.nc)
+    ids = request.request_id
+    kinds_steps = [(f.kind, f.step) for f in running.received.frames]
+    targets = running.received.targets()
+    steps = [f.step for f in targets]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    records = [r for f in targets for r in f.records if r["request_id"].tobytes().hex() == ids]
+    assert [int(r["seq_no"]) for r in records] == list(range(len(records)))
+    offsets = [int(r["offset"]) for r in records]
+    assert offsets == sorted(offsets) and offsets[-1] + int(records[-1]["num_tokens"]) == MAX_TOKENS
+    drafts = [(kind, step) for kind, step in kinds_steps if kind == FrameKind.DRAFT]
+    assert drafts, "the repetitive prompt must get ngram drafts"
+    for kind, step in drafts:
+        assert kinds_steps.index((kind, step)) < kinds_steps.index((FrameKind.TARGET, step))
+
+
+async def test_stop_publishes_every_step_taken(running: Running, tiny_model_dir: Path) -> None:  # noqa: F811
+    request = await submit(running.nc, tiny_model_dir)
+    await until(lambda: len(running.received.targets()) >= 3, "three steps")
+    running.worker.stop()
+    await asyncio.wait_for(running.stepping, RECEIVE_TIMEOUT_S)
+    await running.nc.flush()
+    await asyncio.sleep(0.1)  # the subscriber's callbacks run
+    seq = next(s for s in running.engine.scheduler.running if s.request_id == request.request_id)
+    records = [r for f in running.received.targets() for r in f.records]
+    assert sum(int(r["num_tokens"]) for r in records) == len(seq.output_ids) < MAX_TOKENS
+    assert running.worker.num_in_flight == 1 and await running.worker.hand_back() == 1
