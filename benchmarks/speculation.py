@@ -1,12 +1,13 @@
 """Engine against mesh: tokens/s of the engine in-process and through the whole mesh, and the mesh's inter-token
 latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
-    python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128]
+    python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128] [--requests-per-stream 4]
                                      [--torch-threads N] [--out bench-out/speculation]
 
 Two prompt sets: openings (96 tokens) of held-out standard-library files the demo model never trained on, and a
 self-repeating prompt (benchmarks/decode.py's two import lines written sixteen times) on which prompt lookup pays.
-Each run serves max(streams, 2) greedy requests of --max-tokens tokens (EOS ignored):
+Each run serves streams x --requests-per-stream greedy requests of --max-tokens tokens (EOS ignored), so a
+point lasts long enough for a request's fixed start-up and the machine's drift to even out:
 
 - engine: one Engine with max_num_seqs = streams; every request added at once and stepped until done;
   tokens/s = tokens / wall time; mean step time = that wall time / steps.
@@ -58,7 +59,7 @@ STREAMS = (1, 8, 32)
 PROMPT_TOKENS = 96
 HELD_OUT = "held-out"
 SELF_REPEATING = "self-repeating"
-MIN_REQUESTS = 2  # even one stream serves two requests, one after the other
+REQUESTS_PER_STREAM = 4  # each stream serves this many requests, one after the other
 # Each run is served this many times before the timed pass, on the same engine or mesh: the clock starts once
 # first-use costs (Triton compiling a kernel for a shape, allocators growing) are paid, on both sides alike.
 UNTIMED_PASSES = 1
@@ -253,12 +254,13 @@ def main() -> None:
         help="torch intra-op threads of the in-process engine and of the mesh's worker (default 0: torch's choice); "
         "on a small CPU machine the worker's threads compete with the mesh's other processes",
     )
+    parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     tokenizer = Tokenizer(args.model)
-    sets = prompt_sets(tokenizer, max(max(args.streams), MIN_REQUESTS))
+    sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream)
 
     # Every engine run first, with no mesh process taking CPU time from it.
     rows: list[Row] = []
@@ -266,7 +268,7 @@ def main() -> None:
     with torch.inference_mode():
         for prompts_name, prompts in sets.items():
             for streams in args.streams:
-                requests = prompts[: max(streams, MIN_REQUESTS)]
+                requests = prompts[: streams * args.requests_per_stream]
                 runs = [run_engine(args, prompts_name, name, streams, requests) for name in METHODS]
                 rows += runs
                 mismatches += [f"engine {r.method}, {prompts_name}, {streams} streams"
