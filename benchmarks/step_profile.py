@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig

@@ -25,7 +25,7 @@ import torch
 from shared.config import EngineConfig
 from shared.schemas import WorkRequest
 from shared.tokenizer import Tokenizer
-from services.worker.batch import sampling_tensors, seeds_positions
+from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.block_manager import BlockManager, blocks_for
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
@@ -225,11 +225,10 @@ class Engine:
         params = sampling_tensors(seqs, target.device, rows)
         probs = process_logits(target.reshape(-1, vocab), *params).view(batch, rows, vocab)
         seeds, positions = seeds_positions(seqs, target.device)
-        greedy = torch.tensor([s.sampling.greedy for s in seqs], device=target.device)
         result = verify(
             VerifyInput(
                 target_probs=probs, draft_tokens=drafts.tokens, num_drafts=drafts.counts, draft_probs=drafts.q,
-                greedy=greedy, seeds=seeds, positions=positions, top_p=params[2][::rows],
+                greedy=greedy_mask(seqs, target.device), seeds=seeds, positions=positions, top_p=params[2][::rows],
             ),
             spec.accept_policy,
             spec.verify_strategy,

@@ -65,13 +65,10 @@ def paged_attention(
     """
     if use_kernel(q):
         # Imported here: CPU callers never need triton.
-        from kernels.paged_attention import paged_attention_launch
-
-        return paged_attention_launch(
-            q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len,
-            max_context_len, first_position,
-        )
-    return paged_attention_torch(
+        from kernels.paged_attention import paged_attention_launch as attend
+    else:
+        attend = paged_attention_torch
+    return attend(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position,
     )

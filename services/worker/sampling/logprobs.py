@@ -6,8 +6,6 @@ import torch
 from torch import Tensor
 
 from kernels import use_kernel
-from shared.frames import NO_TOKEN
-
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
