@@ -47,7 +47,10 @@ def _logprobs_kernel(logits_ptr, chosen_ptr, ids_ptr, logprobs_ptr, ranks_ptr, v
         index = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        # Until a finite logit shows up the shift is 0, not -inf: -inf - -inf would make the sum NaN when a row's
+        # first blocks are all masked.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         running_max = new_max
         above += tl.sum((x > chosen_logit).to(tl.int32), axis=0)
     log_sum = tl.log(running_sum)
