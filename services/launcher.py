@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--torch-threads", type=int, default=0,
         help="each worker's torch intra-op threads (default 0: torch's own choice, one per core)",
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-level", default="INFO")
 
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> None:
         worker_args += ["--torch-threads", str(args.torch_threads)]
         if args.num_kv_blocks is not None:
             worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        if args.enforce_eager:
+            worker_args.append("--enforce-eager")
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
         for i in range(args.workers):

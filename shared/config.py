@@ -74,3 +74,13 @@ class EngineConfig(BaseModel):
     # KV cache blocks of block_size positions; None: enough for max_num_seqs full-length sequences (no preemption)
     num_kv_blocks: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
+    # CUDA: decode and verify passes run as CUDA graphs unless this is set (the CPU always runs eagerly)
+    enforce_eager: bool = False
+
+    @property
+    def graph_query_lens(self) -> tuple[int, ...]:
+        """Rows per sequence of the passes captured as CUDA graphs: decode (1) and every verify width up to
+        1 + num_drafts (adaptive speculation drafts fewer); none when the passes run eagerly."""
+        if self.enforce_eager or not self.device.startswith("cuda"):
+            return ()
+        return tuple(range(1, 2 + self.speculative.num_drafts))

@@ -63,7 +63,9 @@ class Engine:
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
-        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks)
+        self.runner = ModelRunner(
+            model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
+        )
         # The MTP drafter writes its cache after every trunk pass, so it exists only when it will draft.
         self.mtp = (
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)

@@ -72,15 +72,33 @@ class InputBuffers:
         return self._device[:size]
 
 
-def pack(
-    cache: KVCache,
-    rows: Seq[Seq[int]],
-    starts: Seq[int],
-    slots: Seq[int],
-    buffers: InputBuffers,
-    first_position: int = 0,
-) -> ForwardBatch:
-    """Feeds rows[b] at positions starts[b].. of cache slot slots[b]."""
+@dataclass
+class HostBatch:
+    """A pass's packed integers on the host, before they travel to the device (int64 numpy arrays)."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_starts: np.ndarray  # [B + 1]
+    context_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, blocks]
+    max_query_len: int
+    max_context_len: int
+    first_position: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def pack_host(
+    cache: KVCache, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0
+) -> HostBatch:
+    """Feeds rows[b] at positions starts[b].. of cache slot slots[b]: the packed integers, on the host."""
     num_seqs = len(rows)
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=num_seqs)
     query_starts = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -94,10 +112,31 @@ def pack(
     max_context_len = int(context_lens.max(initial=0))
     if max_context_len > cache.max_model_len:
         raise ValueError(f"position {max_context_len - 1} is past max_model_len {cache.max_model_len}")
-    slot_mapping = cache.slot_mapping(np.repeat(slots_np, lens), positions)
-    tables = cache.block_tables[slots_np, : max(1, blocks_for(max_context_len, cache.block_size))]
-    # One host buffer, one copy to the device; the views below split it again.
-    staged = buffers.upload(np.concatenate([ids, positions, slot_mapping, query_starts, context_lens, tables.ravel()]))
+    return HostBatch(
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=cache.slot_mapping(np.repeat(slots_np, lens), positions),
+        query_starts=query_starts,
+        context_lens=context_lens,
+        block_tables=cache.block_tables[slots_np, : max(1, blocks_for(max_context_len, cache.block_size))],
+        max_query_len=int(lens.max(initial=0)),
+        max_context_len=max_context_len,
+        first_position=first_position,
+    )
+
+
+def host_layout(host: HostBatch) -> np.ndarray:
+    """The batch's integers in one flat int64 array, in the order `device_batch` splits them."""
+    return np.concatenate([
+        host.input_ids, host.positions, host.slot_mapping, host.query_starts, host.context_lens,
+        host.block_tables.ravel(),
+    ])
+
+
+def device_batch(cache: KVCache, host: HostBatch, staged: Tensor) -> ForwardBatch:
+    """The ForwardBatch over `staged`, host_layout(host) on the device: views of it, the index tensors as int32."""
+    num_tokens, num_seqs = host.num_tokens, host.num_seqs
+    tables = host.block_tables
     parts = torch.split(staged, [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, tables.size])
     return ForwardBatch(
         cache=cache,
@@ -107,8 +146,21 @@ def pack(
         query_starts=parts[3].to(torch.int32),
         context_lens=parts[4].to(torch.int32),
         block_tables=parts[5].view(tables.shape).to(torch.int32),
-        max_query_len=int(lens.max(initial=0)),
-        max_context_len=max_context_len,
-        first_position=first_position,
-        host_query_starts=query_starts,
+        max_query_len=host.max_query_len,
+        max_context_len=host.max_context_len,
+        first_position=host.first_position,
+        host_query_starts=host.query_starts,
     )
+
+
+def pack(
+    cache: KVCache,
+    rows: Seq[Seq[int]],
+    starts: Seq[int],
+    slots: Seq[int],
+    buffers: InputBuffers,
+    first_position: int = 0,
+) -> ForwardBatch:
+    """Feeds rows[b] at positions starts[b].. of cache slot slots[b], moved to the device in one copy."""
+    host = pack_host(cache, rows, starts, slots, first_position)
+    return device_batch(cache, host, buffers.upload(host_layout(host)))

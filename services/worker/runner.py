@@ -7,7 +7,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from services.worker.forward_batch import ForwardBatch, InputBuffers, pack
+from services.worker.cuda_graph import GraphRunner
+from services.worker.forward_batch import ForwardBatch, InputBuffers, device_batch, host_layout, pack, pack_host
 from services.worker.kv_cache import KVCache
 from services.worker.model.llama import CausalLM
 
@@ -17,8 +18,16 @@ MTP_FIRST_POSITION = 1
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int
+        self,
+        model: CausalLM,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        graph_query_lens: Seq[int] = (),
     ) -> None:
+        """graph_query_lens: the rows per sequence of the passes captured as CUDA graphs (1 for decode, 1 + drafts
+        for verify; services/worker/cuda_graph.py); empty runs every pass eagerly."""
         cfg = model.config
         param = next(model.parameters())
         self.model = model
@@ -29,6 +38,10 @@ class ModelRunner:
             model.num_cache_layers, max_num_seqs, max_model_len, cfg.num_key_value_heads, cfg.head_dim,
             param.dtype, param.device, block_size, num_blocks,
         )
+        self.graphs = (
+            GraphRunner(model.forward, self.cache, max_num_seqs, graph_query_lens, capture=True)
+            if graph_query_lens else None
+        )
 
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
         return pack(self.cache, rows, starts, slots, self.buffers, first_position)
@@ -37,7 +50,11 @@ class ModelRunner:
     def forward(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]) -> tuple[torch.Tensor, ForwardBatch]:
         """Feeds rows[b] at positions starts[b].. of slot slots[b]; returns the hidden states [T, hidden] of every
         token, packed (sequence b's rows are batch.host_query_starts[b]..), and the batch."""
-        batch = self.pack(rows, starts, slots)
+        host = pack_host(self.cache, rows, starts, slots)
+        shape = self.graphs.shape_for(host) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.run(host, shape)
+        batch = device_batch(self.cache, host, self.buffers.upload(host_layout(host)))
         return self.model(batch.input_ids, batch.positions, batch), batch
 
     @torch.inference_mode()

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
+    )
+    parser.add_argument(
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1")
@@ -69,6 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
+        enforce_eager=args.enforce_eager,
     )
 
 
