@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
 DISABLE_ENV = "SPECMESH_DISABLE_KERNELS"  # set to 1 to run the torch twins on CUDA too (to bisect a kernel bug)
@@ -20,3 +21,9 @@ DISABLE_ENV = "SPECMESH_DISABLE_KERNELS"  # set to 1 to run the torch twins on C
 def use_kernel(tensor: Tensor) -> bool:
     """Whether a dispatcher should launch its kernel for this tensor."""
     return tensor.is_cuda and os.environ.get(DISABLE_ENV, "0") != "1"
+
+
+def use_inference_kernel(tensor: Tensor) -> bool:
+    """Whether a model op (norm, rotary, activation) should launch its kernel: as `use_kernel`, and only while
+    autograd records nothing, because the kernels have no backward (a CUDA training step runs the twins)."""
+    return use_kernel(tensor) and not torch.is_grad_enabled()

@@ -1,13 +1,20 @@
 """The engine on CUDA (skipped without a GPU; CI has none): every drafting method still gives transformers' greedy
 tokens in float32 alone and in a mixed greedy/sampled batch, a seeded sampled request gets the same tokens as on
-the CPU, and the paged attention kernel matches its twin on real CUDA tensors."""
+the CPU, the fused layer path (RMSNorm + residual, rotary, SiLU-and-mul, KV write kernels) is the one that runs and
+still gives transformers' greedy tokens, and every model-op kernel (those and paged attention) matches its twin on
+real CUDA tensors of a real checkpoint's shape, in float32 and bfloat16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import DISABLE_ENV
+from services.worker.kv_write import write_kv_torch
 from services.worker.model.paged_attention import paged_attention_torch
+from services.worker.model.rms_norm import rms_norm_torch
+from services.worker.model.rotary_apply import apply_rotary_torch
+from services.worker.model.silu_mul import silu_and_mul_torch
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES,
     METHODS,
@@ -29,6 +36,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 NUM_TOKENS = 24
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=NUM_TOKENS)
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, max_tokens=NUM_TOKENS)
+FUSED_KERNELS = ("_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_kv_write_kernel")
+# Qwen2.5-7B's layer shape: hidden 3584, 28 heads over 4 kv heads of 128, intermediate 18944; 37 tokens.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, TOKENS = 3584, 28, 4, 128, 18944, 37
+EPS = 1e-6
+# Relative: float32 sums in another order, rsqrt and exp from other libraries | one bfloat16 ulp.
+RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
 
 
 @pytest.mark.parametrize("name", METHOD_NAMES)
@@ -63,3 +76,61 @@ def test_paged_attention_kernel_matches_the_twin_on_cuda(dtype: torch.dtype) -> 
 
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(paged_attention_launch(*args).float(), paged_attention_torch(*args).float(), atol=tolerance)
+
+
+def test_the_fused_layer_path_runs_and_gives_transformers_greedy_tokens(
+    tiny_model_dir, prompts, greedy_reference, monkeypatch
+) -> None:
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    engine = make_engine(tiny_model_dir, METHODS["naive"], device="cuda", enforce_eager=True)
+    requests = [make_request(p, **GREEDY) for p in prompts]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        steps = run(engine, {0: requests})
+    launched = {event.name for event in profile.events()}
+    assert all(kernel in launched for kernel in FUSED_KERNELS), f"not launched: {set(FUSED_KERNELS) - launched}"
+    for request, prompt in zip(requests, prompts):
+        assert tokens_of(steps, request) == greedy_reference(prompt, NUM_TOKENS)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want.double(), rtol=RELATIVE_TOLERANCE[got.dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> None:
+    from kernels.kv_write import kv_write_launch
+    from kernels.rms_norm import rms_norm_launch
+    from kernels.rotary import rotary_launch
+    from kernels.silu_mul import silu_mul_launch
+
+    generator = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to("cuda", dtype)
+
+    x, residual, weight = randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN), 1 + 0.5 * randn(HIDDEN)
+    _assert_close(rms_norm_launch(x, weight, EPS), rms_norm_torch(x, weight, EPS))
+    normed, new_residual = rms_norm_launch(x, weight, EPS, residual)
+    want_normed, want_residual = rms_norm_torch(x, weight, EPS, residual)
+    assert torch.equal(new_residual, want_residual)
+    _assert_close(normed, want_normed)
+
+    qkv = randn(TOKENS, HEADS + 2 * KV_HEADS, HEAD_DIM)
+    angles = torch.randint(0, 4096, (TOKENS, 1)).float() * 10000.0 ** -(torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    cos_sin = torch.stack((angles.cos(), angles.sin()), dim=1).cuda()  # [T, 2, head_dim / 2] float32
+    rotated = HEADS + KV_HEADS
+    want = apply_rotary_torch(qkv[:, :rotated], cos_sin)
+    _assert_close(rotary_launch(qkv[:, :rotated], cos_sin), want)
+
+    gate_up = 4 * randn(TOKENS, 2 * INTERMEDIATE)
+    _assert_close(silu_mul_launch(gate_up), silu_and_mul_torch(gate_up))
+
+    pool = (64, 16, KV_HEADS, HEAD_DIM)
+    got_keys, got_values = torch.zeros(pool, dtype=dtype, device="cuda"), torch.zeros(pool, dtype=dtype, device="cuda")
+    want_keys, want_values = torch.zeros_like(got_keys), torch.zeros_like(got_values)
+    slots = torch.randperm(64 * 16, generator=generator)[:TOKENS].cuda()
+    k, v = qkv[:, HEADS:rotated], qkv[:, rotated:]  # strided views of the fused projection
+    kv_write_launch(got_keys, got_values, slots, k, v)
+    write_kv_torch(want_keys, want_values, slots, k, v)
+    assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)

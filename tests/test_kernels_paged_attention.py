@@ -1,7 +1,8 @@
 """Paged attention: the torch twin (both of its CPU strategies) against a naive per-query softmax, and the Triton
 kernel, run by Triton's interpreter on CPU tensors, against the twin. Ragged packed batches mix sequences with no
-query, decode (1), verification (4, 9) and prefill-length query runs; contexts cross block boundaries; block tables
-are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16.
+query, decode (1), verification (4, 9) and prefill-length query runs, and verify batches give every sequence K + 1
+queries at its own context length (float32 and bfloat16, every GQA ratio); contexts cross block boundaries; block
+tables are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ SPARE_BLOCKS = 3  # pool blocks no sequence owns: table entries past a sequence'
 # of a one-key context (no key at all when first_position is 1), a long decode, verify of K + 1 = 9.
 RAGGED = ((0, 5), (1, 16), (4, 33), (37, 37), (1, 1), (1, 70), (9, 41))
 DECODE = ((1, 17), (1, 64), (1, 3), (1, 48), (1, 31))
+# A verify step: every sequence has K + 1 queries (K = 3 or 5, or 1 left after a short draft) at its own context,
+# the runs starting mid-block, at a block start, and straddling one or two block boundaries.
+VERIFY = ((4, 4), (4, 19), (6, 64), (2, 100), (4, 33), (6, 17))
 
 
 class Batch:
@@ -173,6 +177,20 @@ def test_kernel_matches_twin(num_heads: int, num_kv_heads: int, first_position: 
     batch = Batch(RAGGED, num_heads, num_kv_heads, "shuffled", seed=num_heads * num_kv_heads)
     args = batch.args(first_position)
     _close(paged_attention_launch(*args), paged_attention_torch(*args), FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+def test_kernel_on_verify_batches(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+    batch = Batch(VERIFY, num_heads, num_kv_heads, "shuffled", dtype=dtype, seed=num_heads + 3 * num_kv_heads)
+    args = batch.args(0)
+    got = paged_attention_launch(*args)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        _close(got, paged_attention_torch(*args), FLOAT32_TOLERANCE)
+    else:
+        _close(got, batch.naive(0), BFLOAT16_TOLERANCE)
+        _close(got, paged_attention_torch(*args), BFLOAT16_TOLERANCE)
 
 
 def test_kernel_on_contiguous_runs_bfloat16_and_padded_shapes() -> None:

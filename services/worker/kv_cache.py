@@ -2,7 +2,7 @@
 
 A sequence owns a slot, and the slot a table of blocks (services/worker/block_manager.py decides which):
 position p of the slot lives in block table[slot, p // block_size] at offset p % block_size. The model writes a
-step's keys and values by a flat slot mapping (block * block_size + offset per token, one index_copy per layer)
+step's keys and values by a flat slot mapping (block * block_size + offset per token, services/worker/kv_write.py)
 and the attention op reads the pool through the block tables (services/worker/model/paged_attention.py), so no
 step copies a sequence's context. Rewinding after rejected drafts is just moving the sequence's length back:
 stale entries past the length are never attended to and are overwritten later.
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.worker.block_manager import blocks_for
+from services.worker.kv_write import write_kv
 
 DEFAULT_BLOCK_SIZE = 16
 BLOCK_TABLE_DTYPE = np.int32
@@ -75,7 +76,5 @@ class KVCache:
         return blocks * self.block_size + positions % self.block_size
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slot_mapping [T] flat pool indices; k, v [T, kv_heads, head_dim]."""
-        keys, values = self.keys[layer], self.values[layer]
-        keys.view(-1, *keys.shape[2:]).index_copy_(0, slot_mapping, k.to(keys.dtype))
-        values.view(-1, *values.shape[2:]).index_copy_(0, slot_mapping, v.to(values.dtype))
+        """slot_mapping [T] flat pool indices; k, v [T, kv_heads, head_dim] (views of a fused projection are fine)."""
+        write_kv(self.keys[layer], self.values[layer], slot_mapping, k, v)

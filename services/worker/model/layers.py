@@ -4,7 +4,8 @@ Serving runs packed: x is [T, hidden], every sequence's new tokens one after ano
 forward_batch.py), and attention reads the paged KV cache in place. Training (no ForwardBatch) runs [B, L, hidden]
 with causal self-attention. q/k/v and gate/up are single matmuls (HF's separate weights are merged at load:
 model/weights.py), and the residual add is folded into the next RMSNorm, as fused serving stacks do, so a layer
-is a handful of ops.
+is a handful of ops. The elementwise ones (norm, rotary, activation, KV write) dispatch to fused Triton kernels on
+CUDA and run their torch twins elsewhere (model/rms_norm.py, rotary_apply.py, silu_mul.py, worker/kv_write.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from torch import nn
 from services.worker.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig
 from services.worker.model.paged_attention import paged_attention
+from services.worker.model.rms_norm import rms_norm
+from services.worker.model.rotary_apply import apply_rotary
+from services.worker.model.silu_mul import silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -26,15 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual), the sum being the new residual."""
-        if residual is not None:
-            x = residual = x + residual
-        dtype = x.dtype
-        if dtype == torch.float32:
-            normed = F.rms_norm(x, self.weight.shape, eps=self.eps) * self.weight
-        else:  # HF normalises in float32 and scales in the model's dtype
-            xf = x.float()
-            normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return normed if residual is None else (normed, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Rotary(nn.Module):
@@ -62,15 +58,6 @@ class Rotary(nn.Module):
         return self.cos_sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, head_dim]; cos_sin [..., 2, head_dim / 2] for the same leading dims."""
-    cos, sin = cos_sin[..., None, 0, :], cos_sin[..., None, 1, :]
-    xf = x.float()
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -85,7 +72,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [..., heads + 2 kv_heads, head_dim]
         rotated = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[..., :rotated, :], cos_sin)  # q and k rotate together: one set of ops
+        qk = apply_rotary(qkv[..., :rotated, :], cos_sin)  # q and k rotate together (in place on CUDA)
         q, k, v = qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., rotated:, :]
         if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
             out = F.scaled_dot_product_attention(
@@ -108,8 +95,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
