@@ -76,7 +76,9 @@ class Engine:
         blocks = BlockManager(num_blocks, config.block_size, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead)
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
-        self.proposer: Proposer = build_proposer(spec, self.mtp)
+        self.proposer: Proposer = build_proposer(
+            spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
+        )
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
         self.eos_token_ids = Tokenizer(config.model).eos_token_ids
@@ -193,7 +195,7 @@ class Engine:
         """Propose, score, verify, accept for the running sequences; returns their outputs and the tokens scored."""
         device = self.runner.device
         drafts = DraftBatch.build(
-            [self.proposer.propose(s, self._draft_budget(s)) for s in seqs], self.vocab_size, device
+            self.proposer.propose_batch(seqs, [self._draft_budget(s) for s in seqs]), self.vocab_size, device
         )
         # Score: the last token and every draft in one pass; row j of a sequence holds p for its token after j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes

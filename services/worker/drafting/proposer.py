@@ -1,8 +1,9 @@
-"""Drafting methods behind one interface: given a sequence, propose up to k tokens to verify, with the
-distribution q they were drawn from (None for point-mass proposals)."""
+"""Drafting methods behind one interface: given the step's sequences, propose up to budgets[b] tokens each to
+verify, with the distribution q they were drawn from (None for point-mass proposals)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Protocol
 
 import torch
@@ -12,17 +13,25 @@ from services.worker.drafting.draft import Draft, point_mass_rows
 from services.worker.sequence import Sequence
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.ngram import NgramProposer
+from services.worker.drafting.ngram_device import DeviceNgramProposer
 from services.worker.drafting.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, num_drafts: int) -> Draft: ...
+    def propose_batch(self, seqs: Seq[Sequence], budgets: Seq[int]) -> list[Draft]: ...
 
     def on_finished(self, seq: Sequence) -> None:
         """Called once when a running sequence finishes or is aborted."""
 
 
-class NaiveProposer:
+class PerSequence:
+    """Mixin of the proposers that draft for one sequence at a time on the host (their `propose`)."""
+
+    def propose_batch(self, seqs: Seq[Sequence], budgets: Seq[int]) -> list[Draft]:
+        return [self.propose(seq, budget) for seq, budget in zip(seqs, budgets)]
+
+
+class NaiveProposer(PerSequence):
     """The speculative code path with no drafts: every step verifies nothing and emits one token."""
 
     def propose(self, seq: Sequence, num_drafts: int) -> Draft:
@@ -32,7 +41,7 @@ class NaiveProposer:
         pass
 
 
-class TokenListProposer:
+class TokenListProposer(PerSequence):
     """Adapts a proposer of bare token ids (suffix decoding) to Draft: its proposals are point masses."""
 
     def __init__(self, inner: SuffixProposer) -> None:
@@ -45,7 +54,7 @@ class TokenListProposer:
         self._inner.on_finished(seq)
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(PerSequence):
     """ngram: continue the longest recent n-gram match over the prompt and the generated tokens."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -58,7 +67,7 @@ class PromptLookupProposer:
         pass
 
 
-class MtpProposer:
+class MtpProposer(PerSequence):
     """mtp: the drafts the MTP module computed at the end of the last step (MtpDrafter).
 
     With mtp_strategy "with_ngram", prompt lookup over the sequence and the MTP drafts fills the rest of the
@@ -85,11 +94,17 @@ class MtpProposer:
         pass  # the next sequence in its slot overwrites its pending drafts at prefill
 
 
-def build_proposer(config: SpeculativeConfig, mtp: MtpDrafter | None = None) -> Proposer:
-    """mtp: the engine's MTP drafter, required for method "mtp"."""
+def build_proposer(
+    config: SpeculativeConfig, mtp: MtpDrafter | None = None, device: torch.device | str = "cpu",
+    max_num_seqs: int = 0, max_model_len: int = 0,
+) -> Proposer:
+    """mtp: the engine's MTP drafter, required for method "mtp". On CUDA, prompt lookup drafts for the whole batch
+    in one kernel launch (max_num_seqs and max_model_len size its token matrix); elsewhere on the host."""
     if config.method == "naive" or config.num_speculative_tokens == 0:
         return NaiveProposer()
     if config.method == "ngram":
+        if torch.device(device).type == "cuda":
+            return DeviceNgramProposer(config, max_num_seqs, max_model_len, device)
         return PromptLookupProposer(config)
     if config.method == "suffix":
         return TokenListProposer(SuffixProposer(config))
