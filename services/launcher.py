@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from shared.nats_server import default_store_dir, free_port, start_nats_server
+from shared.tokenizer import TOKENIZER_FILE
 
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # Linux prctl option: signal the child when its parent dies
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
+    )
+    parser.add_argument(
+        "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
+        help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-level", default="INFO")
@@ -104,6 +109,10 @@ def _stop(children: list[tuple[str, subprocess.Popen]]) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if not (Path(args.model) / TOKENIZER_FILE).is_file():
+        # The gateway encodes prompts and the detokenizer decodes tokens; only the engine (and its benchmarks)
+        # can serve a model directory without a tokenizer, such as a shape from benchmarks/shapes.
+        raise SystemExit(f"specmesh: {args.model} has no {TOKENIZER_FILE}: the gateway and detokenizer need one")
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     children: list[tuple[str, subprocess.Popen]] = []
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
             worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:
             worker_args.append("--enforce-eager")
+        worker_args += ["--load-format", args.load_format]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
         for i in range(args.workers):

@@ -74,6 +74,8 @@ class EngineConfig(BaseModel):
     # KV cache blocks of block_size positions; None: enough for max_num_seqs full-length sequences (no preemption)
     num_kv_blocks: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
+    # auto: the checkpoint's weights; dummy: random weights from config.json alone (speed measurements only)
+    load_format: Literal["auto", "dummy"] = "auto"
     # CUDA: decode and verify passes run as CUDA graphs unless this is set (the CPU always runs eagerly)
     enforce_eager: bool = False
 

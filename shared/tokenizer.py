@@ -14,6 +14,8 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+TOKENIZER_FILE = "tokenizer.json"
+
 
 def _bytes_to_unicode() -> dict[str, int]:
     """The GPT-2 byte-level alphabet: printable stand-ins for each of the 256 bytes, mapped back to bytes."""
@@ -33,12 +35,31 @@ def _token_content(value: str | dict | None) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def config_eos_ids(model_dir: Path) -> frozenset[int]:
+    """The eos_token_id entries of config.json and generation_config.json (each an id, a list or absent)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(ids)
+
+
+def model_eos_ids(model_dir: Path) -> frozenset[int]:
+    """What ends a sequence of this model: its tokenizer's EOS ids, or config.json's alone where the directory has
+    no tokenizer (a shape loaded with random weights, which only the engine serves)."""
+    if (Path(model_dir) / TOKENIZER_FILE).is_file():
+        return Tokenizer(model_dir).eos_token_ids
+    return config_eos_ids(model_dir)
+
+
 class Tokenizer:
     """Wraps tokenizer.json plus the parts of tokenizer_config.json/config.json that serving needs."""
 
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
+        path = model_dir / TOKENIZER_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
         self._tok = _HFTokenizer.from_file(str(path))
@@ -55,12 +76,7 @@ class Tokenizer:
         return json.loads(self._tok.to_str()).get("added_tokens", [])
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
-        ids: set[int] = set()
-        for name in ("config.json", "generation_config.json"):
-            path = model_dir / name
-            if path.is_file():
-                value = json.loads(path.read_text()).get("eos_token_id")
-                ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        ids = set(config_eos_ids(model_dir))
         if self.eos_token is not None and (eid := self._tok.token_to_id(self.eos_token)) is not None:
             ids.add(eid)
         return frozenset(ids)

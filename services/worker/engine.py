@@ -24,7 +24,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.schemas import WorkRequest
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import model_eos_ids
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.block_manager import BlockManager, blocks_for
 from services.worker.drafting.controller import SpeculationController
@@ -52,7 +52,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model = load_model(config.model, _DTYPES[config.dtype], config.device)
+        model = load_model(
+            config.model, _DTYPES[config.dtype], config.device, config.load_format, config.max_model_len
+        )
         spec = config.speculative
         if spec.method == "mtp" and model.config.num_mtp_layers == 0:
             raise ValueError(
@@ -81,7 +83,7 @@ class Engine:
         )
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
-        self.eos_token_ids = Tokenizer(config.model).eos_token_ids
+        self.eos_token_ids = model_eos_ids(config.model)
         self.step_no = 0
         self._top_k = 0
         self.stats = EngineStats()

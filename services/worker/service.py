@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
+        "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
+        help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
     )
@@ -72,6 +76,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         enforce_eager=args.enforce_eager,
     )

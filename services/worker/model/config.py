@@ -7,11 +7,88 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
-_QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases
+_QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
+# transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config).
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768}
+DEFAULT_ROPE_THETA = 10000.0
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# transformers reads `rope_scaling` (older configs) before `rope_parameters` (what transformers 5 saves).
+ROPE_KEYS = ("rope_scaling", "rope_parameters")
+_REQUIRED_ROPE_KEYS = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+_ORIGINAL_LENGTH_TYPES = ("yarn", "llama3")  # types that read original_max_position_embeddings
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # transformers' defaults, also where the config writes 0 or null
+SILU_NAMES = ("silu", "swish")  # one function under two names in transformers' ACT2FN
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+_QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this index on slide when sliding is on
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """transformers' `rope_type` and the parameters it reads for that type (model/rope.py turns them into
+    frequencies); "default" rescales nothing."""
+
+    rope_type: str = "default"
+    factor: float | None = None  # linear, dynamic, yarn, llama3 (yarn: None = max_position / original)
+    original_max_position_embeddings: int | None = None  # yarn, llama3
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    attention_factor: float | None = None  # yarn: None = derived from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    beta_fast: float = YARN_BETA_FAST  # yarn
+    beta_slow: float = YARN_BETA_SLOW  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type {self.rope_type!r} is not supported; specmesh serves {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @classmethod
+    def from_dict(cls, params: dict, key: str, max_position_embeddings: int, original: int | None) -> "RopeScaling":
+        """params: config.json's rope dict under `key`; original: a top-level original_max_position_embeddings,
+        which transformers prefers to the rope dict's."""
+        if any(isinstance(v, dict) for v in params.values()):
+            raise UnsupportedModelError(f"{key} per layer type ({', '.join(params)}) is not supported")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{key}: rope_type {rope_type!r} is not supported; specmesh serves {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        # yarn's factor may be null (then max_position / original); every other required value must be given.
+        missing = [
+            name for name in _REQUIRED_ROPE_KEYS[rope_type]
+            if name not in params or (params[name] is None and (rope_type, name) != ("yarn", "factor"))
+        ]
+        if missing:
+            raise UnsupportedModelError(f"{key}: rope_type {rope_type!r} needs {', '.join(missing)}")
+        if rope_type in _ORIGINAL_LENGTH_TYPES and original is None:
+            original = params.get("original_max_position_embeddings", max_position_embeddings)
+        return cls(
+            rope_type=rope_type,
+            factor=_optional_float(params.get("factor")),
+            original_max_position_embeddings=original if rope_type in _ORIGINAL_LENGTH_TYPES else None,
+            low_freq_factor=_optional_float(params.get("low_freq_factor")),
+            high_freq_factor=_optional_float(params.get("high_freq_factor")),
+            attention_factor=_optional_float(params.get("attention_factor")),
+            mscale=_optional_float(params.get("mscale")),
+            mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+            beta_fast=float(params.get("beta_fast") or YARN_BETA_FAST),
+            beta_slow=float(params.get("beta_slow") or YARN_BETA_SLOW),
+            truncate=bool(params.get("truncate", True)),
+        )
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -30,12 +107,39 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 and MiMo have q/k/v biases
     num_mtp_layers: int  # multi-token-prediction modules stored beside the decoder (0 = none)
+    rope_scaling: RopeScaling = RopeScaling()
+    sliding_window: int | None = None  # Qwen2 with sliding layers: keys this far back or more are not attended to
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def rope_position_limit(self) -> int | None:
+        """Positions the rotary embedding serves as transformers does (None: any). Dynamic NTK equals the default
+        rope up to max_position_embeddings; past it, transformers rescales the frequencies on every forward pass
+        from that pass's longest sequence, so a cached key's rotation depends on the pass that computed it (the
+        prompt's length for prompt tokens, the batch, earlier requests), which a paged cache shared by batched,
+        speculative and resumed sequences does not reproduce."""
+        return self.max_position_embeddings if self.rope_scaling.rope_type == "dynamic" else None
+
+    def check_served_length(self, max_model_len: int) -> None:
+        """Refuses, by the config key responsible, a served length at which the math would leave transformers'."""
+        limit = self.rope_position_limit
+        if limit is not None and max_model_len > limit:
+            raise UnsupportedModelError(
+                f"rope_type 'dynamic' is served up to max_position_embeddings ({limit}) positions, where it equals "
+                f"the default rope; max_model_len {max_model_len} is longer. Past it transformers rescales the "
+                "frequencies per forward pass from that pass's longest sequence, which a shared paged cache does "
+                "not reproduce"
+            )
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise UnsupportedModelError(
+                f"sliding_window {self.sliding_window} (use_sliding_window) would apply at max_model_len "
+                f"{max_model_len}: sliding-window attention is not supported; serve at most {self.sliding_window}"
             )
 
     @classmethod
@@ -47,10 +151,11 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"specmesh serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if raw.get("rope_scaling"):
-            raise UnsupportedModelError(f"rope_scaling {raw['rope_scaling']!r} is not supported yet")
+        _refuse_unsupported_keys(raw, arch)
         heads = raw["num_attention_heads"]
-        rope = raw.get("rope_parameters") or {}
+        max_positions = raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+        key = next((k for k in ROPE_KEYS if raw.get(k)), ROPE_KEYS[-1])
+        rope = dict(raw.get(key) or {})
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -60,12 +165,15 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            # The rope dict's theta wins over a top-level rope_theta, as in transformers.
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch in _QWEN2_FAMILY or bool(raw.get("attention_bias", False)),
+            attention_bias=arch in _QWEN2_FAMILY,  # a Llama with attention_bias was refused above
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
+            rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
+            sliding_window=_sliding_window(raw, arch),
         )
 
     @classmethod
@@ -74,3 +182,41 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
+    """Config keys that change the math in transformers' Llama or Qwen2 and that specmesh does not implement."""
+    act = raw.get("hidden_act", SILU_NAMES[0])
+    if act not in SILU_NAMES:
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported; specmesh's MLP is SiLU-gated ('silu')")
+    rope_dicts = [raw[key] for key in ROPE_KEYS if isinstance(raw.get(key), dict)]
+    for factor in [raw.get("partial_rotary_factor")] + [d.get("partial_rotary_factor") for d in rope_dicts]:
+        if factor is not None and float(factor) != 1.0:
+            raise UnsupportedModelError(f"partial_rotary_factor {factor} is not supported: rope rotates whole heads")
+    if raw.get("quantization_config"):
+        raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
+    if arch in _QWEN2_FAMILY:
+        return  # transformers' Qwen2 reads neither attention_bias (q/k/v always have one) nor mlp_bias
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias true is not supported: specmesh's MLP projections have no bias")
+    if raw.get("attention_bias"):
+        raise UnsupportedModelError(
+            "attention_bias true is not supported for Llama: its o_proj bias (beside the q/k/v ones) is not implemented"
+        )
+
+
+def _sliding_window(raw: dict, arch: str) -> int | None:
+    """The window of Qwen2's sliding layers, if any layer slides; transformers drops the window unless
+    use_sliding_window is set, and Llama has none."""
+    if arch not in _QWEN2_FAMILY:
+        return None
+    layer_types = raw.get("layer_types")
+    unknown = set(layer_types or ()) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return None
+    if layer_types is None:
+        first_sliding = raw.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)
+        return raw["sliding_window"] if raw["num_hidden_layers"] > first_sliding else None
+    return raw["sliding_window"] if SLIDING_ATTENTION in layer_types else None

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.forward_batch import ForwardBatch
-from services.worker.model.config import ModelConfig
+from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.paged_attention import paged_attention
 from services.worker.model.rms_norm import rms_norm
+from services.worker.model.rope import rope_frequencies
 from services.worker.model.rotary_apply import apply_rotary
 from services.worker.model.silu_mul import silu_and_mul
 
@@ -37,23 +38,30 @@ class Rotary(nn.Module):
     """Rotary position embedding in the half-split layout Hugging Face uses for Llama and Qwen2.
 
     cos and sin of every position are computed once (and again only when a longer context shows up), so a step
-    looks them up instead of recomputing them per layer.
+    looks them up instead of recomputing them per layer. The frequencies and the scale of cos and sin follow the
+    config's rope type (model/rope.py).
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        inv_freq, self.attention_scaling = rope_frequencies(cfg)  # [head_dim / 2], a factor on cos and sin
+        self.position_limit = cfg.rope_position_limit
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos_sin", torch.empty(0, 2, head_dim // 2), persistent=False)
-        self._grow(max_positions)
+        self.register_buffer("cos_sin", torch.empty(0, 2, cfg.head_dim // 2), persistent=False)
+        self._grow(cfg.max_position_embeddings)
 
     def _grow(self, num_positions: int) -> None:
         freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq
-        self.cos_sin = torch.stack((freqs.cos(), freqs.sin()), dim=1)  # [positions, 2, head_dim / 2]
+        # [positions, 2, head_dim / 2]
+        self.cos_sin = torch.stack((freqs.cos(), freqs.sin()), dim=1) * self.attention_scaling
 
     def forward(self, positions: torch.Tensor, num_positions: int) -> torch.Tensor:
         """cos and sin [..., 2, head_dim / 2] at positions (all below num_positions)."""
         if num_positions > self.cos_sin.shape[0]:
+            if self.position_limit is not None and num_positions > self.position_limit:
+                raise UnsupportedModelError(
+                    f"rope_type 'dynamic' is served up to {self.position_limit} positions, not {num_positions}"
+                )
             self._grow(max(num_positions, 2 * self.cos_sin.shape[0]))
         return self.cos_sin[positions]
 

@@ -1,4 +1,5 @@
-"""Loads a local Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not)."""
+"""Loads a local Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not), or builds the
+model from its config.json alone with random weights (load format "dummy", model/dummy.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from services.worker.model.config import ModelConfig
+from services.worker.model.dummy import dummy_state_dict
 from services.worker.model.llama import CausalLM
 from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
 from services.worker.model.transposed import use_cpu_layout
 from services.worker.model.weights import merge_projections
 
 SHARD_INDEX = "model.safetensors.index.json"
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's safetensors; dummy: random weights from config.json
 # Buffers some exporters save although they are derived from the config.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -41,17 +44,44 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith(_DERIVED_SUFFIXES)}
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
-    """Builds the model from config.json and fills every parameter from the checkpoint, refusing gaps."""
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    load_format: str = "auto",
+    max_model_len: int | None = None,
+) -> CausalLM:
+    """Builds the model from config.json and fills every parameter from the checkpoint, refusing gaps, or with
+    random weights made on `device` (load_format "dummy"). A max_model_len the config cannot serve as transformers
+    would is refused before any weight is read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    if max_model_len is not None:
+        cfg.check_served_length(max_model_len)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if load_format == "dummy":
+        state = dummy_state_dict(model, dtype, device)
+    else:
+        state = _checkpoint_state(model_dir, cfg, set(model.state_dict()), dtype)
+    model.load_state_dict(state, assign=True)
+    model.rotary = type(model.rotary)(cfg)  # meta buffers are rebuilt for real
+    model = model.to(device).eval()
+    if model_device(model).type == "cpu":
+        use_cpu_layout(model)
+    return model
+
+
+def _checkpoint_state(
+    model_dir: Path, cfg: ModelConfig, expected: set[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's parameter names, in dtype, refusing gaps and extras."""
     state = merge_projections(normalize_mtp_weights(load_state_dict(model_dir), cfg))
     has_mtp = any(k.startswith(MTP_PREFIX) for k in state)
     if cfg.num_mtp_layers and not has_mtp:
         raise CheckpointError(f"config.json declares {cfg.num_mtp_layers} MTP layers but the checkpoint has none")
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    expected = set(model.state_dict())
     missing = expected - set(state)
     unexpected = set(state) - expected
     if missing or unexpected:
@@ -59,12 +89,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
             f"checkpoint {model_dir} does not match {cfg.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)  # meta buffers are rebuilt for real
-    model = model.to(device).eval()
-    if model_device(model).type == "cpu":
-        use_cpu_layout(model)
-    return model
+    return {k: v.to(dtype) for k, v in state.items()}
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -1,0 +1,81 @@
+"""config.json keys that change the math are honoured or refused by name: each refused one raises
+UnsupportedModelError naming the key, and the harmless spellings real checkpoints ship are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.model.config import ModelConfig, UnsupportedModelError
+
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+QWEN2 = LLAMA | dict(architectures=["Qwen2ForCausalLM"])
+WINDOW = 128
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("raw,key", [
+    (LLAMA | dict(hidden_act="gelu"), "hidden_act"),
+    (LLAMA | dict(mlp_bias=True), "mlp_bias"),
+    (LLAMA | dict(attention_bias=True), "attention_bias"),
+    (LLAMA | dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (LLAMA | dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    (LLAMA | dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    (LLAMA | dict(rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}), "longrope"),
+    (LLAMA | dict(rope_parameters={"rope_type": "proportional"}), "proportional"),
+    (LLAMA | dict(rope_scaling={"rope_type": "linear"}), "factor"),
+    (LLAMA | dict(rope_scaling={"rope_type": "dynamic", "factor": None}), "factor"),
+    (LLAMA | dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}), "low_freq_factor"),
+    (LLAMA | dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "rope_parameters"),
+    (QWEN2 | dict(layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
+    (QWEN2 | dict(hidden_act="relu"), "hidden_act"),
+])
+def test_unsupported_key_is_refused_by_name(raw: dict, key: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=key):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    LLAMA | dict(hidden_act="silu", mlp_bias=False, attention_bias=False, pretraining_tp=1, partial_rotary_factor=1.0),
+    LLAMA | dict(hidden_act="swish"),  # the same function in transformers
+    QWEN2 | dict(use_sliding_window=False, sliding_window=32768, max_window_layers=2),  # every Qwen2.5 config
+    QWEN2 | dict(attention_bias=False, mlp_bias=True),  # keys transformers' Qwen2 does not read
+    LLAMA | dict(rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+])
+def test_harmless_keys_are_accepted(raw: dict) -> None:
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.sliding_window is None
+    cfg.check_served_length(4 * WINDOW)
+
+
+@pytest.mark.parametrize("raw", [
+    QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"] * 2),
+])
+def test_sliding_window_is_refused_only_where_it_applies(raw: dict) -> None:
+    cfg = ModelConfig.from_dict(raw)
+    cfg.check_served_length(WINDOW)  # a window as long as the sequence masks nothing
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        cfg.check_served_length(WINDOW + 1)
+
+
+def test_sliding_window_without_sliding_layers_is_accepted() -> None:
+    raw = QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=QWEN2["num_hidden_layers"])
+    ModelConfig.from_dict(raw).check_served_length(4 * WINDOW)
+
+
+def test_rope_fields_follow_transformers_precedence() -> None:
+    """rope_scaling before rope_parameters, rope_type before type, the rope dict's theta before the top level's,
+    a top-level original_max_position_embeddings before the rope dict's."""
+    raw = LLAMA | dict(
+        rope_theta=1.0, original_max_position_embeddings=32,
+        rope_scaling=LLAMA3 | {"type": "linear", "rope_theta": 500000.0},
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 7.0},
+    )
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.rope_scaling.rope_type == "llama3"
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling.original_max_position_embeddings == 32
