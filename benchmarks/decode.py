@@ -4,12 +4,16 @@
 - self-repeating prompt (two import lines written over and over, whose greedy continuation keeps repeating
   them): specmesh ngram k=3 against transformers prompt lookup k=3 and greedy, and specmesh naive.
 
-    python -m benchmarks.decode [--device cpu|cuda] [--contexts 64 512 2048] [--max-tokens 128] [--out bench-out/decode]
+    python -m benchmarks.decode [--device cpu|cuda] [--shape NAME] [--dtype bfloat16] [--contexts 64 512 2048]
+        [--max-tokens 128] [--out bench-out/decode]
 
 Decode rate excludes the prefill: specmesh's clock starts after the step that sampled the first token;
 transformers' decode time is generate(N tokens) minus generate(1 token). Each figure is the median of --repeats
 runs, each system's runs interleaved with the others'. Every specmesh run's tokens must equal transformers'
 greedy tokens (exit status 1 otherwise).
+--shape runs a real-size shape with random weights (benchmarks/shape.py): prompts are random token ids, the
+self-repeating prompt one random line of ids written sixteen times (random weights do not continue it, so there
+ngram only shows what failed drafts cost).
 Writes decode.json and decode.png to --out.
 """
 
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks import shape
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
@@ -35,6 +40,7 @@ from services.worker.engine import Engine
 
 CONTEXTS = (64, 512, 2048)
 SELF_REPEATING_TEXT = "import os\nimport sys\n" * 16
+SELF_REPEATING_TIMES, SELF_REPEATING_LINE_TOKENS = 16, 8  # --shape: a random line of ids, repeated
 LOOKUP_TOKENS = 3  # transformers' prompt_lookup_num_tokens, the same k as ngram's
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_REPEATS = 3
@@ -105,12 +111,22 @@ def interleaved(contenders: dict[str, Callable[[], tuple]], repeats: int) -> dic
 
 
 def measure(args: argparse.Namespace) -> dict:
-    tokenizer = Tokenizer(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
-    prompt = [model.config.bos_token_id] + tokenizer.encode(SELF_REPEATING_TEXT)
+    model_dir, load_format = shape.model_source(args)
+    model = shape.transformers_model(model_dir, load_format, shape.DTYPES[args.dtype], args.device)
+    tokenizer = Tokenizer(model_dir) if load_format == "auto" else None
+    bos, vocab_size = model.config.bos_token_id, model.config.vocab_size
+
+    def context_prompt(count: int) -> list[int]:
+        return held_out_tokens(tokenizer, count) if tokenizer else [bos] + shape.random_prompt(vocab_size, count - 1)
+
+    if tokenizer:
+        prompt = [bos] + tokenizer.encode(SELF_REPEATING_TEXT)
+    else:
+        prompt = [bos] + shape.random_prompt(vocab_size, SELF_REPEATING_LINE_TOKENS) * SELF_REPEATING_TIMES
     max_len = max(*args.contexts, len(prompt)) + args.max_tokens + 16
     engines = {
-        name: Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=1, max_model_len=max_len,
+        name: Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=1, max_model_len=max_len,
+                                  dtype=args.dtype, load_format=load_format,
                                   speculative=SpeculativeConfig.model_validate(spec)))
         for name, spec in ((NAIVE_NAME, NAIVE), (NGRAM_NAME, NGRAM))
     }
@@ -135,14 +151,15 @@ def measure(args: argparse.Namespace) -> dict:
             })
 
     with torch.inference_mode():
-        warm = held_out_tokens(tokenizer, 16)
+        warm = context_prompt(16)
         engine_decode(engines[NAIVE_NAME], warm, 8)
         hf_generate(model, warm, 8, None)
         for context in args.contexts:
-            case_rows(f"context {context}", held_out_tokens(tokenizer, context), [f"specmesh {NAIVE_NAME}"], context)
+            case_rows(f"context {context}", context_prompt(context), [f"specmesh {NAIVE_NAME}"], context)
         case_rows(f"self-repeating prompt ({len(prompt)} tokens)", prompt,
                   [LOOKUP_NAME, f"specmesh {NAIVE_NAME}", f"specmesh {NGRAM_NAME}"])
-    return {"model": str(args.model), "device": args.device, "max_tokens": args.max_tokens, "repeats": args.repeats,
+    return {"model": str(model_dir), "load_format": load_format, "dtype": args.dtype, "device": args.device,
+            "max_tokens": args.max_tokens, "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "rows": rows, "mismatches": mismatches}
 
@@ -183,6 +200,7 @@ def table(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    shape.add_arguments(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)

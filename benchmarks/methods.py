@@ -2,8 +2,8 @@
 position, for batch 1, 8, 32 at temperature 0 and 1, next to transformers' `generate` (greedy, and greedy with
 prompt lookup) on the same checkpoint and prompts.
 
-    python -m benchmarks.methods [--device cpu|cuda] [--model DIR] [--max-tokens 96] [--prompts 2]
-        [--out bench-out/methods]
+    python -m benchmarks.methods [--device cpu|cuda] [--model DIR | --shape NAME] [--dtype bfloat16]
+        [--max-tokens 96] [--prompts 2] [--out bench-out/methods]
 
 Each engine run is in-process: all requests are submitted at once with max_num_seqs = batch and the engine is
 stepped until done; tokens/s = emitted tokens / that wall time (prefill included). A run has max(batch, --prompts)
@@ -12,6 +12,8 @@ Speedups are over specmesh naive at the same batch and temperature (transformers
 transformers runs one prompt at a time over the largest prompt set. Every specmesh method at temperature 0
 must reproduce transformers' greedy tokens exactly (one OK/MISMATCH line per method; exit status 1 on any
 mismatch); transformers' own prompt-lookup output is compared too, for information only.
+--shape runs a real-size shape with random weights (benchmarks/shape.py) on random-id prompts; it has no MTP
+module, so the MTP methods are left out, and with random weights only naive's speed means anything.
 
 Writes methods.json (every figure), methods.png (benchmarks/plot.py) and table.md (the printed table) to --out.
 """
@@ -29,11 +31,13 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks import shape
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import load_corpus
 from services.worker.engine import Engine, EngineStats
+from services.worker.model.config import ModelConfig
 from benchmarks.plot import plot
 
 METHODS: dict[str, dict] = {
@@ -103,10 +107,11 @@ def load_prompts(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> list[l
 
 def run_engine(
     model: Path, name: str, spec: dict, batch: int, prompts: list[list[int]], max_tokens: int, temperature: float,
-    device: str = "cpu",
+    device: str = "cpu", load_format: str = "auto", dtype: str = "float32",
 ) -> Run:
     config = SpeculativeConfig.model_validate(spec)
-    engine = Engine(EngineConfig(model=model, max_num_seqs=batch, speculative=config, device=device))
+    engine = Engine(EngineConfig(model=model, max_num_seqs=batch, speculative=config, device=device,
+                                 load_format=load_format, dtype=dtype))
     warm_up(engine, prompts[0], temperature)
     outputs: list[list[int]] = [[] for _ in prompts]
     drafted, accepted = [0] * config.num_drafts, [0] * config.num_drafts
@@ -226,6 +231,7 @@ def _set_speedups(runs: list[Run]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    shape.add_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--prompts", type=int, default=MIN_PROMPTS, help="prompts per run at least (default 2)")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
@@ -237,11 +243,18 @@ def main() -> None:
     torch.set_num_threads(threads)
 
     counts = {b: max(b, args.prompts) for b in args.batches}
-    prompts = load_prompts(Tokenizer(args.model), max(counts.values()), args.prompt_tokens)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    hf_model = hf_model.to(args.device).eval()
+    model_dir, load_format = shape.model_source(args)
+    hf_model = shape.transformers_model(model_dir, load_format, shape.DTYPES[args.dtype], args.device)
+    if load_format == "auto":
+        prompts = load_prompts(Tokenizer(model_dir), max(counts.values()), args.prompt_tokens)
+    else:
+        bos, vocab_size = hf_model.config.bos_token_id, hf_model.config.vocab_size
+        prompts = [[bos] + shape.random_prompt(vocab_size, args.prompt_tokens - 1, seed=i)
+                   for i in range(max(counts.values()))]
+    has_mtp = ModelConfig.from_dir(model_dir).num_mtp_layers > 0
+    engine_args = dict(device=args.device, load_format=load_format, dtype=args.dtype)
     run_transformers(hf_model, "warm-up", prompts[:1], WARMUP_TOKENS, None)
-    run_engine(args.model, "warm-up", METHODS[BASELINE], 1, prompts[:1], WARMUP_TOKENS, GREEDY, args.device)
+    run_engine(model_dir, "warm-up", METHODS[BASELINE], 1, prompts[:1], WARMUP_TOKENS, GREEDY, **engine_args)
 
     greedy = run_transformers(hf_model, "transformers greedy", prompts, args.max_tokens, None)
     lookup = run_transformers(
@@ -256,8 +269,10 @@ def main() -> None:
         for batch in args.batches:
             methods = {**METHODS, **(ADAPTIVE_METHODS if batch == ADAPTIVE_BATCH else {})}
             for name, spec in methods.items():
+                if spec["method"] == "mtp" and not has_mtp:
+                    continue
                 run = run_engine(
-                    args.model, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, args.device
+                    model_dir, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, **engine_args
                 )
                 runs.append(run)
                 print(json.dumps(run.figures()), flush=True)
@@ -278,7 +293,9 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
-        "model": str(args.model),
+        "model": str(model_dir),
+        "load_format": load_format,
+        "dtype": args.dtype,
         "device": args.device,
         "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens,

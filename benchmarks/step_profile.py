@@ -1,7 +1,8 @@
 """What one decode step costs the host: kernel launches, host<->device copies and synchronisations per step (CUDA),
 and torch operator calls per step (every device), by batch size, from torch.profiler over steady decode steps.
 
-    python -m benchmarks.step_profile [--device cuda] [--batches 1 8 32] [--method naive] [--out bench-out/profile]
+    python -m benchmarks.step_profile [--device cuda] [--shape NAME] [--dtype bfloat16] [--batches 1 8 32]
+        [--method naive] [--out bench-out/profile]
 
 A step whose launches grow with the batch does per-sequence work on the device; the issue's target is a count
 independent of the batch and one device-to-host copy per step. Writes profile.json.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import shape
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from services.worker.engine import Engine
@@ -33,7 +35,9 @@ DEVICE_TO_HOST = "Memcpy DtoH"
 def _engine(args: argparse.Namespace, batch: int) -> Engine:
     spec = SpeculativeConfig.model_validate({"method": args.method} | (
         {} if args.method == "naive" else {"num_speculative_tokens": args.num_speculative_tokens}))
-    engine = Engine(EngineConfig(model=args.model, device=args.device, max_num_seqs=batch, speculative=spec))
+    model_dir, load_format = shape.model_source(args)
+    engine = Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=batch, speculative=spec,
+                                 dtype=args.dtype, load_format=load_format))
     total = WARMUP_STEPS + PROFILED_STEPS + 8
     for i in range(batch):
         prompt = [(i * 131 + j * 7) % 4000 + 5 for j in range(PROMPT_TOKENS)]
@@ -73,6 +77,7 @@ def profile_batch(args: argparse.Namespace, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    shape.add_arguments(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--method", default="naive")
@@ -87,7 +92,8 @@ def main() -> None:
         print(f"| {r['batch']} | {r['ms_per_step_profiled']:.2f} | {r['kernel_launches']:.0f} | {r['copy_calls']:.1f} "
               f"| {r['device_to_host_copies']:.1f} | {r['synchronisations']:.1f} | {r['torch_ops']:.0f} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"device": args.device, "method": args.method, "temperature": args.temperature, "rows": rows}
+    report = {"model": str(shape.model_source(args)[0]), "dtype": args.dtype, "device": args.device,
+              "method": args.method, "temperature": args.temperature, "rows": rows}
     (args.out / "profile.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
