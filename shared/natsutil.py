@@ -12,11 +12,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from nats.js.errors import BadRequestError
 
 from shared import subjects
+from shared.nats_settings import NatsSettings
 from shared.observability import NatsMetrics
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription; past it nats-py drops messages and reports SlowConsumer
+PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refused publish or subscription, any case
 REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this while it works on a request
 
 
@@ -31,6 +33,11 @@ class NatsErrors:
         if isinstance(exc, SlowConsumerError):
             self.metrics.slow_consumers.inc()
             log.warning("%s: slow consumer on %s, messages dropped", self.service, exc.subject)
+        elif PERMISSIONS_VIOLATION in str(exc).lower():
+            # The server dropped a publish or refused a subscription: this role's permissions (shared/nats_roles.py)
+            # do not cover a subject the service uses.
+            self.metrics.permission_violations.inc()
+            log.error("%s: %s", self.service, exc)
         else:
             self.metrics.errors.inc()
             log.warning("%s: NATS error: %s", self.service, exc)
@@ -43,12 +50,14 @@ class NatsErrors:
         log.warning("%s: disconnected from NATS", self.service)
 
 
-async def connect(url: str, service: str) -> Client:
-    """Connects and keeps reconnecting for as long as the service lives; counts what goes wrong."""
+async def connect(settings: NatsSettings, service: str) -> Client:
+    """Connects as the settings' role and keeps reconnecting for as long as the service lives; counts what goes
+    wrong."""
     errors = NatsErrors(service)
     nc = await nats.connect(
-        url,
+        settings.url,
         name=f"specmesh-{service}",
+        **settings.connect_options(),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         error_cb=errors.on_error,
@@ -63,7 +72,7 @@ async def ensure_request_stream(js: JetStreamContext) -> None:
     """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service."""
     config = StreamConfig(
         name=subjects.REQUEST_STREAM,
-        subjects=[subjects.REQUESTS],
+        subjects=list(subjects.REQUEST_SUBJECTS),
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
     )

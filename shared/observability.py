@@ -55,6 +55,9 @@ class NatsMetrics:
         self.slow_consumers = Counter(
             f"specmesh_{service}_nats_slow_consumer_errors", "Messages dropped by a subscription over its pending limits"
         )
+        self.permission_violations = Counter(
+            f"specmesh_{service}_nats_permission_violations", "Publishes and subscriptions the NATS server refused"
+        )
         self.errors = Counter(f"specmesh_{service}_nats_errors", "Other errors reported by the NATS client")
         self.pending_bytes = Gauge(f"specmesh_{service}_nats_pending_bytes", "Bytes buffered for publishing to NATS")
 

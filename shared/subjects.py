@@ -9,6 +9,10 @@ PREFIX = "specmesh"
 
 REQUEST_STREAM = "SPECMESH_REQUESTS"
 REQUESTS = f"{PREFIX}.requests"  # gateway -> worker (JetStream, work queue); body: schemas.WorkRequest
+# worker -> worker, same stream: a request a stopping worker hands back with its progress. A subject of its own so
+# that only the gateway's NATS user may queue new requests (shared/nats_roles.py).
+RESUMED_REQUESTS = f"{PREFIX}.requests.resumed"
+REQUEST_SUBJECTS = (REQUESTS, RESUMED_REQUESTS)  # what the stream stores
 WORKER_CONSUMER = "workers"  # the durable pull consumer every worker shares
 
 # Opening a request is a request/reply to the detokenizers' queue group: exactly one detokenizer takes the
@@ -22,7 +26,13 @@ DETOK_QUEUE = "detokenizers"
 def frames(detok_id: str) -> str:
     """worker -> the detokenizer that owns the request; body: a binary frame (shared/frames.py)."""
     return f"{PREFIX}.detok.{detok_id}.frames"
-CANCEL = f"{PREFIX}.cancel"  # gateway or detokenizer -> workers and detokenizer; body: schemas.Cancel
+
+
+CANCEL = f"{PREFIX}.cancel"  # gateway -> workers and detokenizers (the client is gone); body: schemas.Cancel
+# detokenizer -> workers: the request's output ended at the detokenizer (a stop string, an error), so stop
+# generating it; body: schemas.Cancel. Apart from CANCEL so that a detokenizer's NATS user cannot close requests at
+# the other detokenizers.
+STOP = f"{PREFIX}.stop"
 
 
 def responses(gateway_id: str) -> str:

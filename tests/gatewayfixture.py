@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
 from nats.aio.client import Client
-from tests.natsfixture import running_nats_server
+from tests.natsfixture import NatsServer, nats_server
 
 from services.gateway.app import GatewayConfig, create_app
 from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.nats_roles import NatsRole
 from shared.natsutil import connect
 
 MODEL = "tiny"
@@ -27,11 +28,7 @@ VOCAB_SIZE = 600
 TRAINING_FILES = ("textwrap.py", "json/decoder.py", "json/encoder.py")
 
 
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_nats_server(tmp_path_factory.mktemp("nats")) as server:
-        yield server.url
-
+__all__ = ["nats_server"]  # re-exported: gateway tests import every fixture from here
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -42,9 +39,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-async def start_gateway(nats_url: str, model_dir: Path, **config: object) -> tuple[TestServer, Client]:
-    """A gateway on a real port (TestServer runs handlers with handler_cancellation, as service.py does)."""
-    nc = await connect(nats_url, "test-gateway")
+async def start_gateway(nats: NatsServer, model_dir: Path, **config: object) -> tuple[TestServer, Client]:
+    """A gateway on a real port (TestServer runs handlers with handler_cancellation, as service.py does), connected
+    as the gateway's NATS user."""
+    nc = await connect(nats.settings(NatsRole.GATEWAY), "test-gateway")
     settings = GatewayConfig(model_dir=model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, **config)
     server = TestServer(create_app(settings, nc))
     await server.start_server()
@@ -52,8 +50,8 @@ async def start_gateway(nats_url: str, model_dir: Path, **config: object) -> tup
 
 
 @pytest.fixture(scope="module")
-async def gateway(nats_url: str, model_dir: Path) -> AsyncIterator[TestServer]:
-    server, nc = await start_gateway(nats_url, model_dir)
+async def gateway(nats_server: NatsServer, model_dir: Path) -> AsyncIterator[TestServer]:  # noqa: F811
+    server, nc = await start_gateway(nats_server, model_dir)
     yield server
     await server.close()
     await nc.drain()

@@ -1,7 +1,8 @@
 """A real nats-server (with JetStream) on a free port, for tests that talk to NATS.
 
 Use the fixture by importing it into a test module (`from tests.natsfixture import nats_server`), or call
-`running_nats_server(store_dir)` directly to control its lifetime (e.g. to restart it on the same port).
+`running_nats_server(store_dir)` directly to control its lifetime (e.g. to restart it on the same port, with the
+same credentials). Authentication is on, as in the mesh: connect as a role with `server.settings(role)`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.nats_server import free_port, start_nats_server
+from shared.nats_credentials import MeshCredentials, credentials_file
+from shared.nats_roles import NatsRole
+from shared.nats_server import credentials_dir, free_port, start_nats_server
+from shared.nats_settings import NatsSettings
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 5.0
@@ -25,19 +29,32 @@ class NatsServer:
     port: int
     store_dir: Path
     process: subprocess.Popen
+    credentials: MeshCredentials
 
     @property
     def url(self) -> str:
         return f"nats://{HOST}:{self.port}"
 
+    def settings(self, role: NatsRole) -> NatsSettings:
+        """How a service of this role connects (natsutil.connect)."""
+        return NatsSettings(url=self.url, role=role, credentials=self.credentials[role])
+
+    def credentials_file(self, role: NatsRole) -> Path:
+        """The role's --nats-credentials file, for services started as processes."""
+        return credentials_file(credentials_dir(self.store_dir), role)
+
 
 @contextmanager
-def running_nats_server(store_dir: Path, port: int | None = None) -> Iterator[NatsServer]:
-    """Starts `nats-server -js` storing JetStream data in `store_dir`, once it accepts connections; stops it on exit."""
+def running_nats_server(
+    store_dir: Path, port: int | None = None, credentials: MeshCredentials | None = None
+) -> Iterator[NatsServer]:
+    """Starts `nats-server -js` storing JetStream data in `store_dir`, once it accepts connections; stops it on exit.
+    Without `credentials`, new ones are generated."""
     port = port or free_port()
-    process = start_nats_server(port, store_dir, host=HOST)
+    credentials = credentials or MeshCredentials.generate()
+    process = start_nats_server(port, store_dir, credentials, host=HOST)
     try:
-        yield NatsServer(port, store_dir, process)
+        yield NatsServer(port, store_dir, process, credentials)
     finally:
         process.terminate()
         try:

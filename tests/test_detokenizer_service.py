@@ -21,6 +21,7 @@ from services.detokenizer import service
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus
+from shared.nats_roles import NatsRole
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from shared.tokenizer import Tokenizer
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
@@ -90,7 +91,7 @@ class Worker:
 async def open_request(nc: Client, **fields) -> tuple[str, asyncio.Queue]:
     """Subscribes to a fresh reply subject, then opens a request there, as the gateway does."""
     request_id = uuid.uuid4().hex
-    reply_subject = f"test.replies.{request_id}"
+    reply_subject = subjects.responses(request_id)  # a gateway's subject: the only kind a detokenizer may answer on
     chunks: asyncio.Queue[Chunk] = asyncio.Queue()
 
     async def received(msg) -> None:
@@ -129,11 +130,13 @@ def counter(name: str, **labels: str) -> float:
 async def nc(nats_server: NatsServer, model_dir: Path, tokenizer: Tokenizer) -> AsyncIterator[Client]:  # noqa: F811
     parser = argparse.ArgumentParser()
     service.add_arguments(parser)
-    args = parser.parse_args(
-        ["--nats-url", nats_server.url, "--model", str(model_dir), "--metrics-port", "0", "--detokenizer-id", DETOK_ID]
-    )
+    args = parser.parse_args([
+        "--nats-url", nats_server.url, "--nats-credentials", str(nats_server.credentials_file(NatsRole.DETOKENIZER)),
+        "--model", str(model_dir), "--metrics-port", "0", "--detokenizer-id", DETOK_ID,
+    ])
     task = asyncio.create_task(service.run(args))
-    client = await nats.connect(nats_server.url)
+    # The test plays the gateway and the worker: the admin user may do both.
+    client = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
     worker = Worker(client)
     eos = min(tokenizer.eos_token_ids)
     # The service is ready once a request opened and finished through it comes back.
@@ -168,7 +171,7 @@ async def test_chat_stream_with_drafts_and_a_stop_string(nc: Client, worker: Wor
     async def cancelled(msg) -> None:
         await cancels.put(Cancel.from_bytes(msg.data))
 
-    await nc.subscribe(subjects.CANCEL, cb=cancelled)
+    await nc.subscribe(subjects.STOP, cb=cancelled)
     request_id, chunks = await open_request(nc, stop=["\n\n", " x"], logprobs=1, include_draft_logprobs=True)
     await nc.flush()
     first = tokenizer.encode("hello", add_special_tokens=False)

@@ -3,6 +3,7 @@ another worker, which continues the same output; the process exits on its own.""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,8 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from shared.nats_roles import NatsRole
 from shared.nats_server import free_port
-from tests.natsfixture import running_nats_server
+from tests.natsfixture import NatsServer, running_nats_server
 from tests.test_e2e import CODE_PROMPT, E2E_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -25,12 +27,13 @@ LONG = dict(max_tokens=400, temperature=1.0, seed=99, extra_body={"ignore_eos": 
 
 
 class Service:
-    def __init__(self, name: str, nats_url: str, *extra: str) -> None:
+    def __init__(self, name: str, nats: NatsServer, *extra: str) -> None:
         self.port = free_port()
         port_flag = "--port" if name == "gateway" else "--metrics-port"
-        cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", name, "--nats-url", nats_url,
+        cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", name, "--nats-url", nats.url,
                "--model", str(E2E_MODEL), port_flag, str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd)
+        # Each service connects as its own NATS user, with the credentials in its environment as `specmesh up` does.
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **nats.credentials[NatsRole(name)].environment()})
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.ready():
             assert self.proc.poll() is None, f"{name} exited during start-up"
@@ -57,8 +60,8 @@ class Service:
 class Parts:
     """A mesh started service by service: a detokenizer and a gateway first, workers as the test needs."""
 
-    def __init__(self, nats_url: str) -> None:
-        self.nats_url = nats_url
+    def __init__(self, nats: NatsServer) -> None:
+        self.nats = nats
         self.started: list[Service] = []
         self.detokenizer = self.start("detokenizer")
         self.gateway = self.start("gateway")
@@ -66,7 +69,7 @@ class Parts:
         self.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
 
     def start(self, name: str, *extra: str) -> Service:
-        service = Service(name, self.nats_url, *extra)
+        service = Service(name, self.nats, *extra)
         self.started.append(service)
         return service
 
@@ -74,7 +77,7 @@ class Parts:
 @pytest.fixture
 def parts(tmp_path: Path):
     with running_nats_server(tmp_path / "nats") as nats:
-        mesh = Parts(nats.url)
+        mesh = Parts(nats)
         yield mesh
         for service in mesh.started:
             service.kill()

@@ -15,6 +15,7 @@ import pytest
 
 from shared import subjects
 from shared.config import DEFAULT_MODEL_DIR
+from shared.nats_roles import NatsRole
 from services.mesh_process import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -165,13 +166,36 @@ def test_bad_requests_get_openai_error_bodies(client: openai.OpenAI, mesh: Mesh)
         client.completions.create(model="no-such-model", prompt="x")
 
 
-async def _num_ack_pending(nats_url: str) -> int:
-    nc = await nats.connect(nats_url)
+async def _num_ack_pending(mesh: Mesh) -> int:
+    settings = mesh.nats_settings(NatsRole.ADMIN)
+    nc = await nats.connect(settings.url, **settings.connect_options())
     try:
         info = await nc.jetstream().consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)
         return info.num_ack_pending
     finally:
         await nc.close()
+
+
+def _command_lines() -> list[bytes]:
+    """The argv of every process on the machine."""
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found.append(path.read_bytes())
+        except OSError:
+            pass  # the process ended meanwhile
+    return found
+
+
+def test_nats_refuses_anonymous_clients_and_no_password_is_on_a_command_line_or_in_a_log(mesh: Mesh) -> None:
+    async def ignore(exc: Exception) -> None:
+        pass
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        asyncio.run(nats.connect(mesh.nats_url, allow_reconnect=False, error_cb=ignore))
+    passwords = [mesh.nats_settings(role).credentials.password.get_secret_value() for role in NatsRole]
+    assert not [line for line in _command_lines() if any(p.encode() in line for p in passwords)]
+    assert not [line for line in mesh.log if any(p in line for p in passwords)]
 
 
 def test_client_disconnect_frees_the_slot(client: openai.OpenAI, mesh: Mesh) -> None:
@@ -181,12 +205,12 @@ def test_client_disconnect_frees_the_slot(client: openai.OpenAI, mesh: Mesh) -> 
     )
     for _, _ in zip(range(3), stream):
         pass
-    assert asyncio.run(_num_ack_pending(mesh.nats_url)) == 1  # the worker holds the request
+    assert asyncio.run(_num_ack_pending(mesh)) == 1  # the worker holds the request
     stream.close()
     deadline = time.monotonic() + 15
-    while asyncio.run(_num_ack_pending(mesh.nats_url)) and time.monotonic() < deadline:
+    while asyncio.run(_num_ack_pending(mesh)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert asyncio.run(_num_ack_pending(mesh.nats_url)) == 0, "the worker did not finish the abandoned request"
+    assert asyncio.run(_num_ack_pending(mesh)) == 0, "the worker did not finish the abandoned request"
 
 
 def test_requests_spread_over_several_detokenizers(tmp_path: Path) -> None:

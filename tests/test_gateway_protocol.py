@@ -14,14 +14,16 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from tests.gatewayfixture import MODEL, client, gateway, model_dir, nats_url, start_gateway
+from tests.gatewayfixture import MODEL, client, gateway, model_dir, nats_server, start_gateway
+from tests.natsfixture import NatsServer
 from nats.aio.client import Client
 
 from shared import subjects
+from shared.nats_roles import NatsRole
 from shared.natsutil import connect
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, Usage, WorkRequest
 
-__all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
+__all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
 
 WAIT_S = 5.0
 PEER_ID = "test-peer"
@@ -76,8 +78,8 @@ class Peer:
 
 
 @pytest.fixture
-async def peer(nats_url: str) -> AsyncIterator[Peer]:
-    nc = await connect(nats_url, "test-peer")
+async def peer(nats_server: NatsServer) -> AsyncIterator[Peer]:  # noqa: F811
+    nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-peer")  # it plays two roles
     peer = Peer(nc)
     await peer.start()
     yield peer
@@ -200,8 +202,8 @@ async def test_client_disconnect_cancels(gateway: TestServer, peer: Peer) -> Non
     assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="client_disconnected")
 
 
-async def test_silence_times_out_and_cancels(nats_url: str, model_dir, peer: Peer) -> None:
-    server, nc = await start_gateway(nats_url, model_dir, request_timeout_s=SHORT_TIMEOUT_S)
+async def test_silence_times_out_and_cancels(nats_server: NatsServer, model_dir, peer: Peer) -> None:  # noqa: F811
+    server, nc = await start_gateway(nats_server, model_dir, request_timeout_s=SHORT_TIMEOUT_S)
     try:
         taken = asyncio.create_task(peer.take())
         async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:

@@ -10,9 +10,9 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from tests.gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_url
+from tests.gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_server
 
-__all__ = ["client", "gateway", "model_dir", "nats_url"]  # fixtures, imported for pytest to find
+__all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
 
 TOO_LARGE = 5 * 1024 * 1024
 

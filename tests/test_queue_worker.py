@@ -21,6 +21,7 @@ from services.worker.queue_worker import MAX_UNSENT_STEPS, QueueWorker
 from shared import subjects
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
+from shared.nats_roles import NatsRole
 from shared.natsutil import ensure_request_stream
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
@@ -68,13 +69,16 @@ class Running:
 async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterator[Running]:  # noqa: F811
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     engine = Engine(EngineConfig(model=tiny_model_dir, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, speculative=spec))
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
+    # The worker connects as the worker's NATS user; the test, playing gateway and detokenizer, as the admin.
+    worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
+    nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
+    js = worker_nc.jetstream()
     await ensure_request_stream(js)
-    await js.purge_stream(subjects.REQUEST_STREAM)
+    await nc.jetstream().purge_stream(subjects.REQUEST_STREAM)
     received = Received()
     await nc.subscribe(subjects.frames(DETOK_ID), cb=received.on_frame)
-    worker = QueueWorker(engine, nc, WORKER_ID, WorkerMetrics(engine, tiny_model_dir.name, WORKER_ID))
+    await nc.flush()
+    worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(engine, tiny_model_dir.name, WORKER_ID))
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
     stepping = asyncio.create_task(worker.engine_loop())
@@ -83,6 +87,7 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     worker.stop()
     await asyncio.gather(fetching, stepping, return_exceptions=True)
     await psub.unsubscribe()
+    await worker_nc.close()
     await nc.close()
 
 

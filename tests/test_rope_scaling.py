@@ -113,3 +113,19 @@ def test_dynamic_rope_is_refused_past_max_position_embeddings(tmp_path: Path) ->
     ids = torch.tensor([_prompt(MAX_POSITIONS + 1)])
     with torch.no_grad(), pytest.raises(UnsupportedModelError, match="dynamic"):
         ours(ids, torch.arange(MAX_POSITIONS + 1)[None])
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_the_table_holds_what_the_engine_serves(tmp_path: Path, rope: str) -> None:
+    """Loaded for an engine, the cos/sin table has max_model_len rows, not max_position_embeddings; a longer
+    context (a training pass) grows it to the same values."""
+    reference = _checkpoint(tmp_path, rope)
+    served = PROMPT_LEN // 2
+    ours = load_model(tmp_path, max_model_len=served)
+    assert ours.rotary.cos_sin.shape[0] == served < MAX_POSITIONS
+    assert torch.equal(ours.rotary.cos_sin, load_model(tmp_path).rotary.cos_sin[:served])
+    ids = torch.tensor([_prompt(PROMPT_LEN)])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = ours.logits(ours(ids, torch.arange(PROMPT_LEN)[None]))
+    assert (got - expected).abs().max().item() <= TOLERANCE

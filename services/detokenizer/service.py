@@ -23,7 +23,9 @@ from pydantic import ValidationError
 
 from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.incremental import TokenTable
-from shared import config, natsutil, subjects
+from shared import config, nats_settings, natsutil, subjects
+from shared.nats_roles import NatsRole
+from shared.nats_settings import NatsSettings
 from shared.frames import Frame, FrameError, FrameKind, decode
 from shared.observability import Readiness, start_http
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
@@ -155,7 +157,7 @@ class Detokenizer:
         self._close(assembler.request_id)
         if assembler.cancel_reason is not None:
             cancel = Cancel(request_id=assembler.request_id, reason=assembler.cancel_reason)
-            await self._nc.publish(subjects.CANCEL, cancel.to_bytes())
+            await self._nc.publish(subjects.STOP, cancel.to_bytes())
 
     def _close(self, request_id: str) -> None:
         del self._requests[request_id]
@@ -171,7 +173,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server to connect to")
+    nats_settings.add_arguments(parser)
     parser.add_argument(
         "--model", type=Path, default=config.DEFAULT_MODEL_DIR, help="model directory holding tokenizer.json"
     )
@@ -186,7 +188,7 @@ async def run(args: argparse.Namespace) -> None:
     readiness = Readiness()
     http = await start_http(readiness, args.metrics_host, args.metrics_port)
     table = TokenTable.from_tokenizer(Tokenizer(args.model))
-    nc = await natsutil.connect(args.nats_url, SERVICE)
+    nc = await natsutil.connect(NatsSettings.from_args(args, NatsRole.DETOKENIZER), SERVICE)
     readiness.nc = nc
     detok = Detokenizer(nc, table, args.detokenizer_id or uuid.uuid4().hex[:12])
     await nc.subscribe(subjects.frames(detok.detok_id), cb=detok.on_frame)

@@ -11,6 +11,9 @@ from aiohttp import web
 
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from shared.config import DEFAULT_MODEL_DIR
+from shared import nats_settings
+from shared.nats_roles import NatsRole
+from shared.nats_settings import NatsSettings
 from shared.natsutil import connect
 
 log = logging.getLogger(__name__)
@@ -20,7 +23,7 @@ SHUTDOWN_TIMEOUT_S = 30.0  # how long in-flight requests may finish once the gat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_settings.add_arguments(parser)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model directory (for the tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -43,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 async def run(args: argparse.Namespace) -> None:
     """Serves until cancelled; then stops accepting, lets in-flight requests finish, and drains NATS."""
     config = config_from_args(args)
-    nc = await connect(args.nats_url, SERVICE)
+    nc = await connect(NatsSettings.from_args(args, NatsRole.GATEWAY), SERVICE)
     try:
         app = create_app(config, nc)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)

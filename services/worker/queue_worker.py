@@ -291,7 +291,7 @@ class QueueWorker:
                     "sampling": original.sampling.model_copy(update={"seed": seq.seed}),
                 }
             )
-            await js.publish(subjects.REQUESTS, resumed.to_bytes())
+            await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1
         for request in never_started:

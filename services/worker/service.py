@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from shared import subjects
+from shared import nats_settings, subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from shared.nats_roles import NatsRole
+from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
 from shared.schemas import SamplingParams, WorkRequest
@@ -35,7 +37,7 @@ WARMUP_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    nats_settings.add_arguments(parser)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
@@ -103,12 +105,13 @@ async def run(args: argparse.Namespace) -> None:
              config.speculative.model_dump_json())
     # Every container's pid is 1, so the host name (the pod's name on Kubernetes) must go into the default id.
     worker_id = args.worker_id if args.worker_id is not None else zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode())
-    nc = await connect(args.nats_url, "worker")
+    nc = await connect(NatsSettings.from_args(args, NatsRole.WORKER), "worker")
     readiness.nc = nc
     js = nc.jetstream()
     await ensure_request_stream(js)
     worker = QueueWorker(engine, nc, worker_id, WorkerMetrics(engine, Path(config.model).name, worker_id))
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
+    await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
     heartbeat = asyncio.create_task(worker.heartbeat_loop())

@@ -40,15 +40,21 @@ class Rotary(nn.Module):
     cos and sin of every position are computed once (and again only when a longer context shows up), so a step
     looks them up instead of recomputing them per layer. The frequencies and the scale of cos and sin follow the
     config's rope type (model/rope.py).
+
+    The table starts with num_positions rows (default: max_position_embeddings): an engine passes its
+    max_model_len, the most it serves, since a Llama-3.x table of 131,072 positions is 64 MB of float32. It is
+    built on `device` as transformers builds its cos and sin, from inverse frequencies computed on the host.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, num_positions: int | None = None, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(cfg)  # [head_dim / 2], a factor on cos and sin
         self.position_limit = cfg.rope_position_limit
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos_sin", torch.empty(0, 2, cfg.head_dim // 2), persistent=False)
-        self._grow(cfg.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(0, 2, cfg.head_dim // 2, device=device), persistent=False)
+        self._grow(cfg.max_position_embeddings if num_positions is None else num_positions)
 
     def _grow(self, num_positions: int) -> None:
         freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq

@@ -67,7 +67,7 @@ def load_model(
     else:
         state = _checkpoint_state(model_dir, cfg, set(model.state_dict()), dtype)
     model.load_state_dict(state, assign=True)
-    model.rotary = type(model.rotary)(cfg)  # meta buffers are rebuilt for real
+    model.rotary = type(model.rotary)(cfg, max_model_len, device)  # meta buffers are rebuilt for real
     model = model.to(device).eval()
     if model_device(model).type == "cpu":
         use_cpu_layout(model)

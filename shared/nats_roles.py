@@ -1,0 +1,122 @@
+"""Who may publish and subscribe to what on NATS: one NATS user per service role, each allowed exactly the
+subjects its service uses.
+
+The gateway alone queues requests, opens them at a detokenizer and cancels them; workers alone publish frames
+(and hand requests back on their own subject); detokenizers alone publish chunks and stop requests whose output
+ended at them. Replies go to inboxes under a per-role prefix (`_INBOX.<role>`) that only that role may read. A
+detokenizer answers the gateway's DetokOpen through `allow_responses`: it may publish to the reply subject of a
+request it received, once, and nowhere else under `_INBOX`. The JetStream API is open to each role only for the
+calls its service makes on the request stream and the workers' consumer.
+
+The server's `authorization` block is rendered from this table, for the embedded server (shared/nats_server.py)
+and for Kubernetes (k8s/base/nats/config.yaml, which tests/test_k8s.py checks against it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from shared import subjects
+
+INBOX_ROOT = "_INBOX"
+JS_API = "$JS.API"
+JS_ACK = "$JS.ACK"
+ANY_TOKEN = "*"  # a NATS wildcard: exactly one subject token
+ANY_REST = ">"  # a NATS wildcard: one or more trailing tokens
+
+
+class NatsRole(StrEnum):
+    """A NATS user; its name is also the user name and the inbox prefix's last token."""
+
+    ADMIN = "admin"  # unrestricted: stream inspection and management by operators and tests
+    GATEWAY = "gateway"
+    WORKER = "worker"
+    DETOKENIZER = "detokenizer"
+
+
+SERVICE_ROLES = (NatsRole.GATEWAY, NatsRole.WORKER, NatsRole.DETOKENIZER)
+
+
+def inbox_prefix(role: NatsRole) -> str:
+    """Where the role's client creates its reply inboxes (nats-py's `inbox_prefix`)."""
+    return f"{INBOX_ROOT}.{role}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False  # may publish once to the reply subject of each request it receives
+
+
+def _declares_request_stream() -> tuple[str, ...]:
+    """The API calls of natsutil.ensure_request_stream: create or update the stream, create the workers' consumer
+    (nats-py names durable consumers in the legacy or the current subject, depending on its version)."""
+    stream, consumer = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
+    return (
+        f"{JS_API}.STREAM.CREATE.{stream}",
+        f"{JS_API}.STREAM.UPDATE.{stream}",
+        f"{JS_API}.CONSUMER.CREATE.{stream}.{consumer}",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+    )
+
+
+def _pulls_requests() -> tuple[str, ...]:
+    """A worker's pull requests on the shared consumer, and its acknowledgements (ack, nak, in progress, term)
+    of the messages it was given."""
+    stream, consumer = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
+    return (f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}", f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}")
+
+
+def _inbox(role: NatsRole) -> str:
+    return f"{inbox_prefix(role)}.{ANY_REST}"
+
+
+PERMISSIONS: dict[NatsRole, Permissions | None] = {
+    NatsRole.ADMIN: None,
+    NatsRole.GATEWAY: Permissions(
+        publish=(subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, *_declares_request_stream()),
+        subscribe=(subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY)),
+    ),
+    NatsRole.WORKER: Permissions(
+        publish=(
+            subjects.frames(ANY_TOKEN), subjects.RESUMED_REQUESTS, *_declares_request_stream(), *_pulls_requests()
+        ),
+        subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER)),
+    ),
+    NatsRole.DETOKENIZER: Permissions(
+        publish=(subjects.responses(ANY_TOKEN), subjects.STOP),
+        subscribe=(subjects.DETOK_OPEN, subjects.frames(ANY_TOKEN), subjects.CANCEL),
+        allow_responses=True,
+    ),
+}
+
+
+def password_variable(role: NatsRole) -> str:
+    """The environment variable a Kubernetes NATS server reads the role's password from."""
+    return f"SPECMESH_NATS_{role.upper()}_PASSWORD"
+
+
+def authorization_config(passwords: Mapping[NatsRole, str] | None = None) -> str:
+    """nats-server's `authorization` block with one user per role. With `passwords`, each is written as a quoted
+    literal; without, each is `$SPECMESH_NATS_<ROLE>_PASSWORD`, which nats-server reads from its environment."""
+    lines = ["authorization {", "  users: ["]
+    for role in NatsRole:
+        password = json.dumps(passwords[role]) if passwords is not None else f"${password_variable(role)}"
+        lines += ["    {", f"      user: {json.dumps(str(role))}", f"      password: {password}"]
+        permissions = PERMISSIONS[role]
+        if permissions is not None:
+            lines += ["      permissions: {"]
+            lines += _allow_list("publish", permissions.publish) + _allow_list("subscribe", permissions.subscribe)
+            if permissions.allow_responses:
+                lines += ["        allow_responses: true"]
+            lines += ["      }"]
+        lines += ["    }"]
+    return "\n".join(lines + ["  ]", "}"]) + "\n"
+
+
+def _allow_list(direction: str, allowed: tuple[str, ...]) -> list[str]:
+    return [f"        {direction}: {{allow: ["] + [f"          {json.dumps(s)}" for s in allowed] + ["        ]}"]

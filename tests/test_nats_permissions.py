@@ -1,0 +1,194 @@
+"""Least privilege on a real nats-server: anonymous clients are refused, each role's user can play its part of the
+protocol, and no role can publish or read what belongs to another (shared/nats_roles.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Callable
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from shared import subjects
+from shared.nats_roles import PERMISSIONS, SERVICE_ROLES, NatsRole
+from shared.natsutil import PERMISSIONS_VIOLATION, ensure_request_stream
+from shared.schemas import Cancel
+from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
+
+WAIT_S = 5.0
+GATEWAY_ID = "gw-under-test"
+DETOK_ID = "detok-under-test"
+FORGED = b"forged"
+STREAM, CONSUMER = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
+
+# (role, subject): messages each role's user must not be able to publish, and why it matters.
+FORGERIES = [
+    (NatsRole.GATEWAY, subjects.frames(DETOK_ID)),  # text into a client's answer, via the detokenizer
+    (NatsRole.GATEWAY, subjects.responses(GATEWAY_ID)),  # a chunk straight to another gateway's client
+    (NatsRole.GATEWAY, subjects.STOP),
+    (NatsRole.GATEWAY, subjects.RESUMED_REQUESTS),
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.DELETE.{STREAM}"),
+    (NatsRole.GATEWAY, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}"),  # taking requests off the queue
+    (NatsRole.WORKER, subjects.responses(GATEWAY_ID)),  # a chunk on a gateway's reply subject
+    (NatsRole.WORKER, "_INBOX.gateway.forged.reply"),  # an answer to the gateway's DetokOpen
+    (NatsRole.WORKER, subjects.CANCEL),
+    (NatsRole.WORKER, subjects.REQUESTS),
+    (NatsRole.WORKER, subjects.DETOK_OPEN),
+    (NatsRole.WORKER, f"$JS.API.STREAM.PURGE.{STREAM}"),
+    (NatsRole.DETOKENIZER, subjects.CANCEL),  # would close the request at its detokenizer: the client hangs
+    (NatsRole.DETOKENIZER, subjects.REQUESTS),
+    (NatsRole.DETOKENIZER, subjects.RESUMED_REQUESTS),
+    (NatsRole.DETOKENIZER, subjects.DETOK_OPEN),  # "open request" floods that grow other detokenizers
+    (NatsRole.DETOKENIZER, subjects.frames(DETOK_ID)),
+    (NatsRole.DETOKENIZER, "_INBOX.gateway.forged.reply"),  # only in answer to a request it received
+    (NatsRole.DETOKENIZER, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}"),
+]
+# (role, subject): what each role's user must not be able to read.
+EAVESDROPPING = [
+    (NatsRole.GATEWAY, subjects.frames(DETOK_ID)),
+    (NatsRole.GATEWAY, subjects.DETOK_OPEN),
+    (NatsRole.WORKER, subjects.responses(GATEWAY_ID)),
+    (NatsRole.WORKER, subjects.REQUESTS),  # prompts, live: workers get them through the consumer only
+    (NatsRole.WORKER, "_INBOX.gateway.>"),
+    (NatsRole.DETOKENIZER, subjects.responses(GATEWAY_ID)),
+    (NatsRole.DETOKENIZER, subjects.REQUESTS),
+    (NatsRole.DETOKENIZER, "_INBOX.worker.>"),
+]
+
+
+class Errors:
+    """What nats-py reports through error_cb (`record`) for one connection."""
+
+    def __init__(self) -> None:
+        self.reported: list[Exception] = []
+
+    async def record(self, exc: Exception) -> None:
+        self.reported.append(exc)
+
+    @property
+    def violations(self) -> list[str]:
+        return [str(e) for e in self.reported if PERMISSIONS_VIOLATION in str(e).lower()]
+
+
+async def connect_as(server: NatsServer, role: NatsRole, errors: Errors) -> Client:
+    settings = server.settings(role)
+    options = settings.connect_options()
+    return await nats.connect(settings.url, allow_reconnect=False, error_cb=errors.record, **options)
+
+
+@pytest.fixture
+async def connect(nats_server: NatsServer) -> AsyncIterator[Callable]:  # noqa: F811
+    clients: list[Client] = []
+
+    async def connected(role: NatsRole, errors: Errors | None = None) -> Client:
+        clients.append(await connect_as(nats_server, role, Errors() if errors is None else errors))
+        return clients[-1]
+
+    yield connected
+    for client in clients:
+        await client.close()
+
+
+async def test_anonymous_and_wrong_password_connections_are_refused(nats_server: NatsServer) -> None:  # noqa: F811
+    errors = Errors()
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(nats_server.url, allow_reconnect=False, error_cb=errors.record)
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(
+            nats_server.url, allow_reconnect=False, error_cb=errors.record, user="gateway", password="guess"
+        )
+
+
+async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> None:
+    errors = {role: Errors() for role in SERVICE_ROLES}
+    gateway, worker, detok = [await connect(role, errors[role]) for role in SERVICE_ROLES]
+    await ensure_request_stream(gateway.jetstream())
+    await ensure_request_stream(worker.jetstream())
+
+    async def answer_open(msg) -> None:
+        await msg.respond(DETOK_ID.encode())  # allow_responses: the one publish under _INBOX.gateway it may make
+
+    await detok.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=answer_open)
+    frames = await detok.subscribe(subjects.frames(DETOK_ID))
+    detok_cancels = await detok.subscribe(subjects.CANCEL)
+    chunks = await gateway.subscribe(subjects.responses(GATEWAY_ID))
+    worker_cancels = await worker.subscribe(subjects.CANCEL)
+    stops = await worker.subscribe(subjects.STOP)
+    await asyncio.gather(detok.flush(), worker.flush(), gateway.flush())
+
+    assert (await gateway.request(subjects.DETOK_OPEN, b"open", timeout=WAIT_S)).data == DETOK_ID.encode()
+    await gateway.jetstream().publish(subjects.REQUESTS, b"work", timeout=WAIT_S)
+    pulled = await worker.jetstream().pull_subscribe_bind(CONSUMER, STREAM)
+    (msg,) = await pulled.fetch(1, timeout=WAIT_S)
+    await msg.in_progress()
+    await worker.publish(subjects.frames(DETOK_ID), b"frame")
+    assert (await frames.next_msg(WAIT_S)).data == b"frame"
+    await detok.publish(subjects.responses(GATEWAY_ID), b"chunk")
+    assert (await chunks.next_msg(WAIT_S)).data == b"chunk"
+    await detok.publish(subjects.STOP, Cancel(request_id="r", reason="stop_string").to_bytes())
+    assert Cancel.from_bytes((await stops.next_msg(WAIT_S)).data).reason == "stop_string"
+    await gateway.publish(subjects.CANCEL, b"cancel")
+    assert (await worker_cancels.next_msg(WAIT_S)).data == (await detok_cancels.next_msg(WAIT_S)).data == b"cancel"
+    # A stopping worker hands its request back with its progress, then acknowledges the original.
+    await worker.jetstream().publish(subjects.RESUMED_REQUESTS, b"resumed", timeout=WAIT_S)
+    await msg.ack_sync(timeout=WAIT_S)
+    (resumed,) = await pulled.fetch(1, timeout=WAIT_S)
+    assert (resumed.subject, resumed.data) == (subjects.RESUMED_REQUESTS, b"resumed")
+    await resumed.term()
+    await asyncio.gather(detok.flush(), worker.flush(), gateway.flush())
+    assert {role: e.reported for role, e in errors.items()} == {role: [] for role in SERVICE_ROLES}
+
+
+@pytest.mark.parametrize(("role", "subject"), FORGERIES, ids=[f"{r}-publishes-{s}" for r, s in FORGERIES])
+async def test_a_role_cannot_forge_another_roles_messages(connect: Callable, role: NatsRole, subject: str) -> None:
+    watcher = await connect(NatsRole.ADMIN)
+    seen = await watcher.subscribe(subject)
+    await watcher.flush()
+    errors = Errors()
+    forger = await connect(role, errors)
+    await forger.publish(subject, FORGED)
+    # The server handles the publish before the forger's PONG, and sends anything it routed to the watcher before
+    # the watcher's own PONG: after both flushes a delivered message would be there.
+    await forger.flush()
+    await watcher.flush()
+    assert seen.pending_msgs == 0, f"{role} published on {subject}"
+    assert errors.violations == [f'nats: permissions violation for publish to "{subject.lower()}"']  # nats-py lowers
+
+
+@pytest.mark.parametrize(("role", "subject"), EAVESDROPPING, ids=[f"{r}-reads-{s}" for r, s in EAVESDROPPING])
+async def test_a_role_cannot_read_what_is_not_its_own(connect: Callable, role: NatsRole, subject: str) -> None:
+    errors = Errors()
+    reader = await connect(role, errors)
+    heard = await reader.subscribe(subject)
+    await reader.flush()
+    publisher = await connect(NatsRole.ADMIN)
+    await publisher.publish(subject.replace(">", "x"), FORGED)
+    await publisher.flush()
+    await reader.flush()
+    assert heard.pending_msgs == 0, f"{role} read {subject}"
+    assert errors.violations == [f'nats: permissions violation for subscription to "{subject.lower()}"']
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a trailing `>` one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    if want[-1] == ">":
+        return len(have) >= len(want) and all(w in ("*", h) for w, h in zip(want[:-1], have))
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+def test_every_subject_of_the_mesh_has_a_publisher_and_nobody_publishes_outside_them() -> None:
+    """A subject added to shared/subjects.py without a role allowed to publish it would only fail at run time."""
+    used = [value for name, value in vars(subjects).items() if name.isupper() and isinstance(value, str)
+            and value.startswith(f"{subjects.PREFIX}.")]
+    used += [function("x") for _, function in inspect.getmembers(subjects, inspect.isfunction)]
+    for subject in used:
+        publishers = [r for r in SERVICE_ROLES if any(_matches(p, subject) for p in PERMISSIONS[r].publish)]
+        assert publishers, f"no role may publish {subject}"
+    for role in SERVICE_ROLES:
+        for pattern in PERMISSIONS[role].publish:
+            if not pattern.startswith("$JS."):
+                assert any(_matches(pattern, subject) for subject in used), f"{role} may publish {pattern}, unused"
