@@ -4,7 +4,8 @@ k8s/render.py renders each kustomization (the same objects as `kubectl kustomize
 installed). Core objects are validated with kubernetes-validate's strict schemas for KUBERNETES_VERSION; the
 custom resources (Prometheus Operator, KEDA) have no schemas there and are checked against the objects they
 point at. Container command lines are parsed by the services' own argument parsers, and the NATS server
-configuration by the real nats-server.
+configuration by the real nats-server; its users and permissions are shared/nats_roles.py's, and each service
+connects as its own role with that role's password from the Secret.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import yaml
 from services import cli
 from shared import subjects
 from shared.config import SpeculativeConfig
+from shared.nats_roles import NatsRole, authorization_config, password_variable
+from shared.nats_settings import NatsSettings
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 KUSTOMIZATIONS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "cpu-dev": K8S / "overlays" / "cpu-dev"}
@@ -206,14 +209,18 @@ def test_command_lines_parse_with_the_services_own_options(rendered):
     config = config_data(objects)
     nats_service = one(objects, "Service", "specmesh-nats")
     client_port = next(p["port"] for p in nats_service["spec"]["ports"] if p["name"] == "client")
-    credentials = secret_data(one(objects, "Secret", "specmesh-nats"))
+    passwords = secret_data(one(objects, "Secret", "specmesh-nats"))
     for workload, container in specmesh_containers(objects):
         env = container_env(objects, container)
         command, args, _ = parse_command_line([expand(a, env) for a in container["args"]])
         assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == command
         url = urlsplit(args.nats_url)
         assert (url.hostname, url.port) == (nats_service["metadata"]["name"], client_port)
-        assert (url.username, url.password) == (credentials["NATS_USER"], credentials["NATS_PASSWORD"])
+        # Each service is its own NATS user, its password from the environment: none on the command line.
+        role = NatsRole(command)
+        credentials = NatsSettings.from_args(args, role, env).credentials
+        assert (credentials.user, credentials.password.get_secret_value()) == (role, passwords[password_variable(role)])
+        assert url.username is None and not any(p in " ".join(container["args"]) for p in passwords.values())
         assert str(args.model) == config["MODEL_PATH"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         if command == "gateway":
@@ -252,6 +259,7 @@ def test_nats_server_accepts_its_configuration(rendered, tmp_path):
     result = subprocess.run([binary, "-c", str(config_path), "-t"], env=container_env(objects, nats),
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    assert authorization_config() in config_path.read_text(), "the users and permissions of shared/nats_roles.py"
     assert nats["args"] == ["--config", "/etc/nats/nats.conf"]
     assert nats["lifecycle"]["preStop"]["exec"]["command"][:3] == ["nats-server", "--signal", "ldm=/var/run/nats/nats.pid"]
     assert "pid_file: /var/run/nats/nats.pid" in config_path.read_text()
