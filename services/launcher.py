@@ -192,6 +192,8 @@ def run(args: argparse.Namespace) -> None:
             extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port))
             children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
+        if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
+            gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]
         children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env)))
 

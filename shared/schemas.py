@@ -8,9 +8,14 @@ from __future__ import annotations
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.frames import MAX_TOP_K
+
+NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
+MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
+NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
 
 
 class _Message(BaseModel):
@@ -22,6 +27,16 @@ class _Message(BaseModel):
     @classmethod
     def from_bytes(cls, raw: bytes):
         return cls.model_validate(orjson.loads(raw))
+
+
+class SpeculationParams(_Message):
+    """A request's own speculation settings: the API's `speculative` object."""
+
+    # Drafts per step, at most the worker's own setting (the gateway refuses more); None: the worker's setting.
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    # Report this request's drafted and accepted tokens in usage.speculative: the worker sends a DRAFT record for
+    # every step that drafted, which the detokenizer counts.
+    return_stats: bool = False
 
 
 class SamplingParams(_Message):
@@ -36,10 +51,42 @@ class SamplingParams(_Message):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # None: no logprobs; n: the chosen token + top-n
     include_draft_logprobs: bool = False
+    # What changes the target's logits before temperature (services/worker/sampling/penalties.py), and min_p.
+    presence_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(NO_REPETITION_PENALTY, gt=0.0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)  # stop tokens (EOS included unless ignore_eos) are masked before this many
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> added to its logit
+    speculative: SpeculationParams = SpeculationParams()
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float]) -> dict[int, float]:
+        if bad := {t: b for t, b in value.items() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS}:
+            raise ValueError(f"logit_bias values must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty, logit_bias or min_tokens changes this request's logits."""
+        return (
+            self.presence_penalty != NO_PENALTY
+            or self.frequency_penalty != NO_PENALTY
+            or self.repetition_penalty != NO_REPETITION_PENALTY
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+        )
 
 
 class WorkRequest(_Message):
@@ -68,6 +115,7 @@ class DetokOpen(_Message):
     stop: tuple[str, ...] = ()
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     include_draft_logprobs: bool = False
+    speculative_stats: bool = False  # usage.speculative: count the request's DRAFT records
     num_prompt_tokens: int = Field(ge=1)
 
 
@@ -82,10 +130,26 @@ class Cancel(_Message):
     reason: Literal["client_disconnected", "stop_string", "error"]
 
 
+class SpeculativeUsage(_Message):
+    """A request's own speculation summary, `usage.speculative` (with `speculative.return_stats`), in the words of
+    vLLM's per-request spec-decode metrics. Position i is the i-th draft of a step (0-based)."""
+
+    num_spec_steps: int = Field(ge=0)  # steps that verified at least one draft
+    num_draft_tokens: int = Field(ge=0)
+    num_accepted_draft_tokens: int = Field(ge=0)
+    mean_acceptance_length: float  # tokens per speculative step: 1 + accepted / steps (1.0 when none)
+    draft_acceptance_rate: float  # accepted / drafted (0.0 when nothing was drafted)
+    num_draft_tokens_per_position: tuple[int, ...]  # drafts made at position i
+    num_accepted_tokens_per_position: tuple[int, ...]  # of those, the accepted ones
+    acceptance_rate_per_position: tuple[float, ...]  # their ratio
+    acceptance_histogram: tuple[int, ...]  # index j: steps that accepted exactly j drafts
+
+
 class Usage(_Message):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    speculative: SpeculativeUsage | None = None  # only when the request asked (speculative.return_stats)
 
 
 class Chunk(_Message):

@@ -11,6 +11,7 @@ import numpy as np
 
 from services.detokenizer import logprobs
 from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, TokenTable
+from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import StopMatcher
 from shared.frames import NO_TOKEN, FinishReason, Frame, SeqStatus
 from shared.schemas import Chunk, DetokOpen, Usage
@@ -106,6 +107,7 @@ class RequestAssembler:
         self.finished = False
         # Set when this side ended the request while the worker may still be generating for it.
         self.cancel_reason: CancelReason | None = None
+        self.speculation = SpeculationTally() if open_msg.speculative_stats else None
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this step produces, or None when it produced nothing to send yet (or was a duplicate)."""
@@ -114,6 +116,8 @@ class RequestAssembler:
         if problem := self._out_of_order(target) or self._bad_ids(target) or (draft and self._bad_ids(draft)):
             return self.fail(problem)
         self._next_seq_no += 1
+        if draft is not None and self.speculation is not None:
+            self.speculation.observe(draft.num_tokens, draft.num_accepted)
         ids = target.ids
         # A STOP finish means the last token is EOS or a stop token id: counted, never rendered.
         rendered = ids[:-1] if target.finish_reason == FinishReason.STOP and target.finished and ids else ids
@@ -241,4 +245,7 @@ class RequestAssembler:
 
     def _usage(self) -> Usage:
         prompt = self._open.num_prompt_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen,
+            speculative=None if self.speculation is None else self.speculation.usage(),
+        )

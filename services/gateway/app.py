@@ -19,7 +19,7 @@ from services.gateway import metrics
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.router import ChunkRouter
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared.natsutil import ensure_request_stream
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
@@ -36,6 +36,8 @@ class GatewayConfig(BaseModel):
     max_model_len: int = Field(1024, ge=16)
     request_timeout_s: float = Field(600.0, gt=0.0)  # longest silence (no chunk at all) before a request fails
     max_body_bytes: int = Field(4 * MIB, ge=1024)
+    # The workers' --speculative-config: a request may ask for fewer drafts per step than it sets, never more.
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -55,7 +57,10 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex
         self.created = int(time.time())
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
-        self.generator = Generator(nc, tokenizer, self.router, config.served_model_name, config.max_model_len)
+        self.generator = Generator(
+            nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
+            server_drafts=config.speculative.num_drafts,
+        )
         self.readiness = Readiness(nc=nc)
 
     def model_card(self) -> dict:

@@ -32,10 +32,11 @@ from services.gateway.errors import (
     from_validation_error,
     model_not_found,
 )
+from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
 from services.gateway.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
-from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, WorkRequest
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class Generator:
     """Serves POST /v1/completions and POST /v1/chat/completions."""
 
     def __init__(
-        self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int
+        self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
+        *, server_drafts: int,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -106,6 +108,7 @@ class Generator:
         self._router = router
         self._model = served_model_name
         self._max_model_len = max_model_len
+        self._server_drafts = server_drafts  # drafts per step the workers are configured for
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -113,8 +116,12 @@ class Generator:
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
+        check_logit_bias(body, self._tokenizer.vocab_size)
+        check_speculative(body, self._server_drafts)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, api, body)
-        sampling = body.sampling_params(self._max_tokens(api, body, len(prompt_ids)))
+        max_tokens = self._max_tokens(api, body, len(prompt_ids))
+        check_min_tokens(body, max_tokens)
+        sampling = body.sampling_params(max_tokens)
         gen = Generation(api, body, prompt_ids, sampling, started)
         metrics.IN_FLIGHT.inc()
         try:
@@ -194,6 +201,7 @@ class Generator:
             stop=gen.body.stop,
             logprobs=gen.sampling.logprobs,
             include_draft_logprobs=gen.sampling.include_draft_logprobs,
+            speculative_stats=gen.sampling.speculative.return_stats,
             num_prompt_tokens=len(gen.prompt_ids),
         )
         try:
@@ -229,6 +237,8 @@ class Generator:
         include_usage = gen.body.include_usage_in_stream
         if include_usage:
             envelope["usage"] = None
+        # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
+        usage_chunk = include_usage or gen.sampling.speculative.return_stats
         ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
         try:
             if gen.api == "chat":
@@ -240,8 +250,8 @@ class Generator:
                     await response.write(event)
                     continue
                 ending.append(event)
-                if include_usage:
-                    ending.append(sse.event({**envelope, "choices": [], "usage": chunk.usage.model_dump()}))
+                if usage_chunk:
+                    ending.append(sse.event({**envelope, "choices": [], "usage": usage_body(chunk.usage)}))
         except OpenAIError as exc:
             ending.append(sse.event(exc.body()))
         except ConnectionResetError:
@@ -266,9 +276,14 @@ class Generator:
         body = {
             **gen.envelope(self._model, stream=False),
             "choices": [choice],
-            "usage": received[-1].usage.model_dump(),
+            "usage": usage_body(received[-1].usage),
         }
         return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
+
+
+def usage_body(usage: Usage) -> dict:
+    """`usage` as a response shows it: `speculative` only for a request that asked for its summary."""
+    return usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
 
 
 async def _parse(request: web.Request, api: Api) -> ChatCompletionRequest | CompletionRequest:

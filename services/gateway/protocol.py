@@ -8,12 +8,15 @@ silently ignored. Unknown fields are ignored, as the OpenAI API does.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from shared.frames import MAX_TOP_K
-from shared.schemas import SamplingParams
+from shared.schemas import (
+    MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams, SpeculationParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -31,6 +34,26 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+
+
+class SpeculativeOptions(BaseModel):
+    """The request's own `speculative` object (specmesh extension). Unknown keys are refused: a misspelt key that
+    was meant to change how the request is served must not be ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    num_speculative_tokens: int | None = None  # at most the server's own; the gateway checks that
+    return_stats: bool = False  # usage.speculative: this request's drafted and accepted tokens
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _num_drafts(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"num_speculative_tokens must be at least 0, got {value}")
+        return value
+
+
+SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
 
 
 def _refuse_unless_neutral(value: Any, neutral: tuple, what: str) -> Any:
@@ -60,7 +83,11 @@ class _GenerationRequest(_Body):
     include_draft_logprobs: bool = False  # specmesh extension, see docs/api.md
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    min_tokens: int | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias; ids are checked against the vocabulary
+    speculative: SpeculativeOptions | None = None  # specmesh extension
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -86,13 +113,61 @@ class _GenerationRequest(_Body):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _penalty(cls, value: float | None) -> float | None:
-        return _refuse_unless_neutral(value, (None, 0.0), "a non-zero penalty")
+    def _penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(f"{info.field_name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"repetition_penalty must be a finite number greater than 0, got {value}")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {value}")
+        return value
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {value}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, value: dict | None) -> dict | None:
-        return _refuse_unless_neutral(value or None, (None,), "logit_bias")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys must spell token ids; whether each lies inside the vocabulary is the gateway's check."""
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token {key}"
+                )
+        return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if not 0 <= value <= MAX_TOP_K:
+            raise ValueError(
+                f"prompt_logprobs must be in 0..{MAX_TOP_K} (-1, the whole vocabulary, is not supported), got {value}"
+            )
+        if value > 0 and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -117,6 +192,13 @@ class _GenerationRequest(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_draft_logprobs=self.include_draft_logprobs and logprobs is not None,
+            presence_penalty=NO_PENALTY if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=NO_PENALTY if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=NO_REPETITION_PENALTY if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.logit_bias_ids,
+            speculative=SpeculationParams(**(self.speculative.model_dump() if self.speculative else {})),
         )
 
 

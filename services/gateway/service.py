@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared import nats_settings
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds without any output before a request fails"
     )
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help="the workers' speculative config (JSON): requests may ask for fewer drafts per step, never more",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -40,6 +44,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name or Path(args.model).name,
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout,
+        speculative=SpeculativeConfig.from_json(args.speculative_config),
     )
 
 

@@ -37,6 +37,7 @@ from services.worker.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.runner import ModelRunner
 from services.worker.sampling.greedy import greedy_verify
 from services.worker.sampling.logprobs import token_logprobs
+from services.worker.sampling.penalties import LogitPenalties, apply_penalties
 from services.worker.sampling.rejection import VerifyInput, verify
 from services.worker.sampling.sample import process_logits, sample
 from services.worker.scheduler import Scheduler
@@ -175,7 +176,7 @@ class Engine:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
             logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
             fresh_seqs = [seqs[b] for b in fresh]
-            chosen = self._sample(logits, fresh_seqs)
+            chosen = self._sample(self._penalised(logits, fresh_seqs, None, 1), fresh_seqs)
             outputs = self._accept(fresh_seqs, logits[:, None], chosen[:, None], None, None)
         # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module.
         self._catch_up(seqs, hidden, batch.host_query_starts, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
@@ -209,15 +210,26 @@ class Engine:
         if drafts.width == 0:
             # Nothing to verify: plain decoding, every row emits one token.
             target = logits[:, None]
-            output_tokens, num_accepted = self._sample(logits, seqs)[:, None], None
+            output_tokens, num_accepted = self._sample(self._penalised(logits, seqs, None, 1), seqs)[:, None], None
         else:
             # Row j of sequence b, or its last row past its drafts (those rows are never read as emitted).
-            slots = np.minimum(np.arange(drafts.width + 1), drafts.host_counts[:, None])
+            width = drafts.width + 1
+            slots = np.minimum(np.arange(width), drafts.host_counts[:, None])
             target = logits[torch.from_numpy(batch.host_query_starts[:-1, None] + slots).to(device)]  # [B, K+1, V]
-            output_tokens, num_accepted = self._verify(target, drafts, seqs)
+            scores = self._penalised(target.view(-1, target.shape[-1]), seqs, drafts, width).view(target.shape)
+            output_tokens, num_accepted = self._verify(scores, drafts, seqs)
         outputs = self._accept(seqs, target, output_tokens, num_accepted, drafts)
         self._catch_up(seqs, hidden, batch.host_query_starts, [o.tokens for o in outputs], starts)
         return outputs, len(seqs) + drafts.num_tokens
+
+    def _penalised(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: DraftBatch | None, width: int
+    ) -> torch.Tensor:
+        """logits [B * width, vocab] (`width` rows per sequence) under each request's penalties, logit_bias and
+        min_tokens, row j counting the sequence's drafts before it as generated; the same tensor when no request
+        asks. What sampling and verification read; reported logprobs stay those of the raw logits."""
+        draft_tokens = [d.tokens for d in drafts.drafts] if drafts is not None else None
+        return apply_penalties(logits, LogitPenalties.build(seqs, draft_tokens, width, self.vocab_size, logits.device))
 
     def _verify(
         self, target: torch.Tensor, drafts: DraftBatch, seqs: list[Sequence]
@@ -296,6 +308,9 @@ class Engine:
                     if len(draft.tokens) > draft.num_modelled:
                         parts.append(TokenLogprobs.point_masses(draft.tokens[draft.num_modelled :], top_k))
                     out.draft = TokenLogprobs.concat(parts)
+                elif draft.tokens and seq.sampling.speculative.return_stats:
+                    # The DRAFT record the detokenizer counts for usage.speculative: the tokens, nothing computed.
+                    out.draft = TokenLogprobs.tokens_only(draft.tokens, top_k)
                 self._count(seq, len(draft.tokens), n_accepted)
             outputs.append(out)
         return outputs

@@ -61,7 +61,7 @@ class SeqOutput:
     target: TokenLogprobs
     num_accepted: int = 0
     draft_tokens: list[int] = field(default_factory=list)
-    draft: TokenLogprobs | None = None  # only when the request asked for draft logprobs
+    draft: TokenLogprobs | None = None  # when the request asked for draft logprobs (or for its speculation stats)
 
     @property
     def finish_reason(self) -> FinishReason:

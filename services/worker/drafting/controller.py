@@ -1,11 +1,12 @@
 """How many drafts each sequence verifies per step, and the timing state that decision needs.
 
-With a fixed budget every sequence gets num_speculative_tokens (less what it may still emit). With adaptive
-speculation (drafting/adaptive.py) a per-request model picks each request's drafts from its acceptance and the
-measured step cost, and a gate compares measured tokens/s with and without drafts per batch size, so a busy
-worker falls back to plain decoding when drafting does not pay. The gate decides one step ahead: the MTP drafter
-prepares the next step's drafts at the end of this one and must know then whether they will be used; its
-drafting time is charged to the step it serves.
+With a fixed budget every sequence gets num_speculative_tokens, or the lower number its request asked for (0 turns
+speculation off for it), less what it may still emit. With adaptive speculation (drafting/adaptive.py) a
+per-request model picks each request's drafts, never above that cap, from its acceptance and the measured step
+cost, and a gate compares measured tokens/s with and without drafts per batch size, so a busy worker falls back
+to plain decoding when drafting does not pay. The gate decides one step ahead: the MTP drafter prepares the next
+step's drafts at the end of this one and must know then whether they will be used; its drafting time is charged
+to the step it serves.
 
 Plain-Python bookkeeping: the engine reports what happened, the controller answers budgets.
 """
@@ -50,12 +51,15 @@ class SpeculationController:
                     self.adaptive.observe_step(num_rows * width, time.perf_counter() - started)
 
     def budget(self, seq: Sequence, next_step: bool = False) -> int:
-        """Drafts for the sequence's step (this one, or the next for the MTP drafter): at most what it may still
-        emit, less the token verification adds; with adaptive speculation, what its acceptance earns at the
-        current batch size, and none in a step the gate keeps to plain decoding."""
+        """Drafts for the sequence's step (this one, or the next for the MTP drafter): at most the request's own
+        num_speculative_tokens when it set one, and what it may still emit, less the token verification adds; with
+        adaptive speculation, what its acceptance earns at the current batch size, and none in a step the gate keeps
+        to plain decoding."""
         if self.max_drafts == 0 or not (self._speculate_next if next_step else self._speculate):
             return 0
-        budget = min(self.max_drafts, seq.max_new_tokens(self.max_model_len) - 1)
+        own = seq.sampling.speculative.num_speculative_tokens
+        cap = self.max_drafts if own is None else min(own, self.max_drafts)
+        budget = min(cap, seq.max_new_tokens(self.max_model_len) - 1)
         return min(budget, self._chosen.get(seq.request_id, budget))
 
     def begin_step(self, seqs: list[Sequence]) -> None:

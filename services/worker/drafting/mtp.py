@@ -112,14 +112,17 @@ class MtpDrafter:
         """Drafts min(num_steps, budgets[b]) tokens from the module's hidden state at each sequence's last token
         [B, hidden]: step j's draft and hidden state are the module's input at the position after it.
 
-        Draft j is drawn from q (the module's logits under the request's temperature, top-k and top-p) with the
-        noise of (seed, output position of that draft, DRAFT); greedy rows take the argmax.
+        Draft j is drawn from q (the module's logits under the request's temperature, min-p, top-k and top-p) with
+        the noise of (seed, output position of that draft, DRAFT); greedy rows take the argmax. Penalties,
+        logit_bias and min_tokens are left out of q: verification applies them to the target, which keeps the output
+        exact whatever q is, and leaving them out spares the drafter a count of every self-fed draft; a request whose
+        penalties move the target far from the raw model has fewer drafts accepted.
         """
         device = self.runner.device
         num_steps = [min(self.num_steps, b) for b in budgets]
         steps = torch.tensor(num_steps, device=device)
         seeds, out_positions = seeds_positions(seqs, device)
-        temperature, top_k, top_p = sampling_tensors(seqs, device)
+        temperature, top_k, top_p, min_p = sampling_tensors(seqs, device)
         greedy = greedy_mask(seqs, device)
         slots = torch.tensor([s.slot for s in seqs], device=device)
         next_positions = torch.tensor([s.num_tokens for s in seqs], device=device)
@@ -129,7 +132,9 @@ class MtpDrafter:
         hidden = hidden[steps > 0]
         for j in range(max(num_steps, default=0)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
-            q = process_logits(logits, temperature[rows], top_k[rows], top_p[rows])
+            q = process_logits(
+                logits, temperature[rows], top_k[rows], top_p[rows], None if min_p is None else min_p[rows]
+            )
             chosen = sample(q, seeds[rows], out_positions[rows] + j, Purpose.DRAFT)
             # A greedy row's q is one-hot, which says nothing; its logprobs are the module's own distribution.
             report = torch.where(greedy[rows, None], logits, q.log())

@@ -64,8 +64,8 @@ class DeviceNgramProposer:
         slots, positions, values = [], [], []
         for seq in seqs:
             slot = seq.slot
-            if self._owner[slot] != seq.key:  # a new sequence in the slot: its row starts over
-                self._owner[slot], self._synced[slot] = seq.key, 0
+            if self._owner[slot] is not seq:  # a new sequence in the slot: its row starts over
+                self._owner[slot], self._synced[slot] = seq, 0
             start = self._synced[slot]
             new = seq.prompt_ids[start:] + seq.output_ids[max(0, start - len(seq.prompt_ids)) :]
             if new:
@@ -79,5 +79,5 @@ class DeviceNgramProposer:
         self.tokens[staged[0], staged[1]] = staged[2]
 
     def on_finished(self, seq: Sequence) -> None:
-        if seq.slot is not None and self._owner[seq.slot] == seq.key:
+        if seq.slot is not None and self._owner[seq.slot] is seq:
             self._owner[seq.slot] = None

@@ -40,8 +40,11 @@ def _truncation_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
 
 
-def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Probabilities [N, V] after temperature, top-k (0 = off) and top-p; temperature 0 rows are one-hot (greedy).
+def process_logits(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None
+) -> Tensor:
+    """Probabilities [N, V] after temperature, min-p (None: no row asks), top-k (0 = off) and top-p, in vLLM's order;
+    temperature 0 rows are one-hot (greedy).
 
     The sort behind top-k/top-p runs only when some row asks for them (that check syncs with the device).
     """
@@ -49,6 +52,10 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     greedy = temperature == GREEDY_TEMPERATURE
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     scaled = logits / safe_temperature.unsqueeze(1)
+    if min_p is not None:
+        # p < min_p * max p, in logits: scaled < max scaled + log(min_p); log(0) = -inf keeps every token.
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p.to(scaled.dtype)).unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if bool(((top_k > TOP_K_OFF) | (top_p < TOP_P_OFF)).any()):
         scaled = scaled.masked_fill(_truncation_mask(scaled, top_k, top_p), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
