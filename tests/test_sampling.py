@@ -205,3 +205,15 @@ def test_log_of_uniform_is_finite() -> None:
     u = uniform(seeds, seeds, Purpose.SAMPLE, width=64)
     assert bool(torch.isfinite(-torch.log(u)).all())
     assert math.isfinite(float((-torch.log(u)).max()))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_after_temperature() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    temperature, top_k, top_p = _params(2)
+    probs = process_logits(logits, temperature, top_k, top_p, torch.tensor([0.25, 0.0]))
+    # Row 0 keeps the tokens at least 0.25 * 0.5 likely, renormalised; row 1 (min_p 0) keeps all.
+    assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    assert torch.allclose(probs[1], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    # After temperature 2 the tail is flatter: 0.05 ** 0.5 is above a quarter of 0.5 ** 0.5, so it stays.
+    hot = process_logits(logits[:1], torch.tensor([2.0]), top_k[:1], top_p[:1], torch.tensor([0.25]))
+    assert bool((hot > 0).all())

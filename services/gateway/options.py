@@ -1,0 +1,37 @@
+"""Checks of a request's options against what this server serves, which the request models alone cannot know: the
+vocabulary (logit_bias), the generation budget (min_tokens) and the server's speculation setting."""
+
+from __future__ import annotations
+
+from services.gateway.errors import bad_request
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+SPECULATIVE_DRAFTS_PARAM = "speculative.num_speculative_tokens"
+
+
+def check_logit_bias(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
+    """Every biased token id must lie inside the vocabulary; the first one that does not is named."""
+    for token in body.logit_bias_ids:
+        if token >= vocab_size:
+            raise bad_request(
+                f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})", param="logit_bias"
+            )
+
+
+def check_min_tokens(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> None:
+    """min_tokens must fit in the generation budget (the client's max_tokens, or what the gateway chose)."""
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        requested = body.requested_max_tokens
+        budget = f"{requested[0]} ({max_tokens})" if requested else f"the {max_tokens} tokens left for this prompt"
+        raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {budget}", param="min_tokens")
+
+
+def check_speculative(body: ChatCompletionRequest | CompletionRequest, server_drafts: int) -> None:
+    """A request may lower its drafts per step, never raise them above the server's own setting."""
+    own = body.speculative.num_speculative_tokens if body.speculative else None
+    if own is not None and own > server_drafts:
+        raise bad_request(
+            f"{SPECULATIVE_DRAFTS_PARAM} is {own}, above this server's {server_drafts} drafts per step; "
+            f"ask for 0..{server_drafts}",
+            param=SPECULATIVE_DRAFTS_PARAM,
+        )

@@ -1,0 +1,145 @@
+"""What changes a request's target logits before temperature: logit_bias, min_tokens, vLLM's repetition_penalty and
+OpenAI's presence and frequency penalties, in that order (vLLM's), on float32 logits:
+
+    logits[t] += logit_bias[t]
+    logits[s]  = -inf                         for every stop token s while fewer than min_tokens were generated
+    logits[t]  = logits[t] / r if logits[t] > 0 else logits[t] * r    for t in the prompt or the output (r: repetition)
+    logits[t] -= count[t] * frequency + (count[t] > 0) * presence    (count: t among the generated tokens)
+
+They change the target distribution p itself, so speculation must verify against the penalised p of every drafted
+position: the row that scores the token after draft j counts the drafts 0..j-1 as generated, which is exactly the
+history that row's token has if those drafts are accepted (and the rows of rejected drafts are never read). The
+rules of verification then hold for the penalised p as for the raw one: greedy output is the penalised argmax and
+sampled output is distributed as the penalised p, whatever was drafted.
+
+`LogitPenalties.build` gathers the per-row inputs on the host for the rows of requests that ask (None when no row
+does, so a batch without penalties pays nothing); `apply_penalties` is one batched tensor op over those rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shared.schemas import NO_PENALTY, NO_REPETITION_PENALTY
+from services.worker.sequence import Sequence
+
+MASKED = float("-inf")  # the logit of a token min_tokens forbids
+
+
+@dataclass
+class LogitPenalties:
+    """Per-row inputs for the logits rows of the requests that asked for any penalty, logit_bias or min_tokens:
+    R rows, the `width` rows of each of those requests."""
+
+    rows: Tensor  # [R] int64: which rows of the logits these are
+    counts: Tensor | None  # [R, V] float32: generated tokens before each row (drafts before it included)
+    seen: Tensor | None  # [R, V] bool: tokens of the prompt or before the row (None: no row has a repetition penalty)
+    bias: Tensor | None  # [R, V] float32: logit_bias, and -inf at the stop tokens min_tokens still forbids
+    presence: Tensor  # [R]
+    frequency: Tensor  # [R]
+    repetition: Tensor  # [R]
+
+    @classmethod
+    def build(
+        cls, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None, width: int, vocab_size: int, device: torch.device
+    ) -> LogitPenalties | None:
+        """Inputs for logits laid out as `width` consecutive rows per sequence: row j of sequence b scores its
+        output position len(output_ids) + j with drafts[b][:j] as generated (rows past a sequence's drafts count
+        all of them). None when no sequence asks for anything."""
+        asking = [b for b, s in enumerate(seqs) if s.sampling.adjusts_logits]
+        if not asking:
+            return None
+        chosen = [seqs[b] for b in asking]
+        num_drafts = [len(drafts[b]) if drafts else 0 for b in asking]
+        rows = np.add.outer(np.asarray(asking, dtype=np.int64) * width, np.arange(width)).reshape(-1)
+        sampling = [s.sampling for s in chosen]
+        per_row = torch.tensor(
+            [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in sampling], dtype=torch.float32
+        ).repeat_interleave(width, dim=0).to(device)  # [R, 3]
+        wants_counts = any(p.presence_penalty != NO_PENALTY or p.frequency_penalty != NO_PENALTY for p in sampling)
+        wants_seen = any(p.repetition_penalty != NO_REPETITION_PENALTY for p in sampling)
+        counts = seen = None
+        if wants_counts or wants_seen:
+            # Each sequence's output once, widened to its rows, plus the drafts before each row.
+            counts = _counts([s.output_ids for s in chosen], vocab_size, device).repeat_interleave(width, dim=0)
+            prefixes = [drafts[b][: min(j, n)] if n else [] for b, n in zip(asking, num_drafts) for j in range(width)]
+            counts.index_put_(*_pairs(prefixes, device), accumulate=True)
+        if wants_seen:
+            prompt = _counts([s.prompt_ids for s in chosen], vocab_size, device).repeat_interleave(width, dim=0)
+            seen = (prompt + counts) > 0
+        return cls(
+            rows=torch.from_numpy(rows).to(device),
+            counts=counts if wants_counts else None,
+            seen=seen,
+            bias=_bias(chosen, num_drafts, width, vocab_size, device),
+            presence=per_row[:, 0],
+            frequency=per_row[:, 1],
+            repetition=per_row[:, 2],
+        )
+
+
+def apply_penalties(logits: Tensor, penalties: LogitPenalties | None) -> Tensor:
+    """logits [N, V] with the penalties applied to their rows, as a new float32 tensor (the raw logits stay as they
+    are: reported logprobs are of the raw model); the same tensor when there are none."""
+    if penalties is None:
+        return logits
+    adjusted = logits.to(torch.float32, copy=True)
+    rows = adjusted[penalties.rows]  # [R, V]
+    if penalties.bias is not None:
+        rows += penalties.bias
+    if penalties.seen is not None:
+        factor = penalties.repetition.unsqueeze(1)
+        rows = torch.where(penalties.seen, torch.where(rows > 0, rows / factor, rows * factor), rows)
+    if penalties.counts is not None:
+        rows -= penalties.frequency.unsqueeze(1) * penalties.counts
+        rows -= penalties.presence.unsqueeze(1) * (penalties.counts > 0)
+    adjusted[penalties.rows] = rows
+    return adjusted
+
+
+def _pairs(token_rows: list[Seq[int]], device: torch.device) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """The (row index, token id) pairs of token lists, and a one per pair: index_put_'s arguments."""
+    lengths = np.fromiter(map(len, token_rows), dtype=np.int64, count=len(token_rows))
+    tokens = np.fromiter(itertools.chain.from_iterable(token_rows), dtype=np.int64, count=int(lengths.sum()))
+    index = torch.from_numpy(np.stack([np.repeat(np.arange(len(token_rows)), lengths), tokens])).to(device)  # [2, n]
+    return (index[0], index[1]), torch.ones(index.shape[1], dtype=torch.float32, device=device)
+
+
+def _counts(token_rows: list[Seq[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[len(token_rows), V] float32: how often each token occurs in each list."""
+    counts = torch.zeros(len(token_rows), vocab_size, dtype=torch.float32, device=device)
+    return counts.index_put_(*_pairs(token_rows, device), accumulate=True)
+
+
+def _bias(
+    seqs: list[Sequence], num_drafts: list[int], width: int, vocab_size: int, device: torch.device
+) -> Tensor | None:
+    """[R, V] logit_bias of each row, with -inf at the stop tokens of the rows whose output position (the sequence's
+    output plus the drafts before the row) is below min_tokens; None when no row has either. Built from sparse
+    entries, so only the device holds a dense array."""
+    biased: list[tuple[int, int, float]] = []  # (row, token, bias)
+    masked: list[tuple[int, int]] = []  # (row, stop token)
+    for b, (seq, drafted) in enumerate(zip(seqs, num_drafts)):
+        for j in range(width):
+            row = b * width + j
+            biased += [(row, token, value) for token, value in seq.sampling.logit_bias.items()]
+            if len(seq.output_ids) + min(j, drafted) < seq.sampling.min_tokens:
+                masked += [(row, token) for token in seq.stop_ids]
+    if not biased and not masked:
+        return None
+    bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
+    # Two writes, the mask last: a forbidden token stays forbidden whatever its bias (index_put_ gives no order
+    # among duplicate indices of one call on CUDA).
+    for entries, value in ((biased, None), (masked, MASKED)):
+        if entries:
+            columns = list(zip(*entries))
+            index = torch.tensor(columns[:2], dtype=torch.int64).to(device)  # [2, n]
+            values = torch.tensor(columns[2], dtype=torch.float32) if value is None else torch.tensor(value)
+            bias.index_put_((index[0], index[1]), values.to(device))
+    return bias
