@@ -16,9 +16,11 @@ from pathlib import Path
 
 import nats
 import nats.errors
+import openai
 import pytest
 from pydantic import ValidationError
 
+from services.mesh_process import start_mesh
 from shared import nats_settings, subjects
 from shared.nats_credentials import PASSWORD_ENV, USER_ENV, CredentialsError, MeshCredentials, NatsCredentials
 from shared.nats_roles import NatsRole, authorization_config
@@ -185,3 +187,19 @@ def test_specmesh_nats_writes_each_roles_credentials_and_keeps_them(tmp_path: Pa
         finally:
             os.killpg(proc.pid, signal.SIGTERM)  # the server is its child, in the same session
             proc.wait(STOP_TIMEOUT_S)
+
+
+@pytest.mark.e2e
+def test_specmesh_up_on_an_external_server_hands_its_credentials_to_every_service(
+    nats_server: NatsServer, tmp_path: Path  # noqa: F811
+) -> None:
+    """An external server with its own users: `specmesh up --nats-url --nats-credentials` logs every child in."""
+    admin = str(nats_server.credentials_file(NatsRole.ADMIN))
+    mesh = start_mesh(tmp_path, "--nats-url", nats_server.url, "--nats-credentials", admin, "--max-model-len", "256")
+    try:
+        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+        completion = client.completions.create(model=mesh.model, prompt="def", max_tokens=4, temperature=0)
+        assert completion.usage.completion_tokens > 0
+        assert not (tmp_path / "nats").exists(), "no embedded server was started"
+    finally:
+        assert mesh.stop() == 0
