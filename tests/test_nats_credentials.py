@@ -30,6 +30,8 @@ from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixtur
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
+STOP_SIGNALS = 2
+LAME_DUCK_WAIT_S = 1.0
 CERT_DAYS = "1"
 
 
@@ -160,6 +162,19 @@ async def test_tls_options_reach_nats_py(tls_server) -> None:
         await refused("--nats-tls-ca", str(certs / "server.ext"))
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops `specmesh nats` and its server: a first signal may only start the server's lame-duck mode, a second
+    ends it at once."""
+    for _ in range(STOP_SIGNALS):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(LAME_DUCK_WAIT_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait(STOP_TIMEOUT_S)
+
+
 def test_specmesh_nats_writes_each_roles_credentials_and_keeps_them(tmp_path: Path) -> None:
     port, store = free_port(), tmp_path / "store"
 
@@ -185,8 +200,7 @@ def test_specmesh_nats_writes_each_roles_credentials_and_keeps_them(tmp_path: Pa
             assert written in (None, files)
             written = files
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server is its child, in the same session
-            proc.wait(STOP_TIMEOUT_S)
+            _stop(proc)
 
 
 @pytest.mark.e2e
