@@ -1,7 +1,8 @@
 """The figures of the benchmarks. benchmarks/methods.py: tokens/s by method and batch (one panel per temperature)
 above acceptance by draft position (one panel per temperature, counts pooled over batches). benchmarks/speculation.py
 (`plot_mesh`): engine and mesh tokens/s by streams above the mesh's inter-token latency beside the engine's step time
-(one column per prompt set).
+(one column per prompt set). benchmarks/gpu.py (`plot_gpu`): tokens/s by batch per shape beside transformers and the
+weight-read floor, above batch-1 ms/step (one column per context).
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -23,6 +24,7 @@ BASELINE = "naive"  # the dashed line: what a busy worker must not fall below
 BAR_GROUP_WIDTH = 0.8  # fraction of a method's slot that its batch bars fill
 ACCEPTANCE_AXIS_TOP = 1.05  # room above 1.0 so lines of always-accepted drafts stay visible
 FIGURE_SIZE = (14, 9)
+GPU_LINE_STYLES = ("-", ":", "--")  # benchmarks/gpu.py's systems in the order they appear: graphs, eager, transformers
 DPI = 120
 
 
@@ -118,6 +120,49 @@ def plot_mesh(report: dict, path: Path) -> None:
         bottom.set_title(f"latency, {prompts} prompts")
     fig.suptitle(f"engine in-process vs through the mesh on {Path(report['model']).name} ({report['device']}), "
                  f"{report['max_tokens']} tokens per request, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_gpu(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/gpu.py writes) into the PNG at path: per context, tokens/s by batch (one
+    colour per shape: specmesh solid, transformers dashed, the weight-read floor a star at batch 1) above batch-1
+    ms/step per shape (specmesh with graphs, eager, transformers, floor)."""
+    rows, contexts = report["rows"], report["contexts"]
+    colors = {s["shape"]: f"C{i}" for i, s in enumerate(report["shapes"])}
+    floors = {s["shape"]: s["floor"] for s in report["shapes"]}
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, axes = plt.subplots(2, len(contexts), figsize=FIGURE_SIZE, squeeze=False)
+    for col, context in enumerate(contexts):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in rows if r["context"] == context]
+        for name, color in colors.items():
+            for system, style in zip(systems, GPU_LINE_STYLES):
+                points = sorted((r["batch"], r["tokens_per_s"]) for r in mine
+                                if (r["shape"], r["system"]) == (name, system))
+                if len(points) > 1:
+                    top.plot(*zip(*points), linestyle=style, marker="o", color=color, label=f"{name}, {system}")
+            top.plot([1], [floors[name]["tokens_per_s_batch1"]], marker="*", markersize=12, linestyle="none",
+                     color=color, label=f"{name}, weight-read floor")
+        batches = sorted({r["batch"] for r in mine})
+        top.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (higher is better)",
+                title=f"context {context}")
+        top.set_xticks(batches, [str(b) for b in batches])
+        top.legend(fontsize="x-small")
+        names = list(colors)
+        bars = {system: [next((r["ms_per_step"] for r in mine if (r["shape"], r["system"], r["batch"]) ==
+                               (name, system, 1)), float("nan")) for name in names] for system in systems}
+        bars["weight-read floor"] = [floors[name]["ms_per_step"] for name in names]
+        width = BAR_GROUP_WIDTH / len(bars)
+        for i, (label, values) in enumerate(bars.items()):
+            bottom.bar([n + (i - (len(bars) - 1) / 2) * width for n in range(len(names))], values, width, label=label)
+        bottom.set_xticks(range(len(names)), names)
+        bottom.set(yscale="log", ylabel="ms per decode step, batch 1 (lower is better)",
+                   title=f"batch 1, context {context}")
+        bottom.legend(fontsize="small")
+    fig.suptitle(f"plain greedy decoding, {report['dtype']} on {report['device_name']}; transformers: "
+                 f"{report['transformers_mode']}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

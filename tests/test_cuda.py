@@ -2,7 +2,8 @@
 tokens in float32 alone and in a mixed greedy/sampled batch, a seeded sampled request gets the same tokens as on
 the CPU, the fused layer path (RMSNorm + residual, rotary, SiLU-and-mul, KV write kernels) is the one that runs and
 still gives transformers' greedy tokens, and every model-op kernel (those and paged attention) matches its twin on
-real CUDA tensors of a real checkpoint's shape, in float32 and bfloat16."""
+real CUDA tensors of a real checkpoint's shape, in float32 and bfloat16; a dummy 8B shape is drawn straight onto the
+device."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ FUSED_KERNELS = ("_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_kv_
 # Qwen2.5-7B's layer shape: hidden 3584, 28 heads over 4 kv heads of 128, intermediate 18944; 37 tokens.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, TOKENS = 3584, 28, 4, 128, 18944, 37
 EPS = 1e-6
+KIB = 1024
+SERVED_LEN = 4096  # the dummy 8B load's max_model_len
+HOST_SLACK = 1 << 30  # resident host growth allowed while loading 16 GB of weights onto the device
+DEVICE_SLACK = 1 << 28  # device memory beyond the weights: the cos/sin table and the allocator's rounding
 # Relative: float32 sums in another order, rsqrt and exp from other libraries | one bfloat16 ulp.
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
 
@@ -134,3 +139,28 @@ def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> No
     kv_write_launch(got_keys, got_values, slots, k, v)
     write_kv_torch(want_keys, want_values, slots, k, v)
     assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+
+
+def _resident_bytes() -> int:
+    """The process's resident host memory (Linux)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KIB
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def test_a_dummy_8b_shape_is_drawn_on_the_device() -> None:
+    """Llama-3.1-8B's shape in bfloat16 with random weights, loaded as an engine loads it: every weight is drawn on
+    the GPU, none staged on the host (16 GB would show in the process's resident memory), the device holds each
+    weight once, and the cos/sin table has max_model_len rows, built there too."""
+    from benchmarks import shape
+    from services.worker.model.loader import load_model
+
+    torch.zeros(1, device="cuda")  # the CUDA context's own host memory is not the load's
+    torch.cuda.reset_peak_memory_stats()
+    before = _resident_bytes()
+    model = load_model(shape.shape_dir("llama-3.1-8b"), torch.bfloat16, "cuda", "dummy", max_model_len=SERVED_LEN)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _resident_bytes() - before < HOST_SLACK
+    assert torch.cuda.max_memory_allocated() < weights + DEVICE_SLACK
+    assert model.rotary.cos_sin.is_cuda and model.rotary.cos_sin.shape[0] == SERVED_LEN
