@@ -44,7 +44,9 @@ def test_each_request_drafts_at_most_its_own_number(model_dirs, prompts, greedy_
         assert tokens_of(steps, request) == expected
         assert max(len(o.draft_tokens) for o in outs) <= (SERVER_DRAFTS if cap is None else cap)
     drafted = [max(len(o.draft_tokens) for o in outputs_of(steps, r)) for r in requests]
-    assert drafted[-1] == 0 and drafted[-2] == 1 and drafted[0] > 1  # the caps bind, and speculation went on
+    assert drafted[-1] == 0
+    if not adaptive:  # the adaptive gate follows measured step times, so how much it drafts is not fixed
+        assert drafted[-2] == 1 and drafted[0] > 1  # the caps bind, and speculation went on
 
 
 def test_a_request_asking_for_its_summary_gets_a_draft_record_for_every_step_that_drafted(
