@@ -237,7 +237,8 @@ def test_completion_logprobs_and_draft_logprobs_shape(tokenizer, table) -> None:
     assert last.final and text_of(last) == "!" and last.choice["finish_reason"] == "stop"
     assert last.choice["logprobs"]["tokens"] == ["!"]  # the EOS token is counted but gets no entry
     assert last.choice["draft_logprobs"]["tokens"] == []
-    assert last.usage.model_dump() == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 4, "total_tokens": 11}
+    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 4, "total_tokens": 11, "speculative": None}
+    assert last.usage.model_dump() == usage  # no speculation summary unless the request asked for one
 
 
 def test_unused_top_slots_and_impossible_logprobs(tokenizer, table) -> None:
