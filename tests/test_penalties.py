@@ -19,7 +19,7 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,
     prompts, reference_model, run, single_thread, tiny_model_dir, tokens_alone, tokens_of,
 )
-from tests.test_reproducibility import (
+from tests.test_reproducibility import (  # noqa: F401  (looping_prompt is a fixture, used by name)
     CHI_SQUARE_TEMPERATURE, CHI_SQUARE_TOP_K, DISTRIBUTION_MAX_MODEL_LEN, NUM_SEEDS, chi_square_critical,
     chi_square_homogeneity, looping_prompt,
 )
