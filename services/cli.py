@@ -8,8 +8,13 @@ import importlib
 import logging
 import signal
 import sys
+from types import ModuleType
+from typing import NoReturn
 
-# Each service module offers add_arguments(parser) and run(args); importing them lazily keeps
+from services.startup_checks import UsageError
+
+# Each command's module offers add_arguments(parser) and run(args), and may offer resolve_args(args), which checks
+# the options against the model and fills the defaults that depend on it. Importing the modules lazily keeps
 # `specmesh gateway` from loading torch.
 SERVICES = {
     "gateway": "services.gateway.service",
@@ -30,15 +35,67 @@ HELP = {
     "nats": "the embedded NATS server with JetStream",
     "demo-model": "train the embedded demo model (deterministic; CPU)",
 }
+USAGE_ERROR = 2  # argparse's exit status for a command line it refuses
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVEL_HELP = f"logging threshold (default {DEFAULT_LOG_LEVEL}); also accepted before the command"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+class CommandLineParser(argparse.ArgumentParser):
+    """An argparse parser that reports a bad command line in one line on stderr, with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        one_line = " ".join(message.split())
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless the help already speaks of it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def top_parser() -> CommandLineParser:
+    """`specmesh [--log-level L] <command> ...`: the command's own options are left to command_parser, so that
+    `specmesh <command> --help` shows them and only the command's module is imported."""
+    parser = CommandLineParser(
+        prog="specmesh", description=__doc__, epilog="`specmesh <command> --help` lists the options of a command."
+    )
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, help=LOG_LEVEL_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name in COMMANDS:
-        sub.add_parser(name, help=HELP[name])
+        sub.add_parser(name, help=HELP[name], add_help=False)
     return parser
+
+
+def command_parser(command: str, module: ModuleType) -> CommandLineParser:
+    parser = CommandLineParser(
+        prog=f"specmesh {command}", description=HELP[command], formatter_class=DefaultsFormatter
+    )
+    module.add_arguments(parser)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, help=LOG_LEVEL_HELP)
+    return parser
+
+
+def parse(argv: list[str], resolve: bool = True) -> tuple[ModuleType, argparse.Namespace]:
+    """The command's module and its options, exactly as `specmesh argv` would run them. With resolve, the options
+    are also checked against the model (which must then be present); a refusal exits with status 2."""
+    top, rest = top_parser().parse_known_args(argv)
+    module = importlib.import_module(COMMANDS[top.command])
+    parser = command_parser(top.command, module)
+    args = parser.parse_args(rest)
+    args.log_level = args.log_level or top.log_level or DEFAULT_LOG_LEVEL
+    resolve_args = getattr(module, "resolve_args", None)
+    if resolve and resolve_args is not None:
+        try:
+            resolve_args(args)
+        except UsageError as exc:
+            parser.error(str(exc))
+    return module, args
 
 
 async def _run_until_signalled(coro) -> None:
@@ -54,14 +111,8 @@ async def _run_until_signalled(coro) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = _parser()
-    top, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=top.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    module = importlib.import_module(COMMANDS[top.command])
-    sub = argparse.ArgumentParser(prog=f"specmesh {top.command}", description=HELP[top.command])
-    module.add_arguments(sub)
-    args = sub.parse_args(rest)
+    module, args = parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = module.run(args)
     if asyncio.iscoroutine(result):
         asyncio.run(_run_until_signalled(result))

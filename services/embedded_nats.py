@@ -8,21 +8,72 @@ Delete the directory to change them.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+from services.supervisor import STOP_SIGNALS, die_with_parent
 from shared.nats_credentials import MeshCredentials
 from shared.nats_server import credentials_dir, default_store_dir, server_command
 
+LAME_DUCK_SIGNAL = signal.SIGUSR2  # nats-server: take no new clients, close the connected ones gradually, exit
+WAIT_INTERVAL_S = 0.1
+SIGNAL_EXIT_BASE = 128  # a process killed by signal N exits with 128 + N, as shells report it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=4222)
-    parser.add_argument("--store-dir", type=Path, default=default_store_dir())
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=4222, help="client port")
+    parser.add_argument(
+        "--store-dir", type=Path, default=default_store_dir(), help="JetStream store; also holds each role's credentials"
+    )
+    parser.add_argument(
+        "--stop-timeout", type=float, default=45.0,
+        help="seconds the server may spend in lame-duck mode after SIGTERM or SIGINT before it is killed "
+        "(a second signal kills it at once)",
+    )
+
+
+class LameDuckStop:
+    """The first SIGTERM or SIGINT puts the server in lame-duck mode (it closes its clients over its grace period
+    and exits); a second one, or the end of the timeout, kills it. Either way it never outlives `specmesh nats`."""
+
+    def __init__(self, server: subprocess.Popen, timeout_s: float) -> None:
+        self.server = server
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if self.deadline is None:
+            print(f"specmesh nats: lame-duck mode; the server has {self.timeout_s:g}s to close its clients",
+                  file=sys.stderr, flush=True)
+            self.server.send_signal(LAME_DUCK_SIGNAL)
+            self.deadline = time.monotonic() + self.timeout_s
+        else:
+            self.deadline = time.monotonic()
+
+    def wait(self) -> int:
+        """The server's exit status, shell-style (128 + N when a signal ended it)."""
+        while True:
+            try:
+                code = self.server.wait(timeout=WAIT_INTERVAL_S)
+                return code if code >= 0 else SIGNAL_EXIT_BASE - code
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    print("specmesh nats: killing the server", file=sys.stderr, flush=True)
+                    os.killpg(self.server.pid, signal.SIGKILL)
 
 
 def run(args: argparse.Namespace) -> None:
     credentials = MeshCredentials.read_or_generate(credentials_dir(args.store_dir))
     cmd = server_command(args.port, args.store_dir, credentials, args.host)
     print(f"specmesh nats: credentials of each role in {credentials_dir(args.store_dir)}", flush=True)
-    raise SystemExit(subprocess.call(cmd))
+    # Its own session keeps a terminal's Ctrl-C from reaching the server directly, past lame-duck mode.
+    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent)
+    stop = LameDuckStop(server, args.stop_timeout)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop.on_signal)
+    raise SystemExit(stop.wait())

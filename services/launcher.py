@@ -4,17 +4,17 @@ NATS (embedded, unless --nats-url names one), a detokenizer, the workers and a g
 The embedded server gets new passwords at every start, one NATS user per role (shared/nats_roles.py); each child
 receives its role's credentials in its environment. With --nats-url, every child connects with the credentials and
 TLS options given to `specmesh up` (or the URL's own).
-The URL is printed once a one-token completion has travelled the whole path. SIGINT or SIGTERM stops the
-children in reverse order and waits for them, so no process is left behind.
+The URL is printed once a one-token completion has travelled the whole path. From then on a child that exits is
+started again with backoff (services/supervisor.py) and the mesh keeps serving; only a child that crashes more than
+--max-restarts times in a row ends it. SIGINT or SIGTERM stops the services, then NATS, within a few seconds
+(SIGKILL after a grace period), so no process is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +22,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from shared import nats_settings
+from services.gateway import auth
+from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
+from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
+from services.supervisor import (
+    SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
+)
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
@@ -30,28 +38,49 @@ from shared.nats_server import credentials_dir, default_store_dir, free_port, st
 from shared.nats_settings import NatsSettings
 from shared.tokenizer import TOKENIZER_FILE
 
-STOP_GRACE_S = 15.0
-PR_SET_PDEATHSIG = 1  # Linux prctl option: signal the child when its parent dies
+# Stopping takes at most SERVICE_STOP_GRACE_S + NATS_STOP_GRACE_S: a service still draining after its grace is
+# killed (its unfinished requests stay in the work queue), and NATS, stopped last, has no clients left by then.
+SERVICE_STOP_GRACE_S = 2.5
+NATS_STOP_GRACE_S = 1.0
+SUPERVISE_INTERVAL_S = 0.1  # how often the launcher looks for exited children once the mesh is up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="a local Hugging Face checkpoint directory (Llama, Qwen2)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
+    parser.add_argument(
+        "--detokenizers", type=int, default=1, help="detokenizer processes; each request is owned by one of them"
+    )
     nats_settings.add_arguments(
         parser, url_default=None, url_help="use this NATS server instead of starting one (then --nats-credentials and "
         "--nats-tls-* are handed to every service)",
     )
-    parser.add_argument("--nats-port", type=int, default=4222)
-    parser.add_argument("--nats-store-dir", type=Path, default=default_store_dir())
-    parser.add_argument("--speculative-config", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
-    parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
+    parser.add_argument("--nats-port", type=int, default=4222, help="the embedded NATS server's port")
+    parser.add_argument(
+        "--nats-store-dir", type=Path, default=default_store_dir(), help="the embedded NATS server's JetStream store"
+    )
+    parser.add_argument(
+        "--speculative-config", type=speculative_config, default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (README: Speculative decoding)',
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
+        help="sequences each worker batches together",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: no preemption)")
-    parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
+        help="positions per KV-cache block",
+    )
+    parser.add_argument("--device", default="cpu", help="the workers' torch device: cpu or cuda")
     parser.add_argument(
         "--torch-threads", type=int, default=0,
         help="each worker's torch intra-op threads (default 0: torch's own choice, one per core)",
@@ -64,20 +93,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds for the first completion to travel the mesh"
+    )
+    auth.add_arguments(parser)
+    parser.add_argument(
+        "--max-restarts", type=int, default=RestartPolicy.max_restarts,
+        help="restarts in a row of a crashing child (with backoff) before the mesh gives up; 0: any exit ends it",
+    )
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own shutdown still stops every child
+def resolve_args(args: argparse.Namespace) -> None:
+    """The workers must be able to serve the model; --max-model-len defaults to its context length, which the
+    gateway and the workers are then both given."""
+    check_tokenizer_dir(args.model)
+    args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
+    args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
 
 
-def _spawn(service: str, log_level: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "--log-level", log_level, service, *extra]
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+def _spawn(service: str, log_level: str, *extra: str, env: dict[str, str] | None = None) -> Child:
+    cmd = [sys.executable, "-m", "services.cli", service, "--log-level", log_level, *extra]
+    return Child(lambda: subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, env=env))
 
 
 def _child_nats(
@@ -105,9 +141,12 @@ def _refuse_external_only_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} apply to an external NATS server: give --nats-url too")
 
 
-def _probe(url: str, model: str) -> bool:
+def _probe(url: str, model: str, api_keys: tuple[SecretStr, ...]) -> bool:
     body = json.dumps({"model": model, "prompt": "def", "max_tokens": 1}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_keys:
+        headers["Authorization"] = f"Bearer {api_keys[0].get_secret_value()}"
+    req = urllib.request.Request(f"{url}/v1/completions", body, headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status == 200
@@ -115,33 +154,10 @@ def _probe(url: str, model: str) -> bool:
         return False
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop
-
-
-def _stop_all(children: list[tuple[str, subprocess.Popen]]) -> None:
-    """Stops the services together, then NATS, so that they can drain their connections first."""
-    services = [(name, proc) for name, proc in children if name != "nats"]
-    _stop(services)
-    _stop([(name, proc) for name, proc in children if name == "nats"])
-
-
-def _stop(children: list[tuple[str, subprocess.Popen]]) -> None:
-    for _, proc in children:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for name, proc in children:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"specmesh: {name} did not stop in {STOP_GRACE_S}s; killing it", file=sys.stderr)
-            proc.kill()
-            proc.wait()
+def _stop_all(children: list[tuple[str, Child]]) -> None:
+    """Stops the services together, then NATS, so that they can close their connections first."""
+    stop_children([(name, child) for name, child in children if name != "nats"], SERVICE_STOP_GRACE_S)
+    stop_children([(name, child) for name, child in children if name == "nats"], NATS_STOP_GRACE_S)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -149,9 +165,8 @@ def run(args: argparse.Namespace) -> None:
         # The gateway encodes prompts and the detokenizer decodes tokens; only the engine (and its benchmarks)
         # can serve a model directory without a tokenizer, such as a shape from benchmarks/shapes.
         raise SystemExit(f"specmesh: {args.model} has no {TOKENIZER_FILE}: the gateway and detokenizer need one")
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-    children: list[tuple[str, subprocess.Popen]] = []
+    SIGNALS.install()
+    children: list[tuple[str, Child]] = []
     exit_code = 0
     try:
         nats_url = args.nats_url
@@ -159,9 +174,9 @@ def run(args: argparse.Namespace) -> None:
         if nats_url is None:
             _refuse_external_only_options(args)
             credentials = MeshCredentials.generate()
-            nats = start_nats_server(
-                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=_die_with_parent
-            )
+            nats = Child(lambda: start_nats_server(
+                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=die_with_parent
+            ))
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
         nats_of = {role: _child_nats(args, nats_url, credentials, role) for role in SERVICE_ROLES}
@@ -195,10 +210,12 @@ def run(args: argparse.Namespace) -> None:
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]
+        if args.api_keys:  # by environment: a command line is visible to every user of the machine
+            env = {**env, API_KEY_ENV: KEY_SEPARATOR.join(key.get_secret_value() for key in args.api_keys)}
         children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env)))
 
         deadline = time.monotonic() + args.startup_timeout
-        while not _probe(url, Path(args.model).name):
+        while not _probe(url, Path(args.model).name, args.api_keys):
             dead = [name for name, proc in children if proc.poll() is not None]
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited during start-up")
@@ -210,18 +227,16 @@ def run(args: argparse.Namespace) -> None:
             print(f"  metrics of {name}: {metrics_url}", flush=True)
         if credentials is not None:
             print(f"  NATS credentials (one file per role): {credentials_dir(args.nats_store_dir)}", flush=True)
+        supervisor = Supervisor(children, RestartPolicy(max_restarts=args.max_restarts))
         while True:
-            dead = [name for name, proc in children if proc.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{', '.join(dead)} exited; stopping the mesh")
-            time.sleep(0.5)
-    except _Stop:
+            supervisor.check()
+            time.sleep(SUPERVISE_INTERVAL_S)
+    except StopRequested:
         print("specmesh: stopping", flush=True)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # CrashLoopError included
         print(f"specmesh: {exc}", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        SIGNALS.ignore()
         _stop_all(children)
     raise SystemExit(exit_code)

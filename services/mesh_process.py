@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.process_tree import descendants
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_credentials import NatsCredentials, credentials_file
 from shared.nats_roles import NatsRole
@@ -34,6 +35,10 @@ class Mesh:
         """How to reach the mesh's NATS as `role`, with the credentials `specmesh up` generated for it."""
         credentials = NatsCredentials.from_file(credentials_file(credentials_dir(self.nats_store_dir), role))
         return NatsSettings(url=self.nats_url, role=role, credentials=credentials)
+
+    def children(self) -> dict[int, str]:
+        """The processes `specmesh up` runs (and theirs), by pid, with their command lines."""
+        return descendants(self.proc.pid)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

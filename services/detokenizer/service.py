@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.incremental import TokenTable
+from services.startup_checks import check_tokenizer_dir
 from shared import config, nats_settings, natsutil, subjects
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
@@ -178,10 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=config.DEFAULT_MODEL_DIR, help="model directory holding tokenizer.json"
     )
-    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /health and /ready")
     parser.add_argument("--metrics-port", type=int, default=9101, help="/metrics, /health and /ready; 0 picks one")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds open requests may finish on SIGTERM")
     parser.add_argument("--detokenizer-id", default=None, help="names this instance's frames subject (default: random)")
+
+
+def resolve_args(args: argparse.Namespace) -> None:
+    check_tokenizer_dir(args.model)
 
 
 async def run(args: argparse.Namespace) -> None:

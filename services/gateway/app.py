@@ -13,9 +13,10 @@ from pathlib import Path
 
 from aiohttp import web
 from nats.aio.client import Client
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
+from services.gateway.auth import require_api_key
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.router import ChunkRouter
@@ -38,6 +39,7 @@ class GatewayConfig(BaseModel):
     max_body_bytes: int = Field(4 * MIB, ge=1024)
     # The workers' --speculative-config: a request may ask for fewer drafts per step than it sets, never more.
     speculative: SpeculativeConfig = SpeculativeConfig()
+    api_keys: tuple[SecretStr, ...] = ()  # none: no key is asked for
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -109,7 +111,11 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
         )
     gateway = Gateway(config, nc, tokenizer or Tokenizer(config.model_dir))
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[metrics.count_requests, error_middleware]
+        client_max_size=config.max_body_bytes,
+        middlewares=[
+            metrics.count_requests, error_middleware,
+            *([require_api_key(config.api_keys)] if config.api_keys else []),  # before any body is read
+        ],
     )
     app[GATEWAY] = gateway
     app.router.add_post("/v1/completions", gateway.completions)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from aiohttp import web
 
+from services.gateway import auth
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
+from services.startup_checks import check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared import nats_settings
 from shared.nats_roles import NatsRole
@@ -26,16 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nats_settings.add_arguments(parser)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model directory (for the tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=1024, help="prompt + generated tokens, at most")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="prompt + generated tokens, at most (default: the model's max_position_embeddings)",
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds without any output before a request fails"
     )
     parser.add_argument(
-        "--speculative-config", default=None,
+        "--speculative-config", type=speculative_config, default=None,
         help="the workers' speculative config (JSON): requests may ask for fewer drafts per step, never more",
     )
+    auth.add_arguments(parser)
+
+
+def resolve_args(args: argparse.Namespace) -> None:
+    """--max-model-len defaults to the model's context length, and may not exceed it; the API keys are read."""
+    check_tokenizer_dir(args.model)
+    args.max_model_len = resolve_max_model_len(args.max_model_len, context_length(args.model), args.model)
+    args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -45,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
+        api_keys=args.api_keys,
     )
 
 

@@ -26,6 +26,7 @@ from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
 from shared.schemas import SamplingParams, WorkRequest
+from services.startup_checks import servable_max_model_len, speculative_config
 from services.worker.engine import Engine
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
@@ -38,21 +39,37 @@ WARMUP_TOKENS = 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     nats_settings.add_arguments(parser)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default)
-    parser.add_argument("--max-model-len", type=int, default=EngineConfig.model_fields["max_model_len"].default)
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="a local Hugging Face checkpoint directory (Llama, Qwen2)"
+    )
+    parser.add_argument(
+        "--speculative-config", type=speculative_config, default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (README: Speculative decoding)',
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
+        help="sequences batched together",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
+    )
     parser.add_argument(
         "--num-kv-blocks", type=int, default=None,
         help="KV cache blocks (default: enough for max-num-seqs full-length sequences); fewer preempt sequences",
     )
-    parser.add_argument("--block-size", type=int, default=EngineConfig.model_fields["block_size"].default)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
+        help="positions per KV cache block",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
     parser.add_argument(
         "--torch-threads", type=int, default=0,
         help="torch intra-op threads for the engine (default 0: torch's own choice, one per core)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations"
+    )
     parser.add_argument(
         "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
@@ -64,9 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
     )
-    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /health and /ready")
     parser.add_argument("--metrics-port", type=int, default=9100, help="/metrics, /health and /ready; 0 picks one")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests may finish on SIGTERM")
+
+
+def resolve_args(args: argparse.Namespace) -> None:
+    """The engine must be able to serve the model; --max-model-len defaults to its context length."""
+    args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

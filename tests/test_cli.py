@@ -1,0 +1,110 @@
+"""`specmesh`'s command line: every subcommand's --help lists all its options, each with a help string; a bad option
+or model is one line on stderr and exit status 2; --max-model-len defaults to the model's context length."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.startup_checks import MODEL_CONFIG_FILE
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import TOKENIZER_FILE
+
+DEMO_CONTEXT = json.loads((DEFAULT_MODEL_DIR / MODEL_CONFIG_FILE).read_text())["max_position_embeddings"]
+
+
+def _options(command: str) -> list[str]:
+    parser = cli.command_parser(command, importlib.import_module(cli.COMMANDS[command]))
+    return [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_help_lists_every_option_of_the_command_with_its_help(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    parser = cli.command_parser(command, importlib.import_module(cli.COMMANDS[command]))
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    missing = [flag for flag in _options(command) if flag not in shown]
+    assert missing == [] and "--log-level" in shown
+
+
+def test_the_installed_entry_point_shows_a_commands_options() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert all(flag in shown for flag in ("--max-model-len", "--api-key", "--max-restarts", "--nats-port"))
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(argv)
+    assert exit_info.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def unsupported_model(tmp_path: Path) -> Path:
+    shutil.copy(DEFAULT_MODEL_DIR / TOKENIZER_FILE, tmp_path / TOKENIZER_FILE)
+    config = json.loads((DEFAULT_MODEL_DIR / MODEL_CONFIG_FILE).read_text()) | {"architectures": ["MambaForCausalLM"]}
+    (tmp_path / MODEL_CONFIG_FILE).write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["up", "--bogus"], "unrecognized arguments: --bogus"),
+        (["up", "--port", "eighty"], "--port"),
+        (["up", "--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+        (["gateway", "--model", "/no/such/model"], "--model /no/such/model"),
+        (["worker", "--model", str(DEFAULT_MODEL_DIR.parent)], f"no {MODEL_CONFIG_FILE}"),
+        (["up", "--speculative-config", "{not json"], "--speculative-config: not valid JSON"),
+        (["worker", "--speculative-config", '{"method": "eagle"}'], "--speculative-config: method"),
+        (["up", "--max-model-len", str(DEMO_CONTEXT * 2)], f"--max-model-len {DEMO_CONTEXT * 2} exceeds"),
+        (["gateway", "--max-model-len", str(DEMO_CONTEXT + 1)], "max_position_embeddings"),
+        (["nopes"], "invalid choice: 'nopes'"),
+    ],
+)
+def test_a_bad_option_or_model_is_one_line_and_exit_status_2(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert named in _refused(argv, capsys)
+
+
+def test_an_unsupported_model_is_refused_by_name(unsupported_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("up", "worker"):
+        assert "unsupported architecture ['MambaForCausalLM']" in _refused([command, "--model", str(unsupported_model)], capsys)
+
+
+def test_a_refusal_from_the_real_process_is_one_line_without_traceback(tmp_path: Path) -> None:
+    for argv in (["up", "--bogus"], ["up", "--model", str(tmp_path)]):
+        done = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True)
+        assert done.returncode == cli.USAGE_ERROR
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("specmesh up: error:"), done.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "worker", "gateway"])
+def test_max_model_len_defaults_to_the_models_context_length(command: str) -> None:
+    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR)])
+    assert args.max_model_len == DEMO_CONTEXT
+    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR), "--max-model-len", "256"])
+    assert args.max_model_len == 256
+
+
+def test_log_level_is_taken_before_or_after_the_command() -> None:
+    assert cli.parse(["--log-level", "debug", "detokenizer"])[1].log_level == "DEBUG"
+    assert cli.parse(["detokenizer", "--log-level", "warning"])[1].log_level == "WARNING"
+    assert cli.parse(["detokenizer"])[1].log_level == cli.DEFAULT_LOG_LEVEL
