@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> None:
 
         deadline = time.monotonic() + args.startup_timeout
         while not _probe(url, Path(args.model).name, args.api_keys):
+            SIGNALS.check()
             dead = [name for name, proc in children if proc.poll() is not None]
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited during start-up")

@@ -35,7 +35,8 @@ class StopRequested(Exception):
 
 class StopSignals:
     """SIGINT and SIGTERM as StopRequested, raised wherever the launcher is waiting, except while a child is
-    being started: raised there, it could leave a started process unrecorded, so it waits until the start is over."""
+    being started: raised there, it could leave a started process unrecorded. A signal that arrives then is kept
+    for check(), which the launcher's wait loops call once the new child is in their list."""
 
     def __init__(self) -> None:
         self._holding = False
@@ -62,6 +63,9 @@ class StopSignals:
             yield
         finally:
             self._holding = False
+
+    def check(self) -> None:
+        """Raises StopRequested for a signal that arrived while a child was being started."""
         if self._pending:
             self._pending = False
             raise StopRequested
@@ -133,6 +137,7 @@ class Supervisor:
         self.policy = policy
 
     def check(self) -> None:
+        SIGNALS.check()
         now = time.monotonic()
         for name, child in self.children:
             status = child.poll()

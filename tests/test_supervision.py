@@ -20,7 +20,7 @@ import pytest
 
 from services.mesh_process import Mesh, start_mesh
 from services.process_tree import descendants, is_running
-from services.supervisor import Child, CrashLoopError, RestartPolicy, Supervisor
+from services.supervisor import SIGNALS, STOP_SIGNALS, Child, CrashLoopError, RestartPolicy, StopRequested, Supervisor
 from shared.nats_server import free_port, wait_for_port
 from tests.test_e2e import E2E_MODEL
 
@@ -142,6 +142,23 @@ def test_a_crash_loop_is_restarted_with_growing_delays_until_the_limit(caplog: p
     series = [message for message in caplog.messages if "restarting it in" in message]
     assert len(series) == 3 and all(f"(restart {k} in a row" in m for k, m in zip((1, 2, 3), series))
     assert [policy.delay_s(k) for k in (1, 2, 3)] == [0.05, 0.1, 0.1]  # doubling, capped
+
+
+def test_a_stop_signal_during_a_childs_start_waits_until_the_child_is_recorded() -> None:
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    SIGNALS.install()
+    try:
+        with SIGNALS.held():
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, before the block ends
+        with pytest.raises(StopRequested):
+            SIGNALS.check()
+        SIGNALS.check()  # raised once
+        with pytest.raises(StopRequested):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # interrupted: outside a start, the signal raises at once
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_a_child_that_stays_up_starts_a_new_crash_series() -> None:
