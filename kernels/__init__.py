@@ -11,9 +11,10 @@ and kernels/constants.py, the values kernels and twins share, do not import trit
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # importing torch here would load it into every service that reads kernels/constants.py
+    from torch import Tensor
 
 DISABLE_ENV = "SPECMESH_DISABLE_KERNELS"  # set to 1 to run the torch twins on CUDA too (to bisect a kernel bug)
 
@@ -26,4 +27,6 @@ def use_kernel(tensor: Tensor) -> bool:
 def use_inference_kernel(tensor: Tensor) -> bool:
     """Whether a model op (norm, rotary, activation) should launch its kernel: as `use_kernel`, and only while
     autograd records nothing, because the kernels have no backward (a CUDA training step runs the twins)."""
+    import torch
+
     return use_kernel(tensor) and not torch.is_grad_enabled()

@@ -7,8 +7,12 @@ The checks parse the sources with `ast` instead of importing them, so they see i
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
@@ -82,3 +86,11 @@ def test_services_import_kernel_modules_only_inside_functions() -> None:
         if _loads_triton(module)
     ]
     assert offending == [], f"services/ may load only {list(TRITON_FREE_KERNEL_MODULES)} at import time: {offending}"
+
+
+@pytest.mark.parametrize("module", ["services.gateway.app", "services.detokenizer.service", "services.launcher"])
+def test_services_without_a_model_do_not_load_torch(module: str) -> None:
+    """The gateway, the detokenizer and `specmesh up` start (and restart) without torch's import and teardown."""
+    probe = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"importing {module} loads torch\n{result.stderr[-2000:]}"
