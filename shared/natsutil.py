@@ -13,12 +13,15 @@ from nats.js.errors import BadRequestError
 
 from shared import subjects
 from shared.nats_settings import NatsSettings
+from shared.stream_limits import StreamLimits
 from shared.observability import NatsMetrics
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription; past it nats-py drops messages and reports SlowConsumer
 PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refused publish or subscription, any case
+# JetStream API error code: a stream of this name exists with another configuration.
+STREAM_NAME_IN_USE = 10058
 REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this while it works on a request
 
 
@@ -68,18 +71,25 @@ async def connect(settings: NatsSettings, service: str) -> Client:
     return nc
 
 
-async def ensure_request_stream(js: JetStreamContext) -> None:
-    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service."""
+async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
+    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service.
+
+    With `limits` (the gateway's), an existing stream takes them; without, an existing stream keeps its own and a new
+    one gets the defaults (shared/stream_limits.py)."""
     config = StreamConfig(
         name=subjects.REQUEST_STREAM,
         subjects=list(subjects.REQUEST_SUBJECTS),
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
+        **(limits or StreamLimits()).stream_options(),
     )
     try:
         await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    except BadRequestError as exc:
+        if exc.err_code != STREAM_NAME_IN_USE:
+            raise
+        if limits is not None:
+            await js.update_stream(config)
     await js.add_consumer(
         subjects.REQUEST_STREAM,
         ConsumerConfig(

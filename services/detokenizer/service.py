@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.incremental import TokenTable
+from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
 from services.startup_checks import check_tokenizer_dir
 from shared import config, nats_settings, natsutil, subjects
 from shared.nats_roles import NatsRole
@@ -51,6 +52,9 @@ FRAMES = Counter("specmesh_detokenizer_frames", "Frames decoded, by kind", ["kin
 TOKENS = Counter("specmesh_detokenizer_tokens", "Emitted tokens processed (from TARGET records)")
 CHUNKS = Counter("specmesh_detokenizer_chunks", "Chunks sent to gateways")
 ACTIVE = Gauge("specmesh_detokenizer_active_requests", "Requests opened and not yet finished")
+REAPED = Counter(
+    "specmesh_detokenizer_reaped_requests", "Open requests closed after no frame for --idle-request-timeout"
+)
 LAG = Histogram(
     "specmesh_detokenizer_step_to_chunk_lag_seconds",
     "From the end of a worker step (frame header) to its chunks leaving the detokenizer, once per TARGET frame",
@@ -64,8 +68,11 @@ DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 class Detokenizer:
     """The service's state and its message handlers."""
 
-    def __init__(self, nc: Client, table: TokenTable, detok_id: str) -> None:
+    def __init__(
+        self, nc: Client, table: TokenTable, detok_id: str, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    ) -> None:
         self._nc = nc
+        self._idle = IdleRequests(idle_timeout_s)
         self.detok_id = detok_id
         self._table = table
         self._requests: dict[str, RequestAssembler] = {}
@@ -87,8 +94,12 @@ class Detokenizer:
             return
         if opened.request_id in self._requests:
             log.warning("request %s opened twice; keeping the first", opened.request_id)
+        elif opened.request_id in self._closed:
+            # Its Cancel overtook it (the client's subscriptions each have their own queue): nobody awaits its output.
+            log.debug("request %s was cancelled before it opened", opened.request_id)
         else:
             self._requests[opened.request_id] = RequestAssembler(opened, self._table)
+            self._idle.heard(opened.request_id, time.monotonic())
         await msg.respond(DetokReady(detok_id=self.detok_id).to_bytes())
 
     async def on_cancel(self, msg: Msg) -> None:
@@ -100,6 +111,8 @@ class Detokenizer:
             return
         if cancel.request_id in self._requests:
             self._close(cancel.request_id)
+        elif cancel.request_id not in self._closed:
+            self._remember_closed(cancel.request_id)  # its DetokOpen may still be on its way here
 
     async def on_frame(self, msg: Msg) -> None:
         try:
@@ -142,8 +155,10 @@ class Detokenizer:
             LAG.observe(max(0.0, time.time() - frame.sent_at_us / 1e6))
 
     def _known(self, request_id: str) -> bool:
-        """Whether records of this request are wanted; counts those of requests never opened here."""
+        """Whether records of this request are wanted (which keeps it from being reaped); counts those of requests
+        never opened here."""
         if request_id in self._requests:
+            self._idle.heard(request_id, time.monotonic())
             return True
         if request_id not in self._closed:
             UNKNOWN_REQUEST_FRAMES.inc()
@@ -162,6 +177,25 @@ class Detokenizer:
 
     def _close(self, request_id: str) -> None:
         del self._requests[request_id]
+        self._idle.forget(request_id)
+        self._remember_closed(request_id)
+
+    async def reap(self) -> int:
+        """Closes the requests silent for longer than the idle timeout, and stops them at the workers."""
+        silent = self._idle.expired(time.monotonic())
+        for request_id in silent:
+            self._close(request_id)
+            await self._nc.publish(subjects.STOP, Cancel(request_id=request_id, reason="error").to_bytes())
+            log.warning("request %s had no frame for %g s; closed", request_id, self._idle.idle_timeout_s)
+        REAPED.inc(len(silent))
+        return len(silent)
+
+    async def reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._idle.sweep_interval_s)
+            await self.reap()
+
+    def _remember_closed(self, request_id: str) -> None:
         self._closed[request_id] = None
         if len(self._closed) > RECENTLY_CLOSED:
             self._closed.popitem(last=False)
@@ -183,6 +217,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=9101, help="/metrics, /health and /ready; 0 picks one")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds open requests may finish on SIGTERM")
     parser.add_argument("--detokenizer-id", default=None, help="names this instance's frames subject (default: random)")
+    parser.add_argument(
+        "--idle-request-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds an open request may go without a frame before it is closed (keep above the gateway's "
+        "--request-timeout)",
+    )
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -196,10 +235,11 @@ async def run(args: argparse.Namespace) -> None:
     table = TokenTable.from_tokenizer(Tokenizer(args.model))
     nc = await natsutil.connect(NatsSettings.from_args(args, NatsRole.DETOKENIZER), SERVICE)
     readiness.nc = nc
-    detok = Detokenizer(nc, table, args.detokenizer_id or uuid.uuid4().hex[:12])
+    detok = Detokenizer(nc, table, args.detokenizer_id or uuid.uuid4().hex[:12], args.idle_request_timeout)
     await nc.subscribe(subjects.frames(detok.detok_id), cb=detok.on_frame)
     await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
     opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=detok.on_open)
+    reaping = asyncio.create_task(detok.reap_loop())
     try:
         # Subscriptions are registered at the server only once flushed; callers may publish right after.
         await nc.flush()
@@ -213,5 +253,6 @@ async def run(args: argparse.Namespace) -> None:
         while detok.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
     finally:
+        reaping.cancel()
         await nc.drain()
         await http.cleanup()

@@ -7,6 +7,7 @@ bad input is a 4xx naming the parameter when there is one, and only a bug in the
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import orjson
 from aiohttp import web
@@ -22,9 +23,11 @@ NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
 TIMEOUT = "timeout_error"
+RATE_LIMIT = "requests"  # OpenAI's error type for a limit on requests (rather than tokens)
 
 MODEL_NOT_FOUND = "model_not_found"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
 
@@ -41,6 +44,7 @@ class OpenAIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,13 +52,14 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 503 or 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
         metrics.REQUEST_ERRORS.labels(self.type).inc()
-        return web.json_response(self.body(), status=self.status, dumps=_dumps)
+        return web.json_response(self.body(), status=self.status, headers=self.headers, dumps=_dumps)
 
 
 def _dumps(obj: object) -> str:

@@ -40,6 +40,16 @@ REQUEST_ERRORS = Counter("specmesh_gateway_request_errors", "Requests answered w
 PROMPT_TOKENS = Counter("specmesh_gateway_prompt_tokens", "Prompt tokens of finished generation requests")
 COMPLETION_TOKENS = Counter("specmesh_gateway_completion_tokens", "Tokens generated for finished requests")
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
+SEQUENCES_IN_FLIGHT = Gauge(
+    "specmesh_gateway_admitted_sequences", "Sequences (prompts x n) of the requests admitted into the mesh (admission.py)"
+)
+ADMISSION_WAITING = Gauge("specmesh_gateway_admission_waiting", "Requests waiting at the gateway for room in the mesh")
+ADMISSION_REFUSED = Counter(
+    "specmesh_gateway_admission_refused", "Requests refused admission: per_key_limit (429), wait_timeout (503)", ["reason"]
+)
+BODY_REFUSED = Counter(
+    "specmesh_gateway_bodies_refused", "Request bodies refused before parsing: too_large (413), too_slow (408)", ["reason"]
+)
 
 
 @web.middleware

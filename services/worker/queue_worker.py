@@ -109,7 +109,10 @@ class QueueWorker:
                 await asyncio.sleep(CAPACITY_POLL_S)
                 continue
             try:
-                msgs = await psub.fetch(batch=self.capacity, timeout=FETCH_TIMEOUT_S)
+                # One at a time: nats-py's fetch of a batch, once its long poll has received a first message, waits
+                # out the whole timeout for the rest of the batch, which would hold a request that arrives at an
+                # idle worker for up to FETCH_TIMEOUT_S. A message already queued comes back in one round trip.
+                msgs = await psub.fetch(batch=1, timeout=FETCH_TIMEOUT_S)
             except (NatsTimeoutError, asyncio.TimeoutError):
                 msgs = []
             if asyncio.current_task().cancelling():

@@ -1,0 +1,67 @@
+"""Limits on the JetStream work queue, so that a flood of requests is refused at once instead of piling up.
+
+The stream discards *new* messages once a limit is reached: the publish that would cross it fails immediately, and
+the gateway answers that client 503 with Retry-After (services/gateway/generation.py), while every request already
+queued keeps its place. The gateway declares these limits (it is the one service that queues new requests); the
+other services create the stream only if it does not exist yet and never change an existing stream's limits.
+
+A worker that drains hands its unfinished requests back through the same stream; a hand-back refused by a full
+stream stays unacknowledged, and JetStream redelivers it after the consumer's ack_wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from nats.js.api import DiscardPolicy
+from pydantic import BaseModel, ConfigDict, Field
+
+MIB = 1024 * 1024
+DEFAULT_MAX_MSGS = 10_000
+DEFAULT_MAX_BYTES = 1024 * MIB
+# Longer than any request may wait silently at the gateway (its --request-timeout, 600 s by default): a message
+# older than this has no client left. JetStream removes it even while a worker holds it.
+DEFAULT_MAX_AGE_S = 3600.0
+
+
+class StreamLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_msgs: int = Field(DEFAULT_MAX_MSGS, ge=1)  # requests queued or being worked on
+    max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)  # their total size
+    max_age_s: float = Field(DEFAULT_MAX_AGE_S, gt=0.0)  # how long a request may stay in the stream
+
+    def stream_options(self) -> dict[str, object]:
+        """The StreamConfig fields these limits set."""
+        return {
+            "max_msgs": self.max_msgs,
+            "max_bytes": self.max_bytes,
+            "max_age": self.max_age_s,
+            "discard": DiscardPolicy.NEW,
+        }
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StreamLimits":
+        return cls(max_msgs=args.queue_max_msgs, max_bytes=args.queue_max_bytes, max_age_s=args.queue_max_age)
+
+    def command_line(self) -> list[str]:
+        """The options that give these limits to a `specmesh gateway` process."""
+        return [
+            "--queue-max-msgs", str(self.max_msgs), "--queue-max-bytes", str(self.max_bytes),
+            "--queue-max-age", str(self.max_age_s),
+        ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--queue-max-msgs", type=int, default=DEFAULT_MAX_MSGS,
+        help="work queue: the most requests queued or in progress; past it new requests get 503",
+    )
+    parser.add_argument(
+        "--queue-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+        help="work queue: the most bytes of requests stored; past it new requests get 503",
+    )
+    parser.add_argument(
+        "--queue-max-age", type=float, default=DEFAULT_MAX_AGE_S,
+        help="work queue: seconds a request may stay in the stream before JetStream removes it",
+    )
