@@ -2,10 +2,13 @@
 whether the two gave the same result.
 
     python -m benchmarks.kernels [--batches 1 8 64 256] [--vocabs 32000 151936] [--ks 1 3 5] [--reps 10]
+        [--logprobs-batches 1 8 32 64] [--logprobs-top-k 0 20] [--only logprobs ...]
 
 GB/s is nominal: the bytes of the input tensors divided by the time. Verification reads only the rows a request
-needs (it stops at the first rejection), so its figure can exceed what it really moved; logprobs re-reads each
-row once per top-K slot, so its figure understates it. On a machine without CUDA it says so and exits.
+needs (it stops at the first rejection), so its figure can exceed what it really moved; logprobs reads each row
+once more where a chunk may hold a top-K entry (at most top-k chunks of a row), so its figure slightly
+understates it. Logprobs runs at Qwen2.5's 151,936-id vocabulary, one reported row per sequence (a decode step).
+On a machine without CUDA it says so and exits.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from services.worker.sampling.random import Purpose
 from services.worker.sampling.rejection import PAD_TOKEN, VERIFY_STRATEGIES, VerifyInput
 
 WARMUP = 3
-LOGPROBS_TOP_K = 5
+LOGPROBS_VOCAB = 151936  # Qwen2.5's vocabulary
+KERNELS = ("sample", "verify", "logprobs", "ngram")
 NGRAM_CONTEXT = 4096
 NGRAM_ALPHABET = 64  # a small alphabet, so suffixes recur as in code or structured output
 NGRAM_MAX, NGRAM_MIN = 5, 2
@@ -106,17 +110,16 @@ def bench_verify(batches: list[int], vocabs: list[int], ks: list[int], reps: int
                             lambda: verify_torch(inp, "normal", strategy), reps)  # fmt: skip
 
 
-def bench_logprobs(batches: list[int], vocabs: list[int], ks: list[int], reps: int, generator: torch.Generator):
+def bench_logprobs(batches: list[int], top_ks: list[int], reps: int, generator: torch.Generator) -> None:
     from kernels.logprobs import token_logprobs_launch
     from services.worker.sampling.logprobs import token_logprobs_torch
 
-    for vocab in vocabs:
+    for top_k in top_ks:
         for batch in batches:
-            rows = batch * (max(ks) + 1)  # every emitted token of a step with all drafts accepted
-            logits = 4 * torch.randn(rows, vocab, device="cuda", generator=generator)
-            chosen = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
-            args = (logits, chosen, LOGPROBS_TOP_K)
-            _report(f"logprobs/top{LOGPROBS_TOP_K}", f"N={rows} V={vocab}", logits.nbytes,
+            logits = 4 * torch.randn(batch, LOGPROBS_VOCAB, device="cuda", generator=generator)
+            chosen = torch.randint(0, LOGPROBS_VOCAB, (batch,), device="cuda", generator=generator)
+            args = (logits, chosen, top_k)
+            _report(f"logprobs/top{top_k}", f"N={batch} V={LOGPROBS_VOCAB}", logits.nbytes,
                     lambda: token_logprobs_launch(*args), lambda: token_logprobs_torch(*args), reps)  # fmt: skip
 
 
@@ -139,15 +142,22 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 151936])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--logprobs-batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--logprobs-top-k", type=int, nargs="+", default=[0, 20])
+    parser.add_argument("--only", choices=KERNELS, nargs="+", default=list(KERNELS), help="kernels to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.kernels needs a CUDA GPU: the Triton kernels run on CUDA tensors only (torch sees none)")
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
-    bench_sampling(args.batches, args.vocabs, args.reps, generator)
-    bench_verify(args.batches, args.vocabs, args.ks, args.reps, generator)
-    bench_logprobs(args.batches, args.vocabs, args.ks, args.reps, generator)
-    bench_ngram(args.batches, args.ks, args.reps, generator)
+    if "sample" in args.only:
+        bench_sampling(args.batches, args.vocabs, args.reps, generator)
+    if "verify" in args.only:
+        bench_verify(args.batches, args.vocabs, args.ks, args.reps, generator)
+    if "logprobs" in args.only:
+        bench_logprobs(args.logprobs_batches, args.logprobs_top_k, args.reps, generator)
+    if "ngram" in args.only:
+        bench_ngram(args.batches, args.ks, args.reps, generator)
 
 
 if __name__ == "__main__":
