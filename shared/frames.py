@@ -27,6 +27,7 @@ MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
 VERSION = 1
 MAX_TOP_K = 20
 NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
+MAX_RECORD_TOKENS = 2**16 - 1  # a record's num_tokens is a u16
 
 HEADER = np.dtype(
     [
@@ -62,6 +63,7 @@ assert HEADER_STRUCT.size == HEADER.itemsize
 class FrameKind(enum.IntEnum):
     TARGET = 1  # tokens the target model emitted, with the target's logprobs
     DRAFT = 2  # tokens the drafter proposed, with the drafter's logprobs (q)
+    PROMPT = 3  # prompt tokens 1.. with the target's logprobs at the position before each (echo, prompt_logprobs)
 
 
 class SeqStatus(enum.IntEnum):

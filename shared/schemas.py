@@ -46,11 +46,13 @@ class SamplingParams(_Message):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 = whole vocabulary
     seed: int | None = Field(None, ge=0, lt=2**63)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: only the prompt is scored (echo with prompt logprobs), nothing generated
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # None: no logprobs; n: the chosen token + top-n
     include_draft_logprobs: bool = False
+    # None: none; n: each prompt token after the first with its logprob and the top-n at the position before it
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     # What changes the target's logits before temperature (services/worker/sampling/penalties.py), and min_p.
     presence_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -117,6 +119,21 @@ class DetokOpen(_Message):
     include_draft_logprobs: bool = False
     speculative_stats: bool = False  # usage.speculative: count the request's DRAFT records
     num_prompt_tokens: int = Field(ge=1)
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) comes first
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # vLLM's prompt_logprobs: top-n per prompt token
+    prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
+
+    @model_validator(mode="after")
+    def _prompt_when_needed(self) -> "DetokOpen":
+        needed = self.echo or self.prompt_logprobs is not None
+        if needed and len(self.prompt_token_ids) != self.num_prompt_tokens:
+            raise ValueError(
+                f"echo and prompt_logprobs need the {self.num_prompt_tokens} prompt token ids, "
+                f"got {len(self.prompt_token_ids)}"
+            )
+        if not needed and self.prompt_token_ids:
+            raise ValueError("prompt_token_ids are sent only with echo or prompt_logprobs")
+        return self
 
 
 class DetokReady(_Message):

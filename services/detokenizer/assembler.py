@@ -11,6 +11,7 @@ import numpy as np
 
 from services.detokenizer import logprobs
 from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, TokenTable
+from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPart, wants_prompt
 from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import StopMatcher
 from shared.frames import NO_TOKEN, FinishReason, Frame, SeqStatus
@@ -98,6 +99,8 @@ class RequestAssembler:
         self._stop = StopMatcher(open_msg.stop)
         self._top_k = open_msg.logprobs
         self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None
+        self._prompt = PromptAssembler(open_msg, table) if wants_prompt(open_msg) else None
+        self._text_base = 0  # characters of echoed prompt before the generated text
         self._tokens_seen = 0  # tokens of accepted TARGET records, i.e. the output length the worker reported
         self._next_seq_no = 0
         self._held: deque[_Held] = deque()
@@ -113,6 +116,8 @@ class RequestAssembler:
         """The chunk this step produces, or None when it produced nothing to send yet (or was a duplicate)."""
         if self.finished or self._is_duplicate(target):
             return None
+        if self._prompt is not None and not self._prompt.done:
+            return self.fail(self._prompt.missing)
         if problem := self._out_of_order(target) or self._bad_ids(target) or (draft and self._bad_ids(draft)):
             return self.fail(problem)
         self._next_seq_no += 1
@@ -139,6 +144,18 @@ class RequestAssembler:
         if target.finish_reason in FINISH_REASONS:
             return self._emit(released.text, items, FINISH_REASONS[target.finish_reason])
         return self._emit(released.text, items, error=f"the worker ended the request ({target.finish_reason.name})")
+
+    def consume_prompt(self, record: Record | None = None) -> list[Chunk]:
+        """The chunks of the prompt's part (echo, prompt_logprobs) that this PROMPT record, or what is known already,
+        makes ready. Called for every PROMPT record and before every TARGET record: a prompt without scores is known
+        from the start and goes out just before the first generated tokens."""
+        if self.finished:
+            return []
+        if self._prompt is None:
+            return [] if record is None else [self.fail("PROMPT record for a request that asked for no prompt")]
+        if record is not None and (problem := self._prompt.add(record)):
+            return [self.fail(problem)]
+        return [self._emit_prompt(part) for part in self._prompt.take()]
 
     def fail(self, error: str) -> Chunk:
         """Ends the request with an error chunk; text still held back is not sent."""
@@ -181,17 +198,18 @@ class RequestAssembler:
         keep = [i for i, t in enumerate(rendered) if not self._table.is_special(t)]
         if not keep:
             return
-        starts = [step.spans[i][0] for i in keep]
+        starts = [self._text_base + step.spans[i][0] for i in keep]
         made = logprobs.entries(target.token_ids[keep], target.logprobs[keep], self._top_k, starts)
         self._held.extend(_Held(e, *step.spans[i]) for e, i in zip(made, keep))
 
     def _add_drafts(self, target: Record, draft: Record, step: DecodedStep) -> None:
         # A draft stands where the target token of the same position stands; drafts past the first
         # rejected one never got a position, so they share the one where the text diverged from them.
-        starts = [start for start, _ in step.spans]
-        starts += [self._decoder.length] * (target.num_tokens - len(starts))
+        end = self._text_base + self._decoder.length  # where the text stands after this step
+        starts = [self._text_base + start for start, _ in step.spans]
+        starts += [end] * (target.num_tokens - len(starts))
         last = min(target.num_accepted, target.num_tokens - 1)
-        offsets = [starts[min(j, last)] if last >= 0 else self._decoder.length for j in range(draft.num_tokens)]
+        offsets = [starts[min(j, last)] if last >= 0 else end for j in range(draft.num_tokens)]
         accepted = [j < draft.num_accepted for j in range(draft.num_tokens)]
         self._drafts.extend(logprobs.entries(draft.token_ids, draft.logprobs, self._top_k, offsets, accepted))
 
@@ -230,7 +248,19 @@ class RequestAssembler:
         self.finished = final
         return chunk
 
-    def _choice(self, text: str, items: list[logprobs.Entry], finish: str | None) -> dict:
+    def _emit_prompt(self, part: PromptPart) -> Chunk:
+        self._text_base += len(part.text)
+        chunk = Chunk(
+            request_id=self.request_id,
+            seq=self._chunk_seq,
+            choice=self._choice(part.text, part.entries, None, part.prompt_logprobs),
+        )
+        self._chunk_seq += 1
+        return chunk
+
+    def _choice(
+        self, text: str, items: list[logprobs.Entry], finish: str | None, prompt: list[PromptLogprob] | None = None
+    ) -> dict:
         api = self._open.api
         choice: dict = {"index": 0}
         if api == "chat":
@@ -241,6 +271,8 @@ class RequestAssembler:
         choice["finish_reason"] = finish
         if self._want_drafts:
             choice["draft_logprobs"] = logprobs.render(api, self._table, self._drafts, draft=True)
+        if prompt is not None:
+            choice["prompt_logprobs"] = prompt
         return choice
 
     def _usage(self) -> Usage:

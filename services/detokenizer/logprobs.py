@@ -20,9 +20,9 @@ class Entry:
     """One token's logprobs, independent of the API that will show it."""
 
     token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the request's own top-K alternatives, most likely first
-    text_offset: int  # where the token's text starts in the generated text
+    logprob: float | None  # None only for an echoed prompt's first token: nothing comes before it
+    top: tuple[tuple[int, float], ...] | None  # the request's top-K alternatives, most likely first (None: as above)
+    text_offset: int  # where the token's text starts in the choice's text
     accepted: bool | None = None  # drafts only
 
 
@@ -58,7 +58,7 @@ def render(api: Literal["chat", "completion"], table: TokenTable, items: Sequenc
     for e in items:
         tokens.append(table.display(e.token_id)[0])
         token_logprobs.append(e.logprob)
-        top_logprobs.append({table.display(t)[0]: lp for t, lp in e.top})
+        top_logprobs.append(None if e.top is None else {table.display(t)[0]: lp for t, lp in e.top})
         text_offset.append(e.text_offset)
     out = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
     if draft:

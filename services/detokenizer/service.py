@@ -124,6 +124,8 @@ class Detokenizer:
         FRAMES_BY_KIND[frame.kind].inc()
         if frame.kind == FrameKind.DRAFT:
             self._buffer_drafts(frame)
+        elif frame.kind == FrameKind.PROMPT:
+            await self._consume_prompts(frame)
         else:
             await self._consume_targets(frame)
 
@@ -132,6 +134,14 @@ class Detokenizer:
         for request_id, record in frame_records(frame):
             if self._known(request_id):
                 drafts[request_id] = record
+
+    async def _consume_prompts(self, frame: Frame) -> None:
+        """Sends the prompt parts (echo, prompt_logprobs) a PROMPT frame's records complete."""
+        for request_id, record in frame_records(frame):
+            if self._known(request_id):
+                assembler = self._requests[request_id]
+                for chunk in assembler.consume_prompt(record):
+                    await self._send(assembler, chunk)
 
     async def _consume_targets(self, frame: Frame) -> None:
         """Turns a TARGET frame's records into chunks and sends them; metrics are counted once per frame."""
@@ -145,6 +155,8 @@ class Detokenizer:
                 continue
             assembler = self._requests[request_id]
             num_tokens += record.num_tokens
+            for chunk in assembler.consume_prompt():  # a prompt known from the start goes out before its tokens
+                await self._send(assembler, chunk)
             chunk = assembler.consume(record, drafts.get(request_id))
             if chunk is not None:
                 await self._send(assembler, chunk)

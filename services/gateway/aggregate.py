@@ -1,7 +1,8 @@
 """Turns a request's stream of choices (as the detokenizer sends them) into one non-streaming response.
 
 Text is concatenated, and so is every list inside the logprobs objects: chat `{"content": [...]}` and the
-completion arrays `tokens`, `token_logprobs`, `top_logprobs`, `text_offset` (and `accepted` for drafts).
+completion arrays `tokens`, `token_logprobs`, `top_logprobs`, `text_offset` (and `accepted` for drafts), and
+vLLM's `prompt_logprobs` list.
 """
 
 from __future__ import annotations
@@ -54,4 +55,7 @@ def merge_choices(api: Api, chunks: Sequence[Chunk], with_logprobs: bool, with_d
         elif key == "logprobs":
             merged[key] = None
     merged["finish_reason"] = finish_reason
+    prompt_parts = [choice["prompt_logprobs"] for choice in choices if "prompt_logprobs" in choice]
+    if prompt_parts:  # vLLM's prompt_logprobs, sent in parts before the generated tokens
+        merged["prompt_logprobs"] = [entry for part in prompt_parts for entry in part]
     return merged

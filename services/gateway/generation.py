@@ -203,6 +203,9 @@ class Generator:
             include_draft_logprobs=gen.sampling.include_draft_logprobs,
             speculative_stats=gen.sampling.speculative.return_stats,
             num_prompt_tokens=len(gen.prompt_ids),
+            echo=gen.body.echoes_prompt,
+            prompt_logprobs=gen.body.shown_prompt_logprobs,
+            prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
         )
         try:
             reply = await self._nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=DETOK_OPEN_TIMEOUT_S)
@@ -278,6 +281,8 @@ class Generator:
             "choices": [choice],
             "usage": usage_body(received[-1].usage),
         }
+        if gen.api == "chat" and "prompt_logprobs" in choice:  # vLLM puts chat's on the response, not the choice
+            body["prompt_logprobs"] = choice.pop("prompt_logprobs")
         return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
 
 

@@ -81,6 +81,7 @@ class _GenerationRequest(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     include_draft_logprobs: bool = False  # specmesh extension, see docs/api.md
+    prompt_logprobs: int | None = None  # vLLM extension: top alternatives per prompt token
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM extension
@@ -177,6 +178,31 @@ class _GenerationRequest(_Body):
         return value
 
     @property
+    def echoes_prompt(self) -> bool:
+        """Whether the prompt's text (and with logprobs its tokens' entries) comes first: completions' echo."""
+        return False
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        """Top alternatives per echoed prompt token; None: no echoed token has logprobs."""
+        return self.num_logprobs if self.echoes_prompt else None
+
+    @property
+    def shown_prompt_logprobs(self) -> int | None:
+        """vLLM's prompt_logprobs as the response shows them: never in a stream (where vLLM accepts only 0)."""
+        return None if self.stream else self.prompt_logprobs
+
+    @property
+    def shows_prompt(self) -> bool:
+        """Whether the response shows the prompt: echoed, or as prompt_logprobs."""
+        return self.echoes_prompt or self.shown_prompt_logprobs is not None
+
+    @property
+    def prompt_top_k(self) -> int | None:
+        """Top alternatives per prompt token that the worker computes; None: the prompt is not scored."""
+        return max((k for k in (self.echoed_logprobs, self.shown_prompt_logprobs) if k is not None), default=None)
+
+    @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -192,6 +218,7 @@ class _GenerationRequest(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_draft_logprobs=self.include_draft_logprobs and logprobs is not None,
+            prompt_logprobs=self.prompt_top_k,
             presence_penalty=NO_PENALTY if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=NO_PENALTY if self.frequency_penalty is None else self.frequency_penalty,
             repetition_penalty=NO_REPETITION_PENALTY if self.repetition_penalty is None else self.repetition_penalty,
@@ -204,9 +231,9 @@ class _GenerationRequest(_Body):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Any
-    max_tokens: int | None = Field(None, ge=1)
+    echo: bool | None = False  # before max_tokens, whose check reads it
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
-    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -225,10 +252,12 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("batched prompts (a list of prompts) are not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _echo(cls, value: bool | None) -> bool | None:
-        return _refuse_unless_neutral(value, (None, False), "echo")
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens may be 0 only with echo (the prompt alone comes back)")
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -247,6 +276,10 @@ class CompletionRequest(_GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return bool(self.echo)
 
 
 class ChatMessage(_Body):

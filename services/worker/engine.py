@@ -7,7 +7,8 @@
 
 Work is done only for what was asked: greedy rows draw no noise, a step without drafts skips verification,
 logprobs are computed in one call for the rows of the requests that asked, and a step's results reach the host
-in one copy. Randomness is a function of (request seed, output position, purpose) only, so a seeded request
+in one copy (a prefill that scores prompts for echo or prompt_logprobs copies those scores on their own, see
+prompt_logprobs.py). Randomness is a function of (request seed, output position, purpose) only, so a seeded request
 yields the same tokens alone or in any batch (sampling/random.py). A sequence that comes back after preemption
 (or arrives from another worker with output already sent) recomputes its cache up to its last token and then
 decodes like any other, so its output does not change.
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.config import EngineConfig
+from shared.frames import FinishReason
 from shared.schemas import WorkRequest
 from shared.tokenizer import model_eos_ids
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
@@ -34,6 +36,7 @@ from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.host_copy import fetch
 from services.worker.model.loader import load_model
 from services.worker.outputs import EngineStats, SeqOutput, TokenLogprobs
+from services.worker.prompt_logprobs import score_prompts
 from services.worker.runner import ModelRunner
 from services.worker.sampling.greedy import greedy_verify
 from services.worker.sampling.logprobs import token_logprobs
@@ -41,7 +44,7 @@ from services.worker.sampling.penalties import LogitPenalties, apply_penalties
 from services.worker.sampling.rejection import VerifyInput, verify
 from services.worker.sampling.sample import process_logits, sample
 from services.worker.scheduler import Scheduler
-from services.worker.sequence import Sequence
+from services.worker.sequence import Sequence, SeqState
 
 __all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 
@@ -94,7 +97,7 @@ class Engine:
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         if num_tokens >= self.config.max_model_len:
             raise ValueError(f"{num_tokens} tokens leave no room in max_model_len {self.config.max_model_len}")
-        if len(request.output_token_ids) >= sampling.max_tokens:
+        if request.output_token_ids and len(request.output_token_ids) >= sampling.max_tokens:
             raise ValueError(f"{len(request.output_token_ids)} tokens already reach max_tokens {sampling.max_tokens}")
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         if sampling.seed is None:
@@ -167,10 +170,13 @@ class Engine:
         """Computes the cache of admitted sequences in one packed pass. A new one samples its next token here;
         one that already has output is recomputed up to its last token and emits nothing here."""
         rows = [s.token_ids if not s.output_ids else s.token_ids[:-1] for s in seqs]
-        hidden, batch = self.runner.forward(rows, [0] * len(seqs), [s.slot for s in seqs])
+        starts = [0] * len(seqs)
+        hidden, batch = self.runner.forward(rows, starts, [s.slot for s in seqs])
         for seq, row in zip(seqs, rows):
             seq.num_computed = len(row)
-        fresh = [b for b, s in enumerate(seqs) if not s.output_ids]
+        new = [b for b, s in enumerate(seqs) if not s.output_ids]
+        fresh = [b for b in new if seqs[b].sampling.max_tokens > 0]  # these sample their first token now
+        scored_only = [b for b in new if seqs[b].sampling.max_tokens == 0]  # an echoed prompt and nothing more
         outputs = []
         if fresh:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
@@ -178,9 +184,22 @@ class Engine:
             fresh_seqs = [seqs[b] for b in fresh]
             chosen = self._sample(self._penalised(logits, fresh_seqs, None, 1), fresh_seqs)
             outputs = self._accept(fresh_seqs, logits[:, None], chosen[:, None], None, None)
+        outputs += [self._score_only(seqs[b]) for b in scored_only]
+        scored = fresh + scored_only  # in the order of outputs
+        prompts = score_prompts(
+            self.runner, [seqs[b] for b in scored], hidden, batch.host_query_starts[scored], [starts[b] for b in scored]
+        )
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = prompt
         # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module.
         self._catch_up(seqs, hidden, batch.host_query_starts, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
         return outputs
+
+    def _score_only(self, seq: Sequence) -> SeqOutput:
+        """A request with max_tokens 0 (completions' echo) ends with its prefill, having emitted nothing."""
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = FinishReason.LENGTH
+        return SeqOutput(seq, len(seq.output_ids), [], TokenLogprobs.tokens_only([], self._top_k))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of logits [N, vocab]: the argmax for greedy rows, a seeded sample for the others

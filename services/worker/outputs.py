@@ -62,6 +62,7 @@ class SeqOutput:
     num_accepted: int = 0
     draft_tokens: list[int] = field(default_factory=list)
     draft: TokenLogprobs | None = None  # when the request asked for draft logprobs (or for its speculation stats)
+    prompt: TokenLogprobs | None = None  # prompt tokens 1..P-1, in its first prefill only, when the request asked
 
     @property
     def finish_reason(self) -> FinishReason:

@@ -1,19 +1,25 @@
-"""Turns one engine step's outputs into its binary frames: DRAFT first (if any), then TARGET."""
+"""Turns one engine step's outputs into its binary frames: PROMPT first (if any), then DRAFT (if any), then TARGET."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from shared.frames import FrameBuilder, FrameKind, SeqStatus
+from shared.frames import HEADER, MAX_RECORD_TOKENS, RECORD, FrameBuilder, FrameKind, SeqStatus
 from services.worker.engine import SeqOutput
+from services.worker.prompt_logprobs import FIRST_SCORED_TOKEN
 from services.worker.sequence import Sequence
+
+# NATS refuses messages above its max_payload (1 MiB unless configured): a long prompt's scores are split into
+# frames of at most half of that.
+MAX_PROMPT_FRAME_BYTES = 512 * 1024
 
 
 def step_frames(
     outputs: list[SeqOutput], worker_id: int, step: int, preempted: Seq[Sequence] = ()
 ) -> list[bytes]:
-    """Frames of one step, in publishing order. DRAFT goes first so the detokenizer holds a request's drafts
-    when the TARGET record of the same step arrives; it joins them by request id and step.
+    """Frames of one step, in publishing order. PROMPT goes first, so a request's prompt is rendered before its
+    first tokens; DRAFT before TARGET, so the detokenizer holds a request's drafts when the TARGET record of the
+    same step arrives; it joins them by request id and step.
 
     A preempted sequence gets a TARGET record with no tokens and status PREEMPTED at the offset where it will
     continue, so the record count stays gapless while it waits to be recomputed."""
@@ -50,4 +56,40 @@ def step_frames(
             seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), status=SeqStatus.PREEMPTED
         )
         seq.target_seq_no += 1
-    return [b.encode() for b in (draft, target) if len(b)]
+    return prompt_frames(outputs, worker_id, step) + [b.encode() for b in (draft, target) if len(b)]
+
+
+def prompt_rows_per_frame(top_k: int, max_bytes: int = MAX_PROMPT_FRAME_BYTES) -> int:
+    """Prompt tokens one PROMPT frame of this top-K may carry, counting a record per token to be safe."""
+    row_bytes = 8 * (top_k + 1) + 4  # ids and logprobs of every slot, and the rank
+    return min(MAX_RECORD_TOKENS, (max_bytes - HEADER.itemsize) // (RECORD.itemsize + row_bytes))
+
+
+def prompt_frames(
+    outputs: list[SeqOutput], worker_id: int, step: int, max_bytes: int = MAX_PROMPT_FRAME_BYTES
+) -> list[bytes]:
+    """The PROMPT frames of one step: each scored prompt's tokens 1..P-1 in records of consecutive tokens, packed
+    into frames of at most `max_bytes`. A record's `offset` is the index in the prompt of its first token and its
+    `seq_no` counts the request's PROMPT records."""
+    scored = [out for out in outputs if out.prompt is not None]
+    if not scored:
+        return []
+    top_k = max(out.prompt.token_ids.shape[1] for out in scored) - 1
+    per_frame = prompt_rows_per_frame(top_k, max_bytes)
+    frames: list[bytes] = []
+    builder, room = FrameBuilder(FrameKind.PROMPT, worker_id, step, top_k), per_frame
+    for out in scored:
+        prompt, seq_no, start = out.prompt, 0, 0
+        while start < len(prompt.ranks):
+            if not room:
+                frames.append(builder.encode())
+                builder, room = FrameBuilder(FrameKind.PROMPT, worker_id, step, top_k), per_frame
+            rows = slice(start, start + room)
+            builder.add(
+                out.seq.request_id, seq_no=seq_no, offset=FIRST_SCORED_TOKEN + start, token_ids=prompt.token_ids[rows],
+                logprobs=prompt.logprobs[rows], ranks=prompt.ranks[rows],
+            )
+            taken = len(prompt.ranks[rows])
+            start, seq_no, room = start + taken, seq_no + 1, room - taken
+    frames.append(builder.encode())
+    return frames

@@ -1,0 +1,163 @@
+"""echo and prompt logprobs through the whole mesh (real processes, real NATS, the demo model) with the openai client:
+OpenAI's completions echo, vLLM's prompt_logprobs on both endpoints, and lm-eval's loglikelihood requests read as
+lm-eval reads them, every number checked against the model's logprobs computed directly with transformers."""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+import openai
+import pytest
+import torch
+
+from services.detokenizer.incremental import TokenTable
+from services.mesh_process import Mesh, start_mesh
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.e2e
+
+TOLERANCE = 1e-3
+PROMPT = "def read_config(path):\n    with open(path) as f:\n"
+LM_EVAL_SEED = 1234
+# (context, continuation) pairs as an lm-eval loglikelihood task poses them: a likely one and an unlikely one.
+PAIRS = [("import os\nimport sys\nimport", " sys"), ("def add(a, b):\n    return", " banana split")]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "256")
+    yield m
+    assert m.stop() == 0, "".join(m.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """log_softmax of transformers' logits [P-1, vocab] at prompt positions 0..P-2: what token i+1 is scored by."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+
+    return logprobs
+
+
+def check_against(reference_rows: torch.Tensor, prompt: list[int], token_logprobs: list, top_logprobs: list) -> None:
+    """Echo entries of a prompt: the first null, every other the model's logprob of the token and of its top."""
+    assert token_logprobs[0] is None and top_logprobs[0] is None
+    for i, (logprob, top) in enumerate(zip(token_logprobs[1:], top_logprobs[1:])):
+        assert logprob == pytest.approx(reference_rows[i, prompt[i + 1]].item(), abs=TOLERANCE)
+        best = reference_rows[i].topk(len(top)).values.tolist()
+        assert sorted(top.values(), reverse=True) == pytest.approx(best, abs=TOLERANCE)
+
+
+def test_echo_with_logprobs_whole_and_streamed(client, mesh, tokenizer, reference) -> None:
+    prompt = tokenizer.encode(PROMPT)
+    common = dict(model=mesh.model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=8, temperature=0)
+    whole = client.completions.create(**common).choices[0]
+    assert whole.text.startswith(PROMPT) and len(whole.text) > len(PROMPT)
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > len(prompt)
+    rows = reference(prompt)
+    check_against(rows, prompt, lp.token_logprobs[: len(prompt)], lp.top_logprobs[: len(prompt)])
+    assert lp.text_offset[: len(prompt)] == [len(tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
+    assert lp.text_offset[len(prompt)] == len(PROMPT)  # the first generated token starts after the prompt
+    assert "".join(lp.tokens[len(prompt) :]) == whole.text[len(PROMPT) :]
+
+    chunks = list(client.completions.create(stream=True, **common))
+    assert chunks[0].choices[0].text.startswith(PROMPT[:8])
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, mesh, tokenizer) -> None:
+    r = client.completions.create(model=mesh.model, prompt=PROMPT, echo=True, max_tokens=0, logprobs=0)
+    choice = r.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(tokenizer.encode(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tokenizer.encode(PROMPT)), 0)
+    plain = client.completions.create(model=mesh.model, prompt=PROMPT, echo=True, max_tokens=3, temperature=0)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client, mesh, tokenizer, reference) -> None:
+    prompt = tokenizer.encode(PROMPT)
+    r = client.completions.create(
+        model=mesh.model, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
+    shown = r.choices[0].model_extra["prompt_logprobs"]
+    assert r.choices[0].text and not r.choices[0].text.startswith(PROMPT)  # no echo
+    assert len(shown) == len(prompt) and shown[0] is None
+    rows = reference(prompt)
+    table = TokenTable.from_tokenizer(tokenizer)
+    for i, entry in enumerate(shown[1:]):
+        token = prompt[i + 1]
+        assert str(token) in entry and 3 <= len(entry) <= 4  # the top-3, and the prompt token unless among them
+        assert entry[str(token)]["rank"] == int((rows[i] > rows[i, token]).sum()) + 1
+        assert sorted(value["rank"] for value in entry.values())[:3] == [1, 2, 3]
+        for token_id, value in entry.items():
+            assert value["logprob"] == pytest.approx(rows[i, int(token_id)].item(), abs=TOLERANCE)
+            assert value["decoded_token"] == table.display(int(token_id))[0]
+
+    chat = client.chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": "read a config file"}], max_tokens=2,
+        temperature=0, extra_body={"prompt_logprobs": 0},
+    )
+    shown = chat.model_extra["prompt_logprobs"]
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
+    assert len(shown) == chat.usage.prompt_tokens and shown[0] is None and all(len(e) == 1 for e in shown[1:])
+
+
+def lm_eval_parse_logprobs(outputs: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval's LocalCompletionsAPI.parse_logprobs (lm_eval/models/openai_completions.py), restated: the continuation
+    is every echoed token after the context but the generated one; greedy when each is its position's top one."""
+    result = []
+    for choice, ctxlen in zip(sorted(outputs["choices"], key=itemgetter("index")), ctxlens):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        is_greedy = all(logprob == max(top.values()) for logprob, top in zip(token_logprobs, top_logprobs))
+        result.append((sum(token_logprobs), is_greedy))
+    return result
+
+
+def test_lm_eval_loglikelihood_requests_work_unchanged(client, mesh, tokenizer, reference) -> None:
+    """lm-eval's local-completions loglikelihood payload (tokenized requests, a batch of two), read as lm-eval reads
+    it, gives the continuations' log-likelihoods and greediness computed from the model directly."""
+    inputs, ctxlens = [], []
+    for context, continuation in PAIRS:  # lm-eval's tokenization of a pair: the context, then the rest of the whole
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        context_ids = tokenizer.encode(context, add_special_tokens=False)
+        inputs.append(whole)
+        ctxlens.append(len(context_ids))
+    # lm-eval sends its batch as a list of token-id lists; one request per pair until prompt lists are served.
+    payloads = [{"model": mesh.model, "prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                 "seed": LM_EVAL_SEED, "echo": True} for ids in inputs]
+    outputs = [client.completions.create(**payload).model_dump() for payload in payloads]
+    parsed = [lm_eval_parse_logprobs(out, [ctxlen])[0] for out, ctxlen in zip(outputs, ctxlens)]
+
+    for (loglikelihood, is_greedy), ids, ctxlen in zip(parsed, inputs, ctxlens):
+        rows = reference(ids)
+        targets = torch.tensor(ids[ctxlen:])
+        expected = rows[ctxlen - 1 :].gather(1, targets[:, None]).sum().item()
+        assert loglikelihood == pytest.approx(expected, abs=TOLERANCE)
+        assert is_greedy == bool((rows[ctxlen - 1 :].argmax(dim=-1) == targets).all())
+    assert [greedy for _, greedy in parsed] == [True, False]
+
+    # The same with nothing generated (max_tokens 0): every echoed token after the context is the continuation.
+    scored = [client.completions.create(**(payload | {"max_tokens": 0})).model_dump() for payload in payloads]
+    for out, (loglikelihood, _), ctxlen in zip(scored, parsed, ctxlens):
+        choice = out["choices"][0]
+        assert sum(choice["logprobs"]["token_logprobs"][ctxlen:]) == pytest.approx(loglikelihood, abs=1e-5)
