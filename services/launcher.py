@@ -31,6 +31,7 @@ from services.startup_checks import check_tokenizer_dir, servable_max_model_len,
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
 )
+from services.gateway.protocol import DEFAULT_MAX_N
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
@@ -92,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
+    )
+    parser.add_argument(
+        "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds for the first completion to travel the mesh"
@@ -207,6 +211,7 @@ def run(args: argparse.Namespace) -> None:
             extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port))
             children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
+        gateway_args += ["--max-n", str(args.max_n)]
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]

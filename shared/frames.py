@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
-VERSION = 1
+VERSION = 2  # 2: records carry a choice index where version 1 had padding
 MAX_TOP_K = 20
 NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
 MAX_RECORD_TOKENS = 2**16 - 1  # a record's num_tokens is a u16
+MAX_CHOICES = 2**16  # a record's choice index is a u16
 
 HEADER = np.dtype(
     [
@@ -51,7 +52,7 @@ RECORD = np.dtype(
         ("num_accepted", "<u2"),  # drafts accepted this step (TARGET: of the emitted tokens; DRAFT: of the drafted)
         ("status", "u1"),
         ("finish_reason", "u1"),
-        ("_pad", "V2"),
+        ("choice", "<u2"),  # which of the request's n choices the record belongs to
     ]
 )
 assert HEADER.itemsize == 32 and RECORD.itemsize == 32
@@ -180,6 +181,7 @@ class FrameBuilder:
         num_accepted: int = 0,
         status: SeqStatus = SeqStatus.RUNNING,
         finish_reason: FinishReason = FinishReason.NONE,
+        choice: int = 0,
     ) -> None:
         num_slots = self.top_k + 1
         n = len(ranks)
@@ -189,7 +191,7 @@ class FrameBuilder:
                 f"got {token_ids.shape} and {logprobs.shape}"
             )
         self._records.append(
-            (request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, int(status), int(finish_reason), b"")
+            (request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, int(status), int(finish_reason), choice)
         )
         self._token_ids.append(np.asarray(token_ids, dtype="<i4"))
         self._logprobs.append(np.asarray(logprobs, dtype="<f4"))
@@ -203,12 +205,13 @@ class FrameBuilder:
         offset: int,
         status: SeqStatus,
         finish_reason: FinishReason = FinishReason.NONE,
+        choice: int = 0,
     ) -> None:
-        """A record with no tokens: only the request's new status (preempted, or finished without output)."""
+        """A record with no tokens: only the choice's new status (preempted, or finished without output)."""
         no_tokens = np.empty((0, self.top_k + 1))
         self.add(
             request_id, seq_no=seq_no, offset=offset, token_ids=no_tokens, logprobs=no_tokens, ranks=np.empty(0),
-            status=status, finish_reason=finish_reason,
+            status=status, finish_reason=finish_reason, choice=choice,
         )
 
     def encode(self) -> bytes:

@@ -10,7 +10,7 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.frames import MAX_TOP_K
+from shared.frames import MAX_CHOICES, MAX_TOP_K
 
 NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
 MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
@@ -91,21 +91,46 @@ class SamplingParams(_Message):
         )
 
 
-class WorkRequest(_Message):
-    """gateway -> worker. `output_token_ids` holds tokens already streamed, so another worker can resume.
+class ChoiceProgress(_Message):
+    """Where one unfinished choice of a handed-back request stands."""
 
-    A worker that must leave before a request finishes re-queues it with its progress: the tokens so far,
-    the next record number and the seed it drew, so that the next worker continues the same output.
+    index: int = Field(ge=0)
+    output_token_ids: tuple[int, ...] = ()  # tokens already streamed
+    next_seq_no: int = Field(0, ge=0)  # seq_no of the choice's next TARGET record
+
+
+class WorkRequest(_Message):
+    """gateway -> worker: one prompt and its `n` choices, run on one worker so that they share its prefill.
+
+    A worker that must leave before a request finishes re-queues it with its progress: each unfinished choice's
+    tokens so far and next record number (`progress`), and the seed it drew, so that the next worker continues the
+    same output. Choice i samples with shared.seeds.choice_seed(sampling.seed, i).
     """
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
-    output_token_ids: tuple[int, ...] = ()
-    next_seq_no: int = Field(0, ge=0)  # seq_no of the next TARGET record: non-zero when a request resumes
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    progress: tuple[ChoiceProgress, ...] = ()  # a resumed request's unfinished choices; empty: all n from the start
     # The detokenizer that owns this request's output (set by the gateway; empty only for in-process use).
     detok_id: str = Field("", pattern=r"^[0-9a-zA-Z_-]{0,64}$")
     sampling: SamplingParams
     created: float
+
+    @model_validator(mode="after")
+    def _progress_names_choices(self) -> "WorkRequest":
+        indices = [p.index for p in self.progress]
+        if len(set(indices)) != len(indices) or any(i >= self.n for i in indices):
+            raise ValueError(f"progress must name distinct choices below n={self.n}, got {indices}")
+        return self
+
+    def choices(self) -> tuple[ChoiceProgress, ...]:
+        """The choices to run and where each starts."""
+        return self.progress or tuple(ChoiceProgress(index=i) for i in range(self.n))
+
+    @property
+    def num_choices(self) -> int:
+        """How many choices are to run: all n, or a resumed request's unfinished ones."""
+        return len(self.progress) or self.n
 
 
 class DetokOpen(_Message):
@@ -119,6 +144,9 @@ class DetokOpen(_Message):
     include_draft_logprobs: bool = False
     speculative_stats: bool = False  # usage.speculative: count the request's DRAFT records
     num_prompt_tokens: int = Field(ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each assembled on its own (records carry the choice index)
+    return_token_ids: bool = False  # each chunk's choice lists the token ids it covers (vLLM's `token_ids`)
+    tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) comes first
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # vLLM's prompt_logprobs: top-n per prompt token
     prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
@@ -145,6 +173,7 @@ class DetokReady(_Message):
 class Cancel(_Message):
     request_id: str
     reason: Literal["client_disconnected", "stop_string", "error"]
+    choice: int | None = Field(None, ge=0)  # None: every choice of the request; else that one only
 
 
 class SpeculativeUsage(_Message):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -33,6 +34,15 @@ def _bytes_to_unicode() -> dict[str, int]:
 
 def _token_content(value: str | dict | None) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_exception(message: str) -> None:
+    """What Hugging Face chat templates call to refuse a conversation (e.g. roles that do not alternate)."""
+    raise TemplateError(message)
+
+
+class FinalMessageNotFound(ValueError):
+    """continue_final_message: the rendered chat does not contain the final message's content as written."""
 
 
 def config_eos_ids(model_dir: Path) -> frozenset[int]:
@@ -87,17 +97,31 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Renders the chat and encodes it; the template places special tokens itself."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
+        """Renders the chat and encodes it; the template places special tokens itself. With continue_final_message
+        the text ends right after the final message's content (no end-of-turn marks), as Hugging Face cuts it.
+        Raises jinja2's TemplateError when the template refuses the messages."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
         text = env.from_string(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            end = text.rfind(final)
+            if not final or end < 0:
+                raise FinalMessageNotFound(
+                    "continue_final_message: the chat template does not render the final message's content as "
+                    "written, so there is no place to continue it from"
+                )
+            text = text[: end + len(final)]
         return self.encode(text, add_special_tokens=False)
 
     @cached_property

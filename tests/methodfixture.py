@@ -18,7 +18,7 @@ import torch
 
 from services.worker.engine import Engine, SeqOutput
 from shared.config import EngineConfig, SpeculativeConfig
-from shared.schemas import SamplingParams, WorkRequest
+from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.mtpfixture import mtp_model_dirs  # noqa: F401
@@ -143,9 +143,10 @@ def make_engine(model_dir: Path, method: Method, **overrides) -> Engine:
 
 def make_request(prompt: list[int], output_token_ids: Sequence[int] = (), **sampling) -> WorkRequest:
     """A request under a fresh id; output_token_ids are tokens already emitted, for a request that resumes."""
+    progress = (ChoiceProgress(index=0, output_token_ids=tuple(output_token_ids)),) if output_token_ids else ()
     return WorkRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, output_token_ids=output_token_ids,
-        sampling=SamplingParams(**sampling), created=0.0,
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, progress=progress, sampling=SamplingParams(**sampling),
+        created=0.0,
     )
 
 
@@ -171,7 +172,7 @@ def outputs_of(steps: Steps, request: WorkRequest) -> list[SeqOutput]:
 
 def tokens_of(steps: Steps, request: WorkRequest) -> list[int]:
     """The request's emitted tokens, checking that each step's offset continues where the last one ended."""
-    offset = len(request.output_token_ids)
+    offset = len(request.choices()[0].output_token_ids)
     tokens: list[int] = []
     for out in outputs_of(steps, request):
         assert out.offset == offset

@@ -191,3 +191,31 @@ def test_the_only_sequence_that_does_not_fit_preempts_itself() -> None:
     assert scheduler.reserve() == [newer]
     assert scheduler.running == [older]
     assert scheduler.blocks.num_free == 3
+
+
+def test_shared_blocks_return_to_the_pool_when_their_last_owner_frees_them() -> None:
+    blocks = _manager(4)
+    blocks.allocate(0, 10)  # blocks 0, 1, 2: one is left
+    assert not blocks.can_allocate(1, 10) and blocks.can_allocate(1, 10, num_shared=2)
+    blocks.share(1, 0, 2)
+    blocks.allocate(1, 10)
+    assert blocks.table(1) == [0, 1, 3] and blocks.num_used == 4
+    blocks.free(0)
+    assert blocks.num_used == 3 and blocks.table(1) == [0, 1, 3]  # 0 and 1 are slot 1's now
+    blocks.free(1)
+    assert blocks.num_used == 0
+    with pytest.raises(RuntimeError):
+        blocks.share(2, 1, 1)  # slot 1 holds nothing to share
+
+
+def test_choices_admitted_together_share_all_but_the_block_of_the_last_prompt_token() -> None:
+    scheduler = Scheduler(max_num_seqs=3, blocks=_manager(8))
+    choices = [_seq("req", 9) for _ in range(3)]  # 9 tokens: 2 full blocks before the block of the last one
+    for choice, seq in enumerate(choices):
+        seq.choice = choice
+        scheduler.add(seq)
+    assert scheduler.admit() == choices
+    tables = [scheduler.blocks.table(seq.slot) for seq in choices]
+    assert all(table[:2] == tables[0][:2] for table in tables) and len({t[2] for t in tables}) == 3
+    assert [seq.num_computed for seq in choices] == [0, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE]
+    assert scheduler.blocks.num_used == 5  # 3 blocks, and 1 more for each other choice

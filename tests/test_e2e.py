@@ -160,8 +160,8 @@ def test_bad_requests_get_openai_error_bodies(client: openai.OpenAI, mesh: Mesh)
         client.completions.create(model=mesh.model, prompt="x", temperature=3)
     assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": "x"}], n=2)
-    assert err.value.body["param"] == "n"
+        client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": "x"}], n=17)
+    assert err.value.body["param"] == "n"  # above the default --max-n
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x")
 

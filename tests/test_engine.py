@@ -137,7 +137,7 @@ def test_context_length_bounds_drafts_and_finishes_with_length(tiny_model_dir) -
     """Drafts stop short of max_model_len: each step drafts at most what the context leaves, less the bonus token."""
     max_model_len = 600  # 513 tokens after prefill, 6 per step, then 3 left: room for 2 drafts
     engine, prompt = _full_draft_engine(tiny_model_dir, max_model_len)
-    seq = engine.add_request(make_request(prompt, max_tokens=max_model_len, **GREEDY))
+    [seq] = engine.add_request(make_request(prompt, max_tokens=max_model_len, **GREEDY))
     room: list[int] = []
     while engine.has_work():
         room.append(seq.max_new_tokens(max_model_len))
@@ -190,15 +190,15 @@ def test_abort_frees_the_slot_for_a_waiting_request(tiny_model_dir, prompts, gre
         engine.add_request(request)
     for _ in range(3):
         engine.step()
-    assert engine.abort(never_runs.request_id).finish_reason is FinishReason.ABORT
-    aborted = engine.abort(doomed.request_id)
+    assert [s.finish_reason for s in engine.abort(never_runs.request_id)] == [FinishReason.ABORT]
+    [aborted] = engine.abort(doomed.request_id)
     assert aborted.finish_reason is FinishReason.ABORT
     steps = run(engine, {})
     assert outputs_of(steps, doomed) == [] and outputs_of(steps, never_runs) == []
     assert aborted.slot is None
     # The waiting request reuses the slot full of the aborted one's stale keys and values.
     assert tokens_of(steps, waiting) == greedy_reference(prompts[0], 20)
-    assert engine.abort(uuid.uuid4().hex) is None
+    assert engine.abort(uuid.uuid4().hex) == []
 
 
 def _reference_logprobs(reference, prompt: list[int], output: list[int]) -> torch.Tensor:

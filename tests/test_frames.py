@@ -23,7 +23,7 @@ from shared.frames import (
     TruncatedFrame,
     UnsupportedVersion,
 )
-from shared.schemas import SamplingParams, WorkRequest
+from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from services.worker.queue_worker import _abort_frame
 
 RNG_SEED = 7
@@ -164,10 +164,11 @@ def test_unknown_status_or_finish_reason() -> None:
 
 def test_a_refused_resumed_request_finishes_where_its_records_stand() -> None:
     resumed = WorkRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=(1, 2), output_token_ids=(3, 4, 5), next_seq_no=2,
+        request_id=uuid.uuid4().hex, prompt_token_ids=(1, 2), n=2,
+        progress=(ChoiceProgress(index=1, output_token_ids=(3, 4, 5), next_seq_no=2),),
         sampling=SamplingParams(max_tokens=3), detok_id="d", created=0.0,
     )
     ((request_id, rec, token_ids, _, _),) = frames.decode(_abort_frame([resumed], 1, 9)).rows()
     assert request_id == resumed.request_id and len(token_ids) == 0
-    assert (int(rec["seq_no"]), int(rec["offset"])) == (2, 3)
+    assert (int(rec["seq_no"]), int(rec["offset"]), int(rec["choice"])) == (2, 3, 1)
     assert (rec["status"], rec["finish_reason"]) == (SeqStatus.FINISHED, FinishReason.ABORT)

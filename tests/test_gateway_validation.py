@@ -6,11 +6,17 @@ stdlib files (fixtures in gatewayfixture.py), and the real `openai` client.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from tests.gatewayfixture import MAX_MODEL_LEN, MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_server
+from tests.gatewayfixture import (
+    MAX_MODEL_LEN, MODEL, VOCAB_SIZE, NatsServer, client, gateway, model_dir, nats_server, start_gateway,
+)
 
 __all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
 
@@ -47,8 +53,9 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
-        ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
+        ({"seed": 2**63}, "seed"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 2}}, "prompt_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -58,8 +65,12 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.[0].role"),
+        ({"messages": [{"role": "", "content": "hi"}]}, "messages.[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.[0].content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"top_k": -2}}, "top_k"),
     ],
 )
@@ -73,7 +84,7 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
     ("kwargs", "param"),
     [
         ({"logprobs": 21}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"echo": "yes"}, "echo"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
@@ -81,10 +92,12 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
         ({"best_of": 2}, "best_of"),
         ({"suffix": "end"}, "suffix"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
-        ({"prompt": ["one", "two"]}, "prompt"),
-        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": ["one", [1, 2]]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": [["one"]]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, VOCAB_SIZE + 5]}, "prompt"),
+        ({"prompt": [[1], [1, VOCAB_SIZE + 5]]}, "prompt.[1]"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ""}, "stop"),
         ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
@@ -173,3 +186,37 @@ async def test_health_and_metrics(gateway: TestServer) -> None:
             assert response.status == 200
             text = await response.text()
     assert 'specmesh_gateway_requests_total{endpoint="/health",status="200"}' in text
+
+
+async def test_error_messages_name_the_parameter_and_the_bad_value(client: openai.AsyncOpenAI) -> None:
+    temperature = await _chat_error(client, temperature=2.5)
+    assert "'temperature'" in temperature.body["message"] and "2.5" in temperature.body["message"]
+    n = await _completion_error(client, n=17)
+    assert "got 17" in n.body["message"] and "--max-n" in n.body["message"]
+    part = await _chat_error(client, messages=[{"role": "user", "content": [{"type": "input_audio"}]}])
+    assert "input_audio" in part.body["message"]
+
+
+# Refuses roles it does not know, the way Hugging Face templates do.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}{{ m['content'] }}{% endfor %}"
+)
+
+
+async def test_what_the_chat_template_cannot_render_is_a_400_naming_the_error(
+    nats_server: NatsServer, model_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    strict = tmp_path / "strict"
+    shutil.copytree(model_dir, strict)
+    config = json.loads((strict / "tokenizer_config.json").read_text())
+    (strict / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": STRICT_TEMPLATE}))
+    server, nc = await start_gateway(nats_server, strict)
+    try:
+        async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:
+            exc = await _chat_error(c, messages=[{"role": "tool", "content": "3"}])
+    finally:
+        await server.close()
+        await nc.drain()
+    _check_error(exc, 400, "messages")
+    assert "TemplateError: roles must be system, user or assistant" in exc.body["message"]

@@ -83,7 +83,7 @@ def _one_running_one_waiting() -> tuple[Scheduler, Sequence, Sequence]:
 
 def test_abort_of_a_waiting_sequence_removes_it_from_the_queue() -> None:
     scheduler, running, waiting = _one_running_one_waiting()
-    assert scheduler.abort(waiting.request_id) is waiting
+    assert scheduler.abort(waiting.request_id) == [waiting]
     assert waiting.is_finished and waiting.finish_reason is FinishReason.ABORT
     assert list(scheduler.waiting) == []
     assert scheduler.running == [running]
@@ -93,17 +93,17 @@ def test_abort_of_a_waiting_sequence_removes_it_from_the_queue() -> None:
 def test_abort_of_a_running_sequence_frees_its_slot_at_release() -> None:
     scheduler, running, waiting = _one_running_one_waiting()
     slot = running.slot
-    assert scheduler.abort(running.request_id) is running
+    assert scheduler.abort(running.request_id) == [running]
     assert running.is_finished and running.finish_reason is FinishReason.ABORT
     assert scheduler.release_finished() == [running]
     assert scheduler.admit() == [waiting]
     assert waiting.slot == slot
 
 
-def test_abort_of_an_unknown_request_returns_none() -> None:
+def test_abort_of_an_unknown_request_returns_nothing() -> None:
     scheduler = Scheduler(max_num_seqs=1)
     scheduler.add(_seq("a"))
-    assert scheduler.abort("f" * 32) is None
+    assert scheduler.abort("f" * 32) == []
     assert scheduler.num_unfinished == 1
 
 

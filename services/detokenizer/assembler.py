@@ -39,6 +39,7 @@ class Record:
     logprobs: np.ndarray  # [n, num_slots]
     ranks: np.ndarray  # [n]
     ids: list[int]  # token_ids[:, 0] as Python ints: the record's tokens
+    choice: int = 0  # which of the request's choices
 
     @classmethod
     def from_row(cls, rec: np.void, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> "Record":
@@ -52,6 +53,7 @@ class Record:
             logprobs,
             ranks,
             token_ids[:, 0].tolist(),
+            int(rec["choice"]),
         )
 
     @property
@@ -68,12 +70,12 @@ def frame_records(frame: Frame) -> Iterator[tuple[str, Record]]:
     all records become Python values in one conversion each, instead of one numpy access per field and record."""
     tokens = frame.token_ids[:, 0].tolist()
     start = 0
-    for raw_id, seq_no, offset, num_tokens, num_accepted, status, finish_reason, _ in frame.records.tolist():
+    for raw_id, seq_no, offset, num_tokens, num_accepted, status, finish_reason, choice in frame.records.tolist():
         end = start + num_tokens
         rows = slice(start, end)
         yield raw_id.hex(), Record(
             seq_no, offset, num_accepted, _STATUSES[status], _FINISH_REASONS[finish_reason],
-            frame.token_ids[rows], frame.logprobs[rows], frame.ranks[rows], tokens[start:end],
+            frame.token_ids[rows], frame.logprobs[rows], frame.ranks[rows], tokens[start:end], choice,
         )
         start = end
 
@@ -88,10 +90,12 @@ class _Held:
 
 
 class RequestAssembler:
-    """Consumes a request's TARGET records in order (each with the DRAFT record of its step) into chunks."""
+    """Consumes one choice's TARGET records in order (each with the DRAFT record of its step) into chunks; a request
+    with several choices has one per choice (services/detokenizer/choices.py)."""
 
-    def __init__(self, open_msg: DetokOpen, table: TokenTable) -> None:
+    def __init__(self, open_msg: DetokOpen, table: TokenTable, choice: int = 0) -> None:
         self.request_id = open_msg.request_id
+        self.choice = choice
         self.reply_subject = open_msg.reply_subject
         self._open = open_msg
         self._table = table
@@ -106,6 +110,7 @@ class RequestAssembler:
         self._held: deque[_Held] = deque()
         self._drafts: list[logprobs.Entry] = []  # drafted tokens of the steps since the last chunk
         self._unsent_tokens = 0  # tokens consumed since the last chunk
+        self._unsent_ids: list[int] = []  # their ids, kept when the request asked for them
         self._chunk_seq = 0
         self.finished = False
         # Set when this side ended the request while the worker may still be generating for it.
@@ -133,10 +138,10 @@ class RequestAssembler:
         released = self._stop.feed(step.text, final=target.finished)
         if released.match is not None:
             completing = next((i for i, (_, end) in enumerate(step.spans) if end >= released.match.end), len(ids) - 1)
-            self._count(completing + 1)
+            self._count(ids[: completing + 1])
             self.cancel_reason = "stop_string"
             return self._emit(released.text, self._release_before(released.match.start), STOP_STRING_FINISH)
-        self._count(len(ids))
+        self._count(ids)
         if not target.finished:
             return self._emit(released.text, self._release_settled())
         items = [h.entry for h in self._held]
@@ -188,9 +193,16 @@ class RequestAssembler:
             bad = any(not (0 <= t < vocab or t == NO_TOKEN) for row in top for t in row)
         return f"token id outside the vocabulary of {vocab} in record seq_no {record.seq_no}" if bad else None
 
-    def _count(self, num_tokens: int) -> None:
-        self._tokens_seen += num_tokens
-        self._unsent_tokens += num_tokens
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens of this choice consumed so far: its completion_tokens."""
+        return self._tokens_seen
+
+    def _count(self, ids: list[int]) -> None:
+        self._tokens_seen += len(ids)
+        self._unsent_tokens += len(ids)
+        if self._open.return_token_ids:
+            self._unsent_ids += ids
 
     def _hold_entries(self, target: Record, rendered: list[int], step: DecodedStep) -> None:
         if self._top_k is None:
@@ -244,6 +256,7 @@ class RequestAssembler:
         )
         self._chunk_seq += 1
         self._unsent_tokens = 0
+        self._unsent_ids = []
         self._drafts = []
         self.finished = final
         return chunk
@@ -262,15 +275,20 @@ class RequestAssembler:
         self, text: str, items: list[logprobs.Entry], finish: str | None, prompt: list[PromptLogprob] | None = None
     ) -> dict:
         api = self._open.api
-        choice: dict = {"index": 0}
+        choice: dict = {"index": self.choice}
         if api == "chat":
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["text"] = text
-        choice["logprobs"] = None if self._top_k is None else logprobs.render(api, self._table, items, draft=False)
+        as_ids = self._open.tokens_as_token_ids
+        choice["logprobs"] = (
+            None if self._top_k is None else logprobs.render(api, self._table, items, draft=False, as_ids=as_ids)
+        )
         choice["finish_reason"] = finish
         if self._want_drafts:
-            choice["draft_logprobs"] = logprobs.render(api, self._table, self._drafts, draft=True)
+            choice["draft_logprobs"] = logprobs.render(api, self._table, self._drafts, draft=True, as_ids=as_ids)
+        if self._open.return_token_ids:
+            choice["token_ids"] = self._unsent_ids
         if prompt is not None:
             choice["prompt_logprobs"] = prompt
         return choice

@@ -13,6 +13,7 @@ from services.detokenizer.incremental import TokenTable
 from shared.frames import NO_TOKEN
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for log(0): JSON has no -inf
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids spelling of a token
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,30 @@ def entries(
     return out
 
 
-def render(api: Literal["chat", "completion"], table: TokenTable, items: Sequence[Entry], draft: bool) -> dict:
-    """The `logprobs` (or `draft_logprobs`) object of a choice; drafts add whether each was accepted."""
+def _display(table: TokenTable, token_id: int, as_ids: bool) -> tuple[str, list[int]]:
+    """(the token's name, its bytes): its text, or "token_id:<id>" when the request asked for ids."""
+    text, raw = table.display(token_id)
+    return (f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else text), raw
+
+
+def render(
+    api: Literal["chat", "completion"], table: TokenTable, items: Sequence[Entry], draft: bool, as_ids: bool = False
+) -> dict:
+    """The `logprobs` (or `draft_logprobs`) object of a choice; drafts add whether each was accepted.
+
+    A completions entry without alternatives (`logprobs: 0`) lists its own token in `top_logprobs`, as OpenAI and
+    vLLM do; chat's `top_logprobs` stays empty then."""
     if api == "chat":
-        return {"content": [_chat_entry(table, e, draft) for e in items]}
+        return {"content": [_chat_entry(table, e, draft, as_ids) for e in items]}
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for e in items:
-        tokens.append(table.display(e.token_id)[0])
+        tokens.append(_display(table, e.token_id, as_ids)[0])
         token_logprobs.append(e.logprob)
-        top_logprobs.append(None if e.top is None else {table.display(t)[0]: lp for t, lp in e.top})
+        if e.top is None:
+            top_logprobs.append(None)
+        else:
+            top = e.top or ((e.token_id, e.logprob),)
+            top_logprobs.append({_display(table, t, as_ids)[0]: lp for t, lp in top})
         text_offset.append(e.text_offset)
     out = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
     if draft:
@@ -66,11 +82,11 @@ def render(api: Literal["chat", "completion"], table: TokenTable, items: Sequenc
     return out
 
 
-def _chat_entry(table: TokenTable, e: Entry, draft: bool) -> dict:
-    token, raw = table.display(e.token_id)
+def _chat_entry(table: TokenTable, e: Entry, draft: bool, as_ids: bool) -> dict:
+    token, raw = _display(table, e.token_id, as_ids)
     entry = {"token": token, "logprob": e.logprob, "bytes": raw, "top_logprobs": []}
     for t, lp in e.top:
-        alt, alt_raw = table.display(t)
+        alt, alt_raw = _display(table, t, as_ids)
         entry["top_logprobs"].append({"token": alt, "logprob": lp, "bytes": alt_raw})
     if draft:
         entry["accepted"] = bool(e.accepted)

@@ -1,6 +1,6 @@
 """The detokenizer service: frames from workers in, OpenAI-shaped chunks to the owning gateway out.
 
-It keeps one RequestAssembler per open request. Workers publish a step's DRAFT frame before its TARGET
+It keeps one RequestChoices (a RequestAssembler per choice) per open request. Workers publish a step's DRAFT frame before its TARGET
 frame; DRAFT records wait here until the TARGET frame of the same worker and step arrives, and are
 joined to TARGET records by request id, never by position.
 """
@@ -21,7 +21,8 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from services.detokenizer.assembler import Record, RequestAssembler, frame_records
+from services.detokenizer.assembler import Record, frame_records
+from services.detokenizer.choices import RequestChoices
 from services.detokenizer.incremental import TokenTable
 from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
 from services.startup_checks import check_tokenizer_dir
@@ -75,9 +76,9 @@ class Detokenizer:
         self._idle = IdleRequests(idle_timeout_s)
         self.detok_id = detok_id
         self._table = table
-        self._requests: dict[str, RequestAssembler] = {}
+        self._requests: dict[str, RequestChoices] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
-        self._drafts: dict[DraftKey, dict[str, Record]] = {}
+        self._drafts: dict[DraftKey, dict[tuple[str, int], Record]] = {}  # by (request id, choice)
         ACTIVE.set_function(lambda: len(self._requests))
 
     @property
@@ -98,7 +99,7 @@ class Detokenizer:
             # Its Cancel overtook it (the client's subscriptions each have their own queue): nobody awaits its output.
             log.debug("request %s was cancelled before it opened", opened.request_id)
         else:
-            self._requests[opened.request_id] = RequestAssembler(opened, self._table)
+            self._requests[opened.request_id] = RequestChoices(opened, self._table)
             self._idle.heard(opened.request_id, time.monotonic())
         await msg.respond(DetokReady(detok_id=self.detok_id).to_bytes())
 
@@ -108,6 +109,8 @@ class Detokenizer:
         except (ValidationError, ValueError) as err:
             BAD_MESSAGES.labels(subject=subjects.CANCEL).inc()
             log.warning("invalid Cancel dropped: %s", err)
+            return
+        if cancel.choice is not None:  # one choice's end is this side's own
             return
         if cancel.request_id in self._requests:
             self._close(cancel.request_id)
@@ -133,7 +136,7 @@ class Detokenizer:
         drafts = self._drafts.setdefault((frame.worker_id, frame.step), {})
         for request_id, record in frame_records(frame):
             if self._known(request_id):
-                drafts[request_id] = record
+                drafts[request_id, record.choice] = record
 
     async def _consume_prompts(self, frame: Frame) -> None:
         """Sends the prompt parts (echo, prompt_logprobs) a PROMPT frame's records complete."""
@@ -157,7 +160,7 @@ class Detokenizer:
             num_tokens += record.num_tokens
             for chunk in assembler.consume_prompt():  # a prompt known from the start goes out before its tokens
                 await self._send(assembler, chunk)
-            chunk = assembler.consume(record, drafts.get(request_id))
+            chunk = assembler.consume(record, drafts.get((request_id, record.choice)))
             if chunk is not None:
                 await self._send(assembler, chunk)
                 num_chunks += 1
@@ -176,15 +179,13 @@ class Detokenizer:
             UNKNOWN_REQUEST_FRAMES.inc()
         return False
 
-    async def _send(self, assembler: RequestAssembler, chunk: Chunk) -> None:
+    async def _send(self, assembler: RequestChoices, chunk: Chunk) -> None:
         await self._nc.publish(assembler.reply_subject, encode_chunk(chunk))
         if chunk.error is not None:
             log.warning("request %s failed: %s", assembler.request_id, chunk.error)
-        if not assembler.finished:
-            return
-        self._close(assembler.request_id)
-        if assembler.cancel_reason is not None:
-            cancel = Cancel(request_id=assembler.request_id, reason=assembler.cancel_reason)
+        if assembler.finished:
+            self._close(assembler.request_id)
+        for cancel in assembler.take_cancels():
             await self._nc.publish(subjects.STOP, cancel.to_bytes())
 
     def _close(self, request_id: str) -> None:

@@ -37,12 +37,15 @@ def _text(api: Api, choice: dict) -> str:
     return choice.get("text") or ""
 
 
-def merge_choices(api: Api, chunks: Sequence[Chunk], with_logprobs: bool, with_draft_logprobs: bool) -> dict:
-    """One choice in the non-streaming shape; a logprobs object is present exactly when it was requested."""
+def merge_choices(
+    api: Api, chunks: Sequence[Chunk], with_logprobs: bool, with_draft_logprobs: bool, index: int = 0
+) -> dict:
+    """One choice in the non-streaming shape; a logprobs object is present exactly when it was requested, and so
+    are `token_ids` (vLLM's return_token_ids)."""
     choices = [chunk.choice for chunk in chunks]
     text = "".join(_text(api, choice) for choice in choices)
     finish_reason = next((c["finish_reason"] for c in reversed(choices) if c.get("finish_reason")), None)
-    merged: dict = {"index": 0}
+    merged: dict = {"index": index}
     if api == "chat":
         merged["message"] = {"role": "assistant", "content": text}
     else:
@@ -55,6 +58,8 @@ def merge_choices(api: Api, chunks: Sequence[Chunk], with_logprobs: bool, with_d
         elif key == "logprobs":
             merged[key] = None
     merged["finish_reason"] = finish_reason
+    if any("token_ids" in choice for choice in choices):
+        merged["token_ids"] = [token for choice in choices for token in choice.get("token_ids", ())]
     prompt_parts = [choice["prompt_logprobs"] for choice in choices if "prompt_logprobs" in choice]
     if prompt_parts:  # vLLM's prompt_logprobs, sent in parts before the generated tokens
         merged["prompt_logprobs"] = [entry for part in prompt_parts for entry in part]

@@ -19,8 +19,10 @@ from services.gateway import metrics
 from services.gateway.auth import require_api_key
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
+from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
+from shared.frames import MAX_CHOICES
 from shared.natsutil import ensure_request_stream
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
@@ -37,6 +39,7 @@ class GatewayConfig(BaseModel):
     max_model_len: int = Field(1024, ge=16)
     request_timeout_s: float = Field(600.0, gt=0.0)  # longest silence (no chunk at all) before a request fails
     max_body_bytes: int = Field(4 * MIB, ge=1024)
+    max_n: int = Field(DEFAULT_MAX_N, ge=1, le=MAX_CHOICES)  # choices per prompt a request may ask for (`n`)
     # The workers' --speculative-config: a request may ask for fewer drafts per step than it sets, never more.
     speculative: SpeculativeConfig = SpeculativeConfig()
     api_keys: tuple[SecretStr, ...] = ()  # none: no key is asked for
@@ -61,7 +64,7 @@ class Gateway:
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
         self.generator = Generator(
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
-            server_drafts=config.speculative.num_drafts,
+            server_drafts=config.speculative.num_drafts, max_n=config.max_n,
         )
         self.readiness = Readiness(nc=nc)
 

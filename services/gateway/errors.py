@@ -30,6 +30,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
+QUOTES_VALUE = "got "  # how this gateway's validators quote the bad value in their messages
+SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
 
 
 
@@ -83,8 +85,17 @@ def _param_name(loc: tuple[int | str, ...]) -> str | None:
     return ".".join(f"[{part}]" if isinstance(part, int) else part for part in loc)
 
 
+def _shown(value: object) -> str:
+    """The bad value as the message quotes it: JSON, cut short."""
+    try:
+        text = orjson.dumps(value, default=repr).decode()
+    except TypeError:  # orjson refuses integers past 64 bits, which a JSON body may hold
+        text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
+
+
 def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """Reports the first bad field; the client fixes one thing at a time anyway."""
+    """Reports the first bad field and the value it had; the client fixes one thing at a time anyway."""
     first = exc.errors(include_url=False)[0]
     param = _param_name(tuple(first["loc"]))
     message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
@@ -92,8 +103,10 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
         text = f"Missing required parameter: '{param}'."
     elif param is None:
         text = f"Invalid request body: {message}"
-    else:
+    elif QUOTES_VALUE in message:  # the validator named the value itself
         text = f"Invalid value for '{param}': {message}"
+    else:
+        text = f"Invalid value for '{param}': {message}, got {_shown(first['input'])}"
     return bad_request(text, param=param)
 
 

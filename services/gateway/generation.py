@@ -1,9 +1,11 @@
 """The life of one generation request: validate, tokenize, check limits, submit to the mesh, answer.
 
-Submission follows the protocol order: DetokOpen on core NATS first, then the WorkRequest through
-JetStream (acknowledged, so a request is either queued durably or refused with a 503). Until the final
-chunk arrives the request is live in the mesh, so every way of leaving early (client gone, timeout, lost
-chunks) publishes a Cancel that frees the worker slot and the detokenizer state.
+Each prompt of the request (a completions prompt list may hold several) travels the mesh as a request of its own,
+with all n choices, which one worker runs together so they share the prompt's prefill; the response joins them
+(choices.py). Submission follows the protocol order: DetokOpen on core NATS first, then the WorkRequest through
+JetStream (acknowledged, so a request is either queued durably or refused with a 503). Until its final chunk
+arrives a request is live in the mesh, so every way of leaving early (client gone, timeout, lost chunks)
+publishes a Cancel that frees the worker slots and the detokenizer state.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from nats.aio.client import Client
 from pydantic import ValidationError
 
 from services.gateway import metrics, sse
-from services.gateway.aggregate import Api, merge_choices
+from services.gateway.aggregate import Api
+from services.gateway.choices import ResponseChoices
 from services.gateway.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     SERVER_ERROR,
@@ -33,11 +36,13 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
-from services.gateway.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_MAX_N, MAX_N_CONTEXT, ChatCompletionRequest, CompletionRequest,
+)
 from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +57,12 @@ REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest
 ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 STREAM_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 RESPONSE_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
-ROLE_CHOICE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+NO_CACHED_TOKENS = 0  # usage.prompt_tokens_details.cached_tokens: the mesh keeps no prompt cache between requests
 
 
 @dataclass
 class Generation:
-    """One accepted request on its way through the mesh."""
+    """One accepted prompt on its way through the mesh, with its n choices."""
 
     api: Api
     body: ChatCompletionRequest | CompletionRequest
@@ -100,7 +105,7 @@ class Generator:
 
     def __init__(
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
-        *, server_drafts: int,
+        *, server_drafts: int, max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -109,56 +114,77 @@ class Generator:
         self._model = served_model_name
         self._max_model_len = max_model_len
         self._server_drafts = server_drafts  # drafts per step the workers are configured for
+        self._max_n = max_n
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
-        body = await _parse(request, api)
+        body = await _parse(request, api, self._max_n)
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, api, body)
-        max_tokens = self._max_tokens(api, body, len(prompt_ids))
-        check_min_tokens(body, max_tokens)
-        sampling = body.sampling_params(max_tokens)
-        gen = Generation(api, body, prompt_ids, sampling, started)
+        gens = []
+        for prompt_ids in await asyncio.to_thread(self._prompts, body):
+            max_tokens = self._max_tokens(api, body, len(prompt_ids))
+            check_min_tokens(body, max_tokens)
+            gens.append(Generation(api, body, prompt_ids, body.sampling_params(max_tokens), started))
+        choices = ResponseChoices(
+            api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
+        )
         metrics.IN_FLIGHT.inc()
         try:
-            with self._router.open(gen.request_id) as chunks:
-                await self._submit(gen)
-                return await self._answer(request, gen, chunks)
+            with self._router.open([g.request_id for g in gens]) as chunks:
+                await self._submit_all(gens)
+                return await self._answer(request, gens, choices, chunks)
         finally:
             metrics.IN_FLIGHT.dec()
 
-    async def _answer(self, request: web.Request, gen: Generation, chunks: ResponseStream) -> web.StreamResponse:
+    async def _answer(
+        self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
+    ) -> web.StreamResponse:
         reason = FAILED
         try:
-            if gen.body.stream:
-                return await self._stream(request, gen, chunks)
-            return await self._respond(gen, chunks)
+            if gens[0].body.stream:
+                return await self._stream(request, gens, choices, chunks)
+            return await self._respond(gens, choices, chunks)
         except (asyncio.CancelledError, ConnectionResetError):
             reason = CLIENT_DISCONNECTED
             metrics.CLIENT_DISCONNECTS.inc()
             raise
         finally:
-            if not chunks.finished:
-                await self._cancel(gen.request_id, reason)
+            for request_id in chunks.unfinished:
+                await self._cancel(request_id, reason)
 
-    def _prompt_ids(self, api: Api, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    def _prompts(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt: a chat's one rendered conversation, or each prompt of a completion."""
         if isinstance(body, ChatCompletionRequest):
-            try:
-                return self._tokenizer.apply_chat_template(body.chat())
-            except jinja2.TemplateError as exc:
-                raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from exc
-            except ValueError as exc:  # the model has no chat template
-                raise bad_request(str(exc), param="messages") from exc
-        if isinstance(body.prompt, str):
-            return self._tokenizer.encode(body.prompt)
+            return [self._chat_prompt(body)]
         vocab = self._tokenizer.vocab_size
-        if bad := [t for t in body.prompt if not 0 <= t < vocab]:
-            raise bad_request(f"Token ids must lie in [0, {vocab}); got {bad[:8]}", param="prompt")
-        return list(body.prompt)
+        prompts = []
+        for i, prompt in enumerate(body.prompt):
+            if isinstance(prompt, str):
+                prompts.append(self._tokenizer.encode(prompt))
+                continue
+            if bad := [t for t in prompt if not 0 <= t < vocab]:
+                where = "prompt" if len(body.prompt) == 1 else f"prompt.[{i}]"
+                raise bad_request(f"Token ids of '{where}' must lie in [0, {vocab}); got {bad[:8]}", param=where)
+            prompts.append(list(prompt))
+        return prompts
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            return self._tokenizer.apply_chat_template(
+                body.chat(), body.add_generation_prompt, body.continue_final_message
+            )
+        except jinja2.TemplateError as exc:
+            raise bad_request(
+                f"The chat template cannot render these messages ({type(exc).__name__}: {exc})", param="messages"
+            ) from exc
+        except FinalMessageNotFound as exc:
+            raise bad_request(str(exc), param="continue_final_message") from exc
+        except ValueError as exc:  # the model has no chat template
+            raise bad_request(str(exc), param="messages") from exc
 
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         vocab = self._tokenizer.vocab_size
@@ -193,6 +219,18 @@ class Generator:
             )
         return value
 
+    async def _submit_all(self, gens: list[Generation]) -> None:
+        """Submits every prompt's request; when one cannot be, those already in the mesh are cancelled."""
+        submitted: list[Generation] = []
+        try:
+            for gen in gens:
+                await self._submit(gen)
+                submitted.append(gen)
+        except (OpenAIError, asyncio.CancelledError):
+            for gen in submitted:
+                await self._cancel(gen.request_id, FAILED)
+            raise
+
     async def _submit(self, gen: Generation) -> None:
         opening = DetokOpen(
             request_id=gen.request_id,
@@ -203,6 +241,9 @@ class Generator:
             include_draft_logprobs=gen.sampling.include_draft_logprobs,
             speculative_stats=gen.sampling.speculative.return_stats,
             num_prompt_tokens=len(gen.prompt_ids),
+            n=gen.body.num_choices,
+            return_token_ids=gen.body.return_token_ids,
+            tokens_as_token_ids=gen.body.return_tokens_as_token_ids,
             echo=gen.body.echoes_prompt,
             prompt_logprobs=gen.body.shown_prompt_logprobs,
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
@@ -216,6 +257,7 @@ class Generator:
         work = WorkRequest(
             request_id=gen.request_id,
             prompt_token_ids=tuple(gen.prompt_ids),
+            n=gen.body.num_choices,
             sampling=gen.sampling,
             detok_id=DetokReady.from_bytes(reply.data).detok_id,
             created=time.time(),
@@ -234,27 +276,39 @@ class Generator:
         except nats.errors.Error as exc:
             log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
 
-    async def _stream(self, request: web.Request, gen: Generation, chunks: ResponseStream) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
+    ) -> web.StreamResponse:
         response = await sse.open_stream(request)
+        gen = gens[0]  # the body, the api and the envelope are every prompt's
+        by_request = {g.request_id: g for g in gens}
         envelope = gen.envelope(self._model, stream=True)
         include_usage = gen.body.include_usage_in_stream
-        if include_usage:
+        every_chunk = gen.body.usage_on_every_chunk
+        if include_usage or every_chunk:
             envelope["usage"] = None
         # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
         usage_chunk = include_usage or gen.sampling.speculative.return_stats
         ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
         try:
             if gen.api == "chat":
-                await response.write(sse.event({**envelope, "choices": [ROLE_CHOICE]}))
+                for opening in self._chat_openings(gen, choices.num_choices):
+                    if every_chunk:
+                        opening["usage"] = usage_body(choices.running_usage())
+                    await response.write(sse.event({**envelope, **opening}))
             async for chunk in chunks:
-                gen.observe(chunk)
-                event = sse.event({**envelope, "choices": [chunk.choice]})
-                if not chunk.final:
+                by_request[chunk.request_id].observe(chunk)
+                choices.observe(chunk)
+                data = {**envelope, "choices": [choices.streamed(chunk)]}
+                if every_chunk:
+                    data["usage"] = usage_body(choices.running_usage())
+                event = sse.event(data)
+                if not chunks.finished:
                     await response.write(event)
                     continue
                 ending.append(event)
                 if usage_chunk:
-                    ending.append(sse.event({**envelope, "choices": [], "usage": usage_body(chunk.usage)}))
+                    ending.append(sse.event({**envelope, "choices": [], "usage": usage_body(choices.usage())}))
         except OpenAIError as exc:
             ending.append(sse.event(exc.body()))
         except ConnectionResetError:
@@ -265,33 +319,61 @@ class Generator:
         await sse.close_stream(response, ending)
         return response
 
-    async def _respond(self, gen: Generation, chunks: ResponseStream) -> web.Response:
-        received: list[Chunk] = []
+    @staticmethod
+    def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:
+        """A chat stream's first chunk of each choice: the assistant role, with the echoed final message (vLLM's
+        chat echo); the first also carries the prompt's ids when asked (vLLM's return_token_ids)."""
+        body: ChatCompletionRequest = gen.body
+        openings = [
+            {
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": body.echoed_text},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            }
+            for index in range(num_choices)
+        ]
+        if body.return_token_ids:
+            openings[0]["prompt_token_ids"] = gen.prompt_ids
+        return openings
+
+    async def _respond(
+        self, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
+    ) -> web.Response:
+        gen = gens[0]  # the body, the api and the envelope are every prompt's
+        by_request = {g.request_id: g for g in gens}
         async for chunk in chunks:
-            gen.observe(chunk)
-            received.append(chunk)
-        choice = merge_choices(
-            gen.api,
-            received,
-            with_logprobs=gen.sampling.logprobs is not None,
-            with_draft_logprobs=gen.sampling.include_draft_logprobs,
+            by_request[chunk.request_id].observe(chunk)
+            choices.observe(chunk)
+            choices.keep(chunk)
+        merged = choices.merged(
+            with_logprobs=gen.sampling.logprobs is not None, with_draft_logprobs=gen.sampling.include_draft_logprobs
         )
-        body = {
-            **gen.envelope(self._model, stream=False),
-            "choices": [choice],
-            "usage": usage_body(received[-1].usage),
-        }
-        if gen.api == "chat" and "prompt_logprobs" in choice:  # vLLM puts chat's on the response, not the choice
-            body["prompt_logprobs"] = choice.pop("prompt_logprobs")
+        body = {**gen.envelope(self._model, stream=False), "choices": merged, "usage": usage_body(choices.usage())}
+        if gen.api == "chat":
+            for choice in merged:
+                choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
+                prompt_logprobs = choice.pop("prompt_logprobs", None)
+            if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
+                body["prompt_logprobs"] = prompt_logprobs
+            if gen.body.return_token_ids:  # and so the prompt's ids
+                body["prompt_token_ids"] = gen.prompt_ids
         return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
 
 
 def usage_body(usage: Usage) -> dict:
-    """`usage` as a response shows it: `speculative` only for a request that asked for its summary."""
-    return usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
+    """`usage` as a response shows it: `speculative` only for a request that asked for its summary, and OpenAI's
+    `prompt_tokens_details`."""
+    body = usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
+    body["prompt_tokens_details"] = {"cached_tokens": NO_CACHED_TOKENS}
+    return body
 
 
-async def _parse(request: web.Request, api: Api) -> ChatCompletionRequest | CompletionRequest:
+async def _parse(request: web.Request, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
         data = orjson.loads(raw)
@@ -300,6 +382,6 @@ async def _parse(request: web.Request, api: Api) -> ChatCompletionRequest | Comp
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object")
     try:
-        return REQUEST_MODELS[api].model_validate_json(raw)
+        return REQUEST_MODELS[api].model_validate_json(raw, context={MAX_N_CONTEXT: max_n})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc

@@ -9,23 +9,26 @@ silently ignored. Unknown fields are ignored, as the OpenAI API does.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from shared.frames import MAX_TOP_K
+from shared.seeds import MAX_API_SEED, MIN_API_SEED, worker_seed
 from shared.schemas import (
     MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams, SpeculationParams,
 )
 
 MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 TOP_K_OFF = (0, -1)  # vLLM's spellings of "no top-k filtering"
-SUPPORTED_N = 1
 NEUTRAL_BEST_OF = 1
-
-ChatRole = Literal["system", "user", "assistant"]
+DEFAULT_MAX_N = 16  # the gateway's --max-n
+MAX_N_CONTEXT = "max_n"  # the validation context key that carries the gateway's --max-n
+MAX_PROMPTS = 2048  # prompts in one completions request (a list), as OpenAI allows
+DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
+SYSTEM_ROLE = "system"
+ASSISTANT_ROLE = "assistant"
 
 
 class _Body(BaseModel):
@@ -34,6 +37,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM extension: the usage so far on every chunk
 
 
 class SpeculativeOptions(BaseModel):
@@ -56,6 +60,16 @@ class SpeculativeOptions(BaseModel):
 SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
 
 
+def _shown(value: Any) -> str:
+    """A bad value as an error message quotes it, cut short."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _refuse_unless_neutral(value: Any, neutral: tuple, what: str) -> Any:
     if value not in neutral:
         raise ValueError(f"{what} is not supported; leave it unset")
@@ -73,7 +87,7 @@ class _GenerationRequest(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_API_SEED, le=MAX_API_SEED)  # any int64, as vLLM takes
     stop: Any = ()  # normalized to a tuple of strings
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
@@ -81,6 +95,8 @@ class _GenerationRequest(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     include_draft_logprobs: bool = False  # specmesh extension, see docs/api.md
+    return_token_ids: bool = False  # vLLM extension: prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM extension: top alternatives per prompt token
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -107,9 +123,10 @@ class _GenerationRequest(_Body):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        if value not in (None, SUPPORTED_N):
-            raise ValueError(f"only n={SUPPORTED_N} is supported")
+    def _n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        max_n = (info.context or {}).get(MAX_N_CONTEXT, DEFAULT_MAX_N)
+        if value is not None and not 1 <= value <= max_n:
+            raise ValueError(f"n must be between 1 and {max_n} (this server's --max-n), got {value}")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -206,13 +223,22 @@ class _GenerationRequest(_Body):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt: `n`."""
+        return self.n or 1
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = self.num_logprobs
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, *TOP_K_OFF) else self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else worker_seed(self.seed),
             max_tokens=max_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -239,18 +265,30 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, value: Any) -> str | tuple[int, ...]:
+    def _prompt(cls, value: Any) -> tuple[str | tuple[int, ...], ...]:
+        """Normalized to a tuple of prompts, each a string or a tuple of token ids: a string, a list of token ids,
+        a list of strings or a list of token-id lists, as OpenAI takes them."""
         if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("prompt must be a string or a list of token ids")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            if not value:
-                raise ValueError("prompt must not be empty")
+            return (value,)
+        if not isinstance(value, list) or not value:
+            raise ValueError(
+                "prompt must be a string, a non-empty list of token ids, or a non-empty list of strings or of "
+                f"token-id lists, got {_shown(value)}"
+            )
+        if len(value) > MAX_PROMPTS and not all(_is_token_id(t) for t in value):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
+        if all(_is_token_id(t) for t in value):
+            return (tuple(value),)
+        if all(isinstance(p, str) for p in value):
             return tuple(value)
-        if all(isinstance(p, (str, list)) for p in value):
-            raise ValueError("batched prompts (a list of prompts) are not supported; send one prompt per request")
-        raise ValueError("prompt must be a string or a list of token ids")
+        if all(isinstance(p, list) for p in value):
+            for i, ids in enumerate(value):
+                if not ids or not all(_is_token_id(t) for t in ids):
+                    raise ValueError(f"prompt[{i}] must be a non-empty list of token ids, got {_shown(ids)}")
+            return tuple(tuple(ids) for ids in value)
+        raise ValueError(
+            f"a prompt list must hold only strings or only token-id lists, got {_shown(value)}"
+        )
 
     @field_validator("max_tokens")
     @classmethod
@@ -283,24 +321,48 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatMessage(_Body):
-    role: ChatRole
-    content: Any
+    """One message. Any role reaches the chat template as given (`tool` and custom roles included), except
+    `developer`, which is the system role under the OpenAI SDK's newer name."""
+
+    role: str = Field(min_length=1)
+    # Normalized to a string; null (or missing) only on an assistant message, one that called tools.
+    content: Any = Field(None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # on `tool` messages: the call they answer
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, value: Any) -> str:
+    def _content(cls, value: Any, info: ValidationInfo) -> str:
         """Text parts are joined: the mesh serves text-only models."""
         if isinstance(value, str):
             return value
+        if value is None:
+            if info.data.get("role") != ASSISTANT_ROLE:
+                raise ValueError("content may be null only on an assistant message")
+            return ""
         if not isinstance(value, list):
-            raise ValueError("content must be a string or a list of text parts")
+            raise ValueError(f"content must be a string or a list of text parts, got {_shown(value)}")
         texts = []
-        for part in value:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError('content parts must be {"type": "text", "text": "..."}; only text is supported')
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"content part [{i}] has type {kind!r}: this model reads text only, "
+                    'as parts {"type": "text", "text": "..."}'
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {_shown(part)}')
             texts.append(part["text"])
         return "".join(texts)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        message = {"role": SYSTEM_ROLE if self.role == DEVELOPER_ROLE else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -311,16 +373,34 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     tools: list | None = None
     response_format: dict | None = None
+    # vLLM's extensions for rendering the conversation.
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # leave the final message open, to be continued
+    echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, value: list | None) -> list | None:
-        return _refuse_unless_neutral(value or None, (None,), "tool calling")
+        if value:
+            raise ValueError(f"tool calling is not supported; leave tools unset or empty, got {len(value)} tools")
+        return value
 
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, value: dict | None) -> dict | None:
-        return _refuse_unless_neutral(value, (None, {"type": "text"}), "a response_format other than text")
+        if value not in (None, {"type": "text"}):
+            raise ValueError(f'only the response_format {{"type": "text"}} is supported, got {_shown(value)}')
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_both_open(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "set add_generation_prompt to false to continue the final message"
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -341,4 +421,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def chat(self) -> list[dict[str, str]]:
         """The conversation as the chat template expects it."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [m.for_template() for m in self.messages]
+
+    @property
+    def echoed_text(self) -> str:
+        """What the answer starts with under vLLM's chat `echo`: the final message's content, when that message is
+        the assistant's (the one being continued); nothing otherwise."""
+        final = self.messages[-1]
+        return final.content if self.echo and final.role == ASSISTANT_ROLE else ""

@@ -1,8 +1,9 @@
 """Routes the Chunks arriving on this gateway's one response subject to the requests waiting for them.
 
-Each request reads its chunks through a `ResponseStream`, which enforces the protocol: `seq` counts up
-from 0 without gaps, a final chunk ends the stream, and silence longer than the request timeout is a
-failure rather than a hang.
+A response reads the chunks of its requests (one per prompt of a completions prompt list) through one
+`ResponseStream`, which enforces the protocol per request: `seq` counts up from 0 without gaps, a final chunk
+ends that request, and silence longer than the request timeout is a failure rather than a hang. The stream ends
+when every request has ended.
 """
 
 from __future__ import annotations
@@ -31,14 +32,23 @@ GENERATION_FAILED = 500
 
 
 class ResponseStream:
-    """One request's chunks, in order; iterating raises OpenAIError on a gap, a timeout or a reported error."""
+    """The chunks of one response's requests, each request's in order (requests interleave as their chunks
+    arrive); iterating raises OpenAIError on a gap, a timeout or a reported error."""
 
-    def __init__(self, request_id: str, queue: asyncio.Queue[Chunk], idle_timeout_s: float) -> None:
-        self.request_id = request_id
+    def __init__(self, request_ids: list[str], queue: asyncio.Queue[Chunk], idle_timeout_s: float) -> None:
         self._queue = queue
         self._idle_timeout_s = idle_timeout_s
-        self._next_seq = 0
-        self.finished = False  # a final chunk arrived: the detokenizer has already forgotten the request
+        # Of the requests still open: one whose final chunk arrived is already forgotten by its detokenizer.
+        self._next_seq = dict.fromkeys(request_ids, 0)
+
+    @property
+    def finished(self) -> bool:
+        return not self._next_seq
+
+    @property
+    def unfinished(self) -> list[str]:
+        """The requests still live in the mesh."""
+        return list(self._next_seq)
 
     def __aiter__(self) -> "ResponseStream":
         return self
@@ -54,14 +64,16 @@ class ResponseStream:
             raise OpenAIError(
                 GATEWAY_TIMEOUT, f"no response from the mesh for {self._idle_timeout_s:g} s", type=TIMEOUT
             ) from None
-        if chunk.seq != self._next_seq:
+        expected = self._next_seq[chunk.request_id]
+        if chunk.seq != expected:
             raise OpenAIError(
                 GENERATION_FAILED,
-                f"response chunks were lost (expected chunk {self._next_seq}, got {chunk.seq})",
+                f"response chunks were lost (expected chunk {expected}, got {chunk.seq})",
                 type=SERVER_ERROR,
             )
-        self._next_seq += 1
-        self.finished = chunk.final
+        self._next_seq[chunk.request_id] = expected + 1
+        if chunk.final:
+            del self._next_seq[chunk.request_id]
         if chunk.error is not None:
             raise OpenAIError(GENERATION_FAILED, f"generation failed: {chunk.error}", type=SERVER_ERROR)
         return chunk
@@ -102,16 +114,19 @@ class ChunkRouter:
         queue.put_nowait(chunk)
 
     @contextmanager
-    def open(self, request_id: str) -> Iterator[ResponseStream]:
-        """Registers the request before anything is published, so not even its first chunk can be missed."""
-        if request_id in self._queues:
-            raise ValueError(f"request {request_id} is already open")
+    def open(self, request_ids: list[str]) -> Iterator[ResponseStream]:
+        """Registers a response's requests before anything is published, so not even a first chunk can be missed;
+        their chunks go into one queue."""
+        if already := [r for r in request_ids if r in self._queues]:
+            raise ValueError(f"requests {already} are already open")
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self._queues[request_id] = queue
+        for request_id in request_ids:
+            self._queues[request_id] = queue
         try:
-            yield ResponseStream(request_id, queue, self._idle_timeout_s)
+            yield ResponseStream(request_ids, queue, self._idle_timeout_s)
         finally:
-            del self._queues[request_id]
+            for request_id in request_ids:
+                del self._queues[request_id]
 
     @property
     def num_open(self) -> int:

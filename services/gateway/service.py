@@ -12,6 +12,7 @@ from aiohttp import web
 
 from services.gateway import auth
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
+from services.gateway.protocol import DEFAULT_MAX_N
 from services.startup_checks import check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared import nats_settings
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds without any output before a request fails"
     )
     parser.add_argument(
+        "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
+    )
+    parser.add_argument(
         "--speculative-config", type=speculative_config, default=None,
         help="the workers' speculative config (JSON): requests may ask for fewer drafts per step, never more",
     )
@@ -58,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name or Path(args.model).name,
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout,
+        max_n=args.max_n,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         api_keys=args.api_keys,
     )

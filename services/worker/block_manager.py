@@ -5,6 +5,10 @@ keyed by its cache slot: position p lives in block table[p // block_size] at off
 only grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are
 freed whole when it finishes or is preempted.
 
+The choices of one request share their prompt's full blocks (`share`): a block then has several owners and
+returns to the pool when the last of them frees it. Shared blocks are only ever read: a sequence writes its
+positions from its own length on, and a shared block lies wholly inside the prompt.
+
 Blocks are handed out so that a sequence's table is one ascending run whenever the pool allows: a slot's first
 block comes from its home region (slot * max_blocks_per_seq .., when the pool holds a whole region per slot, as
 it does by default) and each next block is the one after its last, if free. Attention then reads such a
@@ -38,6 +42,7 @@ class BlockManager:
         self._free = set(range(num_blocks))
         self._lowest = list(range(num_blocks))  # a heap over free ids; entries of taken blocks are skipped lazily
         self._tables: dict[int, list[int]] = {}
+        self._extra_owners: dict[int, int] = {}  # shared blocks: owners beyond the first
         self._changed: set[int] = set()
 
     @property
@@ -61,8 +66,21 @@ class BlockManager:
         """Blocks the slot must still receive to hold `num_tokens` positions."""
         return max(0, self.blocks_needed(num_tokens) - len(self._tables.get(slot, ())))
 
-    def can_allocate(self, slot: int, num_tokens: int) -> bool:
-        return self.num_missing(slot, num_tokens) <= len(self._free)
+    def can_allocate(self, slot: int, num_tokens: int, num_shared: int = 0) -> bool:
+        """Whether the slot can hold `num_tokens` positions, `num_shared` of its blocks to be shared first."""
+        return self.num_missing(slot, num_tokens) - num_shared <= len(self._free)
+
+    def share(self, slot: int, source: int, num_blocks: int) -> None:
+        """Starts the empty slot's table with the first `num_blocks` blocks of the source slot's, owned by both."""
+        if self._tables.get(slot):
+            raise RuntimeError(f"slot {slot} already holds blocks; only an empty slot can share")
+        shared = self._tables.get(source, [])[:num_blocks]
+        if len(shared) < num_blocks:
+            raise RuntimeError(f"slot {source} holds {len(shared)} blocks, fewer than the {num_blocks} to share")
+        for block in shared:
+            self._extra_owners[block] = self._extra_owners.get(block, 0) + 1
+        self._tables[slot] = list(shared)
+        self._changed.add(slot)
 
     def allocate(self, slot: int, num_tokens: int) -> None:
         """Grows the slot's table to hold `num_tokens` positions."""
@@ -90,16 +108,25 @@ class BlockManager:
         return wanted
 
     def free(self, slot: int) -> None:
-        """Returns all of the slot's blocks to the pool."""
+        """Returns the slot's blocks to the pool, except shared ones that another slot still owns."""
         table = self._tables.pop(slot, [])
-        self._free.update(table)
-        if len(self._lowest) + len(table) > 2 * self.num_blocks:  # drop stale entries before they pile up
-            self._lowest = sorted(self._free)
-        else:
-            for block in table:
-                heapq.heappush(self._lowest, block)
         if table:
             self._changed.add(slot)
+        released = []
+        for block in table:
+            owners = self._extra_owners.get(block, 0)
+            if not owners:
+                released.append(block)
+            elif owners == 1:
+                del self._extra_owners[block]
+            else:
+                self._extra_owners[block] = owners - 1
+        self._free.update(released)
+        if len(self._lowest) + len(released) > 2 * self.num_blocks:  # drop stale entries before they pile up
+            self._lowest = sorted(self._free)
+        else:
+            for block in released:
+                heapq.heappush(self._lowest, block)
 
     def take_changed(self) -> dict[int, list[int]]:
         """The tables changed since the last call (an empty list for a slot that was freed), for the cache's copy."""

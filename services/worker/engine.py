@@ -26,6 +26,7 @@ import torch
 from shared.config import EngineConfig
 from shared.frames import FinishReason
 from shared.schemas import WorkRequest
+from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
 from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.block_manager import BlockManager, blocks_for
@@ -80,7 +81,9 @@ class Engine:
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         lookahead = spec.num_drafts + (spec.num_model_steps if self.mtp is not None else 0)
         blocks = BlockManager(num_blocks, config.block_size, config.max_model_len)
-        self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead)
+        # MTP's cache entries of a prompt are written per sequence and may lag (drafting/mtp.py): choices of a
+        # request share prompt blocks only without it.
+        self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None)
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = build_proposer(
             spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
@@ -92,23 +95,35 @@ class Engine:
         self._top_k = 0
         self.stats = EngineStats()
 
-    def add_request(self, request: WorkRequest) -> Sequence:
+    def add_request(self, request: WorkRequest) -> list[Sequence]:
+        """Queues a sequence per choice to run (each choice's seed derived from the request's, shared/seeds.py);
+        refuses the whole request, queueing nothing, when a choice cannot run."""
         sampling = request.sampling
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        if num_tokens >= self.config.max_model_len:
-            raise ValueError(f"{num_tokens} tokens leave no room in max_model_len {self.config.max_model_len}")
-        if request.output_token_ids and len(request.output_token_ids) >= sampling.max_tokens:
-            raise ValueError(f"{len(request.output_token_ids)} tokens already reach max_tokens {sampling.max_tokens}")
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        choices = request.choices()
+        for choice in choices:
+            num_tokens = len(request.prompt_token_ids) + len(choice.output_token_ids)
+            if num_tokens >= self.config.max_model_len:
+                raise ValueError(f"{num_tokens} tokens leave no room in max_model_len {self.config.max_model_len}")
+            if choice.output_token_ids and len(choice.output_token_ids) >= sampling.max_tokens:
+                raise ValueError(
+                    f"{len(choice.output_token_ids)} tokens already reach max_tokens {sampling.max_tokens}"
+                )
         if sampling.seed is None:
-            log.debug("request %s runs with seed %d", request.request_id, seed)
+            # The drawn seed stays with the request, so a hand-back continues every choice with the same noise.
+            sampling = sampling.model_copy(update={"seed": secrets.randbits(SEED_BITS)})
+            log.debug("request %s runs with seed %d", request.request_id, sampling.seed)
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
-        seq = Sequence(
-            request.request_id, list(request.prompt_token_ids), sampling, seed, stop_ids,
-            output_ids=list(request.output_token_ids),
-        )
-        self.scheduler.add(seq)
-        return seq
+        seqs = [
+            Sequence(
+                request.request_id, list(request.prompt_token_ids), sampling, choice_seed(sampling.seed, choice.index),
+                stop_ids, output_ids=list(choice.output_token_ids), choice=choice.index,
+                target_seq_no=choice.next_seq_no,
+            )
+            for choice in choices
+        ]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     @property
     def kv_usage(self) -> float:
@@ -116,8 +131,8 @@ class Engine:
         blocks = self.scheduler.blocks
         return blocks.num_used / blocks.num_blocks
 
-    def abort(self, request_id: str) -> Sequence | None:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, choice: int | None = None) -> list[Sequence]:
+        return self.scheduler.abort(request_id, choice)
 
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -169,11 +184,11 @@ class Engine:
     def _prefill(self, seqs: list[Sequence]) -> list[SeqOutput]:
         """Computes the cache of admitted sequences in one packed pass. A new one samples its next token here;
         one that already has output is recomputed up to its last token and emits nothing here."""
-        rows = [s.token_ids if not s.output_ids else s.token_ids[:-1] for s in seqs]
-        starts = [0] * len(seqs)
+        starts = [s.num_computed for s in seqs]  # past a prompt prefix shared with another choice (scheduler.py)
+        rows = [s.token_ids[start:] if not s.output_ids else s.token_ids[:-1] for s, start in zip(seqs, starts)]
         hidden, batch = self.runner.forward(rows, starts, [s.slot for s in seqs])
-        for seq, row in zip(seqs, rows):
-            seq.num_computed = len(row)
+        for seq, start, row in zip(seqs, starts, rows):
+            seq.num_computed = start + len(row)
         new = [b for b, s in enumerate(seqs) if not s.output_ids]
         fresh = [b for b in new if seqs[b].sampling.max_tokens > 0]  # these sample their first token now
         scored_only = [b for b in new if seqs[b].sampling.max_tokens == 0]  # an echoed prompt and nothing more
@@ -191,7 +206,8 @@ class Engine:
         )
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt
-        # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module.
+        # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module. With MTP no prefix is
+        # shared, so every row starts at position 0.
         self._catch_up(seqs, hidden, batch.host_query_starts, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
         return outputs
 

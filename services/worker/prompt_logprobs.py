@@ -3,8 +3,10 @@ target's log-softmax at prompt positions 0..P-2 evaluated at prompt tokens 1..P-
 
 They come from the prefill pass, whose hidden states hold a row for every prompt token; only the asking requests'
 rows go through the LM head, a slice of PROMPT_LOGITS_ROWS rows at a time, so that a long prompt never holds its
-whole [P, vocab] logits at once. A request's prompt is scored once, in its first prefill: a request that resumes
-(preempted, or handed over by another worker) already has output, so its prompt went out before.
+whole [P, vocab] logits at once. A request's prompt is scored once, by its first choice in that choice's first
+prefill: the other choices share the prompt (and may skip the part of it their leader computes, scheduler.py), and
+a choice that resumes (preempted, or handed over by another worker) already has output, so the prompt went out
+before. The first choice is first in the queue, so its first prefill always computes the whole prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from services.worker.sequence import Sequence
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits [rows, vocab] alive at once
 FIRST_SCORED_TOKEN = 1  # prompt token 0 has no logprob: nothing comes before it
+SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt
 
 
 def score_prompts(
@@ -35,10 +38,11 @@ def score_prompts(
     the top-k of the position before it; width the largest k asked), or None when it does not score the prompt."""
     askers = [
         b for b, s in enumerate(seqs)
-        if s.sampling.prompt_logprobs is not None and len(s.prompt_ids) > FIRST_SCORED_TOKEN
+        if s.sampling.prompt_logprobs is not None and s.choice == SCORING_CHOICE
+        and len(s.prompt_ids) > FIRST_SCORED_TOKEN
     ]
     if skipped := [seqs[b].request_id for b in askers if starts[b] != 0]:
-        raise ValueError(f"requests {skipped} skipped part of the prompt they must score")
+        raise ValueError(f"requests {skipped} skipped part of the prompt their first choice must score")
     scores: list[TokenLogprobs | None] = [None] * len(seqs)
     if not askers:
         return scores

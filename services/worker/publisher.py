@@ -37,6 +37,7 @@ def step_frames(
                 logprobs=out.draft.logprobs,
                 ranks=out.draft.ranks,
                 num_accepted=out.num_accepted,
+                choice=seq.choice,
             )
             seq.draft_seq_no += 1
         target.add(
@@ -49,11 +50,13 @@ def step_frames(
             num_accepted=out.num_accepted,
             status=SeqStatus.FINISHED if seq.is_finished else SeqStatus.RUNNING,
             finish_reason=seq.finish_reason,
+            choice=seq.choice,
         )
         seq.target_seq_no += 1
     for seq in preempted:
         target.add_status(
-            seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), status=SeqStatus.PREEMPTED
+            seq.request_id, seq_no=seq.target_seq_no, offset=len(seq.output_ids), status=SeqStatus.PREEMPTED,
+            choice=seq.choice,
         )
         seq.target_seq_no += 1
     return prompt_frames(outputs, worker_id, step) + [b.encode() for b in (draft, target) if len(b)]

@@ -32,10 +32,11 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus, frame_kind
 from shared.natsutil import REQUEST_ACK_WAIT_S
-from shared.schemas import Cancel, WorkRequest
+from shared.schemas import Cancel, ChoiceProgress, WorkRequest
 from services.worker.engine import Engine, SeqOutput
 from services.worker.metrics import PREEMPTIONS, REQUESTS_HANDED_BACK, WorkerMetrics
 from services.worker.publisher import step_frames
+from services.worker.sequence import Sequence
 
 log = logging.getLogger("specmesh.worker")
 T = TypeVar("T")
@@ -75,16 +76,20 @@ class QueueWorker:
         # Handed between the event loop and the engine thread, under _handoff.
         self._handoff = threading.Condition()
         self._new: list[WorkRequest] = []  # taken from the queue, not yet given to the engine
-        self._cancels: list[str] = []
+        self._cancels: list[Cancel] = []
         self._unsent = 0
         self._stopping = False
-        # Engine thread only: the detokenizer of each request in the engine, which its frames go to.
+        # Engine thread only: the detokenizer of each request in the engine, which its frames go to, and how many
+        # of its choices are still running (its message is acknowledged when none is).
         self._detok_ids: dict[str, str] = {}
+        self._num_live: dict[str, int] = {}
 
     @property
     def capacity(self) -> int:
-        """Requests worth fetching now: free slots plus one batch of waiting ones to keep steps full."""
-        return 2 * self.engine.config.max_num_seqs - len(self._messages)
+        """Requests worth fetching now: free slots plus one batch of waiting sequences (one per choice) to keep
+        steps full."""
+        num_choices = sum(request.num_choices for request in self._requests.values())
+        return 2 * self.engine.config.max_num_seqs - num_choices
 
     @property
     def num_in_flight(self) -> int:
@@ -96,11 +101,12 @@ class QueueWorker:
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring malformed cancel: %s", exc)
             return
-        self._recent_cancels[cancel.request_id] = None
-        while len(self._recent_cancels) > RECENT_CANCELS:
-            self._recent_cancels.popitem(last=False)
+        if cancel.choice is None:  # one choice's cancel concerns a request that has already run here
+            self._recent_cancels[cancel.request_id] = None
+            while len(self._recent_cancels) > RECENT_CANCELS:
+                self._recent_cancels.popitem(last=False)
         with self._handoff:
-            self._cancels.append(cancel.request_id)
+            self._cancels.append(cancel)
             self._handoff.notify()
 
     async def fetch_loop(self, psub) -> None:
@@ -202,7 +208,7 @@ class QueueWorker:
         finally:
             post(None)
 
-    def _next_work(self) -> tuple[list[WorkRequest], list[str]] | None:
+    def _next_work(self) -> tuple[list[WorkRequest], list[Cancel]] | None:
         """Waits for something to step and room to send another result; takes the new requests and cancels.
         None once stopped."""
         with self._handoff:
@@ -217,22 +223,21 @@ class QueueWorker:
             self._unsent += 1
             return new, cancels
 
-    def _step(self, new: list[WorkRequest], cancels: list[str]) -> StepResult:
+    def _step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
         """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send."""
         refused = []
         for request in new:
             try:
-                seq = self.engine.add_request(request)
+                seqs = self.engine.add_request(request)
             except ValueError as exc:
                 log.warning("refusing request %s: %s", request.request_id, exc)
                 refused.append(request)
                 continue
-            seq.target_seq_no = request.next_seq_no
             self._detok_ids[request.request_id] = request.detok_id
+            self._num_live[request.request_id] = len(seqs)
         finished = [request.request_id for request in refused]
-        for request_id in cancels:
-            if self.engine.abort(request_id) is not None:
-                finished.append(request_id)
+        for cancel in cancels:
+            finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
         frames = [
             (detok_id, _abort_frame(group, self.worker_id, self.engine.step_no))
             for detok_id, group in _grouped(refused, lambda request: request.detok_id).items()
@@ -250,12 +255,22 @@ class QueueWorker:
             for detok_id in groups.keys() | preempted.keys():
                 group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
                 frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
-            finished += [o.seq.request_id for o in outputs if o.seq.is_finished]
+            finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
             # The event loop counts these while the next step changes the sequences: it gets copies.
             outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
         for request_id in finished:
             self._detok_ids.pop(request_id, None)
         return StepResult(frames, finished, outputs, seconds, num_preempted)
+
+    def _ended(self, seqs: list[Sequence]) -> list[str]:
+        """The requests whose last running choices are among these finished sequences."""
+        done = []
+        for seq in seqs:
+            self._num_live[seq.request_id] -= 1
+            if not self._num_live[seq.request_id]:
+                del self._num_live[seq.request_id]
+                done.append(seq.request_id)
+        return done
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
@@ -271,8 +286,8 @@ class QueueWorker:
     async def hand_back(self) -> int:
         """Re-queues every unfinished request with its progress, so another worker continues the same output.
 
-        Call only once engine_loop has returned. The new message carries the tokens already sent, the next
-        record number and the seed this worker used; the original message is acknowledged after the new one is
+        Call only once engine_loop has returned. The new message carries each unfinished choice's tokens already
+        sent and next record number, and the seed this worker used; the original message is acknowledged after the new one is
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
         as they came (nak).
         """
@@ -280,18 +295,23 @@ class QueueWorker:
         with self._handoff:
             never_started, self._new = self._new, []
         unseen = {request.request_id for request in never_started}
-        pending = {s.request_id: s for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)}
+        pending: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in self.engine.scheduler.running + list(self.engine.scheduler.waiting):
+            if not seq.is_finished:
+                pending[seq.request_id].append(seq)
         handed = 0
         for request_id, msg in list(self._messages.items()):
             if request_id in unseen:
                 continue
             original = self._requests[request_id]
-            seq = pending.get(request_id)
-            resumed = original if seq is None else original.model_copy(
+            seqs = sorted(pending.get(request_id, []), key=lambda s: s.choice)
+            resumed = original if not seqs else original.model_copy(
                 update={
-                    "output_token_ids": tuple(seq.output_ids),
-                    "next_seq_no": seq.target_seq_no,
-                    "sampling": original.sampling.model_copy(update={"seed": seq.seed}),
+                    "progress": tuple(
+                        ChoiceProgress(index=s.choice, output_token_ids=tuple(s.output_ids), next_seq_no=s.target_seq_no)
+                        for s in seqs
+                    ),
+                    "sampling": seqs[0].sampling,  # with the seed this worker drew, if the request had none
                 }
             )
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
@@ -315,8 +335,9 @@ def _abort_frame(requests: list[WorkRequest], worker_id: int, step: int) -> byte
     """Refused requests finish with ABORT where their output stands (a resumed one continues its records)."""
     builder = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k=0)
     for request in requests:
+        first = request.choices()[0]  # one choice's end fails the whole request at the detokenizer
         builder.add_status(
-            request.request_id, seq_no=request.next_seq_no, offset=len(request.output_token_ids),
-            status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT,
+            request.request_id, seq_no=first.next_seq_no, offset=len(first.output_token_ids),
+            status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT, choice=first.index,
         )
     return builder.encode()

@@ -4,6 +4,11 @@ Sequences join between steps while a cache slot and the KV blocks for their whol
 first served, and leave as soon as they finish or are aborted. Before each step every running sequence is
 given the blocks the step may write; when blocks run out, the most recently admitted sequences are preempted:
 their slot and blocks are freed and they wait at the front of the queue to be recomputed.
+
+The choices of a request wait in the queue one after another. Those admitted in the same step as the request's
+first fresh choice (its leader) share the leader's full prompt blocks instead of computing them: each computes
+only the rest of its prompt, at least its last token, in the same prefill pass, whose layers write every key
+before any query reads them. A choice admitted later, or resumed, computes its whole prompt.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0) -> None:
+    def __init__(
+        self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0, share_prompts: bool = True
+    ) -> None:
         """blocks: the KV block pool; None leaves memory unlimited (a slot is all a sequence needs).
-        lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries)."""
+        lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries).
+        share_prompts: whether choices admitted together share their prompt's full blocks (see above)."""
         self.max_num_seqs = max_num_seqs
         self.blocks = blocks
         self.lookahead = lookahead
+        self.share_prompts = share_prompts and blocks is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -54,19 +63,34 @@ class Scheduler:
         """Moves waiting sequences into free slots while their blocks fit, first come first served (the head of
         the queue is never overtaken); returns the admitted ones."""
         admitted = []
+        leaders: dict[str, Sequence] = {}  # by request id: the first fresh choice admitted now
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
             slot = self._free_slots[-1]
+            leader = leaders.get(seq.request_id) if not seq.output_ids else None
+            shared = self._shareable_blocks(seq) if leader is not None else 0
             if self.blocks is not None:
-                if not self.blocks.can_allocate(slot, self._tokens_needed(seq)):
+                if not self.blocks.can_allocate(slot, self._tokens_needed(seq), shared):
                     break
+                if shared:
+                    self.blocks.share(slot, leader.slot, shared)
                 self.blocks.allocate(slot, self._tokens_needed(seq))
+                seq.num_computed = shared * self.blocks.block_size  # the leader computes them in the same pass
+            if self.share_prompts and not seq.output_ids:
+                leaders.setdefault(seq.request_id, seq)
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _shareable_blocks(self, seq: Sequence) -> int:
+        """Full prompt blocks a fresh choice can share with its leader: all but the one holding the prompt's last
+        token, which the choice computes itself to get its own first logits."""
+        if not self.share_prompts:
+            return 0
+        return (len(seq.prompt_ids) - 1) // self.blocks.block_size
 
     def reserve(self) -> list[Sequence]:
         """Gives every running sequence the blocks this step may write, oldest first, preempting the most
@@ -121,16 +145,18 @@ class Scheduler:
         self.running = [s for s in self.running if not s.is_finished]
         return done
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Marks the sequence finished (ABORT) wherever it is; a running one frees its slot at the next release."""
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                break
-        else:
-            seq = next((s for s in self.running if s.request_id == request_id), None)
-            if seq is None:
-                return None
-        seq.state = SeqState.FINISHED
-        seq.finish_reason = FinishReason.ABORT
-        return seq
+    def abort(self, request_id: str, choice: int | None = None) -> list[Sequence]:
+        """Marks the request's unfinished sequences (every choice, or the one named) finished (ABORT) wherever they
+        are, and returns them; running ones free their slots at the next release."""
+
+        def named(seq: Sequence) -> bool:
+            return seq.request_id == request_id and (choice is None or seq.choice == choice)
+
+        aborted = [s for s in self.waiting if named(s)]
+        for seq in aborted:
+            self.waiting.remove(seq)
+        aborted += [s for s in self.running if named(s) and not s.is_finished]
+        for seq in aborted:
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+        return aborted

@@ -20,9 +20,10 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    seed: int  # the request's seed, or a fresh one drawn for it (logged so an output can be reproduced)
+    seed: int  # this choice's seed, from the request's seed or a fresh one drawn for it (shared/seeds.py)
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
+    choice: int = 0  # which of the request's n choices: they share request_id, prompt and sampling
     state: SeqState = SeqState.WAITING
     slot: int | None = None
     num_computed: int = 0  # tokens whose keys and values are in the cache
@@ -32,6 +33,12 @@ class Sequence:
     num_drafts: int = 0  # speculation statistics for this request
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        """Names this choice wherever state is kept per sequence: the request id, with `/choice` after it for all
+        choices but the first."""
+        return self.request_id if self.choice == 0 else f"{self.request_id}/{self.choice}"
 
     @property
     def token_ids(self) -> list[int]:

@@ -60,7 +60,7 @@ class SpeculationController:
         own = seq.sampling.speculative.num_speculative_tokens
         cap = self.max_drafts if own is None else min(own, self.max_drafts)
         budget = min(cap, seq.max_new_tokens(self.max_model_len) - 1)
-        return min(budget, self._chosen.get(seq.request_id, budget))
+        return min(budget, self._chosen.get(seq.key, budget))
 
     def begin_step(self, seqs: list[Sequence]) -> None:
         """A decode step over seqs starts: the adaptive model and the gate decide."""
@@ -68,7 +68,7 @@ class SpeculationController:
             return
         self._speculate = self._speculate_next
         self._speculate_next = self.gate.speculate(len(seqs))
-        self._chosen = self.adaptive.choose([s.request_id for s in seqs], len(seqs))
+        self._chosen = self.adaptive.choose([s.key for s in seqs], len(seqs))
         self._prepared_seconds, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
         self._started = time.perf_counter()
 
@@ -88,9 +88,9 @@ class SpeculationController:
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         if self.adaptive is not None:
-            self.adaptive.observe(seq.request_id, num_drafted, num_accepted)
+            self.adaptive.observe(seq.key, num_drafted, num_accepted)
 
     def forget(self, seq: Sequence) -> None:
         if self.adaptive is not None:
-            self.adaptive.forget(seq.request_id)
-            self._chosen.pop(seq.request_id, None)
+            self.adaptive.forget(seq.key)
+            self._chosen.pop(seq.key, None)

@@ -139,22 +139,22 @@ class SuffixProposer:
 
     def propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         self._sync(seq)
-        return self.cache.propose(seq.request_id, num_drafts)
+        return self.cache.propose(seq.key, num_drafts)
 
     def on_finished(self, seq: Sequence) -> None:
         """Call once per finished sequence (stopped, at its length limit, or aborted)."""
         if seq.finish_reason is FinishReason.ABORT:
-            if seq.request_id in self.cache:
-                self.cache.abort_request(seq.request_id)
+            if seq.key in self.cache:
+                self.cache.abort_request(seq.key)
             return
         self._sync(seq)
-        self.cache.finish_request(seq.request_id)
+        self.cache.finish_request(seq.key)
 
     def _sync(self, seq: Sequence) -> None:
-        if seq.request_id not in self.cache:
-            self.cache.start_request(seq.request_id, seq.prompt_ids)
-        known = self.cache.num_tokens(seq.request_id)
+        if seq.key not in self.cache:
+            self.cache.start_request(seq.key, seq.prompt_ids)
+        known = self.cache.num_tokens(seq.key)
         if known > seq.num_tokens:
-            raise ValueError(f"sequence {seq.request_id} has {seq.num_tokens} tokens, fewer than the {known} seen")
+            raise ValueError(f"sequence {seq.key} has {seq.num_tokens} tokens, fewer than the {known} seen")
         if known < seq.num_tokens:
-            self.cache.append(seq.request_id, seq.output_ids[known - len(seq.prompt_ids) :])
+            self.cache.append(seq.key, seq.output_ids[known - len(seq.prompt_ids) :])
