@@ -142,11 +142,10 @@ def test_lm_eval_loglikelihood_requests_work_unchanged(client, mesh, tokenizer, 
         context_ids = tokenizer.encode(context, add_special_tokens=False)
         inputs.append(whole)
         ctxlens.append(len(context_ids))
-    # lm-eval sends its batch as a list of token-id lists; one request per pair until prompt lists are served.
-    payloads = [{"model": mesh.model, "prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1,
-                 "seed": LM_EVAL_SEED, "echo": True} for ids in inputs]
-    outputs = [client.completions.create(**payload).model_dump() for payload in payloads]
-    parsed = [lm_eval_parse_logprobs(out, [ctxlen])[0] for out, ctxlen in zip(outputs, ctxlens)]
+    payload = {"model": mesh.model, "prompt": inputs, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+               "seed": LM_EVAL_SEED, "echo": True}
+    outputs = client.completions.create(**payload).model_dump()
+    parsed = lm_eval_parse_logprobs(outputs, ctxlens)
 
     for (loglikelihood, is_greedy), ids, ctxlen in zip(parsed, inputs, ctxlens):
         rows = reference(ids)
@@ -157,7 +156,22 @@ def test_lm_eval_loglikelihood_requests_work_unchanged(client, mesh, tokenizer, 
     assert [greedy for _, greedy in parsed] == [True, False]
 
     # The same with nothing generated (max_tokens 0): every echoed token after the context is the continuation.
-    scored = [client.completions.create(**(payload | {"max_tokens": 0})).model_dump() for payload in payloads]
-    for out, (loglikelihood, _), ctxlen in zip(scored, parsed, ctxlens):
-        choice = out["choices"][0]
+    scored = client.completions.create(**(payload | {"max_tokens": 0})).model_dump()
+    for choice, (loglikelihood, _), ctxlen in zip(scored["choices"], parsed, ctxlens):
         assert sum(choice["logprobs"]["token_logprobs"][ctxlen:]) == pytest.approx(loglikelihood, abs=1e-5)
+
+
+def test_every_choice_of_every_prompt_echoes_its_prompt(client, mesh, tokenizer, reference) -> None:
+    prompts = [PROMPT, "import os\n"]
+    r = client.completions.create(
+        model=mesh.model, prompt=prompts, n=2, echo=True, logprobs=1, max_tokens=4, temperature=1.0, seed=7,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for choice in r.choices:
+        text = prompts[choice.index // 2]
+        ids = tokenizer.encode(text)
+        assert choice.text.startswith(text)
+        check_against(reference(ids), ids, choice.logprobs.token_logprobs[: len(ids)],
+                      choice.logprobs.top_logprobs[: len(ids)])
+        assert len(choice.model_extra["prompt_logprobs"]) == len(ids)

@@ -124,3 +124,16 @@ def test_a_prompt_is_scored_once_under_preemption(tiny_model_dir, prompts):  # n
         if r["status"] == SeqStatus.FINISHED
     ]
     assert len(finished) == len(requests)
+
+
+def test_the_choices_of_a_request_score_their_shared_prompt_once(tiny_model_dir, prompts, reference_model):  # noqa: F811
+    base = make_request(prompts[3], max_tokens=4, prompt_logprobs=2, temperature=1.0, seed=3, ignore_eos=True)
+    request = base.model_copy(update={"n": 3})
+    engine = make_engine(tiny_model_dir, NGRAM, max_num_seqs=2)  # the third choice is admitted a step later
+    frames: list[bytes] = []
+    steps = run(engine, {0: [request]}, lambda outs: frames.extend(step_frames(outs, WORKER_ID, 0)))
+    scored = [out for out in outputs_of(steps, request) if out.prompt is not None]
+    assert [out.seq.choice for out in scored] == [0]
+    np.testing.assert_allclose(scored[0].prompt.logprobs[:, 0], reference_scores(reference_model, prompts[3], 2)[0],
+                               atol=TOLERANCE)
+    assert len(prompt_records(frames)[request.request_id]) == 1
