@@ -25,8 +25,9 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from shared import nats_settings
-from services.gateway import auth
+from services.gateway import auth, limits
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
+from services.gateway.limits import GatewayLimits
 from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
@@ -104,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts", type=int, default=RestartPolicy.max_restarts,
         help="restarts in a row of a crashing child (with backoff) before the mesh gives up; 0: any exit ends it",
+    )
+    limits.add_arguments(
+        parser, in_flight_default=None,
+        in_flight_help="sequences (prompts x n) in the mesh at once; more wait at the gateway and are admitted round "
+        "robin between clients (default: workers x max-num-seqs, the workers' batch slots; 0: no bound)",
     )
 
 
@@ -212,6 +218,9 @@ def run(args: argparse.Namespace) -> None:
             children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
         gateway_args += ["--max-n", str(args.max_n)]
+        if args.max_in_flight is None:  # the workers' batch slots: the gateway, not the queue, orders what waits
+            args.max_in_flight = args.workers * args.max_num_seqs
+        gateway_args += GatewayLimits.from_args(args).command_line()
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]

@@ -43,9 +43,10 @@ async def start_gateway(nats: NatsServer, model_dir: Path, **config: object) -> 
     """A gateway on a real port (TestServer runs handlers with handler_cancellation, as service.py does), connected
     as the gateway's NATS user."""
     nc = await connect(nats.settings(NatsRole.GATEWAY), "test-gateway")
-    settings = GatewayConfig(model_dir=model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, **config)
+    defaults = {"model_dir": model_dir, "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN}
+    settings = GatewayConfig(**(defaults | config))
     server = TestServer(create_app(settings, nc))
-    await server.start_server()
+    await server.start_server(**settings.limits.runner_options())
     return server, nc
 
 

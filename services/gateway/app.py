@@ -1,7 +1,8 @@
 """The gateway's aiohttp application: OpenAI-compatible routes over one NATS connection.
 
 Run it with an AppRunner created with `handler_cancellation=True` (service.py does), so that a client
-that hangs up while waiting for a non-streaming answer cancels its handler, and with it the generation.
+that hangs up while waiting for a non-streaming answer cancels its handler, and with it the generation, and with
+`config.limits.runner_options()`, which bound how long a connection may sit without a request.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from nats.aio.client import Client
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
+from services.gateway.admission import Admission
 from services.gateway.auth import require_api_key
+from services.gateway.body import body_limits
+from services.gateway.disconnects import quiet_disconnects
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
+from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
@@ -42,6 +47,7 @@ class GatewayConfig(BaseModel):
     max_n: int = Field(DEFAULT_MAX_N, ge=1, le=MAX_CHOICES)  # choices per prompt a request may ask for (`n`)
     # The workers' --speculative-config: a request may ask for fewer drafts per step than it sets, never more.
     speculative: SpeculativeConfig = SpeculativeConfig()
+    limits: GatewayLimits = GatewayLimits()
     api_keys: tuple[SecretStr, ...] = ()  # none: no key is asked for
 
 
@@ -62,9 +68,12 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex
         self.created = int(time.time())
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
+        limits = config.limits
+        self.admission = Admission(limits.max_in_flight, limits.max_concurrent_per_key, config.request_timeout_s)
         self.generator = Generator(
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
-            server_drafts=config.speculative.num_drafts, max_n=config.max_n,
+            server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
+            keys_checked=bool(config.api_keys),
         )
         self.readiness = Readiness(nc=nc)
 
@@ -93,7 +102,7 @@ class Gateway:
         return web.json_response(self.model_card())
 
     async def start(self, app: web.Application) -> None:
-        await ensure_request_stream(self.nc.jetstream())
+        await ensure_request_stream(self.nc.jetstream(), self.config.limits.queue)
         await self.router.start()
         self.readiness.started = True
 
@@ -116,8 +125,9 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
-            metrics.count_requests, error_middleware,
+            quiet_disconnects, metrics.count_requests, error_middleware,
             *([require_api_key(config.api_keys)] if config.api_keys else []),  # before any body is read
+            body_limits(config.max_body_bytes, config.limits.body_timeout_s),
         ],
     )
     app[GATEWAY] = gateway

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 
 import jinja2
 import nats.errors
+import nats.js.errors
 import orjson
 from aiohttp import web
 from nats.aio.client import Client
 from pydantic import ValidationError
 
 from services.gateway import metrics, sse
+from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.aggregate import Api
 from services.gateway.choices import ResponseChoices
 from services.gateway.errors import (
@@ -39,6 +41,9 @@ from services.gateway.options import check_logit_bias, check_min_tokens, check_s
 from services.gateway.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_MAX_N, MAX_N_CONTEXT, ChatCompletionRequest, CompletionRequest,
 )
+from services.gateway.identity import client_identity
+from services.gateway.message_size import check_message_size
+from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
@@ -57,6 +62,7 @@ REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest
 ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 STREAM_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 RESPONSE_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 NO_CACHED_TOKENS = 0  # usage.prompt_tokens_details.cached_tokens: the mesh keeps no prompt cache between requests
 
 
@@ -71,6 +77,7 @@ class Generation:
     started: float  # monotonic, for latency metrics
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    opened: bool = False  # its DetokOpen went out: from then on a detokenizer may hold it, and must be told to let go
     saw_first_chunk: bool = False
     last_chunk_at: float = 0.0  # monotonic
 
@@ -105,7 +112,7 @@ class Generator:
 
     def __init__(
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
-        *, server_drafts: int, max_n: int = DEFAULT_MAX_N,
+        *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -115,6 +122,9 @@ class Generator:
         self._max_model_len = max_model_len
         self._server_drafts = server_drafts  # drafts per step the workers are configured for
         self._max_n = max_n
+        self._admission = admission
+        self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
+        self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -124,6 +134,7 @@ class Generator:
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
+        check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         gens = []
         for prompt_ids in await asyncio.to_thread(self._prompts, body):
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
@@ -134,27 +145,32 @@ class Generator:
         )
         metrics.IN_FLIGHT.inc()
         try:
-            with self._router.open([g.request_id for g in gens]) as chunks:
-                await self._submit_all(gens)
-                return await self._answer(request, gens, choices, chunks)
+            identity = client_identity(request, self._keys_checked)
+            async with self._admission.admit(identity, len(gens) * body.num_choices):
+                with self._router.open([g.request_id for g in gens]) as chunks:
+                    reason = FAILED
+                    try:
+                        await self._submit_all(gens)
+                        return await self._answer(request, gens, choices, chunks)
+                    except (asyncio.CancelledError, ConnectionResetError):
+                        reason = CLIENT_DISCONNECTED
+                        metrics.CLIENT_DISCONNECTS.inc()
+                        raise
+                    finally:
+                        # Every way out (a client gone while the detokenizer's answer was awaited included) frees
+                        # what the mesh still holds; shielded, so a second cancellation cannot cut it short.
+                        live = set(chunks.unfinished)
+                        held = [g.request_id for g in gens if g.opened and g.request_id in live]
+                        await asyncio.shield(self._cancel_all(held, reason))
         finally:
             metrics.IN_FLIGHT.dec()
 
     async def _answer(
         self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
     ) -> web.StreamResponse:
-        reason = FAILED
-        try:
-            if gens[0].body.stream:
-                return await self._stream(request, gens, choices, chunks)
-            return await self._respond(gens, choices, chunks)
-        except (asyncio.CancelledError, ConnectionResetError):
-            reason = CLIENT_DISCONNECTED
-            metrics.CLIENT_DISCONNECTS.inc()
-            raise
-        finally:
-            for request_id in chunks.unfinished:
-                await self._cancel(request_id, reason)
+        if gens[0].body.stream:
+            return await self._stream(request, gens, choices, chunks)
+        return await self._respond(gens, choices, chunks)
 
     def _prompts(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt: a chat's one rendered conversation, or each prompt of a completion."""
@@ -220,16 +236,9 @@ class Generator:
         return value
 
     async def _submit_all(self, gens: list[Generation]) -> None:
-        """Submits every prompt's request; when one cannot be, those already in the mesh are cancelled."""
-        submitted: list[Generation] = []
-        try:
-            for gen in gens:
-                await self._submit(gen)
-                submitted.append(gen)
-        except (OpenAIError, asyncio.CancelledError):
-            for gen in submitted:
-                await self._cancel(gen.request_id, FAILED)
-            raise
+        """Submits every prompt's request; when one cannot be, handle() cancels those already opened."""
+        for gen in gens:
+            await self._submit(gen)
 
     async def _submit(self, gen: Generation) -> None:
         opening = DetokOpen(
@@ -248,11 +257,16 @@ class Generator:
             prompt_logprobs=gen.body.shown_prompt_logprobs,
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
         )
+        prompt_param = "messages" if gen.api == "chat" else "prompt"
+        opening_bytes = opening.to_bytes()
+        check_message_size("detokenizer opening", opening_bytes, self._nc.max_payload, prompt_param)
+        gen.opened = True
         try:
-            reply = await self._nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=DETOK_OPEN_TIMEOUT_S)
+            reply = await self._nc.request(subjects.DETOK_OPEN, opening_bytes, timeout=DETOK_OPEN_TIMEOUT_S)
         except nats.errors.Error as exc:
             raise OpenAIError(
-                SERVICE_UNAVAILABLE, f"No detokenizer took the request: {exc!r}", type=UNAVAILABLE
+                SERVICE_UNAVAILABLE, f"No detokenizer took the request: {exc!r}", type=UNAVAILABLE,
+                headers=RETRY_AFTER,
             ) from exc
         work = WorkRequest(
             request_id=gen.request_id,
@@ -262,13 +276,24 @@ class Generator:
             detok_id=DetokReady.from_bytes(reply.data).detok_id,
             created=time.time(),
         )
+        work_bytes = work.to_bytes()
+        check_message_size("work request", work_bytes, self._nc.max_payload, prompt_param)
         try:
-            await self._js.publish(subjects.REQUESTS, work.to_bytes(), timeout=PUBLISH_ACK_TIMEOUT_S)
-        except nats.errors.Error as exc:
-            await self._cancel(gen.request_id, FAILED)
+            await self._js.publish(subjects.REQUESTS, work_bytes, timeout=PUBLISH_ACK_TIMEOUT_S)
+        except nats.js.errors.APIError as exc:  # the stream refused it: a limit of the work queue is reached
             raise OpenAIError(
-                SERVICE_UNAVAILABLE, f"The request could not be queued: {exc!r}", type=UNAVAILABLE
+                SERVICE_UNAVAILABLE, f"The work queue is full ({exc.description}); retry later", type=UNAVAILABLE,
+                headers=RETRY_AFTER,
             ) from exc
+        except nats.errors.Error as exc:
+            raise OpenAIError(
+                SERVICE_UNAVAILABLE, f"The request could not be queued: {exc!r}", type=UNAVAILABLE,
+                headers=RETRY_AFTER,
+            ) from exc
+
+    async def _cancel_all(self, request_ids: list[str], reason: str) -> None:
+        for request_id in request_ids:
+            await self._cancel(request_id, reason)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:

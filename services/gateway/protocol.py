@@ -20,6 +20,9 @@ from shared.schemas import (
 )
 
 MAX_STOP_STRINGS = 16
+# A stream holds back as much text as its longest stop string could still match, and every request's stop strings
+# travel in its NATS messages: a stop string is bounded like a prompt line, not like a prompt.
+MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 TOP_K_OFF = (0, -1)  # vLLM's spellings of "no top-k filtering"
 NEUTRAL_BEST_OF = 1
@@ -119,6 +122,8 @@ class _GenerationRequest(_Body):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if longest := max((len(s) for s in stops if len(s) > MAX_STOP_STRING_CHARS), default=0):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         return tuple(stops)
 
     @field_validator("n")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway import auth
+from services.gateway import auth, limits
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
+from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.startup_checks import check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", type=speculative_config, default=None,
         help="the workers' speculative config (JSON): requests may ask for fewer drafts per step, never more",
     )
+    limits.add_arguments(parser)
     auth.add_arguments(parser)
 
 
@@ -64,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         max_n=args.max_n,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
+        limits=GatewayLimits.from_args(args),
         api_keys=args.api_keys,
     )
 
@@ -74,7 +77,9 @@ async def run(args: argparse.Namespace) -> None:
     nc = await connect(NatsSettings.from_args(args, NatsRole.GATEWAY), SERVICE)
     try:
         app = create_app(config, nc)
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **config.limits.runner_options()
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, args.host, args.port).start()
