@@ -48,6 +48,7 @@ class LoadFigures:
     itl_ms: dict[str, float | None]  # gaps between chunks with text; a chunk of several tokens is one gap
     divergent_outputs: int  # equal requests (prompt, greedy or seed) whose texts differ
     disconnects: int  # leaving clients that left before their stream ended
+    disconnects_by_phase: dict[str, int]  # when they left: before the response, before the first token, mid-stream
     disconnects_finished_first: int  # leaving clients whose stream ended before they left
     disconnect_errors: int  # leaving clients that got an error before they left
 
@@ -58,6 +59,12 @@ class LoadFigures:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def _phase(record: Record) -> str:
+    if record.status is None:
+        return "before_response"
+    return "mid_stream" if record.arrivals else "before_first_token"
 
 
 def load_figures(records: list[Record], wall_s: float) -> LoadFigures:
@@ -71,6 +78,7 @@ def load_figures(records: list[Record], wall_s: float) -> LoadFigures:
         outputs[(r.prompt, r.seed)].add(r.text_digest)
     left = [r for r in records if r.kind == LEFT]
     tokens = sum(r.tokens or 0 for r in served)
+    gone = [r for r in left if not r.finished and not r.error]
     return LoadFigures(
         requests=len(streams),
         errors=len(failed),
@@ -81,7 +89,8 @@ def load_figures(records: list[Record], wall_s: float) -> LoadFigures:
         ttft_ms=_ms(ttft),
         itl_ms=_ms(itl),
         divergent_outputs=sum(len(texts) - 1 for texts in outputs.values()),
-        disconnects=sum(1 for r in left if not r.finished and not r.error),
+        disconnects=len(gone),
+        disconnects_by_phase=dict(Counter(_phase(r) for r in gone)),
         disconnects_finished_first=sum(1 for r in left if r.finished),
         disconnect_errors=sum(1 for r in left if r.error),
     )
