@@ -27,6 +27,9 @@ MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
 VERSION = 2  # 2: records carry a choice index where version 1 had padding
 MAX_TOP_K = 20
 NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
+# seq_no and offset of a FINISHED record that ends a request wherever its output stands, never taken for a
+# duplicate: sent by a worker that does not know how far the request got (a dead letter, whose workers died).
+WHEREVER = 2**32 - 1
 MAX_RECORD_TOKENS = 2**16 - 1  # a record's num_tokens is a u16
 MAX_CHOICES = 2**16  # a record's choice index is a u16
 

@@ -71,6 +71,23 @@ def _pulls_requests() -> tuple[str, ...]:
     return (f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}", f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}")
 
 
+def _moves_dead_letters() -> tuple[str, ...]:
+    """The API calls of services/worker/dead_letters.py: declare the dead-letter stream and its consumer, pull and
+    acknowledge its advisories, read and delete the work-queue message one names, store its copy."""
+    stream, consumer, requests = subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER, subjects.REQUEST_STREAM
+    return (
+        f"{JS_API}.STREAM.CREATE.{stream}",
+        f"{JS_API}.STREAM.UPDATE.{stream}",
+        f"{JS_API}.CONSUMER.CREATE.{stream}.{consumer}.{ANY_REST}",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}",
+        f"{JS_API}.STREAM.MSG.GET.{requests}",
+        f"{JS_API}.STREAM.MSG.DELETE.{requests}",
+        subjects.DEAD_REQUESTS,
+    )
+
+
 def _inbox(role: NatsRole) -> str:
     return f"{inbox_prefix(role)}.{ANY_REST}"
 
@@ -83,7 +100,8 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
     ),
     NatsRole.WORKER: Permissions(
         publish=(
-            subjects.frames(ANY_TOKEN), subjects.RESUMED_REQUESTS, *_declares_request_stream(), *_pulls_requests()
+            subjects.frames(ANY_TOKEN), subjects.RESUMED_REQUESTS, *_declares_request_stream(), *_pulls_requests(),
+            *_moves_dead_letters(),
         ),
         subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER)),
     ),

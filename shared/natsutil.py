@@ -23,6 +23,11 @@ PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refu
 # JetStream API error code: a stream of this name exists with another configuration.
 STREAM_NAME_IN_USE = 10058
 REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this while it works on a request
+# Deliveries of one work-queue message before JetStream gives up on it (services/worker/dead_letters.py). A worker
+# terminates what it refuses or fails, so only deaths and stalls redeliver. The detokenizer's --max-migrations (3)
+# usually ends a request that keeps losing its worker first; this bounds the rest, e.g. a message retried because its
+# detokenizer did not answer, or one every worker dies on before asking.
+REQUEST_MAX_DELIVER = 5
 
 
 class NatsErrors:
@@ -97,5 +102,6 @@ async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | Non
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=REQUEST_ACK_WAIT_S,
             max_ack_pending=-1,
+            max_deliver=REQUEST_MAX_DELIVER,
         ),
     )

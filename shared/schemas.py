@@ -5,7 +5,7 @@ Binary frames (worker -> detokenizer) are not here: see shared/frames.py.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,6 +16,12 @@ NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
 MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
 NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
+# Frames and the engine's index tensors hold token ids, counts and lengths as int32: every such field stays inside it,
+# so no value can overflow where it lands (the worker narrows token ids to its vocabulary, shared/request_limits.py).
+MAX_INT32 = 2**31 - 1
+# A resumed choice's TARGET records count on from its next_seq_no in a u32 field: half of its range leaves room.
+MAX_RESUMED_SEQ_NO = 2**31
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class _Message(BaseModel):
@@ -44,10 +50,11 @@ class SamplingParams(_Message):
 
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = whole vocabulary
+    top_k: int = Field(0, ge=0, le=MAX_INT32)  # 0 = whole vocabulary
     seed: int | None = Field(None, ge=0, lt=2**63)
-    max_tokens: int = Field(16, ge=0)  # 0: only the prompt is scored (echo with prompt logprobs), nothing generated
-    stop_token_ids: tuple[int, ...] = ()
+    # 0: only the prompt is scored (echo with prompt logprobs), nothing generated
+    max_tokens: int = Field(16, ge=0, le=MAX_INT32)
+    stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # None: no logprobs; n: the chosen token + top-n
     include_draft_logprobs: bool = False
@@ -57,9 +64,10 @@ class SamplingParams(_Message):
     presence_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(NO_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(NO_REPETITION_PENALTY, gt=0.0, allow_inf_nan=False)
-    min_tokens: int = Field(0, ge=0)  # stop tokens (EOS included unless ignore_eos) are masked before this many
+    # Stop tokens (EOS included unless ignore_eos) are masked before this many.
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> added to its logit
+    logit_bias: dict[TokenId, float] = Field(default_factory=dict)  # token id -> added to its logit
     speculative: SpeculationParams = SpeculationParams()
 
     @field_validator("logit_bias")
@@ -95,8 +103,8 @@ class ChoiceProgress(_Message):
     """Where one unfinished choice of a handed-back request stands."""
 
     index: int = Field(ge=0)
-    output_token_ids: tuple[int, ...] = ()  # tokens already streamed
-    next_seq_no: int = Field(0, ge=0)  # seq_no of the choice's next TARGET record
+    output_token_ids: tuple[TokenId, ...] = ()  # tokens already streamed
+    next_seq_no: int = Field(0, ge=0, le=MAX_RESUMED_SEQ_NO)  # seq_no of the choice's next TARGET record
 
 
 class WorkRequest(_Message):
@@ -108,7 +116,7 @@ class WorkRequest(_Message):
     """
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    prompt_token_ids: tuple[TokenId, ...] = Field(min_length=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     progress: tuple[ChoiceProgress, ...] = ()  # a resumed request's unfinished choices; empty: all n from the start
     # The detokenizer that owns this request's output (set by the gateway; empty only for in-process use).
@@ -131,6 +139,16 @@ class WorkRequest(_Message):
     def num_choices(self) -> int:
         """How many choices are to run: all n, or a resumed request's unfinished ones."""
         return len(self.progress) or self.n
+
+
+class RequestAddress(BaseModel):
+    """Whose a work-queue message is: read from one that fails WorkRequest's validation, so that the worker can still
+    end the request at its detokenizer."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    detok_id: str = Field(pattern=r"^[0-9a-zA-Z_-]{1,64}$")
 
 
 class DetokOpen(_Message):

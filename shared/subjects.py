@@ -15,6 +15,14 @@ RESUMED_REQUESTS = f"{PREFIX}.requests.resumed"
 REQUEST_SUBJECTS = (REQUESTS, RESUMED_REQUESTS)  # what the stream stores
 WORKER_CONSUMER = "workers"  # the durable pull consumer every worker shares
 
+# Requests the work queue gave up on (services/worker/dead_letters.py). JetStream announces a message delivered
+# max_deliver times without an ack on the advisory subject below; the dead-letter stream stores those advisories, so
+# none is lost while no worker runs, and the copies of the requests they name, which a worker moves there.
+DEAD_LETTER_STREAM = "SPECMESH_DEAD_LETTERS"
+MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUEST_STREAM}.{WORKER_CONSUMER}"
+DEAD_REQUESTS = f"{PREFIX}.dead.requests"  # worker -> dead-letter stream; body: the message as it was queued
+DEAD_LETTER_CONSUMER = "dead-letters"  # the durable pull consumer of the advisories, shared by the workers
+
 # Opening a request is a request/reply to the detokenizers' queue group: exactly one detokenizer takes the
 # request and answers with its id (schemas.DetokReady); the gateway writes that id into the WorkRequest, and
 # the worker sends the request's frames to that detokenizer's own subject. Since the gateway queues the

@@ -24,7 +24,7 @@ from shared.frames import (
     UnsupportedVersion,
 )
 from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
-from services.worker.queue_worker import _abort_frame
+from services.worker.publisher import abort_frame
 
 RNG_SEED = 7
 
@@ -168,7 +168,7 @@ def test_a_refused_resumed_request_finishes_where_its_records_stand() -> None:
         progress=(ChoiceProgress(index=1, output_token_ids=(3, 4, 5), next_seq_no=2),),
         sampling=SamplingParams(max_tokens=3), detok_id="d", created=0.0,
     )
-    ((request_id, rec, token_ids, _, _),) = frames.decode(_abort_frame([resumed], 1, 9)).rows()
+    ((request_id, rec, token_ids, _, _),) = frames.decode(abort_frame([resumed], 1, 9)).rows()
     assert request_id == resumed.request_id and len(token_ids) == 0
     assert (int(rec["seq_no"]), int(rec["offset"]), int(rec["choice"])) == (2, 3, 1)
     assert (rec["status"], rec["finish_reason"]) == (SeqStatus.FINISHED, FinishReason.ABORT)

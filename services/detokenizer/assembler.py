@@ -14,7 +14,7 @@ from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, To
 from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPart, wants_prompt
 from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import StopMatcher
-from shared.frames import NO_TOKEN, FinishReason, Frame, SeqStatus
+from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
 from shared.schemas import Chunk, DetokOpen, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -119,7 +119,11 @@ class RequestAssembler:
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this step produces, or None when it produced nothing to send yet (or was a duplicate)."""
-        if self.finished or self._is_duplicate(target):
+        if self.finished:
+            return None
+        if target.finished and target.seq_no == WHEREVER:
+            return self.fail(f"the worker ended the request ({target.finish_reason.name}) after giving up on it")
+        if self._is_duplicate(target):
             return None
         if self._prompt is not None and not self._prompt.done:
             return self.fail(self._prompt.missing)

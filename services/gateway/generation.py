@@ -46,6 +46,7 @@ from services.gateway.message_size import check_message_size
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
+from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
@@ -139,7 +140,7 @@ class Generator:
         for prompt_ids in await asyncio.to_thread(self._prompts, body):
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
-            gens.append(Generation(api, body, prompt_ids, body.sampling_params(max_tokens), started))
+            gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens), started))
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )
@@ -201,6 +202,19 @@ class Generator:
             raise bad_request(str(exc), param="continue_final_message") from exc
         except ValueError as exc:  # the model has no chat template
             raise bad_request(str(exc), param="messages") from exc
+
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
+        worker checks again, so that a request the gateway queued is never one the worker refuses."""
+        try:
+            sampling = body.sampling_params(max_tokens)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from exc
+        try:
+            check_sampling(sampling, ModelLimits(self._tokenizer.vocab_size, self._max_model_len))
+        except OutOfLimits as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        return sampling
 
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         vocab = self._tokenizer.vocab_size

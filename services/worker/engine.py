@@ -25,6 +25,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.frames import FinishReason
+from shared.request_limits import ModelLimits, check_work_request
 from shared.schemas import WorkRequest
 from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
@@ -67,6 +68,7 @@ class Engine:
                 "(no num_nextn_predict_layers in config.json): use method \"ngram\" or \"naive\""
             )
         self.vocab_size = model.config.vocab_size
+        self.limits = ModelLimits(self.vocab_size, config.max_model_len)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
@@ -97,17 +99,10 @@ class Engine:
 
     def add_request(self, request: WorkRequest) -> list[Sequence]:
         """Queues a sequence per choice to run (each choice's seed derived from the request's, shared/seeds.py);
-        refuses the whole request, queueing nothing, when a choice cannot run."""
+        refuses the whole request, queueing nothing, when a choice cannot run (OutOfLimits names why)."""
+        check_work_request(request, self.limits)  # before any of its values reaches a tensor or a frame
         sampling = request.sampling
         choices = request.choices()
-        for choice in choices:
-            num_tokens = len(request.prompt_token_ids) + len(choice.output_token_ids)
-            if num_tokens >= self.config.max_model_len:
-                raise ValueError(f"{num_tokens} tokens leave no room in max_model_len {self.config.max_model_len}")
-            if choice.output_token_ids and len(choice.output_token_ids) >= sampling.max_tokens:
-                raise ValueError(
-                    f"{len(choice.output_token_ids)} tokens already reach max_tokens {sampling.max_tokens}"
-                )
         if sampling.seed is None:
             # The drawn seed stays with the request, so a hand-back continues every choice with the same noise.
             sampling = sampling.model_copy(update={"seed": secrets.randbits(SEED_BITS)})

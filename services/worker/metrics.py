@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker.engine import Engine, SeqOutput
@@ -40,6 +42,25 @@ REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from 
 REQUESTS_HANDED_BACK = Counter(
     "specmesh_worker_requests_handed_back", "Unfinished requests re-queued with their progress at shutdown", _LABELS
 )
+
+FAILED_REQUESTS = Counter(
+    "specmesh_worker_failed_requests",
+    "Work-queue messages the worker terminated without serving them to the end, by reason", _LABELS + ["reason"],
+)
+DEAD_LETTERS = Counter(
+    "specmesh_worker_dead_letters",
+    "Requests moved to the dead-letter subject after the work queue delivered them max_deliver times", _LABELS,
+)
+
+
+class FailReason(StrEnum):
+    """The `reason` label of FAILED_REQUESTS: a closed set, so no client value becomes a label."""
+
+    MALFORMED = "malformed"  # not a WorkRequest: bad JSON, or a field outside the request schema
+    NO_DETOKENIZER = "no_detokenizer"  # names no detokenizer to send its output to
+    OUT_OF_LIMITS = "out_of_limits"  # outside the model: a token id past the vocabulary, no room in the context
+    REFUSED = "refused"  # the engine refused it for another reason
+    ENGINE_ERROR = "engine_error"  # an engine step raised and the request failed it alone (or none could be blamed)
 
 
 class WorkerMetrics:

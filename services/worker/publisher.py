@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from shared.frames import HEADER, MAX_RECORD_TOKENS, RECORD, FrameBuilder, FrameKind, SeqStatus
+from shared.frames import (
+    HEADER, MAX_RECORD_TOKENS, RECORD, WHEREVER, FinishReason, FrameBuilder, FrameKind, SeqStatus,
+)
+from shared.schemas import WorkRequest
 from services.worker.engine import SeqOutput
 from services.worker.prompt_logprobs import FIRST_SCORED_TOKEN
 from services.worker.sequence import Sequence
 
+# The header step of a frame sent outside the engine's steps: the detokenizer joins DRAFT and TARGET frames by step,
+# and the engine numbers its steps from 1.
+OUT_OF_STEP = 0
 # NATS refuses messages above its max_payload (1 MiB unless configured): a long prompt's scores are split into
 # frames of at most half of that.
 MAX_PROMPT_FRAME_BYTES = 512 * 1024
@@ -96,3 +102,26 @@ def prompt_frames(
             start, seq_no, room = start + taken, seq_no + 1, room - taken
     frames.append(builder.encode())
     return frames
+
+
+def abort_frame(requests: list[WorkRequest], worker_id: int, step: int) -> bytes:
+    """Requests the worker ends without serving them to the end (refused, failing a step, dead-lettered) finish with
+    ABORT where their output stands (a resumed one continues its records): the detokenizer ends each with an error."""
+    builder = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k=0)
+    for request in requests:
+        first = request.choices()[0]  # one choice's end fails the whole request at the detokenizer
+        builder.add_status(
+            request.request_id, seq_no=first.next_seq_no, offset=len(first.output_token_ids),
+            status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT, choice=first.index,
+        )
+    return builder.encode()
+
+
+def end_wherever_frame(request_id: str, worker_id: int) -> bytes:
+    """A request the worker ends without knowing how far its output got (a dead letter, whose workers died; a message
+    it cannot read whole): an ABORT record WHEREVER, which the detokenizer takes wherever the request stands."""
+    builder = FrameBuilder(FrameKind.TARGET, worker_id, OUT_OF_STEP, top_k=0)
+    builder.add_status(
+        request_id, seq_no=WHEREVER, offset=WHEREVER, status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT
+    )
+    return builder.encode()

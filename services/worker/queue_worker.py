@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from nats.aio.msg import Msg
@@ -30,13 +30,15 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from shared import subjects
-from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus, frame_kind
+from shared.frames import frame_kind
 from shared.natsutil import REQUEST_ACK_WAIT_S
-from shared.schemas import Cancel, ChoiceProgress, WorkRequest
+from shared.request_limits import OutOfLimits
+from shared.schemas import Cancel, ChoiceProgress, RequestAddress, WorkRequest
 from services.worker.engine import Engine, SeqOutput
-from services.worker.metrics import PREEMPTIONS, REQUESTS_HANDED_BACK, WorkerMetrics
-from services.worker.publisher import step_frames
+from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, FailReason, WorkerMetrics
+from services.worker.publisher import abort_frame, end_wherever_frame, step_frames
 from services.worker.sequence import Sequence
+from services.worker.step_guard import StepGuard
 
 log = logging.getLogger("specmesh.worker")
 T = TypeVar("T")
@@ -59,6 +61,8 @@ class StepResult:
     outputs: list[SeqOutput]  # for metrics, each with a copy of its sequence as it stood at the end of the step
     seconds: float | None  # the engine step's duration; None when the step only refused or cancelled requests
     num_preempted: int = 0
+    # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
+    failed: list[tuple[str, FailReason]] = field(default_factory=list)
 
 
 class QueueWorker:
@@ -83,6 +87,7 @@ class QueueWorker:
         # of its choices are still running (its message is acknowledged when none is).
         self._detok_ids: dict[str, str] = {}
         self._num_live: dict[str, int] = {}
+        self._guard: StepGuard = StepGuard(engine)
 
     @property
     def capacity(self) -> int:
@@ -136,12 +141,15 @@ class QueueWorker:
             request = WorkRequest.from_bytes(msg.data)
         except (ValidationError, ValueError) as exc:
             log.error("dropping malformed work request: %s", exc)
+            self.metrics.counter(FAILED_REQUESTS, reason=FailReason.MALFORMED).inc()
+            await self._end_unreadable(msg.data)
             await msg.term()
             return
         if request.request_id in self._recent_cancels:
             await msg.ack()
         elif not request.detok_id:
             log.error("dropping work request %s that names no detokenizer", request.request_id)
+            self.metrics.counter(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
             await msg.term()
         elif request.request_id in self._messages:
             log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
@@ -152,6 +160,16 @@ class QueueWorker:
             with self._handoff:
                 self._new.append(request)
                 self._handoff.notify()
+
+    async def _end_unreadable(self, raw: bytes) -> None:
+        """Ends a message that is no valid WorkRequest at its detokenizer, when it says whose it is, so that its client
+        gets an error (a gateway that disagrees with this worker's schema) rather than silence."""
+        try:
+            address = RequestAddress.model_validate_json(raw)
+        except ValidationError:
+            return
+        frame = end_wherever_frame(address.request_id, self.worker_id)
+        await self.nc.publish(subjects.frames(address.detok_id), frame)
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -191,7 +209,13 @@ class QueueWorker:
             msg = self._messages.pop(request_id, None)
             if msg is not None:
                 await msg.ack()
-        if result.finished:
+        for request_id, reason in result.failed:
+            self._requests.pop(request_id, None)
+            msg = self._messages.pop(request_id, None)
+            self.metrics.counter(FAILED_REQUESTS, reason=reason).inc()
+            if msg is not None:
+                await msg.term()
+        if result.finished or result.failed:
             self._acked.set()
         if result.seconds is not None:
             self.metrics.observe_step(result.outputs, result.seconds)
@@ -224,43 +248,67 @@ class QueueWorker:
             return new, cancels
 
     def _step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
-        """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send."""
-        refused = []
-        for request in new:
-            try:
-                seqs = self.engine.add_request(request)
-            except ValueError as exc:
-                log.warning("refusing request %s: %s", request.request_id, exc)
-                refused.append(request)
-                continue
-            self._detok_ids[request.request_id] = request.detok_id
-            self._num_live[request.request_id] = len(seqs)
-        finished = [request.request_id for request in refused]
+        """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send. A request
+        the engine refuses, or that fails a step (StepGuard), ends with an error record and is terminated."""
+        failed = [(request, reason) for request in new if (reason := self._admit(request)) is not None]
+        finished: list[str] = []
         for cancel in cancels:
             finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
-        frames = [
-            (detok_id, _abort_frame(group, self.worker_id, self.engine.step_no))
-            for detok_id, group in _grouped(refused, lambda request: request.detok_id).items()
-        ]
         outputs: list[SeqOutput] = []
+        frames: list[tuple[str, bytes]] = []
         seconds = None
         num_preempted = 0
         if self.engine.has_work():
             started = time.perf_counter()
-            outputs = self.engine.step()
+            stepped, recovery = self._guard.run(self._engine_step)
             seconds = time.perf_counter() - started
-            preempted = _grouped(self.engine.last_preempted, lambda seq: self._detok_ids[seq.request_id])
-            num_preempted = len(self.engine.last_preempted)
-            groups = _grouped(outputs, lambda out: self._detok_ids[out.seq.request_id])
-            for detok_id in groups.keys() | preempted.keys():
-                group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
-                frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
-            finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
-            # The event loop counts these while the next step changes the sequences: it gets copies.
-            outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
-        for request_id in finished:
+            if stepped is not None:
+                outputs, frames, num_preempted = stepped
+                finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
+                # The event loop counts these while the next step changes the sequences: it gets copies.
+                outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
+            if recovery is not None:
+                failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
+                for request in recovery.resumed:
+                    self._num_live[request.request_id] = len(request.choices())
+        ended = [request for request, _ in failed]
+        frames = [
+            (detok_id, abort_frame(group, self.worker_id, self.engine.step_no))
+            for detok_id, group in _grouped(ended, lambda request: request.detok_id).items()
+        ] + frames
+        for request in ended:
+            self._num_live.pop(request.request_id, None)
+        for request_id in finished + [request.request_id for request in ended]:
             self._detok_ids.pop(request_id, None)
-        return StepResult(frames, finished, outputs, seconds, num_preempted)
+            self._guard.forget(request_id)
+        failures = [(request.request_id, reason) for request, reason in failed]
+        return StepResult(frames, finished, outputs, seconds, num_preempted, failures)
+
+    def _admit(self, request: WorkRequest) -> FailReason | None:
+        """Gives the request to the engine; the reason it was refused, or None."""
+        try:
+            seqs = self._guard.admit(request)
+        except OutOfLimits as exc:
+            log.warning("refusing request %s: %s is out of the model's limits: %s", request.request_id, exc.param, exc)
+            return FailReason.OUT_OF_LIMITS
+        except ValueError as exc:
+            log.warning("refusing request %s: %s", request.request_id, exc)
+            return FailReason.REFUSED
+        self._detok_ids[request.request_id] = request.detok_id
+        self._num_live[request.request_id] = len(seqs)
+        return None
+
+    def _engine_step(self) -> tuple[list[SeqOutput], list[tuple[str, bytes]], int]:
+        """One engine step and its frames: (outputs, (detokenizer id, frame) in publishing order, preempted count).
+        Touches no bookkeeping of this class, so that StepGuard can also run it to try a request alone."""
+        outputs = self.engine.step()
+        preempted = _grouped(self.engine.last_preempted, lambda seq: self._detok_ids[seq.request_id])
+        groups = _grouped(outputs, lambda out: self._detok_ids[out.seq.request_id])
+        frames = []
+        for detok_id in groups.keys() | preempted.keys():
+            group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
+            frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
+        return outputs, frames, len(self.engine.last_preempted)
 
     def _ended(self, seqs: list[Sequence]) -> list[str]:
         """The requests whose last running choices are among these finished sequences."""
@@ -329,15 +377,3 @@ def _grouped(items: Iterable[T], detok_id_of: Callable[[T], str]) -> dict[str, l
     for item in items:
         groups[detok_id_of(item)].append(item)
     return groups
-
-
-def _abort_frame(requests: list[WorkRequest], worker_id: int, step: int) -> bytes:
-    """Refused requests finish with ABORT where their output stands (a resumed one continues its records)."""
-    builder = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k=0)
-    for request in requests:
-        first = request.choices()[0]  # one choice's end fails the whole request at the detokenizer
-        builder.add_status(
-            request.request_id, seq_no=first.next_seq_no, offset=len(first.output_token_ids),
-            status=SeqStatus.FINISHED, finish_reason=FinishReason.ABORT, choice=first.index,
-        )
-    return builder.encode()

@@ -27,6 +27,7 @@ from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
 from shared.schemas import SamplingParams, WorkRequest
 from services.startup_checks import servable_max_model_len, speculative_config
+from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine import Engine
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
@@ -114,6 +115,11 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
+def _report_stop(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("dead letters are no longer moved by this worker", exc_info=task.exception())
+
+
 async def run(args: argparse.Namespace) -> None:
     readiness = Readiness()
     http = await start_http(readiness, args.metrics_host, args.metrics_port)
@@ -131,13 +137,18 @@ async def run(args: argparse.Namespace) -> None:
     readiness.nc = nc
     js = nc.jetstream()
     await ensure_request_stream(js)
-    worker = QueueWorker(engine, nc, worker_id, WorkerMetrics(engine, Path(config.model).name, worker_id))
+    await ensure_dead_letter_stream(js)
+    metrics = WorkerMetrics(engine, Path(config.model).name, worker_id)
+    worker = QueueWorker(engine, nc, worker_id, metrics)
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
     heartbeat = asyncio.create_task(worker.heartbeat_loop())
     stepping = asyncio.create_task(worker.engine_loop())
+    # Not among the tasks that end the worker: moving dead letters is housekeeping; serving goes on without it.
+    burying = asyncio.create_task(DeadLetters(nc, worker_id, metrics).loop())
+    burying.add_done_callback(_report_stop)
     readiness.started = True
     log.info("worker %d ready", worker_id)
     try:
@@ -154,7 +165,8 @@ async def run(args: argparse.Namespace) -> None:
         if not finished:
             log.warning("drain timeout: handed %d unfinished requests back to the queue", await worker.hand_back())
         heartbeat.cancel()
-        await asyncio.gather(fetching, heartbeat, return_exceptions=True)
+        burying.cancel()
+        await asyncio.gather(fetching, heartbeat, burying, return_exceptions=True)
         await psub.unsubscribe()  # a pull subscription with a fetch outstanding would stall the drain
         await nc.drain()
         await http.cleanup()
