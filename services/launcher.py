@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
     )
     parser.add_argument(
+        "--max-migrations", type=int, default=None,
+        help="times a request whose worker died may be taken over by another before it ends with an error "
+        "(default: the detokenizer's own)",
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds for the first completion to travel the mesh"
     )
     auth.add_arguments(parser)
@@ -199,6 +204,8 @@ def run(args: argparse.Namespace) -> None:
             metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
             nats_args, env = nats_of[NatsRole.DETOKENIZER]
             extra = (*nats_args, "--metrics-port", str(port))
+            if args.max_migrations is not None:
+                extra += ("--max-migrations", str(args.max_migrations))
             children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env)))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]

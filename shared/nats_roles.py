@@ -95,19 +95,26 @@ def _inbox(role: NatsRole) -> str:
 PERMISSIONS: dict[NatsRole, Permissions | None] = {
     NatsRole.ADMIN: None,
     NatsRole.GATEWAY: Permissions(
-        publish=(subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, *_declares_request_stream()),
+        publish=(
+            subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
+            *_declares_request_stream(),
+        ),
         subscribe=(subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY)),
     ),
     NatsRole.WORKER: Permissions(
         publish=(
-            subjects.frames(ANY_TOKEN), subjects.RESUMED_REQUESTS, *_declares_request_stream(), *_pulls_requests(),
+            subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.RESUMED_REQUESTS,
+            *_declares_request_stream(), *_pulls_requests(),
             *_moves_dead_letters(),
         ),
         subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER)),
     ),
     NatsRole.DETOKENIZER: Permissions(
         publish=(subjects.responses(ANY_TOKEN), subjects.STOP),
-        subscribe=(subjects.DETOK_OPEN, subjects.frames(ANY_TOKEN), subjects.CANCEL),
+        subscribe=(
+            subjects.DETOK_OPEN, subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.held(ANY_TOKEN),
+            subjects.CANCEL,
+        ),
         allow_responses=True,
     ),
 }

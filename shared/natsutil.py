@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import nats
 from nats.aio.client import Client
@@ -22,7 +23,11 @@ MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription; past it nats-py drops 
 PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refused publish or subscription, any case
 # JetStream API error code: a stream of this name exists with another configuration.
 STREAM_NAME_IN_USE = 10058
-REQUEST_ACK_WAIT_S = 30.0  # a worker heartbeats (in_progress) well inside this while it works on a request
+# How long a work-queue message stays with a worker that has gone silent: a dead worker's requests go to another worker
+# this long after its last heartbeat (in_progress, every REQUEST_HEARTBEAT_S; the heartbeat runs on the worker's event
+# loop, beside the engine thread, so a long step does not hold it up). An existing consumer takes it at start-up.
+REQUEST_ACK_WAIT_S = 2.5
+REQUEST_HEARTBEAT_S = REQUEST_ACK_WAIT_S / 5  # four heartbeats may go astray before a live worker loses a request
 # Deliveries of one work-queue message before JetStream gives up on it (services/worker/dead_letters.py). A worker
 # terminates what it refuses or fails, so only deaths and stalls redeliver. The detokenizer's --max-migrations (3)
 # usually ends a request that keeps losing its worker first; this bounds the rest, e.g. a message retried because its
@@ -33,9 +38,10 @@ REQUEST_MAX_DELIVER = 5
 class NatsErrors:
     """Counts what nats-py reports through its callbacks, as the service's NATS metrics."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, on_reconnect: Callable[[], None] | None = None) -> None:
         self.service = service
         self.metrics = NatsMetrics.for_service(service)
+        self._on_reconnect = on_reconnect
 
     async def on_error(self, exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
@@ -53,15 +59,17 @@ class NatsErrors:
     async def on_reconnect(self) -> None:
         self.metrics.reconnects.inc()
         log.info("%s: reconnected to NATS", self.service)
+        if self._on_reconnect is not None:
+            self._on_reconnect()
 
     async def on_disconnect(self) -> None:
         log.warning("%s: disconnected from NATS", self.service)
 
 
-async def connect(settings: NatsSettings, service: str) -> Client:
+async def connect(settings: NatsSettings, service: str, on_reconnect: Callable[[], None] | None = None) -> Client:
     """Connects as the settings' role and keeps reconnecting for as long as the service lives; counts what goes
-    wrong."""
-    errors = NatsErrors(service)
+    wrong. `on_reconnect` is called after each reconnect: core NATS messages may have been lost meanwhile."""
+    errors = NatsErrors(service, on_reconnect)
     nc = await nats.connect(
         settings.url,
         name=f"specmesh-{service}",

@@ -5,6 +5,7 @@ Binary frames (worker -> detokenizer) are not here: see shared/frames.py.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import orjson
@@ -21,6 +22,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
 MAX_INT32 = 2**31 - 1
 # A resumed choice's TARGET records count on from its next_seq_no in a u32 field: half of its range leaves room.
 MAX_RESUMED_SEQ_NO = 2**31
+MAX_WORKER_ID = 2**32 - 1  # a frame header's worker id is a u32
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
@@ -186,6 +188,41 @@ class DetokReady(_Message):
     """detokenizer -> gateway, the reply to DetokOpen: this detokenizer owns the request."""
 
     detok_id: str = Field(pattern=r"^[0-9a-zA-Z_-]{1,64}$")
+
+
+class ProgressQuery(_Message):
+    """worker -> detokenizer: this worker takes over a request another worker lost; how far did its output get?"""
+
+    request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    worker_id: int = Field(ge=0, le=MAX_WORKER_ID)  # its frames' worker id: from now on the only one taken
+
+
+class TakeOver(StrEnum):
+    """What the owning detokenizer tells a worker that asks to take a request over."""
+
+    CONTINUE = "continue"  # continue each unfinished choice from its progress
+    CLOSED = "closed"  # the request is over (finished, cancelled, or never opened here): drop it
+    REFUSED = "refused"  # it lost its worker too often (--max-migrations): the detokenizer ended it with an error
+
+
+class ProgressReport(_Message):
+    """detokenizer -> worker, the reply to ProgressQuery."""
+
+    outcome: TakeOver
+    progress: tuple[ChoiceProgress, ...] = ()  # with CONTINUE: every unfinished choice, as its client has seen it
+    migrations: int = Field(0, ge=0)  # times the request has been taken over, this one included
+
+
+class HeldQuery(_Message):
+    """gateway -> detokenizer: which of these requests, silent for a while, do you still hold?"""
+
+    request_ids: tuple[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")], ...] = Field(min_length=1)
+
+
+class HeldReport(_Message):
+    """detokenizer -> gateway, the reply to HeldQuery: those of the requests it holds."""
+
+    request_ids: tuple[str, ...] = ()
 
 
 class Cancel(_Message):

@@ -36,6 +36,19 @@ def frames(detok_id: str) -> str:
     return f"{PREFIX}.detok.{detok_id}.frames"
 
 
+def progress(detok_id: str) -> str:
+    """worker -> the detokenizer that owns a request, request/reply: how far the output of a request this worker takes
+    over (redelivered after its worker died, or handed back) got; from then on the detokenizer takes the request's
+    frames from this worker only. Body: schemas.ProgressQuery; reply: schemas.ProgressReport."""
+    return f"{PREFIX}.detok.{detok_id}.progress"
+
+
+def held(detok_id: str) -> str:
+    """gateway -> a detokenizer, request/reply: which of these requests it still holds, asked when a stream has been
+    silent for a while (no answer: the detokenizer is gone). Body: schemas.HeldQuery; reply: schemas.HeldReport."""
+    return f"{PREFIX}.detok.{detok_id}.held"
+
+
 CANCEL = f"{PREFIX}.cancel"  # gateway -> workers and detokenizers (the client is gone); body: schemas.Cancel
 # detokenizer -> workers: the request's output ended at the detokenizer (a stop string, an error), so stop
 # generating it; body: schemas.Cancel. Apart from CANCEL so that a detokenizer's NATS user cannot close requests at

@@ -21,7 +21,8 @@ from nats.aio.client import Client
 from shared import subjects
 from shared.nats_roles import NatsRole
 from shared.natsutil import connect
-from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, Usage, WorkRequest
+from services.gateway.liveness import CHECK_AFTER_S
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, HeldQuery, HeldReport, Usage, WorkRequest
 
 __all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
 
@@ -215,3 +216,46 @@ async def test_silence_times_out_and_cancels(nats_server: NatsServer, model_dir,
     finally:
         await server.close()
         await nc.drain()
+
+
+async def test_a_request_whose_detokenizer_is_gone_ends_within_seconds(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    taken = asyncio.create_task(peer.take())  # answers as detokenizer PEER_ID, then never again: it "died"
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.completions.create(model=MODEL, prompt="x")
+    opening, _ = await taken
+    assert info.value.status_code == 502
+    assert f"the detokenizer {PEER_ID} that held the request is gone" in str(info.value)
+    assert asyncio.get_running_loop().time() - started < CHECK_AFTER_S + WAIT_S
+    assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="error")
+
+
+async def test_a_request_its_detokenizer_no_longer_holds_ends(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    async def holds_nothing(msg) -> None:  # alive, but the request's last chunks were lost on the way
+        await msg.respond(HeldReport().to_bytes())
+
+    held = await peer.nc.subscribe(subjects.held(PEER_ID), cb=holds_nothing)
+    try:
+        taken = asyncio.create_task(peer.take())
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.completions.create(model=MODEL, prompt="x")
+        opening, _ = await taken
+    finally:
+        await held.unsubscribe()
+    assert info.value.status_code == 502 and "no longer holds request" in str(info.value)
+    assert await peer.cancelled() == Cancel(request_id=opening.request_id, reason="error")
+
+
+async def test_a_silent_request_its_detokenizer_holds_goes_on(client: openai.AsyncOpenAI, peer: Peer) -> None:
+    async def holds_all(msg) -> None:
+        await msg.respond(HeldReport(request_ids=HeldQuery.from_bytes(msg.data).request_ids).to_bytes())
+
+    held = await peer.nc.subscribe(subjects.held(PEER_ID), cb=holds_all)
+    try:
+        call = asyncio.create_task(client.completions.create(model=MODEL, prompt="x"))
+        opening, _ = await peer.take()
+        await asyncio.sleep(2 * CHECK_AFTER_S)  # silent, as a request waiting in the work queue is
+        await peer.reply(opening, [{"index": 0, "text": "late", "logprobs": None, "finish_reason": "length"}])
+        assert (await call).choices[0].text == "late"
+    finally:
+        await held.unsubscribe()

@@ -15,7 +15,7 @@ from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPa
 from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import StopMatcher
 from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
-from shared.schemas import Chunk, DetokOpen, Usage
+from shared.schemas import ChoiceProgress, Chunk, DetokOpen, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 STOP_STRING_FINISH = "stop"
@@ -106,6 +106,7 @@ class RequestAssembler:
         self._prompt = PromptAssembler(open_msg, table) if wants_prompt(open_msg) else None
         self._text_base = 0  # characters of echoed prompt before the generated text
         self._tokens_seen = 0  # tokens of accepted TARGET records, i.e. the output length the worker reported
+        self._output_ids: list[int] = []  # those tokens: where a worker taking the request over continues from
         self._next_seq_no = 0
         self._held: deque[_Held] = deque()
         self._drafts: list[logprobs.Entry] = []  # drafted tokens of the steps since the last chunk
@@ -202,8 +203,16 @@ class RequestAssembler:
         """Tokens of this choice consumed so far: its completion_tokens."""
         return self._tokens_seen
 
+    def progress(self) -> ChoiceProgress:
+        """Where this choice's output stands: the tokens consumed (sent, or held back for a stop string) and the
+        number of the next TARGET record."""
+        return ChoiceProgress(
+            index=self.choice, output_token_ids=tuple(self._output_ids), next_seq_no=self._next_seq_no
+        )
+
     def _count(self, ids: list[int]) -> None:
         self._tokens_seen += len(ids)
+        self._output_ids += ids
         self._unsent_tokens += len(ids)
         if self._open.return_token_ids:
             self._unsent_ids += ids

@@ -24,20 +24,25 @@ from pydantic import ValidationError
 from services.detokenizer.assembler import Record, frame_records
 from services.detokenizer.choices import RequestChoices
 from services.detokenizer.incremental import TokenTable
+from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, STALE_RECORDS, Migrations, max_migrations_arg
 from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
 from services.startup_checks import check_tokenizer_dir
 from shared import config, nats_settings, natsutil, subjects
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
-from shared.frames import Frame, FrameError, FrameKind, decode
+from shared.frames import WHEREVER, Frame, FrameError, FrameKind, decode
 from shared.observability import Readiness, start_http
-from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
+from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, HeldQuery, HeldReport, ProgressQuery
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 SERVICE = "detokenizer"
 RECENTLY_CLOSED = 65536  # closed request ids remembered, so a worker's late frames are not taken for strays
+# Frames lost while NATS was out (a restart) can leave a request waiting for a frame that never comes: after a
+# reconnect, a request that hears nothing (no frame, no take-over) for this long ends with an error. Above the work
+# queue's ack_wait, so that a request whose worker also died is taken over first.
+RECONNECT_GRACE_S = 5.0
 
 MALFORMED_FRAMES = Counter(
     "specmesh_detokenizer_malformed_frames_total", "Frames that could not be decoded", ["reason"]
@@ -70,9 +75,12 @@ class Detokenizer:
     """The service's state and its message handlers."""
 
     def __init__(
-        self, nc: Client, table: TokenTable, detok_id: str, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+        self, nc: Client, table: TokenTable, detok_id: str, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         self._nc = nc
+        self._migrations = Migrations(max_migrations)
+        self._unheard: set[str] = set()  # open requests that have heard nothing since the last reconnect
         self._idle = IdleRequests(idle_timeout_s)
         self.detok_id = detok_id
         self._table = table
@@ -135,13 +143,13 @@ class Detokenizer:
     def _buffer_drafts(self, frame: Frame) -> None:
         drafts = self._drafts.setdefault((frame.worker_id, frame.step), {})
         for request_id, record in frame_records(frame):
-            if self._known(request_id):
+            if self._wanted(request_id, frame.worker_id, record):
                 drafts[request_id, record.choice] = record
 
     async def _consume_prompts(self, frame: Frame) -> None:
         """Sends the prompt parts (echo, prompt_logprobs) a PROMPT frame's records complete."""
         for request_id, record in frame_records(frame):
-            if self._known(request_id):
+            if self._wanted(request_id, frame.worker_id, record):
                 assembler = self._requests[request_id]
                 for chunk in assembler.consume_prompt(record):
                     await self._send(assembler, chunk)
@@ -154,7 +162,7 @@ class Detokenizer:
             del self._drafts[key]
         num_tokens = num_chunks = 0
         for request_id, record in frame_records(frame):
-            if not self._known(request_id):
+            if not self._wanted(request_id, frame.worker_id, record):
                 continue
             assembler = self._requests[request_id]
             num_tokens += record.num_tokens
@@ -169,15 +177,67 @@ class Detokenizer:
             CHUNKS.inc(num_chunks)
             LAG.observe(max(0.0, time.time() - frame.sent_at_us / 1e6))
 
-    def _known(self, request_id: str) -> bool:
-        """Whether records of this request are wanted (which keeps it from being reaped); counts those of requests
-        never opened here."""
-        if request_id in self._requests:
-            self._idle.heard(request_id, time.monotonic())
-            return True
-        if request_id not in self._closed:
-            UNKNOWN_REQUEST_FRAMES.inc()
-        return False
+    def _wanted(self, request_id: str, worker_id: int, record: Record) -> bool:
+        """Whether this record of a worker is wanted (which keeps its request from being reaped): its request is open
+        here and the worker owns it (a record that ends the request wherever it stands comes from whichever worker
+        gave up on it). Counts the records of requests never opened here, and those of workers that lost theirs."""
+        request = self._requests.get(request_id)
+        if request is None:
+            if request_id not in self._closed:
+                UNKNOWN_REQUEST_FRAMES.inc()
+            return False
+        if record.seq_no != WHEREVER and not request.from_owner(worker_id):
+            STALE_RECORDS.inc()
+            return False
+        self._heard(request_id)
+        return True
+
+    def _heard(self, request_id: str) -> None:
+        self._idle.heard(request_id, time.monotonic())
+        self._unheard.discard(request_id)
+
+    async def on_progress(self, msg: Msg) -> None:
+        """A worker takes over a request: answers where its output stands (services/detokenizer/migration.py)."""
+        try:
+            query = ProgressQuery.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            BAD_MESSAGES.labels(subject=subjects.progress(self.detok_id)).inc()
+            log.warning("invalid ProgressQuery dropped: %s", err)
+            return
+        request = self._requests.get(query.request_id)
+        report, error = self._migrations.take_over(request, query)
+        if request is not None:
+            self._heard(query.request_id)
+        await msg.respond(report.to_bytes())
+        if error is not None:
+            await self._send(request, error)
+
+    async def on_held(self, msg: Msg) -> None:
+        """A gateway asks which of its silent requests this detokenizer still holds: it is alive, and they are live."""
+        try:
+            query = HeldQuery.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            BAD_MESSAGES.labels(subject=subjects.held(self.detok_id)).inc()
+            log.warning("invalid HeldQuery dropped: %s", err)
+            return
+        held = tuple(request_id for request_id in query.request_ids if request_id in self._requests)
+        await msg.respond(HeldReport(request_ids=held).to_bytes())
+
+    async def watch_reconnects(self, reconnected: asyncio.Event) -> None:
+        """After each reconnect to NATS, ends the open requests that hear nothing for RECONNECT_GRACE_S: frames
+        published while the connection was down may be lost, the last one of a request included."""
+        while True:
+            await reconnected.wait()
+            reconnected.clear()
+            self._unheard = set(self._requests)
+            await asyncio.sleep(RECONNECT_GRACE_S)
+            if reconnected.is_set():
+                continue  # connected again meanwhile: the grace starts over
+            for request_id in [r for r in self._unheard if r in self._requests]:
+                request = self._requests[request_id]
+                await self._send(request, request.fail(f"no frame for {RECONNECT_GRACE_S:g} s after NATS reconnected; "
+                                                        "the output was lost on the way"))
+            self._unheard = set()
 
     async def _send(self, assembler: RequestChoices, chunk: Chunk) -> None:
         await self._nc.publish(assembler.reply_subject, encode_chunk(chunk))
@@ -235,6 +295,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an open request may go without a frame before it is closed (keep above the gateway's "
         "--request-timeout)",
     )
+    parser.add_argument(
+        "--max-migrations", type=max_migrations_arg, default=DEFAULT_MAX_MIGRATIONS,
+        help="times a request may be taken over by another worker after losing its own; past that it ends with an "
+        "error",
+    )
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -246,13 +311,20 @@ async def run(args: argparse.Namespace) -> None:
     readiness = Readiness()
     http = await start_http(readiness, args.metrics_host, args.metrics_port)
     table = TokenTable.from_tokenizer(Tokenizer(args.model))
-    nc = await natsutil.connect(NatsSettings.from_args(args, NatsRole.DETOKENIZER), SERVICE)
+    reconnected = asyncio.Event()
+    settings = NatsSettings.from_args(args, NatsRole.DETOKENIZER)
+    nc = await natsutil.connect(settings, SERVICE, on_reconnect=reconnected.set)
     readiness.nc = nc
-    detok = Detokenizer(nc, table, args.detokenizer_id or uuid.uuid4().hex[:12], args.idle_request_timeout)
+    detok = Detokenizer(
+        nc, table, args.detokenizer_id or uuid.uuid4().hex[:12], args.idle_request_timeout, args.max_migrations
+    )
     await nc.subscribe(subjects.frames(detok.detok_id), cb=detok.on_frame)
+    await nc.subscribe(subjects.progress(detok.detok_id), cb=detok.on_progress)
+    await nc.subscribe(subjects.held(detok.detok_id), cb=detok.on_held)
     await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
     opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=detok.on_open)
     reaping = asyncio.create_task(detok.reap_loop())
+    watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:
         # Subscriptions are registered at the server only once flushed; callers may publish right after.
         await nc.flush()
@@ -267,5 +339,6 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.1)
     finally:
         reaping.cancel()
+        watching.cancel()
         await nc.drain()
         await http.cleanup()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from services.gateway.router import ChunkRouter, ResponseStream
 from shared import subjects
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
+from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class Generation:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     opened: bool = False  # its DetokOpen went out: from then on a detokenizer may hold it, and must be told to let go
+    detok_id: str = ""  # the detokenizer that took it
     saw_first_chunk: bool = False
     last_chunk_at: float = 0.0  # monotonic
 
@@ -152,6 +155,8 @@ class Generator:
                     reason = FAILED
                     try:
                         await self._submit_all(gens)
+                        for gen in gens:
+                            chunks.liveness.owned_by(gen.request_id, gen.detok_id)
                         return await self._answer(request, gens, choices, chunks)
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED
@@ -214,6 +219,10 @@ class Generator:
             check_sampling(sampling, ModelLimits(self._tokenizer.vocab_size, self._max_model_len))
         except OutOfLimits as exc:
             raise bad_request(str(exc), param=exc.param) from exc
+        if sampling.seed is None and not sampling.greedy:
+            # Fixed here, so that the request draws the same tokens on whichever worker runs it: one that takes it
+            # over from a dead worker continues the very output the client has been streamed.
+            sampling = sampling.model_copy(update={"seed": secrets.randbits(SEED_BITS)})
         return sampling
 
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -282,12 +291,13 @@ class Generator:
                 SERVICE_UNAVAILABLE, f"No detokenizer took the request: {exc!r}", type=UNAVAILABLE,
                 headers=RETRY_AFTER,
             ) from exc
+        gen.detok_id = DetokReady.from_bytes(reply.data).detok_id
         work = WorkRequest(
             request_id=gen.request_id,
             prompt_token_ids=tuple(gen.prompt_ids),
             n=gen.body.num_choices,
             sampling=gen.sampling,
-            detok_id=DetokReady.from_bytes(reply.data).detok_id,
+            detok_id=gen.detok_id,
             created=time.time(),
         )
         work_bytes = work.to_bytes()

@@ -3,13 +3,15 @@
 A response reads the chunks of its requests (one per prompt of a completions prompt list) through one
 `ResponseStream`, which enforces the protocol per request: `seq` counts up from 0 without gaps, a final chunk
 ends that request, and silence longer than the request timeout is a failure rather than a hang. The stream ends
-when every request has ended.
+when every request has ended. While it is silent, it asks after the detokenizers holding its requests
+(liveness.py), so that one that died ends the stream within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,6 +23,7 @@ from pydantic import ValidationError
 
 from services.gateway import metrics
 from services.gateway.errors import SERVER_ERROR, TIMEOUT, OpenAIError
+from services.gateway.liveness import CHECK_AFTER_S, LATE_CHUNK_GRACE_S, DetokenizerLost, Liveness
 from shared import subjects
 from shared.natsutil import MAX_PENDING_BYTES
 from shared.schemas import Chunk
@@ -29,15 +32,19 @@ log = logging.getLogger(__name__)
 
 GATEWAY_TIMEOUT = 504
 GENERATION_FAILED = 500
+UPSTREAM_LOST = 502  # the detokenizer holding the request is gone, or its chunks were lost
 
 
 class ResponseStream:
     """The chunks of one response's requests, each request's in order (requests interleave as their chunks
     arrive); iterating raises OpenAIError on a gap, a timeout or a reported error."""
 
-    def __init__(self, request_ids: list[str], queue: asyncio.Queue[Chunk], idle_timeout_s: float) -> None:
+    def __init__(
+        self, request_ids: list[str], queue: asyncio.Queue[Chunk], idle_timeout_s: float, liveness: Liveness
+    ) -> None:
         self._queue = queue
         self._idle_timeout_s = idle_timeout_s
+        self.liveness = liveness  # told which detokenizer holds each request as they are opened
         # Of the requests still open: one whose final chunk arrived is already forgotten by its detokenizer.
         self._next_seq = dict.fromkeys(request_ids, 0)
 
@@ -56,14 +63,7 @@ class ResponseStream:
     async def __anext__(self) -> Chunk:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            # asyncio.timeout, unlike wait_for, does not wrap every wait in a task of its own.
-            async with asyncio.timeout(self._idle_timeout_s):
-                chunk = await self._queue.get()
-        except TimeoutError:
-            raise OpenAIError(
-                GATEWAY_TIMEOUT, f"no response from the mesh for {self._idle_timeout_s:g} s", type=TIMEOUT
-            ) from None
+        chunk = await self._next_chunk()
         expected = self._next_seq[chunk.request_id]
         if chunk.seq != expected:
             raise OpenAIError(
@@ -76,6 +76,38 @@ class ResponseStream:
             del self._next_seq[chunk.request_id]
         if chunk.error is not None:
             raise OpenAIError(GENERATION_FAILED, f"generation failed: {chunk.error}", type=SERVER_ERROR)
+        return chunk
+
+    async def _next_chunk(self) -> Chunk:
+        """The next chunk of any of the requests; while none comes, asks after their detokenizers every
+        CHECK_AFTER_S."""
+        deadline = time.monotonic() + self._idle_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if (chunk := await self._get(min(left, CHECK_AFTER_S))) is not None:
+                return chunk
+            if time.monotonic() >= deadline:
+                break
+            try:
+                dropped = await self.liveness.check(self.unfinished)
+            except DetokenizerLost as exc:
+                raise OpenAIError(UPSTREAM_LOST, f"generation failed: {exc}", type=SERVER_ERROR) from None
+            if dropped and (chunk := await self._get(LATE_CHUNK_GRACE_S)) is None:
+                raise OpenAIError(
+                    UPSTREAM_LOST, f"generation failed: the detokenizer no longer holds request {dropped[0]}, whose "
+                    "last chunks were lost on the way", type=SERVER_ERROR,
+                )
+            if chunk is not None:
+                return chunk
+        raise OpenAIError(GATEWAY_TIMEOUT, f"no response from the mesh for {self._idle_timeout_s:g} s", type=TIMEOUT)
+
+    async def _get(self, timeout_s: float) -> Chunk | None:
+        try:
+            # asyncio.timeout, unlike wait_for, does not wrap every wait in a task of its own.
+            async with asyncio.timeout(timeout_s):
+                chunk = await self._queue.get()
+        except TimeoutError:
+            return None
+        self.liveness.heard()
         return chunk
 
 
@@ -123,7 +155,7 @@ class ChunkRouter:
         for request_id in request_ids:
             self._queues[request_id] = queue
         try:
-            yield ResponseStream(request_ids, queue, self._idle_timeout_s)
+            yield ResponseStream(request_ids, queue, self._idle_timeout_s, Liveness(self._nc))
         finally:
             for request_id in request_ids:
                 del self._queues[request_id]

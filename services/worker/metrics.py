@@ -47,6 +47,11 @@ FAILED_REQUESTS = Counter(
     "specmesh_worker_failed_requests",
     "Work-queue messages the worker terminated without serving them to the end, by reason", _LABELS + ["reason"],
 )
+TAKE_OVERS = Counter(
+    "specmesh_worker_take_overs",
+    "Requests that came back from another worker (it died, stalled or drained), by what became of them here",
+    _LABELS + ["outcome"],
+)
 DEAD_LETTERS = Counter(
     "specmesh_worker_dead_letters",
     "Requests moved to the dead-letter subject after the work queue delivered them max_deliver times", _LABELS,

@@ -25,26 +25,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from shared import subjects
 from shared.frames import frame_kind
-from shared.natsutil import REQUEST_ACK_WAIT_S
+from shared.natsutil import REQUEST_HEARTBEAT_S
 from shared.request_limits import OutOfLimits
 from shared.schemas import Cancel, ChoiceProgress, RequestAddress, WorkRequest
 from services.worker.engine import Engine, SeqOutput
-from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, FailReason, WorkerMetrics
+from services.worker.metrics import (
+    FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, FailReason, WorkerMetrics,
+)
 from services.worker.publisher import abort_frame, end_wherever_frame, step_frames
 from services.worker.sequence import Sequence
 from services.worker.step_guard import StepGuard
+from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, take_over
 
 log = logging.getLogger("specmesh.worker")
 T = TypeVar("T")
 
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
-HEARTBEAT_S = REQUEST_ACK_WAIT_S / 3
 RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
 # Steps taken by the engine thread and not yet sent by the event loop, the one computing included: with 2 the
 # engine computes step N+1 while step N is sent, and waits only when sending a step takes longer than a step.
@@ -77,6 +80,7 @@ class QueueWorker:
         self._messages: dict[str, Msg] = {}  # unacknowledged work-queue messages by request id
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
+        self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
         # Handed between the event loop and the engine thread, under _handoff.
         self._handoff = threading.Condition()
         self._new: list[WorkRequest] = []  # taken from the queue, not yet given to the engine
@@ -152,14 +156,20 @@ class QueueWorker:
             self.metrics.counter(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
             await msg.term()
         elif request.request_id in self._messages:
-            log.warning("request %s is already running here; ignoring the redelivery", request.request_id)
+            # Delivered again while still running here (a heartbeat came too late): the new delivery is heartbeated.
+            log.warning("request %s is already running here; keeping it", request.request_id)
+            self._messages[request.request_id] = msg
         else:
             self.metrics.observe_request(len(request.prompt_token_ids))
             self._messages[request.request_id] = msg
             self._requests[request.request_id] = request
-            with self._handoff:
-                self._new.append(request)
-                self._handoff.notify()
+            if came_back(msg, request):
+                # Heartbeated while its detokenizer is asked where its output stands.
+                task = asyncio.create_task(self._take_over(msg, request))
+                self._taking_over.add(task)
+                task.add_done_callback(self._taking_over.discard)
+            else:
+                self._start(request)
 
     async def _end_unreadable(self, raw: bytes) -> None:
         """Ends a message that is no valid WorkRequest at its detokenizer, when it says whose it is, so that its client
@@ -171,11 +181,45 @@ class QueueWorker:
         frame = end_wherever_frame(address.request_id, self.worker_id)
         await self.nc.publish(subjects.frames(address.detok_id), frame)
 
+    def _start(self, request: WorkRequest) -> None:
+        with self._handoff:
+            self._new.append(request)
+            self._handoff.notify()
+
+    async def _take_over(self, msg: Msg, request: WorkRequest) -> None:
+        """Continues a request another worker lost from where its output stands, or lets it go (takeover.py)."""
+        taken = await take_over(self.nc, request, self.worker_id)
+        self.metrics.counter(TAKE_OVERS, outcome=taken.outcome).inc()
+        cancelled = request.request_id in self._recent_cancels
+        if taken.request is not None and not cancelled:
+            log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
+            self._requests[request.request_id] = taken.request
+            self._start(taken.request)
+            return
+        del self._messages[request.request_id], self._requests[request.request_id]
+        self._acked.set()
+        try:
+            if taken.outcome in (Outcome.NO_ANSWER, Outcome.NO_DETOKENIZER):
+                await msg.nak(delay=RETRY_DELAY_S)
+            elif taken.outcome is Outcome.REFUSED:
+                log.warning("dropping request %s that came back: %s", request.request_id, taken.outcome)
+                await msg.term()
+            else:
+                await msg.ack()
+        except nats.errors.Error as exc:  # unanswered, the message comes back after ack_wait, to be asked about again
+            log.warning("could not settle request %s (%s): %r", request.request_id, taken.outcome, exc)
+
     async def heartbeat_loop(self) -> None:
+        """Tells JetStream every REQUEST_HEARTBEAT_S that each request taken is still being worked on. It runs on the
+        event loop while the engine thread computes: torch releases the GIL in its kernels, and the interpreter hands
+        it over every few milliseconds otherwise, so a long step does not delay it (tests/test_heartbeat.py)."""
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(REQUEST_HEARTBEAT_S)
             for msg in list(self._messages.values()):
-                await msg.in_progress()
+                try:
+                    await msg.in_progress()
+                except nats.errors.Error as exc:  # settled meanwhile (a hand-back), or the connection closing
+                    log.debug("no heartbeat for a message: %r", exc)
 
     def stop(self) -> None:
         """Makes engine_loop return once the step in progress, and every step before it, has been published."""
@@ -339,6 +383,9 @@ class QueueWorker:
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
         as they came (nak).
         """
+        for task in self._taking_over:  # a request still asking its detokenizer goes back as it came
+            task.cancel()
+        await asyncio.gather(*self._taking_over, return_exceptions=True)
         js = self.nc.jetstream()
         with self._handoff:
             never_started, self._new = self._new, []

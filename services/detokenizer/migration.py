@@ -1,0 +1,73 @@
+"""Requests moving between workers, as their detokenizer sees it.
+
+A worker that takes over a request another worker lost (it died, stalled past the work queue's ack_wait, or drained
+and handed the request back) cannot know how far the output got: the frames the previous worker sent last may or may
+not have arrived. The detokenizer knows, since it consumed them: it answers the new worker's ProgressQuery with each
+unfinished choice's tokens and next TARGET record number, and from then on takes the request's frames from the new
+worker only (RequestChoices.owner). The new worker recomputes the cache from those tokens and continues with the same
+seed, so the client's stream goes on with no token missing or doubled.
+
+Each take-over is a migration. A request that keeps losing its worker (one that kills every worker it reaches, or a
+mesh in trouble) is ended here with an error after --max-migrations of them, and its worker told to drop it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from prometheus_client import Counter
+
+from services.detokenizer.choices import RequestChoices
+from shared.schemas import Chunk, ProgressQuery, ProgressReport, TakeOver
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MIGRATIONS = 3
+
+MIGRATIONS = Counter(
+    "specmesh_detokenizer_migrations", "Requests taken over by another worker, continuing from the output sent"
+)
+MIGRATIONS_REFUSED = Counter(
+    "specmesh_detokenizer_migrations_refused", "Requests ended with an error for losing their worker too often"
+)
+STALE_RECORDS = Counter(
+    "specmesh_detokenizer_stale_records", "Frame records dropped because another worker had taken their request over"
+)
+
+
+class Migrations:
+    """Answers take-over queries; counts and bounds migrations per request."""
+
+    def __init__(self, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
+        self.max_migrations = max_migrations
+
+    def take_over(self, request: RequestChoices | None, query: ProgressQuery) -> tuple[ProgressReport, Chunk | None]:
+        """The answer to the querying worker, and the error chunk to send when the request is given up on."""
+        if request is None:
+            return ProgressReport(outcome=TakeOver.CLOSED), None
+        if request.migrations >= self.max_migrations:
+            MIGRATIONS_REFUSED.inc()
+            error = (
+                f"the request lost its worker {request.migrations + 1} times; it is not moved to another worker more "
+                f"than {self.max_migrations} times (--max-migrations)"
+            )
+            return ProgressReport(outcome=TakeOver.REFUSED, migrations=request.migrations), request.fail(error)
+        previous = request.owner
+        progress = request.take_over(query.worker_id)
+        MIGRATIONS.inc()
+        log.info(
+            "request %s taken over by worker %d from worker %s (migration %d) at %s tokens", query.request_id,
+            query.worker_id, previous, request.migrations, [len(p.output_token_ids) for p in progress],
+        )
+        return ProgressReport(outcome=TakeOver.CONTINUE, progress=progress, migrations=request.migrations), None
+
+
+def max_migrations_arg(text: str) -> int:
+    """--max-migrations: a count, 0 included (a request whose worker dies then ends with an error at once)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value

@@ -1,0 +1,112 @@
+"""A request moving between workers, at the real detokenizer service over a real nats-server: the worker taking it
+over learns where its output stands, the previous worker's late frames are dropped, migrations are bounded; and a
+gateway learns which of its requests the detokenizer holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+
+from shared import subjects
+from shared.frames import FinishReason, FrameBuilder, FrameKind
+from shared.schemas import Cancel, ChoiceProgress, HeldQuery, HeldReport, ProgressQuery, ProgressReport, TakeOver
+from shared.tokenizer import Tokenizer
+from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS
+from tests.natsfixture import nats_server  # noqa: F401  (fixtures are used by name)
+from tests.test_detokenizer_service import (  # noqa: F401
+    DETOK_ID, RECEIVE_TIMEOUT_S, SILENCE_S, TOP_K, WORKER_ID, Worker, counter, model_dir, nc, next_chunk, open_request,
+    tokenizer, until_final,
+)
+
+NEW_WORKER_ID = WORKER_ID + 5
+
+
+async def publish_target(nc: Client, worker_id: int, step: int, request_id: str, ids: list[int], **fields) -> None:
+    target = FrameBuilder(FrameKind.TARGET, worker_id, step, TOP_K)
+    Worker.add(target, request_id, ids, **fields)
+    await nc.publish(subjects.frames(DETOK_ID), target.encode())
+
+
+async def ask_progress(nc: Client, request_id: str, worker_id: int) -> ProgressReport:
+    query = ProgressQuery(request_id=request_id, worker_id=worker_id)
+    reply = await nc.request(subjects.progress(DETOK_ID), query.to_bytes(), timeout=RECEIVE_TIMEOUT_S)
+    return ProgressReport.from_bytes(reply.data)
+
+
+async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, tokenizer: Tokenizer) -> None:
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    first = tokenizer.encode("def f(x", add_special_tokens=False)
+    second = tokenizer.encode("):\n    return x", add_special_tokens=False)
+    await publish_target(nc, WORKER_ID, 1, request_id, first, seq_no=0, offset=0)
+    assert (await next_chunk(chunks)).choice["text"] == "def f(x"
+
+    report = await ask_progress(nc, request_id, NEW_WORKER_ID)
+    assert report == ProgressReport(
+        outcome=TakeOver.CONTINUE, progress=(ChoiceProgress(index=0, output_token_ids=tuple(first), next_seq_no=1),),
+        migrations=1,
+    )
+    stale_before = counter("specmesh_detokenizer_stale_records_total")
+    # The worker that lost the request is still alive and sends its next step: dropped.
+    await publish_target(nc, WORKER_ID, 2, request_id, tokenizer.encode(" + 1", add_special_tokens=False),
+                         seq_no=1, offset=len(first))
+    await publish_target(nc, NEW_WORKER_ID, 1, request_id, second, seq_no=1, offset=len(first),
+                         finish=FinishReason.LENGTH)
+    (chunk,) = await until_final(chunks)
+    assert chunk.choice["text"] == "):\n    return x" and chunk.usage.completion_tokens == len(first) + len(second)
+    assert counter("specmesh_detokenizer_stale_records_total") == stale_before + 1
+    assert (await ask_progress(nc, request_id, WORKER_ID)).outcome is TakeOver.CLOSED
+
+
+async def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(nc: Client) -> None:
+    request_id, chunks = await open_request(nc, api="completion")
+    stops: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(subjects.STOP, cb=stops.put)
+    await nc.flush()
+    for migration in range(1, DEFAULT_MAX_MIGRATIONS + 1):
+        report = await ask_progress(nc, request_id, NEW_WORKER_ID + migration)
+        assert report.outcome is TakeOver.CONTINUE and report.migrations == migration
+    refused_before = counter("specmesh_detokenizer_migrations_refused_total")
+    report = await ask_progress(nc, request_id, WORKER_ID)
+    assert report.outcome is TakeOver.REFUSED and report.migrations == DEFAULT_MAX_MIGRATIONS
+    (chunk,) = await until_final(chunks)
+    assert "--max-migrations" in chunk.error
+    assert counter("specmesh_detokenizer_migrations_refused_total") == refused_before + 1
+    assert request_id.encode() in (await asyncio.wait_for(stops.get(), RECEIVE_TIMEOUT_S)).data
+
+
+async def test_a_gateway_learns_which_requests_are_held(nc: Client) -> None:
+    held, _ = await open_request(nc, api="completion")
+    gone = "0" * 32
+    query = HeldQuery(request_ids=(held, gone))
+    reply = await nc.request(subjects.held(DETOK_ID), query.to_bytes(), timeout=RECEIVE_TIMEOUT_S)
+    assert HeldReport.from_bytes(reply.data).request_ids == (held,)
+    await nc.publish(subjects.CANCEL, Cancel(request_id=held, reason="client_disconnected").to_bytes())
+
+
+@pytest.mark.parametrize("raw", [b"{}", b"not json"])
+async def test_malformed_queries_are_counted_and_unanswered(nc: Client, raw: bytes) -> None:
+    label = subjects.progress(DETOK_ID)
+    before = counter("specmesh_detokenizer_bad_messages_total", subject=label)
+    await nc.publish(label, raw)
+    await nc.flush()
+    await asyncio.sleep(SILENCE_S)
+    assert counter("specmesh_detokenizer_bad_messages_total", subject=label) == before + 1
+
+
+async def test_only_unfinished_choices_are_taken_over(nc: Client, tokenizer: Tokenizer) -> None:
+    request_id, chunks = await open_request(nc, api="completion", n=2)
+    await nc.flush()
+    done, going = tokenizer.encode("x = 1", add_special_tokens=False), tokenizer.encode("y", add_special_tokens=False)
+    await publish_target(nc, WORKER_ID, 1, request_id, done, seq_no=0, offset=0, choice=0, finish=FinishReason.LENGTH)
+    await publish_target(nc, WORKER_ID, 1, request_id, going, seq_no=0, offset=0, choice=1)
+    for _ in range(2):
+        await next_chunk(chunks)
+    report = await ask_progress(nc, request_id, NEW_WORKER_ID)
+    assert report.progress == (ChoiceProgress(index=1, output_token_ids=tuple(going), next_seq_no=1),)
+    await publish_target(nc, NEW_WORKER_ID, 1, request_id, going, seq_no=1, offset=len(going), choice=1,
+                         finish=FinishReason.LENGTH)
+    (chunk,) = await until_final(chunks)
+    assert chunk.choice["index"] == 1 and chunk.usage.completion_tokens == len(done) + 2 * len(going)
