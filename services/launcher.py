@@ -32,7 +32,6 @@ from services.startup_checks import check_tokenizer_dir, servable_max_model_len,
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
 )
-from services.gateway.protocol import DEFAULT_MAX_N
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
@@ -96,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
     parser.add_argument(
-        "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
+        "--max-n", type=int, default=None,
+        help="the most choices per prompt a request may ask for (`n`) (default: the gateway's own)",
     )
     parser.add_argument(
         "--max-migrations", type=int, default=None,
@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> None:
             extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port))
             children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
-        gateway_args += ["--max-n", str(args.max_n)]
+        if args.max_n is not None:  # the gateway's own default otherwise: importing it would load torch here
+            gateway_args += ["--max-n", str(args.max_n)]
         if args.max_in_flight is None:  # the workers' batch slots: the gateway, not the queue, orders what waits
             args.max_in_flight = args.workers * args.max_num_seqs
         gateway_args += GatewayLimits.from_args(args).command_line()
