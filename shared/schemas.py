@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.frames import MAX_CHOICES, MAX_TOP_K
 
+# Choices one request may ask for, whoever sent it: the worker copies the prompt for each choice, so a forged request
+# with the wire format's limit (MAX_CHOICES) could take gigabytes. The gateway's --max-n may not exceed it.
+MAX_REQUEST_CHOICES = 256
+assert MAX_REQUEST_CHOICES <= MAX_CHOICES
+
 NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
 MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
 NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
@@ -119,7 +124,7 @@ class WorkRequest(_Message):
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     prompt_token_ids: tuple[TokenId, ...] = Field(min_length=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1, le=MAX_REQUEST_CHOICES)
     progress: tuple[ChoiceProgress, ...] = ()  # a resumed request's unfinished choices; empty: all n from the start
     # The detokenizer that owns this request's output (set by the gateway; empty only for in-process use).
     detok_id: str = Field("", pattern=r"^[0-9a-zA-Z_-]{0,64}$")
@@ -164,7 +169,7 @@ class DetokOpen(_Message):
     include_draft_logprobs: bool = False
     speculative_stats: bool = False  # usage.speculative: count the request's DRAFT records
     num_prompt_tokens: int = Field(ge=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each assembled on its own (records carry the choice index)
+    n: int = Field(1, ge=1, le=MAX_REQUEST_CHOICES)  # choices, each assembled on its own (records carry the choice index)
     return_token_ids: bool = False  # each chunk's choice lists the token ids it covers (vLLM's `token_ids`)
     tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) comes first

@@ -75,6 +75,7 @@ def unsupported_model(tmp_path: Path) -> Path:
         (["worker", "--speculative-config", '{"method": "eagle"}'], "--speculative-config: method"),
         (["up", "--max-model-len", str(DEMO_CONTEXT * 2)], f"--max-model-len {DEMO_CONTEXT * 2} exceeds"),
         (["gateway", "--max-model-len", str(DEMO_CONTEXT + 1)], "max_position_embeddings"),
+        (["gateway", "--max-n", "100000"], "--max-n 100000: must be between 1 and"),
         (["nopes"], "invalid choice: 'nopes'"),
     ],
 )

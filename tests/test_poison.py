@@ -36,13 +36,15 @@ MALFORMED = (
     b"\x00\xff not json",
     b"[]",
     b'{"request_id": "x"}',
-    # Ids past int64, past uint64 (orjson refuses those), negative, and a next_seq_no past the frame's u32.
+    # Ids past int64, past uint64 (orjson refuses those), negative, a next_seq_no past the frame's u32, and more
+    # choices than a request may ask for (the worker would copy the prompt for each).
     *(
         f'{{"request_id": "{"a" * 32}", "prompt_token_ids": [{ids}], "detok_id": "d", "sampling": {{}}, '
         f'"created": 0{extra}}}'.encode()
         for ids, extra in (
             (str(2**63), ""), (str(2**64), ""), ("-1", ""),
             ("1", ', "progress": [{"index": 0, "next_seq_no": 4294967296}]'),
+            ("1", ', "n": 65536'),
         )
     ),
 )

@@ -27,7 +27,7 @@ from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
-from shared.frames import MAX_CHOICES
+from shared.schemas import MAX_REQUEST_CHOICES
 from shared.natsutil import ensure_request_stream
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class GatewayConfig(BaseModel):
     max_model_len: int = Field(1024, ge=16)
     request_timeout_s: float = Field(600.0, gt=0.0)  # longest silence (no chunk at all) before a request fails
     max_body_bytes: int = Field(4 * MIB, ge=1024)
-    max_n: int = Field(DEFAULT_MAX_N, ge=1, le=MAX_CHOICES)  # choices per prompt a request may ask for (`n`)
+    max_n: int = Field(DEFAULT_MAX_N, ge=1, le=MAX_REQUEST_CHOICES)  # choices per prompt a request may ask for (`n`)
     # The workers' --speculative-config: a request may ask for fewer drafts per step than it sets, never more.
     speculative: SpeculativeConfig = SpeculativeConfig()
     limits: GatewayLimits = GatewayLimits()

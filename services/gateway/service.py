@@ -14,12 +14,15 @@ from services.gateway import auth, limits
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
-from services.startup_checks import check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config
+from services.startup_checks import (
+    UsageError, check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config,
+)
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared import nats_settings
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.natsutil import connect
+from shared.schemas import MAX_REQUEST_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tokenizer_dir(args.model)
     args.max_model_len = resolve_max_model_len(args.max_model_len, context_length(args.model), args.model)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
+    if not 1 <= args.max_n <= MAX_REQUEST_CHOICES:
+        raise UsageError(f"--max-n {args.max_n}: must be between 1 and {MAX_REQUEST_CHOICES}")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
