@@ -2,9 +2,9 @@
 latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
     python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128] [--requests-per-stream 4]
-                                     [--torch-threads N] [--out bench-out/speculation]
+                                     [--torch-threads N] [--prompt-tokens 96] [--out bench-out/speculation]
 
-Two prompt sets: openings (96 tokens) of held-out standard-library files the demo model never trained on, and a
+Two prompt sets: openings (--prompt-tokens, default 96) of held-out standard-library files the demo model never trained on, and a
 self-repeating prompt (benchmarks/decode.py's two import lines written sixteen times) on which prompt lookup pays.
 Each run serves streams x --requests-per-stream greedy requests of --max-tokens tokens (EOS ignored), so a
 point lasts long enough for a request's fixed start-up and the machine's drift to even out:
@@ -14,7 +14,9 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
 - mesh: `specmesh up` (NATS, gateway, worker, detokenizer as processes; one mesh per method, its
   max_num_seqs the largest --streams), driven by a light SSE client (aiohttp, not the openai client, whose parsing
   would take CPU time from the mesh on a small machine) that keeps `streams` streaming completions in flight;
-  tokens/s = tokens / wall time from the first request to the last stream's end.
+  tokens/s = tokens / wall time from the first request to the last stream's end; decode tokens/s = per stream,
+  the tokens after the first over the time from the first token to the last (the rate once prefill is done,
+  comparable with benchmarks/decode.py's transformers figures at the same context), averaged over the streams.
 - both sides serve each run once untimed first (first-use costs such as Triton compiling kernels for new shapes
   are paid then), and the figures are of the second pass.
 - inter-token latency (mesh): a chunk that brings n tokens brings them at once, so each of its tokens counts once
@@ -89,15 +91,16 @@ class Row:
     mesh_over_engine: float | None = None
     mesh_itl_p50_ms: float | None = None
     mesh_itl_p99_ms: float | None = None
+    mesh_decode_tokens_per_s: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     def figures(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "outputs"}
 
 
-def prompt_sets(tokenizer: Tokenizer, count: int) -> dict[str, list[list[int]]]:
+def prompt_sets(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> dict[str, list[list[int]]]:
     return {
-        HELD_OUT: load_prompts(tokenizer, count, PROMPT_TOKENS),
+        HELD_OUT: load_prompts(tokenizer, count, prompt_tokens),
         SELF_REPEATING: [tokenizer.encode(SELF_REPEATING_TEXT)] * count,
     }
 
@@ -106,6 +109,7 @@ def run_engine(args: argparse.Namespace, prompts_name: str, name: str, streams: 
     config = EngineConfig(
         model=args.model, max_num_seqs=streams, device=args.device,
         speculative=SpeculativeConfig.model_validate(METHODS[name]),
+        max_model_len=max(EngineConfig.model_fields["max_model_len"].default, max(map(len, prompts)) + args.max_tokens),
     )
     engine = Engine(config)
     for _ in range(UNTIMED_PASSES):
@@ -193,6 +197,11 @@ def inter_token_gaps(stream: Stream, ends: list[int]) -> list[float]:
     return gaps
 
 
+def first_chunk_tokens(stream: Stream, ends: list[int]) -> int:
+    """Tokens the stream's first chunk brought (found from its text, as inter_token_gaps does)."""
+    return bisect.bisect_right(ends, stream.arrivals[0][1])
+
+
 def run_mesh(args: argparse.Namespace, name: str, rows: list[Row], sets: dict[str, list[list[int]]],
              table: TokenTable) -> list[str]:
     """Fills in the mesh figures of the method's rows; returns where the mesh's text differed from the engine's."""
@@ -210,14 +219,19 @@ def run_mesh(args: argparse.Namespace, name: str, rows: list[Row], sets: dict[st
                 streamed, seconds = asyncio.run(
                     _mesh_streams(mesh.base_url, mesh.model, prompts, row.streams, args.max_tokens))
                 gaps: list[float] = []
+                decode_rates: list[float] = []
                 for i, (stream, tokens) in enumerate(zip(streamed, row.outputs)):
                     text, ends = token_ends(table, tokens)
                     if stream.text != text:
                         mismatches.append(f"mesh {name}, {row.prompts}, {row.streams} streams, request {i}")
                     gaps += inter_token_gaps(stream, ends)
+                    (first, _), (last, _) = stream.arrivals[0], stream.arrivals[-1]
+                    if last > first:
+                        decode_rates.append((len(tokens) - first_chunk_tokens(stream, ends)) / (last - first))
                 row.mesh_tokens_per_s = sum(map(len, row.outputs)) / seconds
                 row.mesh_over_engine = row.mesh_tokens_per_s / row.engine_tokens_per_s
                 row.mesh_itl_p50_ms, row.mesh_itl_p99_ms = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
+                row.mesh_decode_tokens_per_s = float(np.mean(decode_rates)) if decode_rates else None
                 print(json.dumps(row.figures()), flush=True)
         finally:
             mesh.stop()
@@ -231,14 +245,14 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def markdown_table(rows: list[Row]) -> str:
     lines = [
         "| prompts | method | streams | engine tok/s | mesh tok/s | mesh / engine | engine mean step ms "
-        "| mesh ITL p50 ms | mesh ITL p99 ms | mean acceptance length |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mesh ITL p50 ms | mesh ITL p99 ms | mesh decode tok/s | mean acceptance length |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.prompts} | {r.method} | {r.streams} | {_fmt(r.engine_tokens_per_s)} | {_fmt(r.mesh_tokens_per_s)} "
             f"| {_fmt(r.mesh_over_engine, 2)} | {_fmt(r.engine_mean_step_ms, 2)} | {_fmt(r.mesh_itl_p50_ms, 2)} "
-            f"| {_fmt(r.mesh_itl_p99_ms, 2)} | {_fmt(r.mean_acceptance_length, 2)} |"
+            f"| {_fmt(r.mesh_itl_p99_ms, 2)} | {_fmt(r.mesh_decode_tokens_per_s)} | {_fmt(r.mean_acceptance_length, 2)} |"
         )
     return "\n".join(lines)
 
@@ -255,12 +269,13 @@ def main() -> None:
         "on a small CPU machine the worker's threads compete with the mesh's other processes",
     )
     parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="length of the held-out prompts")
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     tokenizer = Tokenizer(args.model)
-    sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream)
+    sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream, args.prompt_tokens)
 
     # Every engine run first, with no mesh process taking CPU time from it.
     rows: list[Row] = []
@@ -282,7 +297,7 @@ def main() -> None:
     print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
     report = {
         "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
-        "prompt_tokens": PROMPT_TOKENS, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+        "prompt_tokens": args.prompt_tokens, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
         "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -123,8 +123,9 @@ def test_cache_writes_through_scattered_blocks_by_slot_mapping() -> None:
     ]
     k = torch.arange(20, dtype=torch.float32).view(10, 1, 2)
     cache.write(0, torch.from_numpy(mapping), k, -k)
-    assert torch.equal(cache.keys[0][2, 1, 0], k[5, 0])  # position 5: second block, offset 1
-    assert torch.equal(cache.values[0][4, 1, 0], -k[9, 0])
+    # The CPU cache is head-major, [kv_heads, blocks * block_size, head_dim]: flat slot = block * size + offset.
+    assert torch.equal(cache.keys[0][0, 2 * BLOCK_SIZE + 1], k[5, 0])  # position 5: second block, offset 1
+    assert torch.equal(cache.values[0][0, 4 * BLOCK_SIZE + 1], -k[9, 0])
     padding = cache.slot_mapping(np.full(10, cache.padding_slot), positions)
     assert set(padding // BLOCK_SIZE) == {cache.padding_block}  # padding writes land in the padding block only
 

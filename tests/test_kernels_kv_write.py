@@ -1,6 +1,7 @@
 """The KV-write kernel, run by Triton's interpreter on CPU tensors, against its torch twin: keys and values that
 are strided views of a fused qkv projection, slots scattered over a paged pool (the rest of the pool untouched),
-float32 and bfloat16 caches, float32 inputs rounded into a bfloat16 cache, through KVCache.write too."""
+float32 and bfloat16 caches, float32 inputs rounded into a bfloat16 cache; the CPU cache's head-major layout holds
+what the kernel writes into the block-major one."""
 
 from __future__ import annotations
 
@@ -54,19 +55,21 @@ def test_kernel_writes_what_the_twin_writes(
 
 
 def test_through_the_cache_and_an_empty_step() -> None:
-    cache = KVCache(2, 2, 40, 2, 16, torch.float32, "cpu", num_blocks=NUM_BLOCKS)
+    """The CPU cache (head-major) holds, slot for slot, what the kernel writes into the CUDA layout (block-major)."""
+    cache = KVCache(2, 2, 40, 2, 16, torch.float32, "cpu", num_blocks=NUM_BLOCKS - 1)  # + the padding block
+    assert cache.head_major and cache.keys[1].shape == (2, NUM_BLOCKS * BLOCK_SIZE, 16)
     k, v, slots = _step(2, 16, torch.float32)
     cache.write(1, slots, k, v)  # the dispatcher: the twin on CPU tensors
-    keys, values = cache.keys[1].clone(), cache.values[1].clone()
-    cache.keys[1].zero_()
-    cache.values[1].zero_()
-    kv_write_launch(cache.keys[1], cache.values[1], slots, k, v)
-    assert torch.equal(cache.keys[1], keys) and torch.equal(cache.values[1], values)
-    assert torch.equal(cache.keys[1].view(-1, 2, 16)[slots], k)
+    assert torch.equal(cache.keys[1][:, slots].transpose(0, 1), k)
+    assert torch.equal(cache.values[1][:, slots].transpose(0, 1), v)
+    keys, values = (torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 16) for _ in range(2))
+    kv_write_launch(keys, values, slots, k, v)
+    assert torch.equal(keys.view(-1, 2, 16).transpose(0, 1), cache.keys[1])
+    assert torch.equal(values.view(-1, 2, 16).transpose(0, 1), cache.values[1])
 
-    before = cache.keys[0].clone()
-    kv_write_launch(cache.keys[0], cache.values[0], slots[:0], k[:0], v[:0])
-    assert torch.equal(cache.keys[0], before)
+    before = keys.clone()
+    kv_write_launch(keys, values, slots[:0], k[:0], v[:0])
+    assert torch.equal(keys, before)
 
 
 def test_dispatcher_runs_the_twin_on_cpu_and_launcher_checks_shapes() -> None:

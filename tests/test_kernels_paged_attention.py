@@ -2,7 +2,8 @@
 kernel, run by Triton's interpreter on CPU tensors, against the twin. Ragged packed batches mix sequences with no
 query, decode (1), verification (4, 9) and prefill-length query runs, and verify batches give every sequence K + 1
 queries at its own context length (float32 and bfloat16, every GQA ratio); contexts cross block boundaries; block
-tables are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16.
+tables are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16. The
+twin reads both cache layouts (block-major, the kernel's; head-major, the CPU's) to the same result.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ pytest.importorskip("triton")
 
 from kernels.paged_attention import paged_attention_launch  # noqa: E402
 from services.worker.model.paged_attention import (  # noqa: E402
+    Pool,
     attend_gathered,
     attend_per_sequence,
     paged_attention,
@@ -97,10 +99,32 @@ class Batch:
         self.max_query_len = max(self.counts)
         self.max_context_len = max(self.contexts)
 
-    def args(self, first_position: int) -> tuple:
+    def caches(self, head_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches block-major [blocks, block_size, kv_heads, head_dim] or head-major [kv_heads, positions,
+        head_dim] (the same flat slots)."""
+        if not head_major:
+            return self.key_cache, self.value_cache
+        return tuple(c.permute(2, 0, 1, 3).reshape(c.shape[2], -1, c.shape[3]) for c in (self.key_cache, self.value_cache))
+
+    def args(self, first_position: int, head_major: bool = False) -> tuple:
+        keys, values = self.caches(head_major)
         return (
-            self.q, self.key_cache, self.value_cache, self.block_tables, self.query_starts, self.context_lens, SCALE,
-            self.max_query_len, self.max_context_len, first_position,
+            self.q, keys, values, self.block_tables, self.query_starts, self.context_lens, SCALE,
+            self.max_query_len, self.max_context_len, first_position, *((BLOCK_SIZE,) if head_major else ()),
+        )
+
+    def per_sequence(self, first_position: int, head_major: bool = False) -> torch.Tensor:
+        keys, values = self.caches(head_major)
+        return attend_per_sequence(
+            self.q, Pool(keys, BLOCK_SIZE), Pool(values, BLOCK_SIZE), self.block_tables, self.query_starts,
+            self.context_lens, SCALE, self.max_context_len, first_position,
+        )
+
+    def gathered(self, first_position: int, head_major: bool = False) -> torch.Tensor:
+        keys, values = self.caches(head_major)
+        return attend_gathered(
+            self.q, Pool(keys, BLOCK_SIZE), Pool(values, BLOCK_SIZE), self.block_tables, self.query_starts,
+            self.context_lens, SCALE, self.max_query_len, self.max_context_len, first_position,
         )
 
     def naive(self, first_position: int) -> torch.Tensor:
@@ -134,13 +158,16 @@ GQA = [(4, 4), (4, 2), (8, 2)]  # (heads, kv heads): ratios 1, 2, 4
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
 @pytest.mark.parametrize("layout", ["contiguous", "shuffled"])
 @pytest.mark.parametrize("first_position", [0, 1])
-def test_twin_matches_naive_reference(num_heads: int, num_kv_heads: int, layout: str, first_position: int) -> None:
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
+def test_twin_matches_naive_reference(
+    num_heads: int, num_kv_heads: int, layout: str, first_position: int, head_major: bool
+) -> None:
     batch = Batch(RAGGED, num_heads, num_kv_heads, layout, seed=num_heads + num_kv_heads)
     want = batch.naive(first_position)
-    args = batch.args(first_position)
+    args = batch.args(first_position, head_major)
     _close(paged_attention_torch(*args), want, FLOAT32_TOLERANCE)
-    _close(attend_per_sequence(*args[:7], batch.max_context_len, first_position), want, FLOAT32_TOLERANCE)
-    _close(attend_gathered(*args), want, FLOAT32_TOLERANCE)
+    _close(batch.per_sequence(first_position, head_major), want, FLOAT32_TOLERANCE)
+    _close(batch.gathered(first_position, head_major), want, FLOAT32_TOLERANCE)
     if first_position == 1:  # the one-key decode and the prefill's first query see no key
         assert not paged_attention_torch(*args)[[37 + 4 + 1, 4 + 1]].any()
 
@@ -156,10 +183,9 @@ def test_view_path_and_gather_path_agree(first_position: int) -> None:
     _close(paged_attention_torch(*contiguous.args(first_position)), want, 1e-6)
     for layout in ("contiguous", "shuffled"):
         decode = Batch(DECODE, 8, 4, layout, seed=6)
-        args = decode.args(first_position)
-        batched = attend_gathered(*args)
-        _close(attend_per_sequence(*args[:7], decode.max_context_len, first_position), batched, 1e-6)
-        _close(paged_attention_torch(*args), batched, 1e-6)
+        batched = decode.gathered(first_position)
+        _close(decode.per_sequence(first_position), batched, 1e-6)
+        _close(paged_attention_torch(*decode.args(first_position)), batched, 1e-6)
 
 
 def test_twin_in_bfloat16_matches_naive_reference() -> None:
@@ -168,7 +194,7 @@ def test_twin_in_bfloat16_matches_naive_reference() -> None:
         got = paged_attention_torch(*batch.args(first_position))
         assert got.dtype == torch.bfloat16
         _close(got, batch.naive(first_position), BFLOAT16_TOLERANCE)
-        _close(attend_gathered(*batch.args(first_position)), batch.naive(first_position), BFLOAT16_TOLERANCE)
+        _close(batch.gathered(first_position), batch.naive(first_position), BFLOAT16_TOLERANCE)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)

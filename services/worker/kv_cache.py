@@ -9,6 +9,13 @@ stale entries past the length are never attended to and are overwritten later.
 
 The tables live on the host (numpy): the runner packs each step's inputs from them with array operations and
 hands the device one copy per step.
+
+Two layouts of the same pool, one per device. On CUDA a layer's cache is [blocks, block_size, kv_heads, head_dim],
+what the Triton kernels read. On the CPU it is head-major, [kv_heads, blocks * block_size, head_dim]: a sequence's
+run of blocks is then one contiguous stretch per kv head, which attention streams from memory about 2.5x faster
+than the 128-byte pieces the block-major layout interleaves (decode at a 2,048-token context, one thread, caches
+cold: 0.29 vs 0.79 ms per layer). Flat slot x (block * block_size + offset) indexes dim 0 of the flattened
+block-major pool and dim 1 of the head-major one.
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ class KVCache:
         # every position there, so padding never touches a live sequence. Unassigned entries point there too.
         self.padding_block = num_blocks
         self.padding_slot = max_num_seqs
-        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)  # [blocks, block_size, kv_heads, head_dim]
+        self.head_major = torch.device(device).type == "cpu"
+        if self.head_major:  # [kv_heads, blocks * block_size, head_dim]: see the module docstring
+            shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        else:  # [blocks, block_size, kv_heads, head_dim]: the layout the CUDA kernels read
+            shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_tables = np.full(

@@ -8,11 +8,14 @@ from torch import Tensor
 
 from kernels import use_kernel
 
+BLOCK_MAJOR_DIMS = 4  # [blocks, block_size, kv_heads, head_dim]; the head-major layout has 3
+
 
 def write_kv(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-    """key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim]; slot_mapping [T] int64 flat slots
+    """key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim], or head-major [kv_heads, num_blocks *
+    block_size, head_dim] (the CPU's layout, services/worker/kv_cache.py); slot_mapping [T] int64 flat slots
     (block * block_size + offset); k, v [T, kv_heads, head_dim], cast to the caches' dtype."""
-    if use_kernel(k):
+    if use_kernel(k) and key_cache.dim() == BLOCK_MAJOR_DIMS:
         # Imported here: CPU callers never need triton.
         from kernels.kv_write import kv_write_launch
 
@@ -23,5 +26,9 @@ def write_kv(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Te
 
 def write_kv_torch(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
     """`write_kv` in torch ops, on any device: the kernel's reference and the CPU path."""
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+    if key_cache.dim() == BLOCK_MAJOR_DIMS:
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+    else:
+        key_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
+        value_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(value_cache.dtype))

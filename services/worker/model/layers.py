@@ -97,7 +97,7 @@ class Attention(nn.Module):
             out = paged_attention(
                 q, batch.cache.keys[self.layer_index], batch.cache.values[self.layer_index], batch.block_tables,
                 batch.query_starts, batch.context_lens, self.scale, batch.max_query_len, batch.max_context_len,
-                batch.first_position,
+                batch.first_position, batch.cache.block_size,
             )
         return self.o_proj(out.flatten(-2))
 

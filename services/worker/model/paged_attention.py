@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kernels import use_kernel
 from services.worker.block_manager import blocks_for
+from services.worker.kv_write import BLOCK_MAJOR_DIMS
 
 # The CPU twin has two strategies. Per sequence, a contiguous run of blocks is attended as a view of the cache,
 # so no context is copied, at a fixed ~25 us of torch calls per sequence. The batched gather pays those calls once
@@ -52,25 +53,30 @@ def paged_attention(
     max_query_len: int,
     max_context_len: int,
     first_position: int = 0,
+    block_size: int | None = None,
 ) -> Tensor:
     """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
 
-    q [T, heads, head_dim]; key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim] with this step's
-    keys already written; block_tables [B, max_blocks] int32 (entries past a sequence's blocks are any valid id);
+    q [T, heads, head_dim]; key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim], or head-major
+    [kv_heads, num_blocks * block_size, head_dim] with block_size given (the CPU's layout, kv_cache.py), with this
+    step's keys already written; block_tables [B, max_blocks] int32 (entries past a sequence's blocks are any valid id);
     query_starts [B + 1] int32; context_lens [B] int32. Query i of sequence b sits at position
     context_lens[b] - n_b + i and attends to positions first_position..itself (an MTP module has no entry at
     position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros. q and the
     caches share a dtype; scores and softmax are float32.
     max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
     """
-    if use_kernel(q):
+    if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS:
         # Imported here: CPU callers never need triton.
-        from kernels.paged_attention import paged_attention_launch as attend
-    else:
-        attend = paged_attention_torch
-    return attend(
+        from kernels.paged_attention import paged_attention_launch
+
+        return paged_attention_launch(
+            q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len,
+            max_context_len, first_position,
+        )
+    return paged_attention_torch(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
-        first_position,
+        first_position, block_size,
     )
 
 
@@ -85,8 +91,9 @@ def paged_attention_torch(
     max_query_len: int,
     max_context_len: int,
     first_position: int = 0,
+    block_size: int | None = None,
 ) -> Tensor:
-    """`paged_attention` in torch ops, on any device: the kernel's reference and the CPU path.
+    """`paged_attention` in torch ops, on any device, either cache layout: the kernel's reference and the CPU path.
 
     On the CPU, where reading the small index tensors costs nothing, it picks per call between attending each
     sequence over a view of the cache and one batched attention over gathered contexts. Elsewhere it always
@@ -100,21 +107,54 @@ def paged_attention_torch(
         and batch >= GATHER_MIN_SEQS
         and batch * max_context_len <= GATHER_MAX_KEYS
     )
+    keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
     if q.device.type == "cpu" and not gather_pays:
         return attend_per_sequence(
-            q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_context_len,
-            first_position,
+            q, keys, values, block_tables, query_starts, context_lens, scale, max_context_len, first_position,
         )
     return attend_gathered(
-        q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
+        q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position,
     )
 
 
+class Pool:
+    """One layer's key or value cache read by position, in either layout; every read gives [.., kv_heads, n,
+    head_dim], the layout attention takes."""
+
+    def __init__(self, cache: Tensor, block_size: int | None) -> None:
+        self.block_major = cache.dim() == BLOCK_MAJOR_DIMS
+        if self.block_major:
+            self.block_size, self.num_kv_heads, self.head_dim = cache.shape[1:]
+            self.flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [positions, kv_heads, head_dim]
+        else:
+            if block_size is None:
+                raise ValueError("a head-major cache [kv_heads, positions, head_dim] needs its block_size")
+            self.num_kv_heads, _, self.head_dim = cache.shape
+            self.block_size = block_size
+            self.flat = cache  # [kv_heads, positions, head_dim]
+
+    def span(self, start: int, stop: int) -> Tensor:
+        """Flat slots start..stop - 1: [kv_heads, n, head_dim], a view."""
+        return self.flat[start:stop].transpose(0, 1) if self.block_major else self.flat[:, start:stop]
+
+    def gather(self, slots: Tensor) -> Tensor:
+        """slots [B, n] flat slots -> [B, kv_heads, n, head_dim] (copied)."""
+        batch, n = slots.shape
+        if self.block_major:
+            return self.flat.index_select(0, slots.reshape(-1)).view(batch, n, -1, self.head_dim).transpose(1, 2)
+        return self.flat.index_select(1, slots.reshape(-1)).view(-1, batch, n, self.head_dim).transpose(0, 1)
+
+    def block_slots(self, blocks: Tensor) -> Tensor:
+        """blocks [..., m] -> the flat slots of their positions [..., m * block_size], in position order."""
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        return (blocks.long()[..., None] * self.block_size + offsets).flatten(-2)
+
+
 def attend_per_sequence(
     q: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
+    keys_pool: Pool,
+    values_pool: Pool,
     block_tables: Tensor,
     query_starts: Tensor,
     context_lens: Tensor,
@@ -125,10 +165,8 @@ def attend_per_sequence(
     """One attention call per sequence. A sequence whose blocks are one ascending run (what the block manager
     normally hands out) reads a view of the cache, no copy; any other gathers its own blocks. Reads the index
     tensors on the host: for CPU tensors."""
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_size, num_kv_heads, head_dim = keys_pool.block_size, keys_pool.num_kv_heads, keys_pool.head_dim
     group = q.shape[1] // num_kv_heads
-    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)  # position x of a run starting at block s: s * bs + x
-    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     starts = query_starts.tolist()
     rows = block_tables[:, : blocks_for(max_context_len, block_size)].tolist()
     pieces: list[Tensor] = []  # the output, sequence after sequence: one concatenation instead of a write per sequence
@@ -141,16 +179,14 @@ def attend_per_sequence(
         if count == 0:
             continue
         blocks = rows[b][: blocks_for(context, block_size)]
-        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # position x of the run: s * bs + x
             base = blocks[0] * block_size
-            keys = flat_keys[base + first_position : base + context]
-            values = flat_values[base + first_position : base + context]
+            keys = keys_pool.span(base + first_position, base + context)[None]
+            values = values_pool.span(base + first_position, base + context)[None]
         else:
-            index = torch.tensor(blocks, device=q.device)
-            keys = key_cache.index_select(0, index).view(-1, num_kv_heads, head_dim)[first_position:context]
-            values = value_cache.index_select(0, index).view(-1, num_kv_heads, head_dim)[first_position:context]
-        # [1, kv_heads, visible, head_dim]: 4-d, because CPU SDPA takes its flash path only for 4-d inputs
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+            slots = keys_pool.block_slots(torch.tensor(blocks, device=q.device))[None, first_position:context]
+            keys, values = keys_pool.gather(slots), values_pool.gather(slots)
+        # keys, values [1, kv_heads, visible, head_dim]: 4-d, because CPU SDPA takes its flash path only for 4-d
         queries = q[end - count : end]
         if count == 1:
             # One query sees every visible key, so no mask; its heads that share a kv head become rows of one
@@ -174,8 +210,8 @@ def attend_per_sequence(
 
 def attend_gathered(
     q: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
+    keys_pool: Pool,
+    values_pool: Pool,
     block_tables: Tensor,
     query_starts: Tensor,
     context_lens: Tensor,
@@ -187,16 +223,12 @@ def attend_gathered(
     """One batched attention over every sequence's gathered context [B, max_context_len, kv_heads, head_dim],
     queries padded to max_query_len, mask built on q's device. Never reads a device tensor on the host."""
     tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
     device = q.device
-    num_blocks = blocks_for(max_context_len, block_size)
-    index = block_tables[:, :num_blocks].reshape(-1)
-    keys = key_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    values = value_cache.index_select(0, index).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-    # [B, kv_heads, C, head_dim]: the C keys from first_position to the longest context
-    keys = keys[:, first_position:max_context_len].transpose(1, 2)
-    values = values[:, first_position:max_context_len].transpose(1, 2)
+    num_blocks = blocks_for(max_context_len, keys_pool.block_size)
+    # [B, C]: the flat slots of the C positions from first_position to the longest context
+    slots = keys_pool.block_slots(block_tables[:, :num_blocks])[:, first_position:max_context_len]
+    keys, values = keys_pool.gather(slots), values_pool.gather(slots)  # [B, kv_heads, C, head_dim]
 
     starts = query_starts[:-1].long()
     counts = query_starts[1:].long() - starts
