@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from enum import StrEnum
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -72,37 +73,55 @@ class WorkerMetrics:
     def __init__(self, engine: Engine, model: str, worker_id: int) -> None:
         self.engine = engine
         self.labels = {"model": model, "method": engine.config.speculative.method, "worker": str(worker_id)}
+        self._children: dict[tuple, object] = {}
         KV_BYTES.labels(**self.labels).set(engine.runner.cache.nbytes)
         RUNNING.labels(**self.labels).set_function(lambda: len(engine.scheduler.running))
         WAITING.labels(**self.labels).set_function(lambda: len(engine.scheduler.waiting))
         KV_USAGE.labels(**self.labels).set_function(lambda: engine.kv_usage)
 
     def counter(self, metric, **extra):
-        return metric.labels(**self.labels, **extra)
+        """The metric's child for this worker (and the extra labels), looked up once: prometheus_client's labels()
+        takes a lock and builds its key on every call, which a step's metrics would pay dozens of times."""
+        key = (metric, *extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, **extra)
+        return child
 
     def observe_request(self, num_prompt_tokens: int) -> None:
         self.counter(REQUESTS_TAKEN).inc()
         self.counter(PROMPT_TOKENS).inc(num_prompt_tokens)
 
     def observe_step(self, outputs: list[SeqOutput], seconds: float) -> None:
+        """A step's metrics, summed over its outputs first: one update per metric (and per draft position), not
+        one per sequence."""
         self.counter(STEP_SECONDS).observe(seconds)
-        if outputs:
-            self.counter(BATCH_SIZE).observe(len(outputs))
-        for out in outputs:
-            self.counter(EMITTED).inc(len(out.tokens))
-            if out.seq.is_finished:
-                self.counter(FINISHED, reason=out.finish_reason.name.lower()).inc()
-            num_drafted = len(out.draft_tokens)
-            if not num_drafted:
-                continue
-            self.counter(DRAFTS).inc()
-            self.counter(DRAFT_TOKENS).inc(num_drafted)
-            self.counter(ACCEPTED).inc(out.num_accepted)
-            self.counter(ACCEPTANCE_LENGTH).observe(out.num_accepted + 1)
-            for position in range(num_drafted):
-                self.counter(DRAFTED_PER_POS, position=str(position)).inc()
-                if position < out.num_accepted:
-                    self.counter(ACCEPTED_PER_POS, position=str(position)).inc()
+        if not outputs:
+            return
+        self.counter(BATCH_SIZE).observe(len(outputs))
+        self.counter(EMITTED).inc(sum(len(out.tokens) for out in outputs))
+        finished = collections.Counter(out.finish_reason.name.lower() for out in outputs if out.seq.is_finished)
+        for reason, count in finished.items():
+            self.counter(FINISHED, reason=reason).inc(count)
+        drafted = [out for out in outputs if out.draft_tokens]
+        if not drafted:
+            return
+        self.counter(DRAFTS).inc(len(drafted))
+        self.counter(DRAFT_TOKENS).inc(sum(len(out.draft_tokens) for out in drafted))
+        self.counter(ACCEPTED).inc(sum(out.num_accepted for out in drafted))
+        acceptance = self.counter(ACCEPTANCE_LENGTH)
+        drafted_at = [0] * max(len(out.draft_tokens) for out in drafted)  # per draft position
+        accepted_at = [0] * len(drafted_at)
+        for out in drafted:
+            acceptance.observe(out.num_accepted + 1)
+            for position in range(len(out.draft_tokens)):
+                drafted_at[position] += 1
+            for position in range(out.num_accepted):
+                accepted_at[position] += 1
+        for position, count in enumerate(drafted_at):
+            self.counter(DRAFTED_PER_POS, position=str(position)).inc(count)
+            if accepted_at[position]:
+                self.counter(ACCEPTED_PER_POS, position=str(position)).inc(accepted_at[position])
 
     def observe_frame(self, kind: str, size: int) -> None:
         self.counter(FRAMES, kind=kind).inc()
