@@ -6,10 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.mesh_process import Mesh, start_mesh
-from shared.config import DEFAULT_MODEL_DIR
+from services.mesh_process import Mesh
 from shared.seeds import choice_seed, worker_seed
-from shared.tokenizer import Tokenizer
+from tests.demomeshfixture import client, mesh, tokenizer  # noqa: F401  (fixtures are used by name)
 
 pytestmark = pytest.mark.e2e
 
@@ -19,23 +18,6 @@ SEED = -7  # negative: the API takes any int64
 SAMPLED = dict(temperature=0.9, max_tokens=MAX_TOKENS, seed=SEED)
 N = 3
 TOKEN_ID_PREFIX = "token_id:"
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "256")
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(DEFAULT_MODEL_DIR)
 
 
 def _texts(response) -> list[str]:

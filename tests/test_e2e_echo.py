@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from operator import itemgetter
 
-import openai
 import pytest
 import torch
 
 from services.detokenizer.incremental import TokenTable
-from services.mesh_process import Mesh, start_mesh
 from shared.config import DEFAULT_MODEL_DIR
-from shared.tokenizer import Tokenizer
+from tests.demomeshfixture import client, mesh, tokenizer  # noqa: F401  (fixtures are used by name)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -23,23 +21,6 @@ PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 LM_EVAL_SEED = 1234
 # (context, continuation) pairs as an lm-eval loglikelihood task poses them: a likely one and an unlikely one.
 PAIRS = [("import os\nimport sys\nimport", " sys"), ("def add(a, b):\n    return", " banana split")]
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "256")
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(DEFAULT_MODEL_DIR)
 
 
 @pytest.fixture(scope="module")
