@@ -12,7 +12,8 @@ import openai
 import pytest
 from tests.gatewayfixture import MODEL, VOCAB_SIZE, client, gateway, model_dir, nats_server
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.completion_request import CompletionRequest
 from shared.config import SpeculativeConfig
 
 __all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find

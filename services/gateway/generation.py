@@ -5,7 +5,8 @@ with all n choices, which one worker runs together so they share the prompt's pr
 (choices.py). Submission follows the protocol order: DetokOpen on core NATS first, then the WorkRequest through
 JetStream (acknowledged, so a request is either queued durably or refused with a 503). Until its final chunk
 arrives a request is live in the mesh, so every way of leaving early (client gone, timeout, lost chunks)
-publishes a Cancel that frees the worker slots and the detokenizer state.
+publishes a Cancel that frees the worker slots and the detokenizer state. The answer itself is written by
+answer.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
-from dataclasses import dataclass, field
 
 import jinja2
 import nats.errors
@@ -25,13 +24,15 @@ from aiohttp import web
 from nats.aio.client import Client
 from pydantic import ValidationError
 
-from services.gateway import metrics, sse
+from services.gateway import metrics
 from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.aggregate import Api
+from services.gateway.answer import answer
+from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.choices import ResponseChoices
+from services.gateway.completion_request import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from services.gateway.errors import (
     CONTEXT_LENGTH_EXCEEDED,
-    SERVER_ERROR,
     UNAVAILABLE,
     OpenAIError,
     bad_request,
@@ -39,16 +40,15 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
-from services.gateway.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_MAX_N, MAX_N_CONTEXT, ChatCompletionRequest, CompletionRequest,
-)
 from services.gateway.identity import client_identity
+from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
-from services.gateway.router import ChunkRouter, ResponseStream
+from services.gateway.protocol import DEFAULT_MAX_N, MAX_N_CONTEXT
+from services.gateway.router import ChunkRouter
 from shared import subjects
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
-from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, SamplingParams, Usage, WorkRequest
+from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
 from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
@@ -57,58 +57,11 @@ log = logging.getLogger(__name__)
 PUBLISH_ACK_TIMEOUT_S = 5.0
 DETOK_OPEN_TIMEOUT_S = 5.0
 SERVICE_UNAVAILABLE = 503
-INTERNAL_ERROR = 500
 CLIENT_DISCONNECTED = "client_disconnected"
 FAILED = "error"
 
 REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
-ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
-STREAM_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
-RESPONSE_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
-NO_CACHED_TOKENS = 0  # usage.prompt_tokens_details.cached_tokens: the mesh keeps no prompt cache between requests
-
-
-@dataclass
-class Generation:
-    """One accepted prompt on its way through the mesh, with its n choices."""
-
-    api: Api
-    body: ChatCompletionRequest | CompletionRequest
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    started: float  # monotonic, for latency metrics
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-    opened: bool = False  # its DetokOpen went out: from then on a detokenizer may hold it, and must be told to let go
-    detok_id: str = ""  # the detokenizer that took it
-    saw_first_chunk: bool = False
-    last_chunk_at: float = 0.0  # monotonic
-
-    def envelope(self, model: str, stream: bool) -> dict:
-        return {
-            "id": ID_PREFIX[self.api] + self.request_id,
-            "object": (STREAM_OBJECT if stream else RESPONSE_OBJECT)[self.api],
-            "created": self.created,
-            "model": model,
-        }
-
-    def observe(self, chunk: Chunk) -> None:
-        now = time.monotonic()
-        if not self.saw_first_chunk:
-            self.saw_first_chunk = True
-            metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(now - self.started)
-        elif chunk.num_tokens:
-            # The histogram counts tokens, so each of the chunk's tokens is one observation of the shared gap.
-            per_token = (now - self.last_chunk_at) / chunk.num_tokens
-            inter_token = metrics.INTER_TOKEN_LATENCY.labels(self.api)
-            for _ in range(chunk.num_tokens):
-                inter_token.observe(per_token)
-        self.last_chunk_at = now
-        if chunk.final and chunk.usage is not None:
-            metrics.REQUEST_DURATION.labels(self.api).observe(time.monotonic() - self.started)
-            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
-            metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)
 
 
 class Generator:
@@ -157,7 +110,7 @@ class Generator:
                         await self._submit_all(gens)
                         for gen in gens:
                             chunks.liveness.owned_by(gen.request_id, gen.detok_id)
-                        return await self._answer(request, gens, choices, chunks)
+                        return await answer(request, gens, choices, chunks, self._model)
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED
                         metrics.CLIENT_DISCONNECTS.inc()
@@ -170,13 +123,6 @@ class Generator:
                         await asyncio.shield(self._cancel_all(held, reason))
         finally:
             metrics.IN_FLIGHT.dec()
-
-    async def _answer(
-        self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
-    ) -> web.StreamResponse:
-        if gens[0].body.stream:
-            return await self._stream(request, gens, choices, chunks)
-        return await self._respond(gens, choices, chunks)
 
     def _prompts(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt: a chat's one rendered conversation, or each prompt of a completion."""
@@ -324,102 +270,6 @@ class Generator:
             await self._nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason).to_bytes())
         except nats.errors.Error as exc:
             log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
-
-    async def _stream(
-        self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
-    ) -> web.StreamResponse:
-        response = await sse.open_stream(request)
-        gen = gens[0]  # the body, the api and the envelope are every prompt's
-        by_request = {g.request_id: g for g in gens}
-        envelope = gen.envelope(self._model, stream=True)
-        include_usage = gen.body.include_usage_in_stream
-        every_chunk = gen.body.usage_on_every_chunk
-        if include_usage or every_chunk:
-            envelope["usage"] = None
-        # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
-        usage_chunk = include_usage or gen.sampling.speculative.return_stats
-        ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
-        try:
-            if gen.api == "chat":
-                for opening in self._chat_openings(gen, choices.num_choices):
-                    if every_chunk:
-                        opening["usage"] = usage_body(choices.running_usage())
-                    await response.write(sse.event({**envelope, **opening}))
-            async for chunk in chunks:
-                by_request[chunk.request_id].observe(chunk)
-                choices.observe(chunk)
-                data = {**envelope, "choices": [choices.streamed(chunk)]}
-                if every_chunk:
-                    data["usage"] = usage_body(choices.running_usage())
-                event = sse.event(data)
-                if not chunks.finished:
-                    await response.write(event)
-                    continue
-                ending.append(event)
-                if usage_chunk:
-                    ending.append(sse.event({**envelope, "choices": [], "usage": usage_body(choices.usage())}))
-        except OpenAIError as exc:
-            ending.append(sse.event(exc.body()))
-        except ConnectionResetError:
-            raise
-        except Exception:
-            log.exception("request %s failed while streaming", gen.request_id)
-            ending.append(sse.event(OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body()))
-        await sse.close_stream(response, ending)
-        return response
-
-    @staticmethod
-    def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:
-        """A chat stream's first chunk of each choice: the assistant role, with the echoed final message (vLLM's
-        chat echo); the first also carries the prompt's ids when asked (vLLM's return_token_ids)."""
-        body: ChatCompletionRequest = gen.body
-        openings = [
-            {
-                "choices": [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": body.echoed_text},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            }
-            for index in range(num_choices)
-        ]
-        if body.return_token_ids:
-            openings[0]["prompt_token_ids"] = gen.prompt_ids
-        return openings
-
-    async def _respond(
-        self, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream
-    ) -> web.Response:
-        gen = gens[0]  # the body, the api and the envelope are every prompt's
-        by_request = {g.request_id: g for g in gens}
-        async for chunk in chunks:
-            by_request[chunk.request_id].observe(chunk)
-            choices.observe(chunk)
-            choices.keep(chunk)
-        merged = choices.merged(
-            with_logprobs=gen.sampling.logprobs is not None, with_draft_logprobs=gen.sampling.include_draft_logprobs
-        )
-        body = {**gen.envelope(self._model, stream=False), "choices": merged, "usage": usage_body(choices.usage())}
-        if gen.api == "chat":
-            for choice in merged:
-                choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
-                prompt_logprobs = choice.pop("prompt_logprobs", None)
-            if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
-                body["prompt_logprobs"] = prompt_logprobs
-            if gen.body.return_token_ids:  # and so the prompt's ids
-                body["prompt_token_ids"] = gen.prompt_ids
-        return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
-
-
-def usage_body(usage: Usage) -> dict:
-    """`usage` as a response shows it: `speculative` only for a request that asked for its summary, and OpenAI's
-    `prompt_tokens_details`."""
-    body = usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
-    body["prompt_tokens_details"] = {"cached_tokens": NO_CACHED_TOKENS}
-    return body
 
 
 async def _parse(request: web.Request, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:

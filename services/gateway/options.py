@@ -3,8 +3,9 @@ vocabulary (logit_bias), the generation budget (min_tokens) and the server's spe
 
 from __future__ import annotations
 
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import bad_request
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 SPECULATIVE_DRAFTS_PARAM = "speculative.num_speculative_tokens"
 

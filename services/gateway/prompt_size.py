@@ -8,8 +8,9 @@ before any output. Such a prompt is refused from its length alone, with the answ
 
 from __future__ import annotations
 
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import CONTEXT_LENGTH_EXCEEDED, bad_request
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from shared.tokenizer import Tokenizer
 
 

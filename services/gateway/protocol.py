@@ -1,4 +1,6 @@
-"""The request bodies of POST /v1/completions and POST /v1/chat/completions, validated.
+"""What the request bodies of POST /v1/completions and POST /v1/chat/completions share, validated: the
+sampling, stop conditions and streaming (GenerationRequest); each endpoint's own fields are in
+completion_request.py and chat_request.py.
 
 Validation is strict about types (a JSON string is not a number) and names the offending field, so every
 bad request becomes a 400 that tells the client which parameter to fix. Fields of the OpenAI API that the
@@ -23,22 +25,16 @@ MAX_STOP_STRINGS = 16
 # A stream holds back as much text as its longest stop string could still match, and every request's stop strings
 # travel in its NATS messages: a stop string is bounded like a prompt line, not like a prompt.
 MAX_STOP_STRING_CHARS = 1024
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 TOP_K_OFF = (0, -1)  # vLLM's spellings of "no top-k filtering"
-NEUTRAL_BEST_OF = 1
 DEFAULT_MAX_N = 16  # the gateway's --max-n
 MAX_N_CONTEXT = "max_n"  # the validation context key that carries the gateway's --max-n
-MAX_PROMPTS = 2048  # prompts in one completions request (a list), as OpenAI allows
-DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
-SYSTEM_ROLE = "system"
-ASSISTANT_ROLE = "assistant"
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM extension: the usage so far on every chunk
 
@@ -63,23 +59,13 @@ class SpeculativeOptions(BaseModel):
 SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A bad value as an error message quotes it, cut short."""
     text = repr(value)
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _refuse_unless_neutral(value: Any, neutral: tuple, what: str) -> Any:
-    if value not in neutral:
-        raise ValueError(f"{what} is not supported; leave it unset")
-    return value
-
-
-class _GenerationRequest(_Body):
+class GenerationRequest(Body):
     """What both endpoints share: the model, sampling, stop conditions and streaming.
 
     Each endpoint adds `requested_max_tokens` ((parameter name, value) of the client's own token budget, or
@@ -258,179 +244,3 @@ class _GenerationRequest(_Body):
             logit_bias=self.logit_bias_ids,
             speculative=SpeculationParams(**(self.speculative.model_dump() if self.speculative else {})),
         )
-
-
-class CompletionRequest(_GenerationRequest):
-    prompt: Any
-    echo: bool | None = False  # before max_tokens, whose check reads it
-    max_tokens: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> tuple[str | tuple[int, ...], ...]:
-        """Normalized to a tuple of prompts, each a string or a tuple of token ids: a string, a list of token ids,
-        a list of strings or a list of token-id lists, as OpenAI takes them."""
-        if isinstance(value, str):
-            return (value,)
-        if not isinstance(value, list) or not value:
-            raise ValueError(
-                "prompt must be a string, a non-empty list of token ids, or a non-empty list of strings or of "
-                f"token-id lists, got {_shown(value)}"
-            )
-        if len(value) > MAX_PROMPTS and not all(_is_token_id(t) for t in value):
-            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
-        if all(_is_token_id(t) for t in value):
-            return (tuple(value),)
-        if all(isinstance(p, str) for p in value):
-            return tuple(value)
-        if all(isinstance(p, list) for p in value):
-            for i, ids in enumerate(value):
-                if not ids or not all(_is_token_id(t) for t in ids):
-                    raise ValueError(f"prompt[{i}] must be a non-empty list of token ids, got {_shown(ids)}")
-            return tuple(tuple(ids) for ids in value)
-        raise ValueError(
-            f"a prompt list must hold only strings or only token-id lists, got {_shown(value)}"
-        )
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value == 0 and not info.data.get("echo"):
-            raise ValueError("max_tokens may be 0 only with echo (the prompt alone comes back)")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        return _refuse_unless_neutral(value, (None, NEUTRAL_BEST_OF), f"best_of other than {NEUTRAL_BEST_OF}")
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: str | None) -> str | None:
-        return _refuse_unless_neutral(value or None, (None,), "suffix")
-
-    @property
-    def requested_max_tokens(self) -> tuple[str, int] | None:
-        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def echoes_prompt(self) -> bool:
-        return bool(self.echo)
-
-
-class ChatMessage(_Body):
-    """One message. Any role reaches the chat template as given (`tool` and custom roles included), except
-    `developer`, which is the system role under the OpenAI SDK's newer name."""
-
-    role: str = Field(min_length=1)
-    # Normalized to a string; null (or missing) only on an assistant message, one that called tools.
-    content: Any = Field(None, validate_default=True)
-    name: str | None = None
-    tool_call_id: str | None = None  # on `tool` messages: the call they answer
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any, info: ValidationInfo) -> str:
-        """Text parts are joined: the mesh serves text-only models."""
-        if isinstance(value, str):
-            return value
-        if value is None:
-            if info.data.get("role") != ASSISTANT_ROLE:
-                raise ValueError("content may be null only on an assistant message")
-            return ""
-        if not isinstance(value, list):
-            raise ValueError(f"content must be a string or a list of text parts, got {_shown(value)}")
-        texts = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(
-                    f"content part [{i}] has type {kind!r}: this model reads text only, "
-                    'as parts {"type": "text", "text": "..."}'
-                )
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {_shown(part)}')
-            texts.append(part["text"])
-        return "".join(texts)
-
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it."""
-        message = {"role": SYSTEM_ROLE if self.role == DEVELOPER_ROLE else self.role, "content": self.content}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
-    tools: list | None = None
-    response_format: dict | None = None
-    # vLLM's extensions for rendering the conversation.
-    add_generation_prompt: bool = True  # open an assistant turn after the messages
-    continue_final_message: bool = False  # leave the final message open, to be continued
-    echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError(f"tool calling is not supported; leave tools unset or empty, got {len(value)} tools")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict | None) -> dict | None:
-        if value not in (None, {"type": "text"}):
-            raise ValueError(f'only the response_format {{"type": "text"}} is supported, got {_shown(value)}')
-        return value
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _not_both_open(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true: "
-                "set add_generation_prompt to false to continue the final message"
-            )
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return value
-
-    @property
-    def requested_max_tokens(self) -> tuple[str, int] | None:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation as the chat template expects it."""
-        return [m.for_template() for m in self.messages]
-
-    @property
-    def echoed_text(self) -> str:
-        """What the answer starts with under vLLM's chat `echo`: the final message's content, when that message is
-        the assistant's (the one being continued); nothing otherwise."""
-        final = self.messages[-1]
-        return final.content if self.echo and final.role == ASSISTANT_ROLE else ""

@@ -1,0 +1,136 @@
+"""A generation request's answer to its client: its chunks streamed as server-sent events, or kept and joined
+into one JSON response, in the OpenAI shape of its endpoint.
+
+Its own module because how the answer is written does not depend on how the request got into the mesh
+(generation.py); it reads only the chunks, the request's choices (choices.py) and its Generation (in_flight.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from services.gateway import sse
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.choices import ResponseChoices
+from services.gateway.errors import SERVER_ERROR, OpenAIError
+from services.gateway.in_flight import Generation
+from services.gateway.router import ResponseStream
+from shared.schemas import Usage
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = 500
+NO_CACHED_TOKENS = 0  # usage.prompt_tokens_details.cached_tokens: the mesh keeps no prompt cache between requests
+
+
+async def answer(
+    request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
+    model: str,
+) -> web.StreamResponse:
+    """The request's answer under `model`'s name: server-sent events as its chunks arrive, or one JSON response
+    once its last chunk is in."""
+    if gens[0].body.stream:
+        return await _stream(request, gens, choices, chunks, model)
+    return await _respond(gens, choices, chunks, model)
+
+
+async def _stream(
+    request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
+    model: str,
+) -> web.StreamResponse:
+    response = await sse.open_stream(request)
+    gen = gens[0]  # the body, the api and the envelope are every prompt's
+    by_request = {g.request_id: g for g in gens}
+    envelope = gen.envelope(model, stream=True)
+    include_usage = gen.body.include_usage_in_stream
+    every_chunk = gen.body.usage_on_every_chunk
+    if include_usage or every_chunk:
+        envelope["usage"] = None
+    # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
+    usage_chunk = include_usage or gen.sampling.speculative.return_stats
+    ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
+    try:
+        if gen.api == "chat":
+            for opening in _chat_openings(gen, choices.num_choices):
+                if every_chunk:
+                    opening["usage"] = usage_body(choices.running_usage())
+                await response.write(sse.event({**envelope, **opening}))
+        async for chunk in chunks:
+            by_request[chunk.request_id].observe(chunk)
+            choices.observe(chunk)
+            data = {**envelope, "choices": [choices.streamed(chunk)]}
+            if every_chunk:
+                data["usage"] = usage_body(choices.running_usage())
+            event = sse.event(data)
+            if not chunks.finished:
+                await response.write(event)
+                continue
+            ending.append(event)
+            if usage_chunk:
+                ending.append(sse.event({**envelope, "choices": [], "usage": usage_body(choices.usage())}))
+    except OpenAIError as exc:
+        ending.append(sse.event(exc.body()))
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("request %s failed while streaming", gen.request_id)
+        ending.append(sse.event(OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body()))
+    await sse.close_stream(response, ending)
+    return response
+
+
+def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:
+    """A chat stream's first chunk of each choice: the assistant role, with the echoed final message (vLLM's
+    chat echo); the first also carries the prompt's ids when asked (vLLM's return_token_ids)."""
+    body: ChatCompletionRequest = gen.body
+    openings = [
+        {
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": body.echoed_text},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        }
+        for index in range(num_choices)
+    ]
+    if body.return_token_ids:
+        openings[0]["prompt_token_ids"] = gen.prompt_ids
+    return openings
+
+
+async def _respond(
+    gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str
+) -> web.Response:
+    gen = gens[0]  # the body, the api and the envelope are every prompt's
+    by_request = {g.request_id: g for g in gens}
+    async for chunk in chunks:
+        by_request[chunk.request_id].observe(chunk)
+        choices.observe(chunk)
+        choices.keep(chunk)
+    merged = choices.merged(
+        with_logprobs=gen.sampling.logprobs is not None, with_draft_logprobs=gen.sampling.include_draft_logprobs
+    )
+    body = {**gen.envelope(model, stream=False), "choices": merged, "usage": usage_body(choices.usage())}
+    if gen.api == "chat":
+        for choice in merged:
+            choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
+            prompt_logprobs = choice.pop("prompt_logprobs", None)
+        if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
+            body["prompt_logprobs"] = prompt_logprobs
+        if gen.body.return_token_ids:  # and so the prompt's ids
+            body["prompt_token_ids"] = gen.prompt_ids
+    return web.json_response(body, dumps=lambda obj: orjson.dumps(obj).decode())
+
+
+def usage_body(usage: Usage) -> dict:
+    """`usage` as a response shows it: `speculative` only for a request that asked for its summary, and OpenAI's
+    `prompt_tokens_details`."""
+    body = usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
+    body["prompt_tokens_details"] = {"cached_tokens": NO_CACHED_TOKENS}
+    return body

@@ -1,0 +1,129 @@
+"""The request body of POST /v1/chat/completions, validated: the messages and how they are rendered.
+
+Its own module because the conversation (roles, content parts, vLLM's rendering options) is chat's alone; what
+both endpoints share is GenerationRequest (protocol.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from services.gateway.protocol import Body, GenerationRequest, shown
+from shared.frames import MAX_TOP_K
+
+DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
+SYSTEM_ROLE = "system"
+ASSISTANT_ROLE = "assistant"
+
+
+class ChatMessage(Body):
+    """One message. Any role reaches the chat template as given (`tool` and custom roles included), except
+    `developer`, which is the system role under the OpenAI SDK's newer name."""
+
+    role: str = Field(min_length=1)
+    # Normalized to a string; null (or missing) only on an assistant message, one that called tools.
+    content: Any = Field(None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None  # on `tool` messages: the call they answer
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any, info: ValidationInfo) -> str:
+        """Text parts are joined: the mesh serves text-only models."""
+        if isinstance(value, str):
+            return value
+        if value is None:
+            if info.data.get("role") != ASSISTANT_ROLE:
+                raise ValueError("content may be null only on an assistant message")
+            return ""
+        if not isinstance(value, list):
+            raise ValueError(f"content must be a string or a list of text parts, got {shown(value)}")
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"content part [{i}] has type {kind!r}: this model reads text only, "
+                    'as parts {"type": "text", "text": "..."}'
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {shown(part)}')
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        message = {"role": SYSTEM_ROLE if self.role == DEVELOPER_ROLE else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    tools: list | None = None
+    response_format: dict | None = None
+    # vLLM's extensions for rendering the conversation.
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # leave the final message open, to be continued
+    echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError(f"tool calling is not supported; leave tools unset or empty, got {len(value)} tools")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        if value not in (None, {"type": "text"}):
+            raise ValueError(f'only the response_format {{"type": "text"}} is supported, got {shown(value)}')
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_both_open(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "set add_generation_prompt to false to continue the final message"
+            )
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation as the chat template expects it."""
+        return [m.for_template() for m in self.messages]
+
+    @property
+    def echoed_text(self) -> str:
+        """What the answer starts with under vLLM's chat `echo`: the final message's content, when that message is
+        the assistant's (the one being continued); nothing otherwise."""
+        final = self.messages[-1]
+        return final.content if self.echo and final.role == ASSISTANT_ROLE else ""
