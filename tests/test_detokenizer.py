@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from services.detokenizer.assembler import Record, RequestAssembler, frame_records
+from services.detokenizer.handlers import encode_chunk
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
-from services.detokenizer.service import encode_chunk
 from services.detokenizer.stop import StopMatcher
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared import frames

@@ -2,8 +2,10 @@
 
 - schedule: the scheduler reserves KV blocks (preempting when short) and admits waiting requests (StepPlan);
 - execute: one packed forward pass prefills the admitted sequences, and one speculative step runs for the
-  running ones: propose (a DraftBatch), score (the last token and the drafts in one pass), verify, accept;
-- postprocess: plain-Python bookkeeping appends the emitted tokens, finishes sequences and builds SeqOutputs.
+  running ones: propose (a DraftBatch), score (the last token and the drafts in one pass), verify, accept
+  (token_choice.py: the sampling and verification rules);
+- postprocess: plain-Python bookkeeping appends the emitted tokens, finishes sequences and builds SeqOutputs
+  (accept.py).
 
 Work is done only for what was asked: greedy rows draw no noise, a step without drafts skips verification,
 logprobs are computed in one call for the rows of the requests that asked, and a step's results reach the host
@@ -29,7 +31,7 @@ from shared.request_limits import ModelLimits, check_work_request
 from shared.schemas import WorkRequest
 from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
-from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.accept import accept
 from services.worker.block_manager import BlockManager, blocks_for
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
@@ -40,13 +42,12 @@ from services.worker.model.loader import load_model
 from services.worker.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.prompt_logprobs import score_prompts
 from services.worker.runner import ModelRunner
-from services.worker.sampling.greedy import greedy_verify
 from services.worker.sampling.logprobs import token_logprobs
 from services.worker.sampling.penalties import LogitPenalties, apply_penalties
-from services.worker.sampling.rejection import VerifyInput, verify
 from services.worker.sampling.sample import process_logits, sample
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence, SeqState
+from services.worker.token_choice import sample_tokens, verify_drafts
 
 __all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 
@@ -192,8 +193,11 @@ class Engine:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
             logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
             fresh_seqs = [seqs[b] for b in fresh]
-            chosen = self._sample(self._penalised(logits, fresh_seqs, None, 1), fresh_seqs)
-            outputs = self._accept(fresh_seqs, logits[:, None], chosen[:, None], None, None)
+            chosen = sample_tokens(self._penalised(logits, fresh_seqs, None, 1), fresh_seqs)
+            outputs = accept(
+                fresh_seqs, logits[:, None], chosen[:, None], None, None, self._top_k, self.config.max_model_len,
+                self._count,
+            )
         outputs += [self._score_only(seqs[b]) for b in scored_only]
         scored = fresh + scored_only  # in the order of outputs
         prompts = score_prompts(
@@ -212,18 +216,6 @@ class Engine:
         seq.finish_reason = FinishReason.LENGTH
         return SeqOutput(seq, len(seq.output_ids), [], TokenLogprobs.tokens_only([], self._top_k))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row of logits [N, vocab]: the argmax for greedy rows, a seeded sample for the others
-        (the noise plain decoding draws at the sequence's next output position)."""
-        chosen = logits.argmax(dim=-1)
-        sampled = [b for b, s in enumerate(seqs) if not s.sampling.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            subset = [seqs[b] for b in sampled]
-            probs = process_logits(logits[rows], *sampling_tensors(subset, logits.device))
-            chosen[rows] = sample(probs, *seeds_positions(subset, logits.device))
-        return chosen
-
     def _speculative_step(self, seqs: list[Sequence]) -> tuple[list[SeqOutput], int]:
         """Propose, score, verify, accept for the running sequences; returns their outputs and the tokens scored."""
         device = self.runner.device
@@ -240,15 +232,18 @@ class Engine:
         if drafts.width == 0:
             # Nothing to verify: plain decoding, every row emits one token.
             target = logits[:, None]
-            output_tokens, num_accepted = self._sample(self._penalised(logits, seqs, None, 1), seqs)[:, None], None
+            output_tokens, num_accepted = sample_tokens(self._penalised(logits, seqs, None, 1), seqs)[:, None], None
         else:
             # Row j of sequence b, or its last row past its drafts (those rows are never read as emitted).
             width = drafts.width + 1
             slots = np.minimum(np.arange(width), drafts.host_counts[:, None])
             target = logits[torch.from_numpy(batch.host_query_starts[:-1, None] + slots).to(device)]  # [B, K+1, V]
             scores = self._penalised(target.view(-1, target.shape[-1]), seqs, drafts, width).view(target.shape)
-            output_tokens, num_accepted = self._verify(scores, drafts, seqs)
-        outputs = self._accept(seqs, target, output_tokens, num_accepted, drafts)
+            spec = self.config.speculative
+            output_tokens, num_accepted = verify_drafts(scores, drafts, seqs, spec.accept_policy, spec.verify_strategy)
+        outputs = accept(
+            seqs, target, output_tokens, num_accepted, drafts, self._top_k, self.config.max_model_len, self._count
+        )
         self._catch_up(seqs, hidden, batch.host_query_starts, [o.tokens for o in outputs], starts)
         return outputs, len(seqs) + drafts.num_tokens
 
@@ -260,90 +255,6 @@ class Engine:
         asks. What sampling and verification read; reported logprobs stay those of the raw logits."""
         draft_tokens = [d.tokens for d in drafts.drafts] if drafts is not None else None
         return apply_penalties(logits, LogitPenalties.build(seqs, draft_tokens, width, self.vocab_size, logits.device))
-
-    def _verify(
-        self, target: torch.Tensor, drafts: DraftBatch, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output_tokens [B, K+1], num_accepted [B]) under the configured strategy; an all-greedy batch takes
-        the greedy rule directly, drawing no noise (the debugging accept policies go through verify)."""
-        spec = self.config.speculative
-        if spec.accept_policy == "normal" and all(s.sampling.greedy for s in seqs):
-            return greedy_verify(target, drafts.tokens, drafts.counts)
-        batch, rows, vocab = target.shape
-        params = sampling_tensors(seqs, target.device, rows)
-        probs = process_logits(target.reshape(-1, vocab), *params).view(batch, rows, vocab)
-        seeds, positions = seeds_positions(seqs, target.device)
-        result = verify(
-            VerifyInput(
-                target_probs=probs, draft_tokens=drafts.tokens, num_drafts=drafts.counts, draft_probs=drafts.q,
-                greedy=greedy_mask(seqs, target.device), seeds=seeds, positions=positions, top_p=params[2][::rows],
-            ),
-            spec.accept_policy,
-            spec.verify_strategy,
-        )
-        return result.output_tokens, result.num_accepted
-
-    def _accept(
-        self,
-        seqs: list[Sequence],
-        target: torch.Tensor,  # [B, W, vocab] logits of each row's candidate tokens
-        output_tokens: torch.Tensor,  # [B, W] emitted tokens first, PAD_TOKEN after
-        num_accepted: torch.Tensor | None,  # [B] drafts accepted (None: no drafts this step)
-        drafts: DraftBatch | None,
-    ) -> list[SeqOutput]:
-        """Logprobs for the requests that asked (target and draft, each in one call), one copy to the host, then
-        plain-Python bookkeeping: keep the accepted drafts plus the recovered or bonus token (the cache rewinds
-        by moving num_computed back)."""
-        top_k, width = self._top_k, target.shape[1]
-        asked = [b for b, s in enumerate(seqs) if s.sampling.logprobs is not None]
-        want_drafts = [b for b in asked if seqs[b].sampling.include_draft_logprobs] if drafts is not None else []
-        device_arrays = [output_tokens] + ([num_accepted] if num_accepted is not None else [])
-        if asked:
-            rows = torch.tensor(asked, device=target.device)
-            chosen = output_tokens[rows].clamp(min=0).reshape(-1)
-            device_arrays += token_logprobs(target[rows].reshape(len(asked) * width, -1), chosen, top_k)
-        modelled = drafts.modelled_rows(want_drafts) if want_drafts else None
-        want_drafts_set = set(want_drafts)
-        if modelled is not None:
-            device_arrays += token_logprobs(*modelled, top_k)
-        host = fetch(device_arrays)
-        tokens = host[0]
-        accepted = host[1] if num_accepted is not None else np.zeros(len(seqs), dtype=np.int32)
-        target_arrays = host[-6:-3] if modelled is not None else host[-3:]
-        draft_arrays = host[-3:] if modelled is not None else None
-        asked_index = {b: i for i, b in enumerate(asked)}
-        next_modelled = 0  # where the next sequence's modelled draft rows start in draft_arrays
-        outputs = []
-        for b, seq in enumerate(seqs):
-            n_accepted = int(accepted[b])
-            offset = len(seq.output_ids)
-            if drafts is not None:
-                seq.num_computed = seq.num_tokens + n_accepted
-            kept = seq.append(tokens[b, : n_accepted + 1].tolist(), self.config.max_model_len)
-            if b in asked_index:
-                first = asked_index[b] * width
-                target_lp = TokenLogprobs(*(a[first : first + len(kept)] for a in target_arrays))
-            else:
-                target_lp = TokenLogprobs.tokens_only(kept, top_k)
-            out = SeqOutput(seq, offset, kept, target_lp, num_accepted=min(n_accepted, len(kept)))
-            if drafts is not None:
-                draft = drafts.drafts[b]
-                out.draft_tokens = draft.tokens
-                if draft.tokens and b in want_drafts_set:
-                    parts = []
-                    if draft.num_modelled:
-                        end = next_modelled + draft.num_modelled
-                        parts.append(TokenLogprobs(*(a[next_modelled:end] for a in draft_arrays)))
-                        next_modelled = end
-                    if len(draft.tokens) > draft.num_modelled:
-                        parts.append(TokenLogprobs.point_masses(draft.tokens[draft.num_modelled :], top_k))
-                    out.draft = TokenLogprobs.concat(parts)
-                elif draft.tokens and seq.sampling.speculative.return_stats:
-                    # The DRAFT record the detokenizer counts for usage.speculative: the tokens, nothing computed.
-                    out.draft = TokenLogprobs.tokens_only(draft.tokens, top_k)
-                self._count(seq, len(draft.tokens), n_accepted)
-            outputs.append(out)
-        return outputs
 
     def _count(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:
