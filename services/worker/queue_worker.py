@@ -5,7 +5,8 @@ the requests it finished and its metrics go to the event loop, which sends them 
 The engine may run at most MAX_UNSENT_STEPS steps ahead of the sending, so a stalled connection stops the
 model instead of piling up frames. One coroutine sends the results in step order, so a request's frames go
 out in step order (DRAFT before TARGET within a step), and a request's ack follows its finishing frame on the
-same connection. New requests and cancels reach the engine thread between steps.
+same connection. New requests and cancels reach the engine thread between steps; what it does with them in a
+step lives in step_runner.py.
 
 A request's message is acknowledged only when the request is finished; until then the worker tells JetStream
 it is still in progress, so a request held by a crashed worker is redelivered rather than lost. A worker
@@ -15,15 +16,12 @@ that drains hands its unfinished requests back to the queue with their progress 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -33,19 +31,17 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.frames import frame_kind
 from shared.natsutil import REQUEST_HEARTBEAT_S
-from shared.request_limits import OutOfLimits
-from shared.schemas import Cancel, ChoiceProgress, RequestAddress, WorkRequest
-from services.worker.engine import Engine, SeqOutput
+from shared.schemas import Cancel, RequestAddress, WorkRequest
+from services.worker.engine import Engine
 from services.worker.metrics import (
     FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, FailReason, WorkerMetrics,
 )
-from services.worker.publisher import abort_frame, end_wherever_frame, step_frames
-from services.worker.sequence import Sequence
-from services.worker.step_guard import StepGuard
+from services.worker.hand_back import resumed_request, unfinished_choices
+from services.worker.publisher import end_wherever_frame
+from services.worker.step_runner import StepResult, StepRunner
 from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, take_over
 
 log = logging.getLogger("specmesh.worker")
-T = TypeVar("T")
 
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
 RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
@@ -53,19 +49,6 @@ RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arr
 # engine computes step N+1 while step N is sent, and waits only when sending a step takes longer than a step.
 MAX_UNSENT_STEPS = 2
 CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one engine step leaves for the event loop: built in the engine thread, sent while the next step runs."""
-
-    frames: list[tuple[str, bytes]]  # (detokenizer id, frame), in publishing order
-    finished: list[str]  # requests whose last frame is among `frames`: acknowledged once it is published
-    outputs: list[SeqOutput]  # for metrics, each with a copy of its sequence as it stood at the end of the step
-    seconds: float | None  # the engine step's duration; None when the step only refused or cancelled requests
-    num_preempted: int = 0
-    # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
-    failed: list[tuple[str, FailReason]] = field(default_factory=list)
 
 
 class QueueWorker:
@@ -87,11 +70,7 @@ class QueueWorker:
         self._cancels: list[Cancel] = []
         self._unsent = 0
         self._stopping = False
-        # Engine thread only: the detokenizer of each request in the engine, which its frames go to, and how many
-        # of its choices are still running (its message is acknowledged when none is).
-        self._detok_ids: dict[str, str] = {}
-        self._num_live: dict[str, int] = {}
-        self._guard: StepGuard = StepGuard(engine)
+        self._stepper = StepRunner(engine, worker_id)  # engine thread only
 
     @property
     def capacity(self) -> int:
@@ -272,7 +251,7 @@ class QueueWorker:
         """The engine thread: steps while there is work, until stopped; posts each step's result, then None."""
         try:
             while (work := self._next_work()) is not None:
-                post(self._step(*work))
+                post(self._stepper.step(*work))
         finally:
             post(None)
 
@@ -290,79 +269,6 @@ class QueueWorker:
             cancels, self._cancels = self._cancels, []
             self._unsent += 1
             return new, cancels
-
-    def _step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
-        """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send. A request
-        the engine refuses, or that fails a step (StepGuard), ends with an error record and is terminated."""
-        failed = [(request, reason) for request in new if (reason := self._admit(request)) is not None]
-        finished: list[str] = []
-        for cancel in cancels:
-            finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
-        outputs: list[SeqOutput] = []
-        frames: list[tuple[str, bytes]] = []
-        seconds = None
-        num_preempted = 0
-        if self.engine.has_work():
-            started = time.perf_counter()
-            stepped, recovery = self._guard.run(self._engine_step)
-            seconds = time.perf_counter() - started
-            if stepped is not None:
-                outputs, frames, num_preempted = stepped
-                finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
-                # The event loop counts these while the next step changes the sequences: it gets copies.
-                outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
-            if recovery is not None:
-                failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
-                for request in recovery.resumed:
-                    self._num_live[request.request_id] = len(request.choices())
-        ended = [request for request, _ in failed]
-        frames = [
-            (detok_id, abort_frame(group, self.worker_id, self.engine.step_no))
-            for detok_id, group in _grouped(ended, lambda request: request.detok_id).items()
-        ] + frames
-        for request in ended:
-            self._num_live.pop(request.request_id, None)
-        for request_id in finished + [request.request_id for request in ended]:
-            self._detok_ids.pop(request_id, None)
-            self._guard.forget(request_id)
-        failures = [(request.request_id, reason) for request, reason in failed]
-        return StepResult(frames, finished, outputs, seconds, num_preempted, failures)
-
-    def _admit(self, request: WorkRequest) -> FailReason | None:
-        """Gives the request to the engine; the reason it was refused, or None."""
-        try:
-            seqs = self._guard.admit(request)
-        except OutOfLimits as exc:
-            log.warning("refusing request %s: %s is out of the model's limits: %s", request.request_id, exc.param, exc)
-            return FailReason.OUT_OF_LIMITS
-        except ValueError as exc:
-            log.warning("refusing request %s: %s", request.request_id, exc)
-            return FailReason.REFUSED
-        self._detok_ids[request.request_id] = request.detok_id
-        self._num_live[request.request_id] = len(seqs)
-        return None
-
-    def _engine_step(self) -> tuple[list[SeqOutput], list[tuple[str, bytes]], int]:
-        """One engine step and its frames: (outputs, (detokenizer id, frame) in publishing order, preempted count).
-        Touches no bookkeeping of this class, so that StepGuard can also run it to try a request alone."""
-        outputs = self.engine.step()
-        preempted = _grouped(self.engine.last_preempted, lambda seq: self._detok_ids[seq.request_id])
-        groups = _grouped(outputs, lambda out: self._detok_ids[out.seq.request_id])
-        frames = []
-        for detok_id in groups.keys() | preempted.keys():
-            group, evicted = groups.get(detok_id, []), preempted.get(detok_id, [])
-            frames += [(detok_id, f) for f in step_frames(group, self.worker_id, self.engine.step_no, evicted)]
-        return outputs, frames, len(self.engine.last_preempted)
-
-    def _ended(self, seqs: list[Sequence]) -> list[str]:
-        """The requests whose last running choices are among these finished sequences."""
-        done = []
-        for seq in seqs:
-            self._num_live[seq.request_id] -= 1
-            if not self._num_live[seq.request_id]:
-                del self._num_live[seq.request_id]
-                done.append(seq.request_id)
-        return done
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
@@ -390,25 +296,12 @@ class QueueWorker:
         with self._handoff:
             never_started, self._new = self._new, []
         unseen = {request.request_id for request in never_started}
-        pending: dict[str, list[Sequence]] = defaultdict(list)
-        for seq in self.engine.scheduler.running + list(self.engine.scheduler.waiting):
-            if not seq.is_finished:
-                pending[seq.request_id].append(seq)
+        pending = unfinished_choices(self.engine.scheduler)
         handed = 0
         for request_id, msg in list(self._messages.items()):
             if request_id in unseen:
                 continue
-            original = self._requests[request_id]
-            seqs = sorted(pending.get(request_id, []), key=lambda s: s.choice)
-            resumed = original if not seqs else original.model_copy(
-                update={
-                    "progress": tuple(
-                        ChoiceProgress(index=s.choice, output_token_ids=tuple(s.output_ids), next_seq_no=s.target_seq_no)
-                        for s in seqs
-                    ),
-                    "sampling": seqs[0].sampling,  # with the seed this worker drew, if the request had none
-                }
-            )
+            resumed = resumed_request(self._requests[request_id], pending.get(request_id, []))
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1
@@ -416,11 +309,3 @@ class QueueWorker:
             await self._messages[request.request_id].nak()
         REQUESTS_HANDED_BACK.labels(**self.metrics.labels).inc(handed)
         return handed
-
-
-def _grouped(items: Iterable[T], detok_id_of: Callable[[T], str]) -> dict[str, list[T]]:
-    """Groups a step's items by the detokenizer that owns their request: each gets its own frames."""
-    groups: dict[str, list[T]] = defaultdict(list)
-    for item in items:
-        groups[detok_id_of(item)].append(item)
-    return groups
