@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -76,13 +74,6 @@ def failover_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Failover
     mesh = FailoverMesh(tmp_path_factory.mktemp("nats"))
     yield mesh
     mesh.close()
-
-
-def counter_total(service: Service, name: str) -> float:
-    """The sum of a counter's samples, from the service's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def kill(pid: int) -> float:

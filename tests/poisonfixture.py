@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -74,14 +73,6 @@ def poison_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoisonMesh
     mesh = PoisonMesh(tmp_path_factory.mktemp("nats"))
     yield mesh
     mesh.close()
-
-
-def metric(service: Service, name: str, labels: str = "") -> float:
-    """The sum of a counter's samples whose labels contain `labels`, from the service's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", re.M)
-    return sum(float(m.group(2)) for m in pattern.finditer(text))
 
 
 def rss_bytes(service: Service) -> int:

@@ -4,6 +4,7 @@ another worker, which continues the same output; the process exits on its own.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +47,13 @@ class Service:
                 return resp.status == 200
         except OSError:
             return False
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of a counter's samples whose labels contain `labels`, from the service's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", re.M)
+        return sum(float(m.group(2)) for m in pattern.finditer(text))
 
     def terminate(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

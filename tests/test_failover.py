@@ -16,7 +16,7 @@ import pytest
 
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from tests.failoverfixture import (
-    FailoverMesh, QueuedRequests, Streamed, counter_total, failover_mesh, kill, stream, until_streaming,
+    FailoverMesh, QueuedRequests, Streamed, failover_mesh, kill, stream, until_streaming,
 )
 from tests.test_e2e import E2E_MODEL
 
@@ -53,7 +53,7 @@ async def test_a_dead_workers_streams_continue_exactly_on_the_other(failover_mes
     mesh = failover_mesh
     queued = QueuedRequests()
     admin = await queued.watch(mesh)
-    migrations_before = sum(counter_total(d, "specmesh_detokenizer_migrations_total") for d in mesh.detokenizers)
+    migrations_before = sum(d.metric("specmesh_detokenizer_migrations_total") for d in mesh.detokenizers)
     streams = _streams()
     tasks = [asyncio.create_task(stream(mesh.client, s)) for s in streams]
     try:
@@ -65,7 +65,7 @@ async def test_a_dead_workers_streams_continue_exactly_on_the_other(failover_mes
     stalls = [s.longest_silence_after(killed_at) for s in streams]
     print(f"\nkill -9 of a worker: stall per stream (s) {[round(s, 2) for s in stalls]}, worst {max(stalls):.2f}")
     assert [s.error for s in streams] == [None] * len(streams)
-    migrations = sum(counter_total(d, "specmesh_detokenizer_migrations_total") for d in mesh.detokenizers)
+    migrations = sum(d.metric("specmesh_detokenizer_migrations_total") for d in mesh.detokenizers)
     migrations -= migrations_before
     assert 0 < migrations <= len(streams), "the dead worker held some of the streams, each taken over once"
     assert max(stalls) <= MAX_STALL_S

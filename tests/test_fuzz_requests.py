@@ -24,7 +24,7 @@ from shared.nats_roles import NatsRole
 from shared.schemas import Cancel
 from tests.fuzzstrategies import bodies, work_messages
 from tests.poisonfixture import (
-    PoisonMesh, as_role, metric, open_at_detokenizer, poison_mesh, rss_bytes, until_queue_empty,
+    PoisonMesh, as_role, open_at_detokenizer, poison_mesh, rss_bytes, until_queue_empty,
 )
 from tests.test_drain import Service
 
@@ -111,7 +111,7 @@ def test_forged_queue_messages_hurt_nobody(poison_mesh: PoisonMesh) -> None:
         for nc in (gateway, admin):
             runner.run(nc.close())
     failed = {
-        reason: metric(poison_mesh.worker, "specmesh_worker_failed_requests_total", f'reason="{reason}"')
+        reason: poison_mesh.worker.metric("specmesh_worker_failed_requests_total", f'reason="{reason}"')
         for reason in FAIL_REASONS
     }
     print(f"\nforged messages: {published}; terminated by reason: {failed}")

@@ -19,7 +19,7 @@ from shared.natsutil import REQUEST_MAX_DELIVER
 from shared.schemas import Cancel, SamplingParams, WorkRequest
 from tests.fuzzstrategies import to_json
 from tests.poisonfixture import (
-    PoisonMesh, as_role, final_chunk, metric, open_at_detokenizer, poison_mesh, until_queue_empty,
+    PoisonMesh, as_role, final_chunk, open_at_detokenizer, poison_mesh, until_queue_empty,
 )
 from tests.test_e2e import E2E_MODEL
 
@@ -93,13 +93,13 @@ async def _forge(mesh: PoisonMesh, body: dict) -> str | None:
 def test_a_request_the_worker_cannot_serve_ends_with_an_error(
     poison_mesh: PoisonMesh, prompt: tuple[int, ...], sampling: dict, reason: str
 ) -> None:
-    before = metric(poison_mesh.worker, "specmesh_worker_failed_requests_total", f'reason="{reason}"')
+    before = poison_mesh.worker.metric("specmesh_worker_failed_requests_total", f'reason="{reason}"')
     body = _work(uuid.uuid4().hex, "unset", prompt).model_dump(mode="json")
     body["sampling"] |= sampling
     assert asyncio.run(_forge(poison_mesh, body))
     assert poison_mesh.alive()
     poison_mesh.serves()
-    assert metric(poison_mesh.worker, "specmesh_worker_failed_requests_total", f'reason="{reason}"') == before + 1
+    assert poison_mesh.worker.metric("specmesh_worker_failed_requests_total", f'reason="{reason}"') == before + 1
 
 
 async def _publish_malformed(mesh: PoisonMesh) -> None:
@@ -114,9 +114,9 @@ async def _publish_malformed(mesh: PoisonMesh) -> None:
 
 
 def test_malformed_messages_on_the_queue_are_terminated_and_counted(poison_mesh: PoisonMesh) -> None:
-    before = metric(poison_mesh.worker, "specmesh_worker_failed_requests_total", 'reason="malformed"')
+    before = poison_mesh.worker.metric("specmesh_worker_failed_requests_total", 'reason="malformed"')
     asyncio.run(_publish_malformed(poison_mesh))
-    assert metric(poison_mesh.worker, "specmesh_worker_failed_requests_total", 'reason="malformed"') == (
+    assert poison_mesh.worker.metric("specmesh_worker_failed_requests_total", 'reason="malformed"') == (
         before + len(MALFORMED)
     )
     assert poison_mesh.alive()
@@ -174,6 +174,6 @@ def test_a_message_no_worker_finishes_is_dead_lettered_and_a_restart_serves(pois
     assert asyncio.run(give_up_then_restart())
     [dead] = asyncio.run(_dead_letters(poison_mesh))
     assert WorkRequest.from_bytes(dead).prompt_token_ids == PROMPT
-    assert metric(poison_mesh.worker, "specmesh_worker_dead_letters_total") == 1
+    assert poison_mesh.worker.metric("specmesh_worker_dead_letters_total") == 1
     assert poison_mesh.alive()
     poison_mesh.serves()
