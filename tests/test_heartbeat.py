@@ -28,8 +28,8 @@ from tests.threadfixture import single_thread  # noqa: F401
 WORKER_ID = 11
 DETOK_ID = "heartbeat-test"
 NUM_REQUESTS = 8
-PROMPT_LEN = 1000  # eight prompts this long are prefilled in one packed pass: a step of a second or more
-MAX_MODEL_LEN = 1024
+PROMPT_LEN = 1900  # eight prompts this long are prefilled in one packed pass: a step of two seconds or more
+MAX_MODEL_LEN = 2048
 IN_PROGRESS = b"+WPI"
 # A heartbeat may come this much later than its period and still leave ack_wait far away.
 MAX_GAP_S = REQUEST_HEARTBEAT_S + 0.5
