@@ -2,7 +2,7 @@
 latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
     python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128] [--requests-per-stream 4]
-                                     [--torch-threads N] [--prompt-tokens 96] [--out bench-out/speculation]
+                                     [--rounds 3] [--torch-threads N] [--prompt-tokens 96] [--out bench-out/speculation]
 
 Two prompt sets: openings (--prompt-tokens, default 96) of held-out standard-library files the demo model never trained on, and a
 self-repeating prompt (benchmarks/decode.py's two import lines written sixteen times) on which prompt lookup pays.
@@ -17,8 +17,11 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   tokens/s = tokens / wall time from the first request to the last stream's end; decode tokens/s = per stream,
   the tokens after the first over the time from the first token to the last (the rate once prefill is done,
   comparable with benchmarks/decode.py's transformers figures at the same context), averaged over the streams.
-- both sides serve each run once untimed first (first-use costs such as Triton compiling kernels for new shapes
-  are paid then), and the figures are of the second pass.
+- engine and mesh take turns: per run, each serves the requests once untimed (first-use costs such as Triton
+  compiling kernels for new shapes are paid then), then --rounds timed passes alternate engine, mesh, engine, mesh...
+  (the engine while the mesh idles), and each figure is the median of its rounds, mesh / engine the median of the
+  rounds' ratios. A shared machine's speed drifts by tens of percent within minutes (seen here: the same engine
+  pass at 1.5 and 3 ms a step twenty minutes apart); taking turns puts the drift on both sides alike.
 - inter-token latency (mesh): a chunk that brings n tokens brings them at once, so each of its tokens counts once
   with the gap between its chunk's arrival and the previous chunk's, divided by n (what the gateway's
   specmesh_gateway_inter_token_latency_seconds measures); the first chunk of a stream has no gap. A chunk's tokens
@@ -62,9 +65,10 @@ PROMPT_TOKENS = 96
 HELD_OUT = "held-out"
 SELF_REPEATING = "self-repeating"
 REQUESTS_PER_STREAM = 4  # each stream serves this many requests, one after the other
-# Each run is served this many times before the timed pass, on the same engine or mesh: the clock starts once
+# Each run is served this many times before the timed passes, on the same engine or mesh: the clock starts once
 # first-use costs (Triton compiling a kernel for a shape, allocators growing) are paid, on both sides alike.
 UNTIMED_PASSES = 1
+ROUNDS = 3  # timed passes of each side, taking turns
 DEFAULT_MAX_TOKENS = 128
 PERCENTILES = (50, 99)
 HTTP_TIMEOUT_S = 600.0
@@ -84,6 +88,7 @@ class Row:
     method: str
     streams: int
     requests: int
+    rounds: int
     engine_tokens_per_s: float
     engine_mean_step_ms: float
     mean_acceptance_length: float | None  # None: the method drafts nothing
@@ -93,9 +98,10 @@ class Row:
     mesh_itl_p99_ms: float | None = None
     mesh_decode_tokens_per_s: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    mismatched: list[int] = field(default_factory=list, repr=False)  # requests whose mesh text differed
 
     def figures(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "outputs"}
+        return {k: v for k, v in asdict(self).items() if k not in ("outputs", "mismatched")}
 
 
 def prompt_sets(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> dict[str, list[list[int]]]:
@@ -105,25 +111,29 @@ def prompt_sets(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> dict[st
     }
 
 
-def run_engine(args: argparse.Namespace, prompts_name: str, name: str, streams: int, prompts: list[list[int]]) -> Row:
-    config = EngineConfig(
+def engine_for(args: argparse.Namespace, name: str, streams: int, prompts: list[list[int]]) -> Engine:
+    return Engine(EngineConfig(
         model=args.model, max_num_seqs=streams, device=args.device,
         speculative=SpeculativeConfig.model_validate(METHODS[name]),
         max_model_len=max(EngineConfig.model_fields["max_model_len"].default, max(map(len, prompts)) + args.max_tokens),
-    )
-    engine = Engine(config)
-    for _ in range(UNTIMED_PASSES):
-        _serve(engine, prompts, args.max_tokens)
+    ))
+
+
+@dataclass
+class EnginePass:
+    tokens_per_s: float
+    mean_step_ms: float
+    stats: EngineStats
+    outputs: list[list[int]]
+
+
+def engine_pass(engine: Engine, prompts: list[list[int]], max_tokens: int) -> EnginePass:
     engine.stats = EngineStats()
     started = time.perf_counter()
-    outputs = _serve(engine, prompts, args.max_tokens)
+    with torch.inference_mode():
+        outputs = _serve(engine, prompts, max_tokens)
     seconds = time.perf_counter() - started
-    stats = engine.stats
-    return Row(
-        prompts=prompts_name, method=name, streams=streams, requests=len(prompts),
-        engine_tokens_per_s=sum(map(len, outputs)) / seconds, engine_mean_step_ms=1e3 * seconds / stats.num_steps,
-        mean_acceptance_length=stats.mean_acceptance_length if stats.num_drafts else None, outputs=outputs,
-    )
+    return EnginePass(sum(map(len, outputs)) / seconds, 1e3 * seconds / engine.stats.num_steps, engine.stats, outputs)
 
 
 def _serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -202,40 +212,73 @@ def first_chunk_tokens(stream: Stream, ends: list[int]) -> int:
     return bisect.bisect_right(ends, stream.arrivals[0][1])
 
 
-def run_mesh(args: argparse.Namespace, name: str, rows: list[Row], sets: dict[str, list[list[int]]],
-             table: TokenTable) -> list[str]:
-    """Fills in the mesh figures of the method's rows; returns where the mesh's text differed from the engine's."""
-    mismatches = []
+def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[int]]], table: TokenTable
+               ) -> tuple[list[Row], list[str]]:
+    """Every run of one method, engine and mesh taking turns (module docstring); its rows and where the mesh's text
+    differed from the engine's."""
+    rows: list[Row] = []
+    mismatches: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(
             Path(tmp), "--speculative-config", json.dumps(METHODS[name]), "--max-num-seqs", str(max(args.streams)),
             "--device", args.device, "--torch-threads", str(args.torch_threads), model=args.model,
         )
         try:
-            for row in rows:
-                prompts = sets[row.prompts][: row.requests]
-                for _ in range(UNTIMED_PASSES):
-                    asyncio.run(_mesh_streams(mesh.base_url, mesh.model, prompts, row.streams, args.max_tokens))
-                streamed, seconds = asyncio.run(
-                    _mesh_streams(mesh.base_url, mesh.model, prompts, row.streams, args.max_tokens))
-                gaps: list[float] = []
-                decode_rates: list[float] = []
-                for i, (stream, tokens) in enumerate(zip(streamed, row.outputs)):
-                    text, ends = token_ends(table, tokens)
-                    if stream.text != text:
-                        mismatches.append(f"mesh {name}, {row.prompts}, {row.streams} streams, request {i}")
-                    gaps += inter_token_gaps(stream, ends)
-                    (first, _), (last, _) = stream.arrivals[0], stream.arrivals[-1]
-                    if last > first:
-                        decode_rates.append((len(tokens) - first_chunk_tokens(stream, ends)) / (last - first))
-                row.mesh_tokens_per_s = sum(map(len, row.outputs)) / seconds
-                row.mesh_over_engine = row.mesh_tokens_per_s / row.engine_tokens_per_s
-                row.mesh_itl_p50_ms, row.mesh_itl_p99_ms = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
-                row.mesh_decode_tokens_per_s = float(np.mean(decode_rates)) if decode_rates else None
-                print(json.dumps(row.figures()), flush=True)
+            for prompts_name, all_prompts in sets.items():
+                for streams in args.streams:
+                    prompts = all_prompts[: streams * args.requests_per_stream]
+                    engine = engine_for(args, name, streams, prompts)
+
+                    def mesh_pass() -> tuple[list[Stream], float]:
+                        return asyncio.run(_mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
+
+                    for _ in range(UNTIMED_PASSES):
+                        engine_pass(engine, prompts, args.max_tokens)
+                        mesh_pass()
+                    engine_passes, mesh_passes = [], []
+                    for _ in range(args.rounds):
+                        engine_passes.append(engine_pass(engine, prompts, args.max_tokens))
+                        mesh_passes.append(mesh_pass())
+                    row = _row(prompts_name, name, streams, engine_passes, mesh_passes, table)
+                    mismatches += [f"mesh {name}, {prompts_name}, {streams} streams, request {i}" for i in row.mismatched]
+                    print(json.dumps(row.figures()), flush=True)
+                    rows.append(row)
         finally:
             mesh.stop()
-    return mismatches
+    return rows, mismatches
+
+
+def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EnginePass],
+         mesh_passes: list[tuple[list[Stream], float]], table: TokenTable) -> Row:
+    outputs = engine_passes[0].outputs
+    num_tokens = sum(map(len, outputs))
+    ends = [token_ends(table, tokens) for tokens in outputs]
+    gaps: list[float] = []
+    decode_rates: list[float] = []
+    mismatched: set[int] = set()
+    for streamed, _ in mesh_passes:
+        for i, (stream, tokens, (text, token_end)) in enumerate(zip(streamed, outputs, ends)):
+            if stream.text != text:
+                mismatched.add(i)
+            gaps += inter_token_gaps(stream, token_end)
+            (first, _), (last, _) = stream.arrivals[0], stream.arrivals[-1]
+            if last > first:
+                decode_rates.append((len(tokens) - first_chunk_tokens(stream, token_end)) / (last - first))
+    engine_rates = [p.tokens_per_s for p in engine_passes]
+    mesh_rates = [num_tokens / seconds for _, seconds in mesh_passes]
+    stats = engine_passes[0].stats
+    itl_p50, itl_p99 = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
+    return Row(
+        prompts=prompts_name, method=name, streams=streams, requests=len(outputs), rounds=len(engine_passes),
+        engine_tokens_per_s=float(np.median(engine_rates)),
+        engine_mean_step_ms=float(np.median([p.mean_step_ms for p in engine_passes])),
+        mean_acceptance_length=stats.mean_acceptance_length if stats.num_drafts else None,
+        mesh_tokens_per_s=float(np.median(mesh_rates)),
+        mesh_over_engine=float(np.median([m / e for m, e in zip(mesh_rates, engine_rates)])),
+        mesh_itl_p50_ms=itl_p50, mesh_itl_p99_ms=itl_p99,
+        mesh_decode_tokens_per_s=float(np.mean(decode_rates)) if decode_rates else None,
+        outputs=outputs, mismatched=sorted(mismatched),
+    )
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -269,6 +312,7 @@ def main() -> None:
         "on a small CPU machine the worker's threads compete with the mesh's other processes",
     )
     parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes of engine and of mesh, taking turns")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="length of the held-out prompts")
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
@@ -277,21 +321,19 @@ def main() -> None:
     tokenizer = Tokenizer(args.model)
     sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream, args.prompt_tokens)
 
-    # Every engine run first, with no mesh process taking CPU time from it.
+    table = TokenTable.from_tokenizer(tokenizer)
     rows: list[Row] = []
     mismatches: list[str] = []
-    with torch.inference_mode():
-        for prompts_name, prompts in sets.items():
-            for streams in args.streams:
-                requests = prompts[: streams * args.requests_per_stream]
-                runs = [run_engine(args, prompts_name, name, streams, requests) for name in METHODS]
-                rows += runs
-                mismatches += [f"engine {r.method}, {prompts_name}, {streams} streams"
-                               for r in runs if r.outputs != runs[0].outputs]
-    table = TokenTable.from_tokenizer(tokenizer)
     for name in METHODS:
-        mismatches += run_mesh(args, name, [r for r in rows if r.method == name], sets, table)
-
+        method_rows, method_mismatches = run_method(args, name, sets, table)
+        rows += method_rows
+        mismatches += method_mismatches
+    first = rows[: len(rows) // len(METHODS)]  # the first method's rows, in the order every method ran them
+    for i, reference in enumerate(first):
+        for other in rows[i :: len(first)][1:]:
+            if other.outputs != reference.outputs:
+                mismatches.append(f"engine {other.method}, {other.prompts}, {other.streams} streams")
+    rows.sort(key=lambda r: (list(sets).index(r.prompts), r.streams, list(METHODS).index(r.method)))
     text = markdown_table(rows)
     print("\n" + text + "\n")
     print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))

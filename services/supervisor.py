@@ -21,10 +21,11 @@ PR_SET_PDEATHSIG = 1  # Linux prctl option: signal the child when its parent die
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def die_with_parent() -> None:
-    """preexec_fn of every child: SIGTERM when the launcher dies, even by SIGKILL, so that no child outlives it."""
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """preexec_fn of every child: SIGTERM (or `signum`) when the launcher dies, even by SIGKILL, so that no child
+    outlives it."""
     try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own shutdown still stops every child
 

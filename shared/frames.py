@@ -27,6 +27,8 @@ MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
 VERSION = 2  # 2: records carry a choice index where version 1 had padding
 MAX_TOP_K = 20
 NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
+# A PROMPT frame scores prompt tokens from this index on: token 0 has no logprob, nothing comes before it.
+FIRST_SCORED_TOKEN = 1
 # seq_no and offset of a FINISHED record that ends a request wherever its output stands, never taken for a
 # duplicate: sent by a worker that does not know how far the request got (a dead letter, whose workers died).
 WHEREVER = 2**32 - 1

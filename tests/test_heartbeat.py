@@ -1,6 +1,6 @@
 """A live worker never loses its requests to the short ack_wait: its heartbeats (in_progress on the work queue) go
-out every REQUEST_HEARTBEAT_S from the event loop while the engine thread computes a long step, as the GIL is
-handed over. Measured on what NATS itself receives: the +WPI messages on the consumer's ack subjects."""
+out every REQUEST_HEARTBEAT_S from the event loop while the engine process computes a long step. Measured on what
+NATS itself receives: the +WPI messages on the consumer's ack subjects."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import uuid
 from collections import defaultdict
 
 import nats
-import pytest
 
-from services.worker.engine import Engine
+from services.worker.engine_process import EngineProcess
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
 from shared import subjects
@@ -23,7 +22,6 @@ from shared.nats_roles import NatsRole
 from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S, ensure_request_stream
 from shared.schemas import SamplingParams, WorkRequest
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (fixtures are used by name)
-from tests.threadfixture import single_thread  # noqa: F401
 
 WORKER_ID = 11
 DETOK_ID = "heartbeat-test"
@@ -37,10 +35,9 @@ DONE_TIMEOUT_S = 120.0
 
 
 async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: NatsServer) -> None:  # noqa: F811
-    engine = Engine(EngineConfig(
-        model=DEFAULT_MODEL_DIR, max_num_seqs=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
-        speculative=SpeculativeConfig(method="naive", num_speculative_tokens=0),
-    ))
+    spec = SpeculativeConfig(method="naive", num_speculative_tokens=0)
+    config = EngineConfig(model=DEFAULT_MODEL_DIR, max_num_seqs=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN, speculative=spec)
+    engine = await EngineProcess.start(config, WORKER_ID, torch_threads=1)
     worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
     admin = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
     await ensure_request_stream(worker_nc.jetstream())
@@ -60,11 +57,11 @@ async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: Na
     await admin.subscribe(f"$JS.ACK.{subjects.REQUEST_STREAM}.{subjects.WORKER_CONSUMER}.>", cb=on_ack)
     await admin.subscribe(subjects.frames(DETOK_ID), cb=on_frame)
     await admin.flush()
-    worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(engine, DEFAULT_MODEL_DIR.name, WORKER_ID))
+    worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(DEFAULT_MODEL_DIR.name, spec.method, WORKER_ID))
     psub = await worker_nc.jetstream().pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     rng = random.Random(0)
     for _ in range(NUM_REQUESTS):
-        prompt = tuple(rng.randrange(engine.vocab_size) for _ in range(PROMPT_LEN))
+        prompt = tuple(rng.randrange(engine.ready.vocab_size) for _ in range(PROMPT_LEN))
         sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         request = WorkRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt, detok_id=DETOK_ID, sampling=sampling,
@@ -72,7 +69,7 @@ async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: Na
         )
         await admin.jetstream().publish(subjects.REQUESTS, request.to_bytes())
     published = time.time()
-    tasks = [asyncio.create_task(c) for c in (worker.fetch_loop(psub), worker.heartbeat_loop(), worker.engine_loop())]
+    tasks = [asyncio.create_task(c) for c in (worker.fetch_loop(psub), worker.heartbeat_loop(), worker.publish_loop())]
     try:
         deadline = time.monotonic() + DONE_TIMEOUT_S
         while not step_ends or worker.num_in_flight:
@@ -86,6 +83,7 @@ async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: Na
         await psub.unsubscribe()
         await worker_nc.close()
         await admin.close()
+        await engine.close()
     ends = [published] + sorted(step_ends)
     longest_step = max(later - earlier for earlier, later in zip(ends, ends[1:]))
     gaps = [later - earlier for times in beats.values() for earlier, later in zip(times, times[1:])]

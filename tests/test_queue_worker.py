@@ -1,6 +1,6 @@
-"""The worker's queue loop on a real engine (the tiny checkpoint) and a real nats-server: the engine steps on
-while the event loop cannot publish, yet every request's frames arrive in step order, DRAFT before TARGET, and its
-message is acknowledged only after its finishing frame; stop() publishes every step taken."""
+"""The worker's queue loop on a real engine process (the tiny checkpoint) and a real nats-server: the engine steps
+on while the event loop cannot publish, yet every request's frames arrive in step order, DRAFT before TARGET, and its
+message is acknowledged only after its finishing frame; stop() publishes every step taken and hands back the rest."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from services.worker.engine import Engine
+from services.worker.engine_process import EngineProcess
+from services.worker.engine_protocol import MAX_UNSENT_STEPS
 from services.worker.metrics import WorkerMetrics
-from services.worker.queue_worker import MAX_UNSENT_STEPS, QueueWorker
+from services.worker.queue_worker import QueueWorker
 from shared import subjects
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
@@ -27,7 +28,6 @@ from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401
-from tests.threadfixture import single_thread  # noqa: F401
 
 WORKER_ID = 7
 DETOK_ID = "queue-worker-test"
@@ -59,7 +59,7 @@ class Received:
 @dataclass
 class Running:
     worker: QueueWorker
-    engine: Engine
+    engine: EngineProcess
     received: Received
     nc: Client
     stepping: asyncio.Task
@@ -68,7 +68,8 @@ class Running:
 @pytest.fixture
 async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterator[Running]:  # noqa: F811
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    engine = Engine(EngineConfig(model=tiny_model_dir, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, speculative=spec))
+    config = EngineConfig(model=tiny_model_dir, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, speculative=spec)
+    engine = await EngineProcess.start(config, WORKER_ID, torch_threads=1)
     # The worker connects as the worker's NATS user; the test, playing gateway and detokenizer, as the admin.
     worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
     nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
@@ -78,10 +79,10 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     received = Received()
     await nc.subscribe(subjects.frames(DETOK_ID), cb=received.on_frame)
     await nc.flush()
-    worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(engine, tiny_model_dir.name, WORKER_ID))
+    worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(tiny_model_dir.name, spec.method, WORKER_ID))
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
-    stepping = asyncio.create_task(worker.engine_loop())
+    stepping = asyncio.create_task(worker.publish_loop())
     yield Running(worker, engine, received, nc, stepping)
     fetching.cancel()
     worker.stop()
@@ -89,6 +90,7 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     await psub.unsubscribe()
     await worker_nc.close()
     await nc.close()
+    await engine.close()
 
 
 async def submit(nc: Client, model_dir: Path) -> WorkRequest:
@@ -129,18 +131,21 @@ async def test_engine_steps_on_while_the_event_loop_cannot_publish(running: Runn
     request = await submit(running.nc, tiny_model_dir)
     await until(lambda: running.received.targets(), "the first frame")
     assert await num_ack_pending(running.nc) == 1  # held, unacknowledged, while it runs
-    advances = []
+    blocks = []
     for _ in range(BLOCKS):
         await asyncio.sleep(0.05)  # lets the loop send what is ready
-        before = running.engine.step_no
+        started = time.time()
         time.sleep(BLOCK_S)  # blocks the event loop: nothing is published meanwhile
-        advances.append(running.engine.step_no - before)
-    # A step the loop has not sent yet may be in progress when a block starts (then the engine cannot start another
-    # one), so at least one of the blocks, not each, shows the next step started while nothing could be published.
-    assert any(a > 0 for a in advances), f"the engine waited for the event loop: {advances}"
-    assert all(a <= MAX_UNSENT_STEPS for a in advances), f"the engine ran unboundedly ahead: {advances}"
+        blocks.append((started, time.time()))
 
     await asyncio.wait_for(running.received.finished.wait(), RECEIVE_TIMEOUT_S)
+    # The steps the engine ended while the loop was blocked, from their frames' headers (the engine's clock).
+    step_ends = {f.step: f.sent_at_us / 1e6 for f in running.received.targets()}
+    advances = [sum(start < end <= stop for end in step_ends.values()) for start, stop in blocks]
+    # A step the loop has not sent yet may be in progress when a block starts (then the engine cannot start another
+    # one), so at least one of the blocks, not each, shows the next step ended while nothing could be published.
+    assert any(a > 0 for a in advances), f"the engine waited for the event loop: {advances}"
+    assert all(a <= MAX_UNSENT_STEPS for a in advances), f"the engine ran unboundedly ahead: {advances}"
     await until_acknowledged(running.nc)
     ids = request.request_id
     kinds_steps = [(f.kind, f.step) for f in running.received.frames]
@@ -164,7 +169,8 @@ async def test_stop_publishes_every_step_taken(running: Running, tiny_model_dir:
     await asyncio.wait_for(running.stepping, RECEIVE_TIMEOUT_S)
     await running.nc.flush()
     await asyncio.sleep(0.1)  # the subscriber's callbacks run
-    seq = next(s for s in running.engine.scheduler.running if s.request_id == request.request_id)
+    (choice,) = running.engine.stopped.unfinished[request.request_id].progress
     records = [r for f in running.received.targets() for r in f.records]
-    assert sum(int(r["num_tokens"]) for r in records) == len(seq.output_ids) < MAX_TOKENS
+    assert sum(int(r["num_tokens"]) for r in records) == len(choice.output_token_ids) < MAX_TOKENS
+    assert choice.next_seq_no == len(records)
     assert running.worker.num_in_flight == 1 and await running.worker.hand_back() == 1

@@ -18,7 +18,7 @@ import numpy as np
 
 from services.detokenizer import logprobs
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
-from shared.frames import NO_TOKEN
+from shared.frames import FIRST_SCORED_TOKEN, NO_TOKEN
 from shared.schemas import DetokOpen
 
 if TYPE_CHECKING:  # the assembler holds a PromptAssembler: a runtime import would be circular
@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # the assembler holds a PromptAssembler: a runtime import wou
 
 # With 20 alternatives in both spellings a prompt token takes up to ~2.5 KB of JSON: a part stays far below 1 MiB.
 PROMPT_TOKENS_PER_PART = 128
-FIRST_SCORED_TOKEN = 1  # the first prompt token with a logprob
 
 PromptLogprob = dict[str, dict] | None  # vLLM's entry: token id -> {"logprob", "rank", "decoded_token"}
 

@@ -128,7 +128,7 @@ class DeadLetters:
         }
         await self.js.publish(subjects.DEAD_REQUESTS, original.data or b"", headers=headers)
         await self.js.delete_msg(subjects.REQUEST_STREAM, advisory.stream_seq)
-        self.metrics.counter(DEAD_LETTERS).inc()
+        self.metrics.child(DEAD_LETTERS).inc()
         try:
             request = WorkRequest.from_bytes(original.data or b"")
         except ValueError as exc:  # orjson's and pydantic's errors are ValueErrors

@@ -1,13 +1,10 @@
-"""The worker's Prometheus metrics, fed from each engine step's outputs (labels: model, method, worker)."""
+"""The worker's Prometheus metrics, fed from each engine step's summary (labels: model, method, worker)."""
 
 from __future__ import annotations
 
-import collections
-from enum import StrEnum
-
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine_protocol import Gauges, StepStats
 
 _LABELS = ["model", "method", "worker"]
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -59,27 +56,20 @@ DEAD_LETTERS = Counter(
 )
 
 
-class FailReason(StrEnum):
-    """The `reason` label of FAILED_REQUESTS: a closed set, so no client value becomes a label."""
-
-    MALFORMED = "malformed"  # not a WorkRequest: bad JSON, or a field outside the request schema
-    NO_DETOKENIZER = "no_detokenizer"  # names no detokenizer to send its output to
-    OUT_OF_LIMITS = "out_of_limits"  # outside the model: a token id past the vocabulary, no room in the context
-    REFUSED = "refused"  # the engine refused it for another reason
-    ENGINE_ERROR = "engine_error"  # an engine step raised and the request failed it alone (or none could be blamed)
-
-
 class WorkerMetrics:
-    def __init__(self, engine: Engine, model: str, worker_id: int) -> None:
-        self.engine = engine
-        self.labels = {"model": model, "method": engine.config.speculative.method, "worker": str(worker_id)}
+    def __init__(self, model: str, method: str, worker_id: int) -> None:
+        self.labels = {"model": model, "method": method, "worker": str(worker_id)}
         self._children: dict[tuple, object] = {}
-        KV_BYTES.labels(**self.labels).set(engine.runner.cache.nbytes)
-        RUNNING.labels(**self.labels).set_function(lambda: len(engine.scheduler.running))
-        WAITING.labels(**self.labels).set_function(lambda: len(engine.scheduler.waiting))
-        KV_USAGE.labels(**self.labels).set_function(lambda: engine.kv_usage)
 
-    def counter(self, metric, **extra):
+    def observe_engine(self, kv_cache_bytes: int) -> None:
+        self.child(KV_BYTES).set(kv_cache_bytes)
+
+    def observe_gauges(self, gauges: Gauges) -> None:
+        self.child(RUNNING).set(gauges.running)
+        self.child(WAITING).set(gauges.waiting)
+        self.child(KV_USAGE).set(gauges.kv_usage)
+
+    def child(self, metric, **extra):
         """The metric's child for this worker (and the extra labels), looked up once: prometheus_client's labels()
         takes a lock and builds its key on every call, which a step's metrics would pay dozens of times."""
         key = (metric, *extra.items())
@@ -89,40 +79,30 @@ class WorkerMetrics:
         return child
 
     def observe_request(self, num_prompt_tokens: int) -> None:
-        self.counter(REQUESTS_TAKEN).inc()
-        self.counter(PROMPT_TOKENS).inc(num_prompt_tokens)
+        self.child(REQUESTS_TAKEN).inc()
+        self.child(PROMPT_TOKENS).inc(num_prompt_tokens)
 
-    def observe_step(self, outputs: list[SeqOutput], seconds: float) -> None:
-        """A step's metrics, summed over its outputs first: one update per metric (and per draft position), not
-        one per sequence."""
-        self.counter(STEP_SECONDS).observe(seconds)
-        if not outputs:
+    def observe_step(self, stats: StepStats, seconds: float) -> None:
+        self.child(STEP_SECONDS).observe(seconds)
+        if not stats.batch_size:
             return
-        self.counter(BATCH_SIZE).observe(len(outputs))
-        self.counter(EMITTED).inc(sum(len(out.tokens) for out in outputs))
-        finished = collections.Counter(out.finish_reason.name.lower() for out in outputs if out.seq.is_finished)
-        for reason, count in finished.items():
-            self.counter(FINISHED, reason=reason).inc(count)
-        drafted = [out for out in outputs if out.draft_tokens]
-        if not drafted:
+        self.child(BATCH_SIZE).observe(stats.batch_size)
+        self.child(EMITTED).inc(stats.emitted)
+        for reason, count in stats.finished.items():
+            self.child(FINISHED, reason=reason).inc(count)
+        if not stats.acceptance_lengths:
             return
-        self.counter(DRAFTS).inc(len(drafted))
-        self.counter(DRAFT_TOKENS).inc(sum(len(out.draft_tokens) for out in drafted))
-        self.counter(ACCEPTED).inc(sum(out.num_accepted for out in drafted))
-        acceptance = self.counter(ACCEPTANCE_LENGTH)
-        drafted_at = [0] * max(len(out.draft_tokens) for out in drafted)  # per draft position
-        accepted_at = [0] * len(drafted_at)
-        for out in drafted:
-            acceptance.observe(out.num_accepted + 1)
-            for position in range(len(out.draft_tokens)):
-                drafted_at[position] += 1
-            for position in range(out.num_accepted):
-                accepted_at[position] += 1
-        for position, count in enumerate(drafted_at):
-            self.counter(DRAFTED_PER_POS, position=str(position)).inc(count)
-            if accepted_at[position]:
-                self.counter(ACCEPTED_PER_POS, position=str(position)).inc(accepted_at[position])
+        self.child(DRAFTS).inc(len(stats.acceptance_lengths))
+        self.child(DRAFT_TOKENS).inc(sum(stats.drafted_at))
+        self.child(ACCEPTED).inc(sum(stats.accepted_at))
+        acceptance = self.child(ACCEPTANCE_LENGTH)
+        for length in stats.acceptance_lengths:
+            acceptance.observe(length)
+        for position, count in enumerate(stats.drafted_at):
+            self.child(DRAFTED_PER_POS, position=str(position)).inc(count)
+            if stats.accepted_at[position]:
+                self.child(ACCEPTED_PER_POS, position=str(position)).inc(stats.accepted_at[position])
 
     def observe_frame(self, kind: str, size: int) -> None:
-        self.counter(FRAMES, kind=kind).inc()
-        self.counter(FRAME_BYTES, kind=kind).inc(size)
+        self.child(FRAMES, kind=kind).inc()
+        self.child(FRAME_BYTES, kind=kind).inc(size)

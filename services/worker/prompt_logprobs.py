@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
+from shared.frames import FIRST_SCORED_TOKEN
 from services.worker.host_copy import fetch
 from services.worker.outputs import TokenLogprobs
 from services.worker.runner import ModelRunner
@@ -23,7 +24,6 @@ from services.worker.sampling.logprobs import token_logprobs
 from services.worker.sequence import Sequence
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits [rows, vocab] alive at once
-FIRST_SCORED_TOKEN = 1  # prompt token 0 has no logprob: nothing comes before it
 SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from shared.frames import (
-    HEADER, MAX_RECORD_TOKENS, RECORD, WHEREVER, FinishReason, FrameBuilder, FrameKind, SeqStatus,
+    FIRST_SCORED_TOKEN, HEADER, MAX_RECORD_TOKENS, RECORD, WHEREVER, FinishReason, FrameBuilder, FrameKind, SeqStatus,
 )
 from shared.schemas import WorkRequest
-from services.worker.engine import SeqOutput
-from services.worker.prompt_logprobs import FIRST_SCORED_TOKEN
+from services.worker.outputs import SeqOutput
 from services.worker.sequence import Sequence
 
 # The header step of a frame sent outside the engine's steps: the detokenizer joins DRAFT and TARGET frames by step,

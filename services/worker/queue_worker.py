@@ -1,12 +1,10 @@
-"""Feeds the engine from the JetStream work queue and publishes what it produces.
+"""Feeds the engine process from the JetStream work queue and publishes what it produces.
 
-The engine runs in its own thread, step after step, and never waits for NATS: each step's frames, the acks of
-the requests it finished and its metrics go to the event loop, which sends them while the next step computes.
-The engine may run at most MAX_UNSENT_STEPS steps ahead of the sending, so a stalled connection stops the
-model instead of piling up frames. One coroutine sends the results in step order, so a request's frames go
-out in step order (DRAFT before TARGET within a step), and a request's ack follows its finishing frame on the
-same connection. New requests and cancels reach the engine thread between steps; what it does with them in a
-step lives in step_runner.py.
+The engine runs in a process of its own (engine_process.py), step after step, and never waits for NATS: each
+step's frames, the acks of the requests it finished and its metrics come back to this event loop, which sends them
+while the next step computes. One coroutine sends the results in step order, so a request's frames go out in step
+order (DRAFT before TARGET within a step), and a request's ack follows its finishing frame on the same connection.
+New requests and cancels go to the engine as they come; it applies them between steps (step_runner.py).
 
 A request's message is acknowledged only when the request is finished; until then the worker tells JetStream
 it is still in progress, so a request held by a crashed worker is redelivered rather than lost. A worker
@@ -17,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -32,45 +27,33 @@ from shared import subjects
 from shared.frames import frame_kind
 from shared.natsutil import REQUEST_HEARTBEAT_S
 from shared.schemas import Cancel, RequestAddress, WorkRequest
-from services.worker.engine import Engine
-from services.worker.metrics import (
-    FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, FailReason, WorkerMetrics,
-)
-from services.worker.hand_back import resumed_request, unfinished_choices
+from services.worker.engine_process import EngineProcess
+from services.worker.engine_protocol import Sent, StepResult, Work
+from services.worker.fail_reason import FailReason
+from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics
+from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
-from services.worker.step_runner import StepResult, StepRunner
 from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, take_over
 
 log = logging.getLogger("specmesh.worker")
 
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
 RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
-# Steps taken by the engine thread and not yet sent by the event loop, the one computing included: with 2 the
-# engine computes step N+1 while step N is sent, and waits only when sending a step takes longer than a step.
-MAX_UNSENT_STEPS = 2
 CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 
 
 class QueueWorker:
-    def __init__(self, engine: Engine, nc, worker_id: int, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: EngineProcess, nc, worker_id: int, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.nc = nc
         self.worker_id = worker_id
         self.metrics = metrics
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        # Event loop only.
+        self.last_step = 0  # the number of the last engine step published
         self._recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._messages: dict[str, Msg] = {}  # unacknowledged work-queue messages by request id
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
-        # Handed between the event loop and the engine thread, under _handoff.
-        self._handoff = threading.Condition()
-        self._new: list[WorkRequest] = []  # taken from the queue, not yet given to the engine
-        self._cancels: list[Cancel] = []
-        self._unsent = 0
-        self._stopping = False
-        self._stepper = StepRunner(engine, worker_id)  # engine thread only
 
     @property
     def capacity(self) -> int:
@@ -93,9 +76,7 @@ class QueueWorker:
             self._recent_cancels[cancel.request_id] = None
             while len(self._recent_cancels) > RECENT_CANCELS:
                 self._recent_cancels.popitem(last=False)
-        with self._handoff:
-            self._cancels.append(cancel)
-            self._handoff.notify()
+        self.engine.send(Work(cancels=[cancel]))
 
     async def fetch_loop(self, psub) -> None:
         while True:
@@ -124,7 +105,7 @@ class QueueWorker:
             request = WorkRequest.from_bytes(msg.data)
         except (ValidationError, ValueError) as exc:
             log.error("dropping malformed work request: %s", exc)
-            self.metrics.counter(FAILED_REQUESTS, reason=FailReason.MALFORMED).inc()
+            self.metrics.child(FAILED_REQUESTS, reason=FailReason.MALFORMED).inc()
             await self._end_unreadable(msg.data)
             await msg.term()
             return
@@ -132,7 +113,7 @@ class QueueWorker:
             await msg.ack()
         elif not request.detok_id:
             log.error("dropping work request %s that names no detokenizer", request.request_id)
-            self.metrics.counter(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
+            self.metrics.child(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
             await msg.term()
         elif request.request_id in self._messages:
             # Delivered again while still running here (a heartbeat came too late): the new delivery is heartbeated.
@@ -161,14 +142,12 @@ class QueueWorker:
         await self.nc.publish(subjects.frames(address.detok_id), frame)
 
     def _start(self, request: WorkRequest) -> None:
-        with self._handoff:
-            self._new.append(request)
-            self._handoff.notify()
+        self.engine.send(Work(new=[request]))
 
     async def _take_over(self, msg: Msg, request: WorkRequest) -> None:
         """Continues a request another worker lost from where its output stands, or lets it go (takeover.py)."""
         taken = await take_over(self.nc, request, self.worker_id)
-        self.metrics.counter(TAKE_OVERS, outcome=taken.outcome).inc()
+        self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
         if taken.request is not None and not cancelled:
             log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
@@ -189,9 +168,8 @@ class QueueWorker:
             log.warning("could not settle request %s (%s): %r", request.request_id, taken.outcome, exc)
 
     async def heartbeat_loop(self) -> None:
-        """Tells JetStream every REQUEST_HEARTBEAT_S that each request taken is still being worked on. It runs on the
-        event loop while the engine thread computes: torch releases the GIL in its kernels, and the interpreter hands
-        it over every few milliseconds otherwise, so a long step does not delay it (tests/test_heartbeat.py)."""
+        """Tells JetStream every REQUEST_HEARTBEAT_S that each request taken is still being worked on. The engine
+        computes in its own process, so a long step does not delay it (tests/test_heartbeat.py)."""
         while True:
             await asyncio.sleep(REQUEST_HEARTBEAT_S)
             for msg in list(self._messages.values()):
@@ -201,27 +179,14 @@ class QueueWorker:
                     log.debug("no heartbeat for a message: %r", exc)
 
     def stop(self) -> None:
-        """Makes engine_loop return once the step in progress, and every step before it, has been published."""
-        with self._handoff:
-            self._stopping = True
-            self._handoff.notify()
+        """Makes publish_loop return once the step in progress, and every step before it, has been published."""
+        self.engine.stop()
 
-    async def engine_loop(self) -> None:
-        """Runs the engine thread and sends each of its steps' results, in step order, until stop()."""
-        loop = asyncio.get_running_loop()
-        results: asyncio.Queue[StepResult | None] = asyncio.Queue()
-        stepping = loop.run_in_executor(
-            self._pool, self._run_engine, lambda result: loop.call_soon_threadsafe(results.put_nowait, result)
-        )
-        try:
-            while (result := await results.get()) is not None:
-                await self._send(result)
-                with self._handoff:
-                    self._unsent -= 1
-                    self._handoff.notify()
-        finally:
-            self.stop()  # if sending failed, the engine thread must not wait for room forever
-            await stepping  # raises what the engine thread raised
+    async def publish_loop(self) -> None:
+        """Sends each engine step's results, in step order, until the engine stopped."""
+        async for result in self.engine.results():
+            await self._send(result)
+            self.engine.send(Sent())
 
     async def _send(self, result: StepResult) -> None:
         """Publishes a step's frames in order, then acknowledges the requests they finished, then counts."""
@@ -235,40 +200,20 @@ class QueueWorker:
         for request_id, reason in result.failed:
             self._requests.pop(request_id, None)
             msg = self._messages.pop(request_id, None)
-            self.metrics.counter(FAILED_REQUESTS, reason=reason).inc()
+            self.metrics.child(FAILED_REQUESTS, reason=reason).inc()
             if msg is not None:
                 await msg.term()
         if result.finished or result.failed:
             self._acked.set()
-        if result.seconds is not None:
-            self.metrics.observe_step(result.outputs, result.seconds)
+        if result.step:
+            self.last_step = result.step
+        self.metrics.observe_gauges(result.gauges)
+        if result.stats is not None:
+            self.metrics.observe_step(result.stats, result.seconds)
         if result.num_preempted:
-            self.metrics.counter(PREEMPTIONS).inc(result.num_preempted)
+            self.metrics.child(PREEMPTIONS).inc(result.num_preempted)
         for _, frame in result.frames:
             self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
-
-    def _run_engine(self, post: Callable[[StepResult | None], None]) -> None:
-        """The engine thread: steps while there is work, until stopped; posts each step's result, then None."""
-        try:
-            while (work := self._next_work()) is not None:
-                post(self._stepper.step(*work))
-        finally:
-            post(None)
-
-    def _next_work(self) -> tuple[list[WorkRequest], list[Cancel]] | None:
-        """Waits for something to step and room to send another result; takes the new requests and cancels.
-        None once stopped."""
-        with self._handoff:
-            self._handoff.wait_for(
-                lambda: self._stopping
-                or (self._unsent < MAX_UNSENT_STEPS and bool(self._new or self._cancels or self.engine.has_work()))
-            )
-            if self._stopping:
-                return None
-            new, self._new = self._new, []
-            cancels, self._cancels = self._cancels, []
-            self._unsent += 1
-            return new, cancels
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
@@ -284,7 +229,7 @@ class QueueWorker:
     async def hand_back(self) -> int:
         """Re-queues every unfinished request with its progress, so another worker continues the same output.
 
-        Call only once engine_loop has returned. The new message carries each unfinished choice's tokens already
+        Call only once publish_loop has returned. The new message carries each unfinished choice's tokens already
         sent and next record number, and the seed this worker used; the original message is acknowledged after the new one is
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
         as they came (nak).
@@ -293,19 +238,16 @@ class QueueWorker:
             task.cancel()
         await asyncio.gather(*self._taking_over, return_exceptions=True)
         js = self.nc.jetstream()
-        with self._handoff:
-            never_started, self._new = self._new, []
-        unseen = {request.request_id for request in never_started}
-        pending = unfinished_choices(self.engine.scheduler)
+        stopped = self.engine.stopped
+        unseen = set(stopped.not_started)
         handed = 0
         for request_id, msg in list(self._messages.items()):
             if request_id in unseen:
+                await msg.nak()
                 continue
-            resumed = resumed_request(self._requests[request_id], pending.get(request_id, []))
+            resumed = resumed_request(self._requests[request_id], stopped.unfinished.get(request_id))
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1
-        for request in never_started:
-            await self._messages[request.request_id].nak()
         REQUESTS_HANDED_BACK.labels(**self.metrics.labels).inc(handed)
         return handed

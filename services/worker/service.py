@@ -1,8 +1,9 @@
 """`specmesh worker`: options and the lifecycle of one worker process.
 
-Start: load the model, warm it up, connect, then take requests. SIGTERM: readiness goes false, no new work
-is taken, in-flight requests may finish for `--drain-timeout` seconds, the rest are handed back to the queue
-with their progress for another worker to continue, and the NATS connection is drained.
+Start: spawn the engine process (engine_process.py), which loads the model and warms it up, connect, then take
+requests. SIGTERM: readiness goes false, no new work is taken, in-flight requests may finish for `--drain-timeout`
+seconds, the engine stops, the rest are handed back to the queue with their progress for another worker to
+continue, and the NATS connection is drained.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ import asyncio
 import logging
 import os
 import socket
-import time
-import uuid
 import zlib
 from pathlib import Path
 
-import torch
+from aiohttp import web
 
 from shared import nats_settings, subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
@@ -25,17 +24,13 @@ from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
-from shared.schemas import SamplingParams, WorkRequest
 from services.startup_checks import servable_max_model_len, speculative_config
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
-from services.worker.engine import Engine
+from services.worker.engine_process import EngineProcess
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
 
 log = logging.getLogger("specmesh.worker")
-
-WARMUP_PROMPT = (0, 1, 2, 3)
-WARMUP_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,14 +102,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def warm_up(engine: Engine) -> None:
-    """One short generation, so the first real request does not pay for lazy initialisation."""
-    sampling = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
-    engine.add_request(WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=WARMUP_PROMPT, sampling=sampling, created=0))
-    while engine.has_work():
-        engine.step()
-
-
 def _report_stop(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("dead letters are no longer moved by this worker", exc_info=task.exception())
@@ -124,28 +111,35 @@ async def run(args: argparse.Namespace) -> None:
     readiness = Readiness()
     http = await start_http(readiness, args.metrics_host, args.metrics_port)
     config = engine_config(args)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    started = time.time()
-    engine = Engine(config)
-    warm_up(engine)
-    log.info("model %s loaded and warmed up in %.1fs; speculation %s", config.model, time.time() - started,
-             config.speculative.model_dump_json())
     # Every container's pid is 1, so the host name (the pod's name on Kubernetes) must go into the default id.
     worker_id = args.worker_id if args.worker_id is not None else zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode())
+    engine = await EngineProcess.start(config, worker_id, args.torch_threads)
+    log.info("model %s loaded and warmed up in %.1fs; speculation %s", config.model, engine.ready.seconds,
+             config.speculative.model_dump_json())
+    try:
+        await _serve(args, readiness, http, engine, worker_id)
+    finally:
+        await engine.close()
+
+
+async def _serve(
+    args: argparse.Namespace, readiness: Readiness, http: web.AppRunner, engine: EngineProcess, worker_id: int
+) -> None:
+    config = engine.config
     nc = await connect(NatsSettings.from_args(args, NatsRole.WORKER), "worker")
     readiness.nc = nc
     js = nc.jetstream()
     await ensure_request_stream(js)
     await ensure_dead_letter_stream(js)
-    metrics = WorkerMetrics(engine, Path(config.model).name, worker_id)
+    metrics = WorkerMetrics(Path(config.model).name, config.speculative.method, worker_id)
+    metrics.observe_engine(engine.ready.kv_cache_bytes)
     worker = QueueWorker(engine, nc, worker_id, metrics)
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
     heartbeat = asyncio.create_task(worker.heartbeat_loop())
-    stepping = asyncio.create_task(worker.engine_loop())
+    stepping = asyncio.create_task(worker.publish_loop())
     # Not among the tasks that end the worker: moving dead letters is housekeeping; serving goes on without it.
     burying = asyncio.create_task(DeadLetters(nc, worker_id, metrics).loop())
     burying.add_done_callback(_report_stop)

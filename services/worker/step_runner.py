@@ -1,26 +1,25 @@
-"""The queue worker's engine thread, one step at a time: admits new requests, applies cancels, runs the engine step
-(under StepGuard) and turns what it produced into a StepResult, the frames, acks and failures the event loop sends
-while the next step computes (queue_worker.py).
+"""The engine process's step (engine_process.py): admits new requests, applies cancels, runs the engine step (under
+StepGuard) and turns what it produced into a StepResult, the frames, acks, failures and metrics the worker's event
+loop sends while the next step computes (queue_worker.py).
 
-It keeps the engine thread's own bookkeeping: the detokenizer each request's frames go to and how many of its
+It keeps the engine side's own bookkeeping: the detokenizer each request's frames go to and how many of its
 choices are still running, so a request is reported finished exactly when its last choice ends. Nothing here
 touches NATS or the event loop.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from shared.request_limits import OutOfLimits
 from shared.schemas import Cancel, WorkRequest
 from services.worker.engine import Engine, SeqOutput
-from services.worker.metrics import FailReason
+from services.worker.engine_protocol import Gauges, StepResult, StepStats
+from services.worker.fail_reason import FailReason
 from services.worker.publisher import abort_frame, step_frames
 from services.worker.sequence import Sequence
 from services.worker.step_guard import StepGuard
@@ -29,21 +28,8 @@ log = logging.getLogger("specmesh.worker")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one engine step leaves for the event loop: built in the engine thread, sent while the next step runs."""
-
-    frames: list[tuple[str, bytes]]  # (detokenizer id, frame), in publishing order
-    finished: list[str]  # requests whose last frame is among `frames`: acknowledged once it is published
-    outputs: list[SeqOutput]  # for metrics, each with a copy of its sequence as it stood at the end of the step
-    seconds: float | None  # the engine step's duration; None when the step only refused or cancelled requests
-    num_preempted: int = 0
-    # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
-    failed: list[tuple[str, FailReason]] = field(default_factory=list)
-
-
 class StepRunner:
-    """Steps the engine for the queue worker; engine thread only."""
+    """Steps the engine for the queue worker; engine process only."""
 
     def __init__(self, engine: Engine, worker_id: int) -> None:
         self.engine = engine
@@ -55,15 +41,14 @@ class StepRunner:
         self._guard: StepGuard = StepGuard(engine)
 
     def step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
-        """Runs in the engine thread: admits, cancels and steps; returns what the event loop must send. A request
-        the engine refuses, or that fails a step (StepGuard), ends with an error record and is terminated."""
+        """Admits, cancels and steps; returns what the event loop must send. A request the engine refuses, or that
+        fails a step (StepGuard), ends with an error record and is terminated."""
         failed = [(request, reason) for request in new if (reason := self._admit(request)) is not None]
         finished: list[str] = []
         for cancel in cancels:
             finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
-        outputs: list[SeqOutput] = []
         frames: list[tuple[str, bytes]] = []
-        seconds = None
+        stats = seconds = None
         num_preempted = 0
         if self.engine.has_work():
             started = time.perf_counter()
@@ -72,8 +57,7 @@ class StepRunner:
             if stepped is not None:
                 outputs, frames, num_preempted = stepped
                 finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
-                # The event loop counts these while the next step changes the sequences: it gets copies.
-                outputs = [replace(o, seq=copy.copy(o.seq)) for o in outputs]
+                stats = step_stats(outputs)
             if recovery is not None:
                 failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
                 for request in recovery.resumed:
@@ -89,7 +73,10 @@ class StepRunner:
             self._detok_ids.pop(request_id, None)
             self._guard.forget(request_id)
         failures = [(request.request_id, reason) for request, reason in failed]
-        return StepResult(frames, finished, outputs, seconds, num_preempted, failures)
+        scheduler = self.engine.scheduler
+        gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
+        step = self.engine.step_no if seconds is not None else 0
+        return StepResult(step, frames, finished, gauges, stats, seconds, num_preempted, failures)
 
     def _admit(self, request: WorkRequest) -> FailReason | None:
         """Gives the request to the engine; the reason it was refused, or None."""
@@ -126,6 +113,26 @@ class StepRunner:
                 del self._num_live[seq.request_id]
                 done.append(seq.request_id)
         return done
+
+
+def step_stats(outputs: list[SeqOutput]) -> StepStats:
+    """A step's outputs summed for the metrics, in the engine process: the event loop gets counts, not sequences."""
+    stats = StepStats(batch_size=len(outputs), emitted=sum(len(out.tokens) for out in outputs))
+    for out in outputs:
+        if out.seq.is_finished:
+            stats.finished[out.finish_reason.name.lower()] += 1
+        if not out.draft_tokens:
+            continue
+        stats.acceptance_lengths.append(out.num_accepted + 1)
+        missing = len(out.draft_tokens) - len(stats.drafted_at)
+        if missing > 0:
+            stats.drafted_at += [0] * missing
+            stats.accepted_at += [0] * missing
+        for position in range(len(out.draft_tokens)):
+            stats.drafted_at[position] += 1
+        for position in range(out.num_accepted):
+            stats.accepted_at[position] += 1
+    return stats
 
 
 def _grouped(items: Iterable[T], detok_id_of: Callable[[T], str]) -> dict[str, list[T]]:

@@ -1,0 +1,135 @@
+"""The engine in a process of its own, beside the worker's event loop (as vLLM's EngineCore and SGLang's scheduler).
+
+Why a process and not a thread: the event loop wakes at every step to publish its frames, and a Python thread that
+wakes takes the GIL from the engine at its next tensor op; on the demo model that cost a quarter of the step time
+(`python -m benchmarks.speculation`, mesh against in-process engine, 1 stream). In its own process the engine
+steps back to back while the loop publishes on another core, and a long prefill cannot hold up the loop's
+heartbeats either.
+
+One pipe joins them (engine_protocol.py). The engine process applies what came (requests, cancels) between steps,
+sends each step's StepResult at once and may run MAX_UNSENT_STEPS steps ahead of the loop's Sent replies, so a
+stalled NATS connection stops the model instead of piling up frames. It ignores SIGINT and SIGTERM (the worker
+drains it with Stop), dies with the worker process, even by SIGKILL, and is killed by close() when the worker fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+
+from shared.config import EngineConfig
+from services.worker.engine_protocol import EngineFailed, EngineReady, Sent, StepResult, Stop, Stopped, Work
+
+log = logging.getLogger("specmesh.worker")
+
+JOIN_TIMEOUT_S = 10.0  # an engine told to stop exits at its next step's end
+
+
+class EngineError(RuntimeError):
+    """The engine process failed, or died."""
+
+
+class EngineProcess:
+    """The event loop's handle on the engine process: send() messages to it, iterate results() from it."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, config: EngineConfig,
+                 ready: EngineReady) -> None:
+        self.process = process
+        self.config = config
+        self.ready = ready
+        self.stopped: Stopped | None = None  # the engine's last word, once it stopped
+        self._conn = conn
+        self._stopping = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, worker_id: int, torch_threads: int = 0) -> EngineProcess:
+        """Spawns the engine process and returns once its model is loaded and warmed up."""
+        context = multiprocessing.get_context("spawn")  # never fork a process that runs an event loop and threads
+        conn, child_conn = context.Pipe()
+        process = context.Process(
+            target=_engine_main, args=(config, worker_id, torch_threads, child_conn), name=f"specmesh-engine-{worker_id}",
+        )
+        process.start()
+        child_conn.close()  # the child's end lives in the child only: its death is our end-of-file
+        try:
+            first = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        except EOFError:
+            first = None
+        except BaseException:  # cancelled while the model loads (SIGTERM): the process must not outlive us
+            process.kill()
+            process.join()
+            raise
+        if not isinstance(first, EngineReady):
+            process.join(JOIN_TIMEOUT_S)
+            raise EngineError(_failure(first, process))
+        return cls(process, conn, config, first)
+
+    def send(self, message: Work | Sent | Stop) -> None:
+        if self.stopped is not None:
+            return  # it has exited: a late Sent or Work has no one to reach (hand_back settles such requests)
+        try:
+            self._conn.send(message)
+        except OSError as exc:
+            raise EngineError(f"the engine process is gone (exit code {self.process.exitcode})") from exc
+
+    def stop(self) -> None:
+        """Asks the engine to stop after its step in progress; results() ends after its last step's result."""
+        if not self._stopping:
+            self._stopping = True
+            self.send(Stop())
+
+    async def results(self) -> AsyncIterator[StepResult]:
+        """Each step's result in step order, until the engine stopped (then `stopped` holds its last word)."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Queue[object] = asyncio.Queue()
+        fd = self._conn.fileno()
+
+        def on_readable() -> None:
+            try:
+                arrived.put_nowait(self._conn.recv())
+            except (EOFError, OSError):
+                loop.remove_reader(fd)
+                arrived.put_nowait(None)
+
+        loop.add_reader(fd, on_readable)
+        try:
+            while True:
+                message = await arrived.get()
+                if isinstance(message, StepResult):
+                    yield message
+                elif isinstance(message, Stopped):
+                    self.stopped = message
+                    return
+                else:
+                    raise EngineError(_failure(message, self.process))
+        finally:
+            loop.remove_reader(fd)
+
+    async def close(self) -> None:
+        """Waits for a stopped engine's process to exit; kills it if it does not, or if it was never stopped (the
+        worker is failing: nothing is left to hand back)."""
+        if self.stopped is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, JOIN_TIMEOUT_S)
+        if self.process.is_alive():
+            if self.stopped is not None:
+                log.warning("the engine process did not exit; killing it")
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+
+def _failure(message: object, process: multiprocessing.process.BaseProcess) -> str:
+    if isinstance(message, EngineFailed):
+        return f"the engine process failed:\n{message.error}"
+    return f"the engine process died (exit code {process.exitcode})"
+
+
+def _engine_main(config: EngineConfig, worker_id: int, torch_threads: int, conn: Connection) -> None:
+    """The spawned process's entry. engine_loop is imported here, in the child: it imports torch and the model,
+    which the worker's event loop, importing this module, has no use for."""
+    from services.worker.engine_loop import serve
+
+    serve(config, worker_id, torch_threads, conn)

@@ -1,0 +1,104 @@
+"""The messages between a worker's event loop and its engine process (engine_process.py), both ways over one pipe.
+
+Loop -> engine: Work (new requests and cancels), Sent (a step's results went out: room for another), Stop.
+Engine -> loop: EngineReady once, then a StepResult per step, then Stopped; EngineFailed instead if it raises.
+Everything here is plain data (pickled over the pipe) and imports no torch, so the event loop's side stays light.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shared.schemas import Cancel, ChoiceProgress, SamplingParams, WorkRequest
+from services.worker.fail_reason import FailReason
+
+# Steps taken by the engine process and not yet published by the event loop, the one computing included: with 2 the
+# engine computes step N+1 while step N is published, and waits only when publishing a step takes longer than a step.
+MAX_UNSENT_STEPS = 2
+
+
+@dataclass(frozen=True)
+class Work:
+    """Requests taken from the queue and cancels, for the engine to apply before its next step."""
+
+    new: list[WorkRequest] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One step's results were sent: the engine may run one more step ahead."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish the step in progress, answer Stopped and exit."""
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The model is loaded and warmed up."""
+
+    vocab_size: int
+    kv_cache_bytes: int
+    seconds: float  # loading and warming up
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The scheduler's state at the end of a step."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # share of the KV cache's blocks in use
+
+
+@dataclass
+class StepStats:
+    """A step's outputs summed for the metrics (metrics.WorkerMetrics.observe_step): one update per metric."""
+
+    batch_size: int = 0  # sequences that produced output
+    emitted: int = 0  # tokens emitted, accepted drafts included
+    finished: Counter[str] = field(default_factory=Counter)  # finish reason -> sequences
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: sequences that verified a draft there
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: of those, accepted
+    acceptance_lengths: list[int] = field(default_factory=list)  # per sequence that verified drafts: 1 + accepted
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one engine step leaves for the event loop: built in the engine process, sent while the next step runs."""
+
+    step: int  # the engine's step number (0: the step only refused or cancelled requests)
+    frames: list[tuple[str, bytes]]  # (detokenizer id, frame), in publishing order
+    finished: list[str]  # requests whose last frame is among `frames`: acknowledged once it is published
+    gauges: Gauges
+    stats: StepStats | None  # None when no engine step ran (only refusals or cancels)
+    seconds: float | None  # the engine step's duration; None when no engine step ran
+    num_preempted: int = 0
+    # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
+    failed: list[tuple[str, FailReason]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A request's unfinished choices when the engine stopped, as a draining worker hands it back (hand_back.py)."""
+
+    progress: tuple[ChoiceProgress, ...]  # by choice index
+    sampling: SamplingParams  # with the seed the engine drew, if the request had none
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The engine stopped after publishing every step it took; what it had not finished, by request id."""
+
+    unfinished: dict[str, Unfinished]
+    not_started: list[str]  # requests received and never given to the engine
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine process raised; it exits after sending this."""
+
+    error: str  # the traceback
