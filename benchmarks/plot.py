@@ -89,7 +89,7 @@ def _by_streams(ax: plt.Axes, runs: list[dict], lines: dict[str, tuple[str, str]
     for method, color in colors.items():
         mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["streams"])
         for key, (label, style) in lines.items():
-            points = [(r["streams"], r[key]) for r in mine if r[key] is not None]
+            points = [(r["streams"], r[key]) for r in mine if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), linestyle=style, marker="o", color=color, label=f"{method}, {label}")
     streams = sorted({r["streams"] for r in runs})
@@ -108,7 +108,11 @@ def plot_mesh(report: dict, path: Path) -> None:
     for col, prompts in enumerate(prompt_sets):
         mine = [r for r in runs if r["prompts"] == prompts]
         top, bottom = axes[0][col], axes[1][col]
-        _by_streams(top, mine, {"engine_tokens_per_s": ("engine", "-"), "mesh_tokens_per_s": ("mesh", "--")}, colors)
+        _by_streams(top, mine, {
+            "engine_tokens_per_s": ("engine", "-"),
+            "engine_beside_busy_core_tokens_per_s": ("engine, another core busy", ":"),
+            "mesh_tokens_per_s": ("mesh", "--"),
+        }, colors)
         top.set_ylabel("tokens/s")
         top.set_title(f"throughput, {prompts} prompts")
         _by_streams(bottom, mine, {

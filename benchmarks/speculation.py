@@ -2,7 +2,8 @@
 latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
     python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128] [--requests-per-stream 4]
-                                     [--rounds 3] [--torch-threads N] [--prompt-tokens 96] [--out bench-out/speculation]
+                                     [--rounds 3] [--torch-threads N] [--engine-cpus 0] [--prompt-tokens 96]
+                                     [--out bench-out/speculation]
 
 Two prompt sets: openings (--prompt-tokens, default 96) of held-out standard-library files the demo model never trained on, and a
 self-repeating prompt (benchmarks/decode.py's two import lines written sixteen times) on which prompt lookup pays.
@@ -22,6 +23,16 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   (the engine while the mesh idles), and each figure is the median of its rounds, mesh / engine the median of the
   rounds' ratios. A shared machine's speed drifts by tens of percent within minutes (seen here: the same engine
   pass at 1.5 and 3 ms a step twenty minutes apart); taking turns puts the drift on both sides alike.
+- engine beside a busy core: each round also times the engine while a process spins on another core. The mesh
+  must run its other processes (NATS, gateway, detokenizer, the worker's event loop, the client) on the other
+  cores; on a 2-core virtual machine a core's work slows its neighbour's (seen here: 12-22% with a spinning loop,
+  shared host core or clock), so this figure is what any mesh of processes could reach there.
+- --engine-cpus (`specmesh up --engine-cpus`, services/cpu_affinity.py): the mesh's engines run on these CPUs and
+  its other processes on the rest; the in-process engine and transformers run on the same CPUs, and this client
+  and the spinning process on the rest.
+- transformers (rows of one stream): each round also times transformers `generate` on the same prompts, greedy
+  beside naive and prompt lookup with ngram's k beside ngram; its decode rate (tokens after the first over
+  generate(N) minus generate(1), as benchmarks/decode.py) is comparable with the mesh's decode rate.
 - inter-token latency (mesh): a chunk that brings n tokens brings them at once, so each of its tokens counts once
   with the gap between its chunk's arrival and the previous chunk's, divided by n (what the gateway's
   specmesh_gateway_inter_token_latency_seconds measures); the first chunk of a stream has no gap. A chunk's tokens
@@ -38,9 +49,13 @@ import argparse
 import asyncio
 import bisect
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,9 +64,11 @@ import numpy as np
 import orjson
 import torch
 
-from benchmarks.decode import SELF_REPEATING_TEXT
+from benchmarks import shape
+from benchmarks.decode import LOOKUP_TOKENS, SELF_REPEATING_TEXT, hf_decode
 from benchmarks.methods import GREEDY, load_prompts
 from benchmarks.plot import plot_mesh
+from services.cpu_affinity import format_cpu_list, parse_cpu_list, pin, rest_of_mesh
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
 from services.mesh_process import start_mesh
 from services.worker.engine import Engine, EngineStats
@@ -69,6 +86,7 @@ REQUESTS_PER_STREAM = 4  # each stream serves this many requests, one after the 
 # first-use costs (Triton compiling a kernel for a shape, allocators growing) are paid, on both sides alike.
 UNTIMED_PASSES = 1
 ROUNDS = 3  # timed passes of each side, taking turns
+SPIN_UP_S = 0.2  # for the spinning process to start before the timed pass
 DEFAULT_MAX_TOKENS = 128
 PERCENTILES = (50, 99)
 HTTP_TIMEOUT_S = 600.0
@@ -92,11 +110,13 @@ class Row:
     engine_tokens_per_s: float
     engine_mean_step_ms: float
     mean_acceptance_length: float | None  # None: the method drafts nothing
+    engine_beside_busy_core_tokens_per_s: float | None = None
     mesh_tokens_per_s: float | None = None
     mesh_over_engine: float | None = None
     mesh_itl_p50_ms: float | None = None
     mesh_itl_p99_ms: float | None = None
     mesh_decode_tokens_per_s: float | None = None
+    transformers_decode_tokens_per_s: float | None = None  # greedy beside naive, prompt lookup beside ngram
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     mismatched: list[int] = field(default_factory=list, repr=False)  # requests whose mesh text differed
 
@@ -134,6 +154,30 @@ def engine_pass(engine: Engine, prompts: list[list[int]], max_tokens: int) -> En
         outputs = _serve(engine, prompts, max_tokens)
     seconds = time.perf_counter() - started
     return EnginePass(sum(map(len, outputs)) / seconds, 1e3 * seconds / engine.stats.num_steps, engine.stats, outputs)
+
+
+@contextmanager
+def running_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """This process on `cpus` for the block (None: where it was)."""
+    before = os.sched_getaffinity(0)
+    pin(cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@contextmanager
+def busy_core(cpus: frozenset[int] | None) -> Iterator[None]:
+    """A process spinning in pure Python for the block's duration (on `cpus` if given): it takes a core and touches
+    no memory."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: pin(cpus))
+    try:
+        time.sleep(SPIN_UP_S)
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def _serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -212,16 +256,26 @@ def first_chunk_tokens(stream: Stream, ends: list[int]) -> int:
     return bisect.bisect_right(ends, stream.arrivals[0][1])
 
 
-def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[int]]], table: TokenTable
-               ) -> tuple[list[Row], list[str]]:
+def transformers_decode(model, prompts: list[list[int]], max_tokens: int, lookup: int | None
+                        ) -> tuple[float, list[list[int]]]:
+    """transformers' decode tokens/s over the prompts (each generate(N) minus generate(1)), and its tokens: greedy,
+    with or without prompt lookup, they must be the engine's."""
+    runs = [hf_decode(model, prompt, max_tokens, lookup) for prompt in prompts]
+    return sum(len(tokens) - 1 for tokens, _, _ in runs) / sum(seconds for _, seconds, _ in runs), [r[0] for r in runs]
+
+
+def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[int]]], table: TokenTable,
+               hf_model) -> tuple[list[Row], list[str]]:
     """Every run of one method, engine and mesh taking turns (module docstring); its rows and where the mesh's text
     differed from the engine's."""
     rows: list[Row] = []
     mismatches: list[str] = []
+    pinning = ("--engine-cpus", format_cpu_list(args.engine_cpus)) if args.engine_cpus else ()
+    engine_cpus, rest_cpus = args.engine_cpus, rest_of_mesh(args.engine_cpus)
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(
             Path(tmp), "--speculative-config", json.dumps(METHODS[name]), "--max-num-seqs", str(max(args.streams)),
-            "--device", args.device, "--torch-threads", str(args.torch_threads), model=args.model,
+            "--device", args.device, "--torch-threads", str(args.torch_threads), *pinning, model=args.model,
         )
         try:
             for prompts_name, all_prompts in sets.items():
@@ -229,17 +283,35 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
                     prompts = all_prompts[: streams * args.requests_per_stream]
                     engine = engine_for(args, name, streams, prompts)
 
+                    def in_process() -> EnginePass:
+                        with running_on(engine_cpus):
+                            return engine_pass(engine, prompts, args.max_tokens)
+
                     def mesh_pass() -> tuple[list[Stream], float]:
-                        return asyncio.run(_mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
+                        with running_on(rest_cpus):
+                            return asyncio.run(
+                                _mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
 
                     for _ in range(UNTIMED_PASSES):
-                        engine_pass(engine, prompts, args.max_tokens)
+                        in_process()
                         mesh_pass()
-                    engine_passes, mesh_passes = [], []
+                    engine_passes, busy_passes, mesh_passes, hf_rates = [], [], [], []
+                    lookup = LOOKUP_TOKENS if METHODS[name]["method"] == "ngram" else None
                     for _ in range(args.rounds):
-                        engine_passes.append(engine_pass(engine, prompts, args.max_tokens))
+                        engine_passes.append(in_process())
+                        with busy_core(rest_cpus):
+                            busy_passes.append(in_process())
                         mesh_passes.append(mesh_pass())
+                        if streams == 1:
+                            with running_on(engine_cpus):
+                                rate, hf_outputs = transformers_decode(hf_model, prompts, args.max_tokens, lookup)
+                            hf_rates.append(rate)
                     row = _row(prompts_name, name, streams, engine_passes, mesh_passes, table)
+                    row.engine_beside_busy_core_tokens_per_s = float(np.median([p.tokens_per_s for p in busy_passes]))
+                    if hf_rates:
+                        row.transformers_decode_tokens_per_s = float(np.median(hf_rates))
+                        if hf_outputs != row.outputs:
+                            mismatches.append(f"transformers {'lookup' if lookup else 'greedy'}, {prompts_name}")
                     mismatches += [f"mesh {name}, {prompts_name}, {streams} streams, request {i}" for i in row.mismatched]
                     print(json.dumps(row.figures()), flush=True)
                     rows.append(row)
@@ -287,15 +359,18 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     lines = [
-        "| prompts | method | streams | engine tok/s | mesh tok/s | mesh / engine | engine mean step ms "
-        "| mesh ITL p50 ms | mesh ITL p99 ms | mesh decode tok/s | mean acceptance length |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | method | streams | engine tok/s | engine, other core busy | mesh tok/s | mesh / engine "
+        "| engine mean step ms "
+        "| mesh ITL p50 ms | mesh ITL p99 ms | mesh decode tok/s | transformers decode tok/s | mean acceptance length |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.prompts} | {r.method} | {r.streams} | {_fmt(r.engine_tokens_per_s)} | {_fmt(r.mesh_tokens_per_s)} "
+            f"| {r.prompts} | {r.method} | {r.streams} | {_fmt(r.engine_tokens_per_s)} "
+            f"| {_fmt(r.engine_beside_busy_core_tokens_per_s)} | {_fmt(r.mesh_tokens_per_s)} "
             f"| {_fmt(r.mesh_over_engine, 2)} | {_fmt(r.engine_mean_step_ms, 2)} | {_fmt(r.mesh_itl_p50_ms, 2)} "
-            f"| {_fmt(r.mesh_itl_p99_ms, 2)} | {_fmt(r.mesh_decode_tokens_per_s)} | {_fmt(r.mean_acceptance_length, 2)} |"
+            f"| {_fmt(r.mesh_itl_p99_ms, 2)} | {_fmt(r.mesh_decode_tokens_per_s)} "
+            f"| {_fmt(r.transformers_decode_tokens_per_s)} | {_fmt(r.mean_acceptance_length, 2)} |"
         )
     return "\n".join(lines)
 
@@ -311,21 +386,27 @@ def main() -> None:
         help="torch intra-op threads of the in-process engine and of the mesh's worker (default 0: torch's choice); "
         "on a small CPU machine the worker's threads compete with the mesh's other processes",
     )
+    parser.add_argument(
+        "--engine-cpus", type=parse_cpu_list, default=None,
+        help="CPUs of the engines (the mesh's and the in-process one); the rest of the mesh and this client run on the "
+        "others (default: wherever the kernel puts them)",
+    )
     parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes of engine and of mesh, taking turns")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="length of the held-out prompts")
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    if args.torch_threads or args.engine_cpus:
+        torch.set_num_threads(args.torch_threads or len(args.engine_cpus))
     tokenizer = Tokenizer(args.model)
     sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream, args.prompt_tokens)
 
     table = TokenTable.from_tokenizer(tokenizer)
     rows: list[Row] = []
     mismatches: list[str] = []
+    hf_model = shape.transformers_model(args.model, "auto", torch.float32, args.device) if 1 in args.streams else None
     for name in METHODS:
-        method_rows, method_mismatches = run_method(args, name, sets, table)
+        method_rows, method_mismatches = run_method(args, name, sets, table, hf_model)
         rows += method_rows
         mismatches += method_mismatches
     first = rows[: len(rows) // len(METHODS)]  # the first method's rows, in the order every method ran them
@@ -340,6 +421,7 @@ def main() -> None:
     report = {
         "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+        "engine_cpus": None if args.engine_cpus is None else format_cpu_list(args.engine_cpus),
         "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
     }
     args.out.mkdir(parents=True, exist_ok=True)

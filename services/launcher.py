@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -28,6 +29,7 @@ from shared import nats_settings
 from services.gateway import auth, limits
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
+from services.cpu_affinity import CPU_LIST_HELP, format_cpu_list, parse_cpu_list, pin, rest_of_mesh
 from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
@@ -87,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="each worker's torch intra-op threads (default 0: torch's own choice, one per core)",
     )
     parser.add_argument(
+        "--engine-cpus", type=parse_cpu_list, default=None,
+        help=f"run the workers' engines on these CPUs and the rest of the mesh on the others ({CPU_LIST_HELP}); on a "
+        "small CPU machine this keeps NATS, the gateway and the detokenizer from preempting the engine (default: "
+        "wherever the kernel puts them)",
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
     )
@@ -124,11 +132,24 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
+    args.rest_cpus = rest_of_mesh(args.engine_cpus)
 
 
-def _spawn(service: str, log_level: str, *extra: str, env: dict[str, str] | None = None) -> Child:
+def _spawn(
+    service: str, log_level: str, *extra: str, env: dict[str, str] | None = None, cpus: frozenset[int] | None = None
+) -> Child:
     cmd = [sys.executable, "-m", "services.cli", service, "--log-level", log_level, *extra]
-    return Child(lambda: subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, env=env))
+    return Child(lambda: subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(cpus), env=env))
+
+
+def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """preexec_fn of a child: it dies with the launcher, and runs on `cpus` (None: wherever the kernel puts it)."""
+
+    def setup() -> None:
+        die_with_parent()
+        pin(cpus)
+
+    return setup
 
 
 def _child_nats(
@@ -182,6 +203,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"specmesh: {args.model} has no {TOKENIZER_FILE}: the gateway and detokenizer need one")
     SIGNALS.install()
     children: list[tuple[str, Child]] = []
+    rest = args.rest_cpus  # every process but the engines, when --engine-cpus pins those
     exit_code = 0
     try:
         nats_url = args.nats_url
@@ -190,7 +212,7 @@ def run(args: argparse.Namespace) -> None:
             _refuse_external_only_options(args)
             credentials = MeshCredentials.generate()
             nats = Child(lambda: start_nats_server(
-                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=die_with_parent
+                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=_child_setup(rest)
             ))
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
@@ -206,7 +228,7 @@ def run(args: argparse.Namespace) -> None:
             extra = (*nats_args, "--metrics-port", str(port))
             if args.max_migrations is not None:
                 extra += ("--max-migrations", str(args.max_migrations))
-            children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env)))
+            children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env, cpus=rest)))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
         worker_args += ["--torch-threads", str(args.torch_threads)]
@@ -217,6 +239,8 @@ def run(args: argparse.Namespace) -> None:
         worker_args += ["--load-format", args.load_format]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
+        if args.engine_cpus is not None:  # each worker pins its engine there and its event loop to the rest
+            worker_args += ["--engine-cpus", format_cpu_list(args.engine_cpus)]
         for i in range(args.workers):
             port = free_port()
             metrics_urls[f"worker-{i}"] = f"http://127.0.0.1:{port}/metrics"
@@ -234,7 +258,7 @@ def run(args: argparse.Namespace) -> None:
         nats_args, env = nats_of[NatsRole.GATEWAY]
         if args.api_keys:  # by environment: a command line is visible to every user of the machine
             env = {**env, API_KEY_ENV: KEY_SEPARATOR.join(key.get_secret_value() for key in args.api_keys)}
-        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env)))
+        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env, cpus=rest)))
 
         deadline = time.monotonic() + args.startup_timeout
         while not _probe(url, Path(args.model).name, args.api_keys):

@@ -1,5 +1,5 @@
 """The engine process's side (engine_process.py spawns it): load the model, then take what the worker sent, step,
-send the result, and wait only when there is nothing to step or no room to send another result."""
+send the result, and wait only when there is nothing to step or MAX_UNSENT_STEPS results are not yet published."""
 
 from __future__ import annotations
 
@@ -14,39 +14,46 @@ import torch
 
 from shared.config import EngineConfig
 from shared.schemas import Cancel, SamplingParams, WorkRequest
+from services.cpu_affinity import pin
 from services.supervisor import die_with_parent
 from services.worker.engine import Engine
-from services.worker.engine_protocol import (
-    MAX_UNSENT_STEPS, EngineFailed, EngineReady, Sent, Stop, Stopped,
-)
+from services.worker.engine_protocol import MAX_UNSENT_STEPS, Counters, EngineFailed, EngineReady, Stop, Stopped, Work
 from services.worker.hand_back import unfinished
 from services.worker.step_runner import StepRunner
 
 WARMUP_PROMPT = (0, 1, 2, 3)
 WARMUP_TOKENS = 4
+# How often an engine waiting for room (its results unpublished) looks at the loop's count again. Only a stalled
+# connection keeps it waiting: the loop publishes a step well within the next step's time.
+ROOM_POLL_S = 0.0005
 
 
-def serve(config: EngineConfig, worker_id: int, torch_threads: int, conn: Connection) -> None:
-    """The engine process: loads the model, says EngineReady, then steps what the worker sends until Stop."""
+def serve(
+    config: EngineConfig, worker_id: int, torch_threads: int, cpus: frozenset[int] | None, inbox: Connection,
+    outbox: Connection, counters: Counters,
+) -> None:
+    """The engine process: loads the model, says EngineReady, then steps what the worker sends until Stop. On
+    `cpus` if given, with one torch thread per CPU unless torch_threads says otherwise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM reach the worker, which drains us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     if os.getppid() == 1:  # the worker died before we could ask to die with it
         return
+    pin(cpus)
     try:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        if torch_threads or cpus:
+            torch.set_num_threads(torch_threads or len(cpus))
         began = time.perf_counter()
         engine = Engine(config)
         warm_up(engine)
-        conn.send(EngineReady(engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began))
+        outbox.send(EngineReady(engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began))
         with torch.inference_mode():
-            EngineLoop(engine, worker_id, conn).run()
+            EngineLoop(engine, worker_id, inbox, outbox, counters).run()
     except (EOFError, BrokenPipeError):
         return  # the worker is gone
     except Exception:  # anything else: the worker must learn why before the process ends
         try:
-            conn.send(EngineFailed(traceback.format_exc()))
+            outbox.send(EngineFailed(traceback.format_exc()))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -61,32 +68,41 @@ def warm_up(engine: Engine) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, worker_id: int, conn: Connection) -> None:
+    def __init__(self, engine: Engine, worker_id: int, inbox: Connection, outbox: Connection, counters: Counters) -> None:
         self.engine = engine
-        self.conn = conn
+        self.inbox = inbox
+        self.outbox = outbox
+        self.counters = counters
         self.stepper = StepRunner(engine, worker_id)
         self.new: list[WorkRequest] = []  # received, given to the engine at its next step
         self.cancels: list[Cancel] = []
-        self.unsent = 0  # results sent down the pipe that the worker has not yet published
-
-    def ready_to_step(self) -> bool:
-        return self.unsent < MAX_UNSENT_STEPS and bool(self.new or self.cancels or self.engine.has_work())
+        self.received = 0  # messages taken from the inbox
+        self.sent = 0  # step results sent to the loop
 
     def run(self) -> None:
-        """Until Stop: applies every message that came (blocking only while it cannot step), then steps."""
+        """Until Stop: applies every message that came, waits while there is nothing to step or no room, steps."""
         while True:
-            while not self.ready_to_step() or self.conn.poll():
-                message = self.conn.recv()
-                if isinstance(message, Stop):
-                    not_started = [request.request_id for request in self.new]
-                    self.conn.send(Stopped(unfinished(self.engine.scheduler), not_started))
+            # The loop counts a message once it is in the pipe, so a message taken while idle may be counted later:
+            # only a count ahead of ours says that one waits.
+            if self.counters.orders > self.received or not (self.new or self.cancels or self.engine.has_work()):
+                if not self._take(self.inbox.recv()):  # blocks only when idle: a message waits otherwise
                     return
-                if isinstance(message, Sent):
-                    self.unsent -= 1
-                else:
-                    self.new += message.new
-                    self.cancels += message.cancels
+                continue
+            if self.sent - self.counters.published >= MAX_UNSENT_STEPS:
+                self.inbox.poll(ROOM_POLL_S)  # a message (a cancel, Stop) ends the wait at once
+                continue
             new, self.new = self.new, []
             cancels, self.cancels = self.cancels, []
-            self.conn.send(self.stepper.step(new, cancels))
-            self.unsent += 1
+            self.outbox.send(self.stepper.step(new, cancels))
+            self.sent += 1
+
+    def _take(self, message: Work | Stop) -> bool:
+        """Applies one message; False for Stop, which it answers."""
+        self.received += 1
+        if isinstance(message, Stop):
+            not_started = [request.request_id for request in self.new]
+            self.outbox.send(Stopped(unfinished(self.engine.scheduler), not_started))
+            return False
+        self.new += message.new
+        self.cancels += message.cancels
+        return True

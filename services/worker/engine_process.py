@@ -6,9 +6,10 @@ wakes takes the GIL from the engine at its next tensor op; on the demo model tha
 steps back to back while the loop publishes on another core, and a long prefill cannot hold up the loop's
 heartbeats either.
 
-One pipe joins them (engine_protocol.py). The engine process applies what came (requests, cancels) between steps,
-sends each step's StepResult at once and may run MAX_UNSENT_STEPS steps ahead of the loop's Sent replies, so a
-stalled NATS connection stops the model instead of piling up frames. It ignores SIGINT and SIGTERM (the worker
+A pipe each way and two shared counters join them (engine_protocol.py). The engine process applies what came
+(requests, cancels) between steps, sends each step's StepResult at once and may run MAX_UNSENT_STEPS steps ahead of
+what the loop has published, so a stalled NATS connection stops the model instead of piling up frames. One-way
+pipes and counters, not a duplex socket and a reply per step: each step costs the engine one write, no read. It ignores SIGINT and SIGTERM (the worker
 drains it with Stop), dies with the worker process, even by SIGKILL, and is killed by close() when the worker fails.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 
 from shared.config import EngineConfig
-from services.worker.engine_protocol import EngineFailed, EngineReady, Sent, StepResult, Stop, Stopped, Work
+from services.worker.engine_protocol import Counters, EngineFailed, EngineReady, StepResult, Stop, Stopped, Work
 
 log = logging.getLogger("specmesh.worker")
 
@@ -35,27 +36,37 @@ class EngineError(RuntimeError):
 class EngineProcess:
     """The event loop's handle on the engine process: send() messages to it, iterate results() from it."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, config: EngineConfig,
-                 ready: EngineReady) -> None:
+    def __init__(self, process: multiprocessing.process.BaseProcess, inbox: Connection, outbox: Connection,
+                 counters: Counters, config: EngineConfig, ready: EngineReady) -> None:
         self.process = process
         self.config = config
         self.ready = ready
         self.stopped: Stopped | None = None  # the engine's last word, once it stopped
-        self._conn = conn
+        self._inbox = inbox  # our end: we write
+        self._outbox = outbox  # our end: we read
+        self._counters = counters
         self._stopping = False
 
     @classmethod
-    async def start(cls, config: EngineConfig, worker_id: int, torch_threads: int = 0) -> EngineProcess:
-        """Spawns the engine process and returns once its model is loaded and warmed up."""
+    async def start(
+        cls, config: EngineConfig, worker_id: int, torch_threads: int = 0, cpus: frozenset[int] | None = None
+    ) -> EngineProcess:
+        """Spawns the engine process, on `cpus` if given (cpu_affinity.py), and returns once its model is loaded
+        and warmed up."""
         context = multiprocessing.get_context("spawn")  # never fork a process that runs an event loop and threads
-        conn, child_conn = context.Pipe()
+        inbox_read, inbox = context.Pipe(duplex=False)
+        outbox, outbox_write = context.Pipe(duplex=False)
+        counters = Counters(context)
         process = context.Process(
-            target=_engine_main, args=(config, worker_id, torch_threads, child_conn), name=f"specmesh-engine-{worker_id}",
+            target=_engine_main, args=(config, worker_id, torch_threads, cpus, inbox_read, outbox_write, counters),
+            name=f"specmesh-engine-{worker_id}",
         )
         process.start()
-        child_conn.close()  # the child's end lives in the child only: its death is our end-of-file
+        # The child's ends live in the child only: its death is our end-of-file.
+        inbox_read.close()
+        outbox_write.close()
         try:
-            first = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            first = await asyncio.get_running_loop().run_in_executor(None, outbox.recv)
         except EOFError:
             first = None
         except BaseException:  # cancelled while the model loads (SIGTERM): the process must not outlive us
@@ -65,15 +76,20 @@ class EngineProcess:
         if not isinstance(first, EngineReady):
             process.join(JOIN_TIMEOUT_S)
             raise EngineError(_failure(first, process))
-        return cls(process, conn, config, first)
+        return cls(process, inbox, outbox, counters, config, first)
 
-    def send(self, message: Work | Sent | Stop) -> None:
+    def send(self, message: Work | Stop) -> None:
         if self.stopped is not None:
-            return  # it has exited: a late Sent or Work has no one to reach (hand_back settles such requests)
+            return  # it has exited: a late Work has no one to reach (hand_back settles such requests)
         try:
-            self._conn.send(message)
+            self._inbox.send(message)
         except OSError as exc:
             raise EngineError(f"the engine process is gone (exit code {self.process.exitcode})") from exc
+        self._counters.ordered()  # after the message is in the pipe, so the engine never waits for it
+
+    def published(self) -> None:
+        """One more of the engine's step results was sent on: it may run one more step ahead."""
+        self._counters.step_published()
 
     def stop(self) -> None:
         """Asks the engine to stop after its step in progress; results() ends after its last step's result."""
@@ -85,11 +101,11 @@ class EngineProcess:
         """Each step's result in step order, until the engine stopped (then `stopped` holds its last word)."""
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[object] = asyncio.Queue()
-        fd = self._conn.fileno()
+        fd = self._outbox.fileno()
 
         def on_readable() -> None:
             try:
-                arrived.put_nowait(self._conn.recv())
+                arrived.put_nowait(self._outbox.recv())
             except (EOFError, OSError):
                 loop.remove_reader(fd)
                 arrived.put_nowait(None)
@@ -118,18 +134,23 @@ class EngineProcess:
                 log.warning("the engine process did not exit; killing it")
             self.process.kill()
             self.process.join()
-        self._conn.close()
+        self._inbox.close()
+        self._outbox.close()
 
 
 def _failure(message: object, process: multiprocessing.process.BaseProcess) -> str:
     if isinstance(message, EngineFailed):
         return f"the engine process failed:\n{message.error}"
+    process.join(JOIN_TIMEOUT_S)  # its end of the pipe closes before it can be reaped
     return f"the engine process died (exit code {process.exitcode})"
 
 
-def _engine_main(config: EngineConfig, worker_id: int, torch_threads: int, conn: Connection) -> None:
+def _engine_main(
+    config: EngineConfig, worker_id: int, torch_threads: int, cpus: frozenset[int] | None, inbox: Connection,
+    outbox: Connection, counters: Counters,
+) -> None:
     """The spawned process's entry. engine_loop is imported here, in the child: it imports torch and the model,
     which the worker's event loop, importing this module, has no use for."""
     from services.worker.engine_loop import serve
 
-    serve(config, worker_id, torch_threads, conn)
+    serve(config, worker_id, torch_threads, cpus, inbox, outbox, counters)

@@ -1,21 +1,25 @@
-"""The messages between a worker's event loop and its engine process (engine_process.py), both ways over one pipe.
+"""What passes between a worker's event loop and its engine process (engine_process.py): a pipe each way and two
+counters in shared memory.
 
-Loop -> engine: Work (new requests and cancels), Sent (a step's results went out: room for another), Stop.
-Engine -> loop: EngineReady once, then a StepResult per step, then Stopped; EngineFailed instead if it raises.
-Everything here is plain data (pickled over the pipe) and imports no torch, so the event loop's side stays light.
+Loop -> engine (the inbox): Work (new requests and cancels), Stop.
+Engine -> loop (the outbox): EngineReady once, then a StepResult per step, then Stopped; EngineFailed instead if it
+raises. The counters (Counters) spare the engine a system call per step: it reads its inbox only when `orders` says
+a message waits there, and learns from `published` how far the loop has published its steps.
+Everything here is plain data (pickled over the pipes) and imports no torch, so the event loop's side stays light.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from multiprocessing.context import SpawnContext
 
 from shared.schemas import Cancel, ChoiceProgress, SamplingParams, WorkRequest
 from services.worker.fail_reason import FailReason
 
-# Steps taken by the engine process and not yet published by the event loop, the one computing included: with 2 the
-# engine computes step N+1 while step N is published, and waits only when publishing a step takes longer than a step.
-MAX_UNSENT_STEPS = 2
+# Steps taken by the engine process and not yet published by the event loop, the one computing included: the engine
+# computes ahead while the loop publishes, and waits once it is this far ahead (a stalled NATS connection).
+MAX_UNSENT_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,33 @@ class Work:
 
 
 @dataclass(frozen=True)
-class Sent:
-    """One step's results were sent: the engine may run one more step ahead."""
-
-
-@dataclass(frozen=True)
 class Stop:
     """Finish the step in progress, answer Stopped and exit."""
+
+
+class Counters:
+    """Two counters in shared memory, each written by the loop only and read by the engine: `orders`, the messages
+    the loop has put in the engine's inbox, and `published`, the engine steps whose results the loop has sent on.
+    A stale read is harmless: the engine sees a message or some room one step later."""
+
+    ORDERS, PUBLISHED = 0, 1
+
+    def __init__(self, context: SpawnContext) -> None:
+        self._values = context.RawArray("q", 2)  # int64, no lock: one writer each
+
+    @property
+    def orders(self) -> int:
+        return self._values[self.ORDERS]
+
+    @property
+    def published(self) -> int:
+        return self._values[self.PUBLISHED]
+
+    def ordered(self) -> None:
+        self._values[self.ORDERS] += 1
+
+    def step_published(self) -> None:
+        self._values[self.PUBLISHED] += 1
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from shared.frames import frame_kind
 from shared.natsutil import REQUEST_HEARTBEAT_S
 from shared.schemas import Cancel, RequestAddress, WorkRequest
 from services.worker.engine_process import EngineProcess
-from services.worker.engine_protocol import Sent, StepResult, Work
+from services.worker.engine_protocol import StepResult, Work
 from services.worker.fail_reason import FailReason
 from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics
 from services.worker.hand_back import resumed_request
@@ -186,7 +186,7 @@ class QueueWorker:
         """Sends each engine step's results, in step order, until the engine stopped."""
         async for result in self.engine.results():
             await self._send(result)
-            self.engine.send(Sent())
+            self.engine.published()
 
     async def _send(self, result: StepResult) -> None:
         """Publishes a step's frames in order, then acknowledges the requests they finished, then counts."""
