@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import json
 import os
 import subprocess
@@ -59,17 +58,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
-import orjson
 import torch
 
 from benchmarks import shape
 from benchmarks.decode import LOOKUP_TOKENS, SELF_REPEATING_TEXT, hf_decode
+from benchmarks.mesh_client import Stream, first_chunk_tokens, inter_token_gaps, mesh_streams, token_ends
 from benchmarks.methods import GREEDY, load_prompts
 from benchmarks.plot import plot_mesh
 from services.cpu_affinity import format_cpu_list, parse_cpu_list, pin, rest_of_mesh
-from services.detokenizer.incremental import IncrementalDecoder, TokenTable
+from services.detokenizer.incremental import TokenTable
 from services.mesh_process import start_mesh
 from services.worker.engine import Engine, EngineStats
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
@@ -89,15 +87,6 @@ ROUNDS = 3  # timed passes of each side, taking turns
 SPIN_UP_S = 0.2  # for the spinning process to start before the timed pass
 DEFAULT_MAX_TOKENS = 128
 PERCENTILES = (50, 99)
-HTTP_TIMEOUT_S = 600.0
-
-
-@dataclass
-class Stream:
-    """One streamed completion as the client saw it."""
-
-    text: str
-    arrivals: list[tuple[float, int]]  # per SSE chunk: (perf_counter when it arrived, characters of text so far)
 
 
 @dataclass
@@ -192,70 +181,6 @@ def _serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[li
     return outputs
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict) -> Stream:
-    pieces: list[str] = []
-    arrivals: list[tuple[float, int]] = []
-    length = 0
-    async with session.post(url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            at = time.perf_counter()
-            event = orjson.loads(line[len(b"data: "):])
-            if "error" in event:
-                raise RuntimeError(f"the mesh failed a request: {event['error']}")
-            piece = event["choices"][0]["text"]
-            pieces.append(piece)
-            length += len(piece)
-            arrivals.append((at, length))
-    return Stream("".join(pieces), arrivals)
-
-
-async def _mesh_streams(base_url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int):
-    """Every prompt streamed, `streams` at a time; returns the streams and the wall time."""
-    limit = asyncio.Semaphore(streams)
-    url = f"{base_url}/completions"
-    timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def one(ids: list[int]) -> Stream:
-            async with limit:
-                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                        "ignore_eos": True}
-                return await _stream(session, url, body)
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(ids) for ids in prompts))
-        return results, time.perf_counter() - started
-
-
-def token_ends(table: TokenTable, tokens: list[int]) -> tuple[str, list[int]]:
-    """The text of the tokens as the detokenizer renders it, and where each token's text ends in it."""
-    decoded = IncrementalDecoder(table).step(tokens, final=True)
-    return decoded.text, [end for _, end in decoded.spans]
-
-
-def inter_token_gaps(stream: Stream, ends: list[int]) -> list[float]:
-    """Per token after the first chunk: its chunk's gap to the previous chunk that brought tokens, divided by the
-    tokens its chunk brought (the module docstring's definition)."""
-    gaps: list[float] = []
-    seen, previous = 0, None
-    for at, length in stream.arrivals:
-        arrived = bisect.bisect_right(ends, length)
-        if arrived == seen:
-            continue
-        if previous is not None:
-            gaps += [(at - previous) / (arrived - seen)] * (arrived - seen)
-        seen, previous = arrived, at
-    return gaps
-
-
-def first_chunk_tokens(stream: Stream, ends: list[int]) -> int:
-    """Tokens the stream's first chunk brought (found from its text, as inter_token_gaps does)."""
-    return bisect.bisect_right(ends, stream.arrivals[0][1])
-
-
 def transformers_decode(model, prompts: list[list[int]], max_tokens: int, lookup: int | None
                         ) -> tuple[float, list[list[int]]]:
     """transformers' decode tokens/s over the prompts (each generate(N) minus generate(1)), and its tokens: greedy,
@@ -290,7 +215,7 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
                     def mesh_pass() -> tuple[list[Stream], float]:
                         with running_on(rest_cpus):
                             return asyncio.run(
-                                _mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
+                                mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
 
                     for _ in range(UNTIMED_PASSES):
                         in_process()
