@@ -9,8 +9,9 @@ heartbeats either.
 A pipe each way and two shared counters join them (engine_protocol.py). The engine process applies what came
 (requests, cancels) between steps, sends each step's StepResult at once and may run MAX_UNSENT_STEPS steps ahead of
 what the loop has published, so a stalled NATS connection stops the model instead of piling up frames. One-way
-pipes and counters, not a duplex socket and a reply per step: each step costs the engine one write, no read. It ignores SIGINT and SIGTERM (the worker
-drains it with Stop), dies with the worker process, even by SIGKILL, and is killed by close() when the worker fails.
+pipes and counters, not a duplex socket and a reply per step: each step costs the engine one write, no read. It
+ignores SIGINT and SIGTERM (the worker drains it with Stop), dies with the worker process, even by SIGKILL, and is
+killed by close() when the worker fails.
 """
 
 from __future__ import annotations

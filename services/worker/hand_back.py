@@ -22,16 +22,18 @@ def unfinished(scheduler: Scheduler) -> dict[str, Unfinished]:
     for seq in scheduler.running + list(scheduler.waiting):
         if not seq.is_finished:
             pending[seq.request_id].append(seq)
-    return {
-        request_id: Unfinished(
-            progress=tuple(
-                ChoiceProgress(index=s.choice, output_token_ids=tuple(s.output_ids), next_seq_no=s.target_seq_no)
-                for s in sorted(seqs, key=lambda s: s.choice)
-            ),
-            sampling=seqs[0].sampling,
-        )
-        for request_id, seqs in pending.items()
-    }
+    return {request_id: _progress(sorted(seqs, key=lambda s: s.choice)) for request_id, seqs in pending.items()}
+
+
+def _progress(seqs: list[Sequence]) -> Unfinished:
+    """One request's unfinished choices, by choice index; the sampling is its first choice's (with the seed drawn)."""
+    return Unfinished(
+        progress=tuple(
+            ChoiceProgress(index=s.choice, output_token_ids=tuple(s.output_ids), next_seq_no=s.target_seq_no)
+            for s in seqs
+        ),
+        sampling=seqs[0].sampling,
+    )
 
 
 def resumed_request(original: WorkRequest, progress: Unfinished | None) -> WorkRequest:

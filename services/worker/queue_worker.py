@@ -48,7 +48,6 @@ class QueueWorker:
         self.nc = nc
         self.worker_id = worker_id
         self.metrics = metrics
-        self.last_step = 0  # the number of the last engine step published
         self._recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._messages: dict[str, Msg] = {}  # unacknowledged work-queue messages by request id
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
@@ -205,8 +204,6 @@ class QueueWorker:
                 await msg.term()
         if result.finished or result.failed:
             self._acked.set()
-        if result.step:
-            self.last_step = result.step
         self.metrics.observe_gauges(result.gauges)
         if result.stats is not None:
             self.metrics.observe_step(result.stats, result.seconds)
@@ -249,5 +246,5 @@ class QueueWorker:
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1
-        REQUESTS_HANDED_BACK.labels(**self.metrics.labels).inc(handed)
+        self.metrics.child(REQUESTS_HANDED_BACK).inc(handed)
         return handed

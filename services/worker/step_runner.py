@@ -54,10 +54,11 @@ class StepRunner:
             started = time.perf_counter()
             stepped, recovery = self._guard.run(self._engine_step)
             seconds = time.perf_counter() - started
+            outputs: list[SeqOutput] = []
             if stepped is not None:
                 outputs, frames, num_preempted = stepped
                 finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
-                stats = step_stats(outputs)
+            stats = step_stats(outputs)  # a step that failed still counts as a step, with no outputs
             if recovery is not None:
                 failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
                 for request in recovery.resumed:
