@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.engine_process import EngineError, EngineProcess
-from services.worker.engine_protocol import Work
+from services.worker.engine_protocol import Work, encode
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
@@ -63,7 +63,7 @@ async def test_a_message_taken_before_the_loop_counts_it_is_served(tiny_model_di
     wait for the count to catch up (which it would not, were no other message to follow)."""
     engine = await EngineProcess.start(config(tiny_model_dir), WORKER_ID, torch_threads=1)
     served = request(max_tokens=4)
-    engine._inbox.send(Work(new=[served]))  # in the pipe, not yet counted: as between send and ordered()
+    engine._inbox.send_bytes(encode(Work(new=[served])))  # in the pipe, not yet counted: as between send and ordered()
     results = engine.results()
     first = await asyncio.wait_for(anext(results), timeout=RESULT_TIMEOUT_S)
     assert first.step > 0

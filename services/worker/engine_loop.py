@@ -17,7 +17,9 @@ from shared.schemas import Cancel, SamplingParams, WorkRequest
 from services.cpu_affinity import pin
 from services.supervisor import die_with_parent
 from services.worker.engine import Engine
-from services.worker.engine_protocol import MAX_UNSENT_STEPS, Counters, EngineFailed, EngineReady, Stop, Stopped, Work
+from services.worker.engine_protocol import (
+    MAX_UNSENT_STEPS, Counters, EngineFailed, EngineReady, Stop, Stopped, Work, decode, encode,
+)
 from services.worker.hand_back import unfinished
 from services.worker.step_runner import StepRunner
 
@@ -46,14 +48,14 @@ def serve(
         began = time.perf_counter()
         engine = Engine(config)
         warm_up(engine)
-        outbox.send(EngineReady(engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began))
+        outbox.send_bytes(encode(EngineReady(engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began)))
         with torch.inference_mode():
             EngineLoop(engine, worker_id, inbox, outbox, counters).run()
     except (EOFError, BrokenPipeError):
         return  # the worker is gone
     except Exception:  # anything else: the worker must learn why before the process ends
         try:
-            outbox.send(EngineFailed(traceback.format_exc()))
+            outbox.send_bytes(encode(EngineFailed(traceback.format_exc())))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -85,7 +87,7 @@ class EngineLoop:
             # The loop counts a message once it is in the pipe, so a message taken while idle may be counted later:
             # only a count ahead of ours says that one waits.
             if self.counters.orders > self.received or not (self.new or self.cancels or self.engine.has_work()):
-                if not self._take(self.inbox.recv()):  # blocks only when idle: a message waits otherwise
+                if not self._take(decode(self.inbox.recv_bytes())):  # blocks only when idle: a message waits otherwise
                     return
                 continue
             if self.sent - self.counters.published >= MAX_UNSENT_STEPS:
@@ -93,7 +95,7 @@ class EngineLoop:
                 continue
             new, self.new = self.new, []
             cancels, self.cancels = self.cancels, []
-            self.outbox.send(self.stepper.step(new, cancels))
+            self.outbox.send_bytes(encode(self.stepper.step(new, cancels)))
             self.sent += 1
 
     def _take(self, message: Work | Stop) -> bool:
@@ -101,7 +103,7 @@ class EngineLoop:
         self.received += 1
         if isinstance(message, Stop):
             not_started = [request.request_id for request in self.new]
-            self.outbox.send(Stopped(unfinished(self.engine.scheduler), not_started))
+            self.outbox.send_bytes(encode(Stopped(unfinished(self.engine.scheduler), not_started)))
             return False
         self.new += message.new
         self.cancels += message.cancels

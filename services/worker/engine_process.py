@@ -23,7 +23,9 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 
 from shared.config import EngineConfig
-from services.worker.engine_protocol import Counters, EngineFailed, EngineReady, StepResult, Stop, Stopped, Work
+from services.worker.engine_protocol import (
+    Counters, EngineFailed, EngineReady, StepResult, Stop, Stopped, Work, decode, encode,
+)
 
 log = logging.getLogger("specmesh.worker")
 
@@ -67,7 +69,7 @@ class EngineProcess:
         inbox_read.close()
         outbox_write.close()
         try:
-            first = await asyncio.get_running_loop().run_in_executor(None, outbox.recv)
+            first = decode(await asyncio.get_running_loop().run_in_executor(None, outbox.recv_bytes))
         except EOFError:
             first = None
         except BaseException:  # cancelled while the model loads (SIGTERM): the process must not outlive us
@@ -83,7 +85,7 @@ class EngineProcess:
         if self.stopped is not None:
             return  # it has exited: a late Work has no one to reach (hand_back settles such requests)
         try:
-            self._inbox.send(message)
+            self._inbox.send_bytes(encode(message))
         except OSError as exc:
             raise EngineError(f"the engine process is gone (exit code {self.process.exitcode})") from exc
         self._counters.ordered()  # after the message is in the pipe, so the engine never waits for it
@@ -106,7 +108,7 @@ class EngineProcess:
 
         def on_readable() -> None:
             try:
-                arrived.put_nowait(self._outbox.recv())
+                arrived.put_nowait(decode(self._outbox.recv_bytes()))
             except (EOFError, OSError):
                 loop.remove_reader(fd)
                 arrived.put_nowait(None)

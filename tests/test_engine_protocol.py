@@ -1,0 +1,48 @@
+"""The pipe messages between the worker's event loop and its engine process survive encode() and decode() whole."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from services.worker.engine_protocol import (
+    EngineFailed, Gauges, StepResult, StepStats, Stop, Stopped, Unfinished, Work, decode, encode,
+)
+from services.worker.fail_reason import FailReason
+from shared.schemas import Cancel, ChoiceProgress, SamplingParams
+
+STATS = StepStats(
+    batch_size=3, emitted=7, finished=Counter(stop=1, length=2), drafted_at=[3, 2], accepted_at=[2, 1],
+    acceptance_lengths=[3, 2, 1],
+)
+
+
+@pytest.mark.parametrize("result", [
+    StepResult(
+        step=12, frames=[("detok-a", b"\x01frame"), ("detok-b", b"")], finished=["r1"], gauges=Gauges(2, 1, 0.25),
+        stats=STATS, seconds=0.004, num_preempted=1, failed=[("r2", FailReason.ENGINE_ERROR)],
+    ),
+    StepResult(step=0, frames=[], finished=[], gauges=Gauges(0, 0, 0.0), stats=None, seconds=None),
+], ids=["stepped", "refusals only"])
+def test_step_result_round_trip(result: StepResult) -> None:
+    back = decode(encode(result))
+    assert back == result
+    assert all(type(reason) is FailReason for _, reason in back.failed)
+    assert back.stats is None or type(back.stats.finished) is Counter
+
+
+def test_step_result_goes_as_builtins() -> None:
+    """Its wire form names no class: pickling one is what the engine pays every step."""
+    result = StepResult(1, [("d", b"x")], [], Gauges(1, 0, 0.5), STATS, 0.002)
+    assert b"StepResult" not in encode(result) and b"StepStats" not in encode(result)
+
+
+@pytest.mark.parametrize("message", [
+    Work(new=[], cancels=[Cancel(request_id="a" * 32, reason="stop_string")]),
+    Stop(),
+    Stopped({"r": Unfinished((ChoiceProgress(index=0),), SamplingParams(seed=3))}, ["s"]),
+    EngineFailed("Traceback ..."),
+])
+def test_other_messages_round_trip(message: object) -> None:
+    assert decode(encode(message)) == message
