@@ -16,6 +16,7 @@ bytes. Decoding is zero-copy: the arrays of a `Frame` are views into the receive
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import time
 import uuid
@@ -148,6 +149,9 @@ class Frame:
             start = end
 
 
+# A running request's id is packed into a record every step: parsed once (UUID's parser is a page of Python, and
+# after a model step it runs with cold caches), then looked up.
+@functools.lru_cache(maxsize=4096)
 def request_id_to_bytes(request_id: str) -> bytes:
     return uuid.UUID(hex=request_id).bytes
 

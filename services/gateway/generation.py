@@ -93,7 +93,7 @@ class Generator:
         check_speculative(body, self._server_drafts)
         check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         gens = []
-        for prompt_ids in await asyncio.to_thread(self._prompts, body):
+        for prompt_ids in await self._prompts_off_loop(body):
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens), started))
@@ -123,6 +123,14 @@ class Generator:
                         await asyncio.shield(self._cancel_all(held, reason))
         finally:
             metrics.IN_FLIGHT.dec()
+
+    async def _prompts_off_loop(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+        """The prompts' token ids, computed on a thread where there is text to render or tokenize (a long one would
+        hold up every stream of this gateway). Token ids only need checking: a thread hop would cost such a request
+        more than the check (130 us on the 2-core CPU, paid before the request is queued)."""
+        if isinstance(body, CompletionRequest) and not any(isinstance(prompt, str) for prompt in body.prompt):
+            return self._prompts(body)
+        return await asyncio.to_thread(self._prompts, body)
 
     def _prompts(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt: a chat's one rendered conversation, or each prompt of a completion."""

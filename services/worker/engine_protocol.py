@@ -12,7 +12,6 @@ loop's side stays light.
 from __future__ import annotations
 
 import pickle
-from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnContext
 
@@ -86,7 +85,7 @@ class StepStats:
 
     batch_size: int = 0  # sequences that produced output
     emitted: int = 0  # tokens emitted, accepted drafts included
-    finished: Counter[str] = field(default_factory=Counter)  # finish reason -> sequences
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> sequences
     drafted_at: list[int] = field(default_factory=list)  # per draft position: sequences that verified a draft there
     accepted_at: list[int] = field(default_factory=list)  # per draft position: of those, accepted
     acceptance_lengths: list[int] = field(default_factory=list)  # per sequence that verified drafts: 1 + accepted
@@ -114,7 +113,7 @@ class StepResult:
         return (
             self.step, self.frames, self.finished, (gauges.running, gauges.waiting, gauges.kv_usage),
             None if stats is None else (
-                stats.batch_size, stats.emitted, dict(stats.finished), stats.drafted_at, stats.accepted_at,
+                stats.batch_size, stats.emitted, stats.finished, stats.drafted_at, stats.accepted_at,
                 stats.acceptance_lengths,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
@@ -125,7 +124,7 @@ class StepResult:
         step, frames, finished, gauges, stats, seconds, num_preempted, failed = wire
         if stats is not None:
             batch_size, emitted, finished_by_reason, drafted_at, accepted_at, acceptance_lengths = stats
-            stats = StepStats(batch_size, emitted, Counter(finished_by_reason), drafted_at, accepted_at, acceptance_lengths)
+            stats = StepStats(batch_size, emitted, finished_by_reason, drafted_at, accepted_at, acceptance_lengths)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
             [(request_id, FailReason(reason)) for request_id, reason in failed],

@@ -121,7 +121,8 @@ def step_stats(outputs: list[SeqOutput]) -> StepStats:
     stats = StepStats(batch_size=len(outputs), emitted=sum(len(out.tokens) for out in outputs))
     for out in outputs:
         if out.seq.is_finished:
-            stats.finished[out.finish_reason.name.lower()] += 1
+            reason = out.finish_reason.name.lower()
+            stats.finished[reason] = stats.finished.get(reason, 0) + 1
         if not out.draft_tokens:
             continue
         stats.acceptance_lengths.append(out.num_accepted + 1)
