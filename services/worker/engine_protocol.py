@@ -105,7 +105,6 @@ class StepResult:
     # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
     failed: list[tuple[str, FailReason]] = field(default_factory=list)
 
-
     def to_wire(self) -> tuple:
         """The result as nested tuples of builtins (decode() takes it back): pickled in a few microseconds, where
         the dataclasses took 40-50 in the engine process after a step, one of its largest costs besides the model."""
