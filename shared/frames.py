@@ -62,6 +62,7 @@ RECORD = np.dtype(
     ]
 )
 assert HEADER.itemsize == 32 and RECORD.itemsize == 32
+KIND_OFFSET = HEADER.fields["kind"][1]  # where a frame's kind byte lies: frame_kind reads it alone
 # HEADER and RECORD as struct formats: the encoder packs and the decoder reads a header with one call each, instead
 # of numpy's cost per structured array (a third of a frame's encoding time, paid by the engine every step).
 HEADER_STRUCT = struct.Struct("<IHBBIIQQ")
@@ -235,7 +236,7 @@ class FrameBuilder:
 
 def frame_kind(buf: bytes | memoryview) -> FrameKind:
     """The kind of a frame this process encoded, read from its header without decoding the rest."""
-    return FrameKind(buf[HEADER.fields["kind"][1]])
+    return FrameKind(buf[KIND_OFFSET])
 
 
 def decode(buf: bytes | memoryview) -> Frame:
