@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.worker.engine_protocol import (
@@ -30,9 +32,13 @@ def test_step_result_round_trip(result: StepResult) -> None:
 
 
 def test_step_result_goes_as_builtins() -> None:
-    """Its wire form names no class: pickling one is what the engine pays every step."""
+    """Its wire form names no class: pickling one is what the engine pays every step. It carries every field, so a
+    field added to StepResult or StepStats must be added to to_wire and from_wire too."""
     result = StepResult(1, [("d", b"x")], [], Gauges(1, 0, 0.5), STATS, 0.002)
+    wire = result.to_wire()
     assert b"StepResult" not in encode(result) and b"StepStats" not in encode(result)
+    assert len(wire) == len(dataclasses.fields(StepResult))
+    assert len(wire[4]) == len(dataclasses.fields(StepStats)) and len(wire[3]) == len(dataclasses.fields(Gauges))
 
 
 @pytest.mark.parametrize("message", [
