@@ -25,8 +25,9 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   pass at 1.5 and 3 ms a step twenty minutes apart); taking turns puts the drift on both sides alike.
 - engine beside a busy core: each round also times the engine while a process spins on another core. The mesh
   must run its other processes (NATS, gateway, detokenizer, the worker's event loop, the client) on the other
-  cores; on a 2-core virtual machine a core's work slows its neighbour's (seen here: 12-22% with a spinning loop,
-  shared host core or clock), so this figure is what any mesh of processes could reach there.
+  cores; on some 2-core virtual machines a core's work slows its neighbour's (seen on one: 12-22% with a spinning
+  loop, shared host core or clock; on another, nothing measurable), and there this figure is what any mesh of
+  processes could reach.
 - --engine-cpus (`specmesh up --engine-cpus`, services/cpu_affinity.py): the mesh's engines run on these CPUs and
   its other processes on the rest; the in-process engine and transformers run on the same CPUs, and this client
   and the spinning process on the rest.

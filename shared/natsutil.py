@@ -25,7 +25,7 @@ PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refu
 STREAM_NAME_IN_USE = 10058
 # How long a work-queue message stays with a worker that has gone silent: a dead worker's requests go to another worker
 # this long after its last heartbeat (in_progress, every REQUEST_HEARTBEAT_S; the heartbeat runs on the worker's event
-# loop, beside the engine thread, so a long step does not hold it up). An existing consumer takes it at start-up.
+# loop, apart from the engine process, so a long step does not hold it up). An existing consumer takes it at start-up.
 REQUEST_ACK_WAIT_S = 2.5
 REQUEST_HEARTBEAT_S = REQUEST_ACK_WAIT_S / 5  # four heartbeats may go astray before a live worker loses a request
 # Deliveries of one work-queue message before JetStream gives up on it (services/worker/dead_letters.py). A worker

@@ -48,7 +48,7 @@ class Recovery:
 
 
 class StepGuard(Generic[R]):
-    """Admits requests into the engine and runs its steps; engine thread only."""
+    """Admits requests into the engine and runs its steps; engine process only."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
