@@ -19,10 +19,12 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   the tokens after the first over the time from the first token to the last (the rate once prefill is done,
   comparable with benchmarks/decode.py's transformers figures at the same context), averaged over the streams.
 - engine and mesh take turns: per run, each serves the requests once untimed (first-use costs such as Triton
-  compiling kernels for new shapes are paid then), then --rounds timed passes alternate engine, mesh, engine, mesh...
-  (the engine while the mesh idles), and each figure is the median of its rounds, mesh / engine the median of the
-  rounds' ratios. A shared machine's speed drifts by tens of percent within minutes (seen here: the same engine
-  pass at 1.5 and 3 ms a step twenty minutes apart); taking turns puts the drift on both sides alike.
+  compiling kernels for new shapes are paid then), then each of --rounds rounds times the engine, the mesh and the
+  engine again (the engine while the mesh idles). Each figure is the median of its passes; a round's mesh / engine
+  is its mesh pass over the mean of the two engine passes around it, and the row's the median of the rounds'. A
+  shared machine's speed drifts by tens of percent within minutes (seen here: the same engine pass at 1.5 and 3 ms
+  a step twenty minutes apart, and 10% from one pass to the next); engine passes on both sides of each mesh pass
+  cancel a drift that is steady over the round.
 - engine beside a busy core: each round also times the engine while a process spins on another core. The mesh
   must run its other processes (NATS, gateway, detokenizer, the worker's event loop, the client) on the other
   cores; on some 2-core virtual machines a core's work slows its neighbour's (seen on one: 12-22% with a spinning
@@ -103,6 +105,7 @@ class Row:
     engine_beside_busy_core_tokens_per_s: float | None = None
     mesh_tokens_per_s: float | None = None
     mesh_over_engine: float | None = None
+    mesh_over_engine_rounds: list[float] = field(default_factory=list)  # each round's, in order
     mesh_itl_p50_ms: float | None = None
     mesh_itl_p99_ms: float | None = None
     mesh_decode_tokens_per_s: float | None = None
@@ -224,10 +227,11 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
                     engine_passes, busy_passes, mesh_passes, hf_rates = [], [], [], []
                     lookup = LOOKUP_TOKENS if METHODS[name]["method"] == "ngram" else None
                     for _ in range(args.rounds):
-                        engine_passes.append(in_process())
+                        before = in_process()
+                        mesh_passes.append(mesh_pass())
+                        engine_passes.append((before, in_process()))
                         with busy_core(rest_cpus):
                             busy_passes.append(in_process())
-                        mesh_passes.append(mesh_pass())
                         if streams == 1:
                             with running_on(engine_cpus):
                                 rate, hf_outputs = transformers_decode(hf_model, prompts, args.max_tokens, lookup)
@@ -246,8 +250,11 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
     return rows, mismatches
 
 
-def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EnginePass],
+def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePass, EnginePass]],
          mesh_passes: list[tuple[list[Stream], float]], table: TokenTable) -> Row:
+    """rounds: per round, the engine's passes before and after its mesh pass."""
+    bracketing = [(before.tokens_per_s + after.tokens_per_s) / 2 for before, after in rounds]
+    engine_passes = [p for pair in rounds for p in pair]
     outputs = engine_passes[0].outputs
     num_tokens = sum(map(len, outputs))
     ends = [token_ends(table, tokens) for tokens in outputs]
@@ -264,15 +271,16 @@ def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EngineP
                 decode_rates.append((len(tokens) - first_chunk_tokens(stream, token_end)) / (last - first))
     engine_rates = [p.tokens_per_s for p in engine_passes]
     mesh_rates = [num_tokens / seconds for _, seconds in mesh_passes]
+    ratios = [m / e for m, e in zip(mesh_rates, bracketing)]
     stats = engine_passes[0].stats
     itl_p50, itl_p99 = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
     return Row(
-        prompts=prompts_name, method=name, streams=streams, requests=len(outputs), rounds=len(engine_passes),
+        prompts=prompts_name, method=name, streams=streams, requests=len(outputs), rounds=len(mesh_passes),
         engine_tokens_per_s=float(np.median(engine_rates)),
         engine_mean_step_ms=float(np.median([p.mean_step_ms for p in engine_passes])),
         mean_acceptance_length=stats.mean_acceptance_length if stats.num_drafts else None,
         mesh_tokens_per_s=float(np.median(mesh_rates)),
-        mesh_over_engine=float(np.median([m / e for m, e in zip(mesh_rates, engine_rates)])),
+        mesh_over_engine=float(np.median(ratios)), mesh_over_engine_rounds=ratios,
         mesh_itl_p50_ms=itl_p50, mesh_itl_p99_ms=itl_p99,
         mesh_decode_tokens_per_s=float(np.mean(decode_rates)) if decode_rates else None,
         outputs=outputs, mismatched=sorted(mismatched),

@@ -68,6 +68,8 @@ KIND_OFFSET = HEADER.fields["kind"][1]  # where a frame's kind byte lies: frame_
 HEADER_STRUCT = struct.Struct("<IHBBIIQQ")
 RECORD_STRUCT = struct.Struct("<16sIIHHBBH")
 assert HEADER_STRUCT.size == HEADER.itemsize and RECORD_STRUCT.size == RECORD.itemsize
+I32 = np.dtype("<i4")  # token ids and ranks on the wire
+F32 = np.dtype("<f4")  # logprobs on the wire
 
 
 class FrameKind(enum.IntEnum):
@@ -206,9 +208,9 @@ class FrameBuilder:
             request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, status, finish_reason, choice
         ))
         # Row-major bytes of each record's rows: joined, they are the frame's [num_tokens, num_slots] arrays.
-        self._token_ids.append(np.asarray(token_ids, dtype="<i4").tobytes())
-        self._logprobs.append(np.asarray(logprobs, dtype="<f4").tobytes())
-        self._ranks.append(np.asarray(ranks, dtype="<i4").tobytes())
+        self._token_ids.append(_wire_bytes(token_ids, I32))
+        self._logprobs.append(_wire_bytes(logprobs, F32))
+        self._ranks.append(_wire_bytes(ranks, I32))
 
     def add_status(
         self,
@@ -232,6 +234,13 @@ class FrameBuilder:
             MAGIC, VERSION, self.kind, self.top_k, self.worker_id, len(self._records), self.step, time.time_ns() // 1000
         )
         return b"".join([header, *self._records, *self._token_ids, *self._logprobs, *self._ranks])
+
+
+def _wire_bytes(array: np.ndarray, dtype: np.dtype) -> bytes:
+    # The engine's arrays have the wire's dtype already: tobytes() alone, without asarray's conversion machinery.
+    if type(array) is np.ndarray and array.dtype == dtype:
+        return array.tobytes()
+    return np.asarray(array, dtype=dtype).tobytes()
 
 
 def frame_kind(buf: bytes | memoryview) -> FrameKind:

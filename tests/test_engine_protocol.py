@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from services.worker.engine_protocol import (
-    EngineFailed, Gauges, StepResult, StepStats, Stop, Stopped, Unfinished, Work, decode, encode,
+    PICKLE_PROTO, EngineFailed, Gauges, StepResult, StepStats, Stop, Stopped, Unfinished, Work, decode, encode,
 )
 from services.worker.fail_reason import FailReason
 from shared.schemas import Cancel, ChoiceProgress, SamplingParams
@@ -39,6 +39,13 @@ def test_step_result_goes_as_builtins() -> None:
     assert b"StepResult" not in encode(result) and b"StepStats" not in encode(result)
     assert len(wire) == len(dataclasses.fields(StepResult))
     assert len(wire[4]) == len(dataclasses.fields(StepStats)) and len(wire[3]) == len(dataclasses.fields(Gauges))
+
+
+def test_wire_formats_are_told_apart() -> None:
+    """decode() reads a StepResult's marshal bytes and every other message's pickle by their first byte."""
+    result = StepResult(3, [], [], Gauges(0, 0, 0.0), None, None)
+    assert encode(result)[0] != PICKLE_PROTO
+    assert all(encode(message)[0] == PICKLE_PROTO for message in (Stop(), Work(), EngineFailed("x")))
 
 
 @pytest.mark.parametrize("message", [

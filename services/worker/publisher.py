@@ -30,10 +30,12 @@ def step_frames(
     continue, so the record count stays gapless while it waits to be recomputed."""
     top_k = max((o.target.token_ids.shape[1] - 1 for o in outputs), default=0)
     target = FrameBuilder(FrameKind.TARGET, worker_id, step, top_k)
-    draft = FrameBuilder(FrameKind.DRAFT, worker_id, step, top_k)
+    draft = None  # built for the first record that has drafts: most steps of most requests have none to report
     for out in outputs:
         seq = out.seq
         if out.draft is not None:
+            if draft is None:
+                draft = FrameBuilder(FrameKind.DRAFT, worker_id, step, top_k)
             draft.add(
                 seq.request_id,
                 seq_no=seq.draft_seq_no,
@@ -64,7 +66,7 @@ def step_frames(
             choice=seq.choice,
         )
         seq.target_seq_no += 1
-    return prompt_frames(outputs, worker_id, step) + [b.encode() for b in (draft, target) if len(b)]
+    return prompt_frames(outputs, worker_id, step) + [b.encode() for b in (draft, target) if b is not None and len(b)]
 
 
 def prompt_rows_per_frame(top_k: int, max_bytes: int = MAX_PROMPT_FRAME_BYTES) -> int:
