@@ -15,9 +15,11 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
 - mesh: `specmesh up` (NATS, gateway, worker, detokenizer as processes; one mesh per method, its
   max_num_seqs the largest --streams), driven by a light SSE client (aiohttp, not the openai client, whose parsing
   would take CPU time from the mesh on a small machine) that keeps `streams` streaming completions in flight;
-  tokens/s = tokens / wall time from the first request to the last stream's end; decode tokens/s = per stream,
-  the tokens after the first over the time from the first token to the last (the rate once prefill is done,
-  comparable with benchmarks/decode.py's transformers figures at the same context), averaged over the streams.
+  tokens/s = tokens / wall time from the first request to the last stream's end; decode tokens/s = the tokens after
+  each stream's first chunk over the time from its first chunk to its last, summed over the streams (the rate once
+  prefill is done, comparable with benchmarks/decode.py's transformers figures at the same context). Sums, not a
+  mean of per-stream rates: a client that falls behind reads many tokens in its first chunk, and that stream's own
+  rate (the few tokens left over a few milliseconds) would swamp the mean.
 - engine and mesh take turns: per run, each serves the requests once untimed (first-use costs such as Triton
   compiling kernels for new shapes are paid then), then each of --rounds rounds times the engine, the mesh and the
   engine again (the engine while the mesh idles). Each figure is the median of its passes; a round's mesh / engine
@@ -106,6 +108,7 @@ class Row:
     mesh_tokens_per_s: float | None = None
     mesh_over_engine: float | None = None
     mesh_over_engine_rounds: list[float] = field(default_factory=list)  # each round's, in order
+    engine_tokens_per_s_rounds: list[tuple[float, float]] = field(default_factory=list)  # before and after its mesh pass
     mesh_itl_p50_ms: float | None = None
     mesh_itl_p99_ms: float | None = None
     mesh_decode_tokens_per_s: float | None = None
@@ -259,7 +262,7 @@ def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePa
     num_tokens = sum(map(len, outputs))
     ends = [token_ends(table, tokens) for tokens in outputs]
     gaps: list[float] = []
-    decode_rates: list[float] = []
+    decode_tokens, decode_seconds = 0, 0.0
     mismatched: set[int] = set()
     for streamed, _ in mesh_passes:
         for i, (stream, tokens, (text, token_end)) in enumerate(zip(streamed, outputs, ends)):
@@ -268,7 +271,8 @@ def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePa
             gaps += inter_token_gaps(stream, token_end)
             (first, _), (last, _) = stream.arrivals[0], stream.arrivals[-1]
             if last > first:
-                decode_rates.append((len(tokens) - first_chunk_tokens(stream, token_end)) / (last - first))
+                decode_tokens += len(tokens) - first_chunk_tokens(stream, token_end)
+                decode_seconds += last - first
     engine_rates = [p.tokens_per_s for p in engine_passes]
     mesh_rates = [num_tokens / seconds for _, seconds in mesh_passes]
     ratios = [m / e for m, e in zip(mesh_rates, bracketing)]
@@ -281,8 +285,9 @@ def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePa
         mean_acceptance_length=stats.mean_acceptance_length if stats.num_drafts else None,
         mesh_tokens_per_s=float(np.median(mesh_rates)),
         mesh_over_engine=float(np.median(ratios)), mesh_over_engine_rounds=ratios,
+        engine_tokens_per_s_rounds=[(before.tokens_per_s, after.tokens_per_s) for before, after in rounds],
         mesh_itl_p50_ms=itl_p50, mesh_itl_p99_ms=itl_p99,
-        mesh_decode_tokens_per_s=float(np.mean(decode_rates)) if decode_rates else None,
+        mesh_decode_tokens_per_s=decode_tokens / decode_seconds if decode_seconds else None,
         outputs=outputs, mismatched=sorted(mismatched),
     )
 
