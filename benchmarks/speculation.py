@@ -21,13 +21,15 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   mean of per-stream rates: a client that falls behind reads many tokens in its first chunk, and that stream's own
   rate (the few tokens left over a few milliseconds) would swamp the mean.
 - engine and mesh take turns: per run, each serves the requests once untimed (first-use costs such as Triton
-  compiling kernels for new shapes are paid then), then each of --rounds rounds times the engine, the mesh and the
-  engine again (the engine while the mesh idles). Each figure is the median of its passes; a round's mesh / engine
-  is its mesh pass over the mean of the two engine passes around it, and the row's the median of the rounds'. A
-  shared machine's speed drifts by tens of percent within minutes (seen here: the same engine pass at 1.5 and 3 ms
-  a step twenty minutes apart, and 10% from one pass to the next); engine passes on both sides of each mesh pass
-  cancel a drift that is steady over the round.
-- engine beside a busy core: each round also times the engine while a process spins on another core. The mesh
+  compiling kernels for new shapes are paid then), then --rounds timed mesh passes alternate with --rounds + 1
+  engine passes (engine, mesh, engine, ..., mesh, engine; the engine while the mesh idles, nothing else between
+  them). Each figure is the median of its passes; a mesh pass's mesh / engine is its rate over the mean of the two
+  engine passes around it, and the row's the median of those. A shared machine's speed drifts by tens of percent
+  within minutes (seen here: the same engine pass at 1.5 and 3 ms a step twenty minutes apart, and 10% from one
+  pass to the next); engine passes on both sides of each mesh pass cancel a drift that is steady over the two.
+  The engine beside a busy core and transformers are timed after, so that no pass of theirs (transformers runs in
+  this process, its memory beside the engine's) comes between an engine pass and its mesh pass.
+- engine beside a busy core: --rounds passes of the engine while a process spins on another core. The mesh
   must run its other processes (NATS, gateway, detokenizer, the worker's event loop, the client) on the other
   cores; on some 2-core virtual machines a core's work slows its neighbour's (seen on one: 12-22% with a spinning
   loop, shared host core or clock; on another, nothing measurable), and there this figure is what any mesh of
@@ -35,7 +37,7 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
 - --engine-cpus (`specmesh up --engine-cpus`, services/cpu_affinity.py): the mesh's engines run on these CPUs and
   its other processes on the rest; the in-process engine and transformers run on the same CPUs, and this client
   and the spinning process on the rest.
-- transformers (rows of one stream): each round also times transformers `generate` on the same prompts, greedy
+- transformers (rows of one stream): --rounds passes of transformers `generate` on the same prompts, greedy
   beside naive and prompt lookup with ngram's k beside ngram; its decode rate (tokens after the first over
   generate(N) minus generate(1), as benchmarks/decode.py) is comparable with the mesh's decode rate.
 - inter-token latency (mesh): a chunk that brings n tokens brings them at once, so each of its tokens counts once
@@ -108,7 +110,7 @@ class Row:
     mesh_tokens_per_s: float | None = None
     mesh_over_engine: float | None = None
     mesh_over_engine_rounds: list[float] = field(default_factory=list)  # each round's, in order
-    engine_tokens_per_s_rounds: list[tuple[float, float]] = field(default_factory=list)  # before and after its mesh pass
+    engine_tokens_per_s_passes: list[float] = field(default_factory=list)  # in order, around the mesh's passes
     mesh_itl_p50_ms: float | None = None
     mesh_itl_p99_ms: float | None = None
     mesh_decode_tokens_per_s: float | None = None
@@ -227,12 +229,14 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
                     for _ in range(UNTIMED_PASSES):
                         in_process()
                         mesh_pass()
-                    engine_passes, busy_passes, mesh_passes, hf_rates = [], [], [], []
+                    # Engine and mesh alternate with nothing else between them; the other passes come after.
+                    engine_passes, mesh_passes = [in_process()], []
+                    for _ in range(args.rounds):
+                        mesh_passes.append(mesh_pass())
+                        engine_passes.append(in_process())
+                    busy_passes, hf_rates = [], []
                     lookup = LOOKUP_TOKENS if METHODS[name]["method"] == "ngram" else None
                     for _ in range(args.rounds):
-                        before = in_process()
-                        mesh_passes.append(mesh_pass())
-                        engine_passes.append((before, in_process()))
                         with busy_core(rest_cpus):
                             busy_passes.append(in_process())
                         if streams == 1:
@@ -253,11 +257,11 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
     return rows, mismatches
 
 
-def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePass, EnginePass]],
+def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EnginePass],
          mesh_passes: list[tuple[list[Stream], float]], table: TokenTable) -> Row:
-    """rounds: per round, the engine's passes before and after its mesh pass."""
-    bracketing = [(before.tokens_per_s + after.tokens_per_s) / 2 for before, after in rounds]
-    engine_passes = [p for pair in rounds for p in pair]
+    """engine_passes: one more than mesh_passes, mesh pass i between engine passes i and i + 1."""
+    engine_rates = [p.tokens_per_s for p in engine_passes]
+    bracketing = [(before + after) / 2 for before, after in zip(engine_rates, engine_rates[1:])]
     outputs = engine_passes[0].outputs
     num_tokens = sum(map(len, outputs))
     ends = [token_ends(table, tokens) for tokens in outputs]
@@ -273,7 +277,6 @@ def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePa
             if last > first:
                 decode_tokens += len(tokens) - first_chunk_tokens(stream, token_end)
                 decode_seconds += last - first
-    engine_rates = [p.tokens_per_s for p in engine_passes]
     mesh_rates = [num_tokens / seconds for _, seconds in mesh_passes]
     ratios = [m / e for m, e in zip(mesh_rates, bracketing)]
     stats = engine_passes[0].stats
@@ -285,7 +288,7 @@ def _row(prompts_name: str, name: str, streams: int, rounds: list[tuple[EnginePa
         mean_acceptance_length=stats.mean_acceptance_length if stats.num_drafts else None,
         mesh_tokens_per_s=float(np.median(mesh_rates)),
         mesh_over_engine=float(np.median(ratios)), mesh_over_engine_rounds=ratios,
-        engine_tokens_per_s_rounds=[(before.tokens_per_s, after.tokens_per_s) for before, after in rounds],
+        engine_tokens_per_s_passes=engine_rates,
         mesh_itl_p50_ms=itl_p50, mesh_itl_p99_ms=itl_p99,
         mesh_decode_tokens_per_s=decode_tokens / decode_seconds if decode_seconds else None,
         outputs=outputs, mismatched=sorted(mismatched),
