@@ -32,8 +32,9 @@ def test_step_result_round_trip(result: StepResult) -> None:
 
 
 def test_step_result_goes_as_builtins() -> None:
-    """Its wire form names no class: pickling one is what the engine pays every step. It carries every field, so a
-    field added to StepResult or StepStats must be added to to_wire and from_wire too."""
+    """Its wire form names no class (marshal, which encodes it, takes builtins only): encoding one is what the engine
+    pays every step. It carries every field, so a field added to StepResult or StepStats must be added to to_wire and
+    from_wire too."""
     result = StepResult(1, [("d", b"x")], [], Gauges(1, 0, 0.5), STATS, 0.002)
     wire = result.to_wire()
     assert b"StepResult" not in encode(result) and b"StepStats" not in encode(result)
