@@ -2,7 +2,9 @@
 above acceptance by draft position (one panel per temperature, counts pooled over batches). benchmarks/speculation.py
 (`plot_mesh`): engine and mesh tokens/s by streams above the mesh's inter-token latency beside the engine's step time
 (one column per prompt set). benchmarks/gpu.py (`plot_gpu`): tokens/s by batch per shape beside transformers and the
-weight-read floor, above batch-1 ms/step (one column per context).
+weight-read floor, above batch-1 ms/step (one column per context). benchmarks/defaults.py (`plot_defaults`): aiperf's
+output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone, one beside a busy
+process).
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -10,15 +12,34 @@ weight-read floor, above batch-1 ms/step (one column per context).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")  # files only: benchmarks run on machines without a display
+    matplotlib.use("Agg")  # files only: benchmarks run on machines without a display
+    import matplotlib.pyplot as plt
+except ModuleNotFoundError:  # a lent GPU machine's image may lack it: the JSON still carries every figure
+    plt = None
 
-import matplotlib.pyplot as plt  # noqa: E402
+
+def drawing(draw: Callable[[dict, Path], None]) -> Callable[[dict, Path], None]:
+    """A plot function that says so on stderr, and draws nothing, where matplotlib is not installed."""
+
+    @functools.wraps(draw)
+    def draw_if_possible(report: dict, path: Path) -> None:
+        if plt is None:
+            print(f"matplotlib is not installed: {path} not drawn", file=sys.stderr)
+            return
+        draw(report, path)
+
+    return draw_if_possible
+
 
 BASELINE = "naive"  # the dashed line: what a busy worker must not fall below
 BAR_GROUP_WIDTH = 0.8  # fraction of a method's slot that its batch bars fill
@@ -68,6 +89,7 @@ def _per_position(ax: plt.Axes, runs: list[dict], temperature: float, colors: di
     ax.legend()
 
 
+@drawing
 def plot(report: dict, path: Path) -> None:
     """Draws report (the JSON benchmarks/methods.py writes) into the PNG at path."""
     runs = report["runs"]
@@ -99,6 +121,7 @@ def _by_streams(ax: plt.Axes, runs: list[dict], lines: dict[str, tuple[str, str]
     ax.legend(fontsize="small")
 
 
+@drawing
 def plot_mesh(report: dict, path: Path) -> None:
     """Draws report (the JSON benchmarks/speculation.py writes) into the PNG at path."""
     runs = report["rows"]
@@ -129,6 +152,7 @@ def plot_mesh(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@drawing
 def plot_gpu(report: dict, path: Path) -> None:
     """Draws report (the JSON benchmarks/gpu.py writes) into the PNG at path: per context, tokens/s by batch (one
     colour per shape: specmesh solid, transformers dashed, the weight-read floor a star at batch 1) above batch-1
@@ -167,6 +191,35 @@ def plot_gpu(report: dict, path: Path) -> None:
         bottom.legend(fontsize="small")
     fig.suptitle(f"plain greedy decoding, {report['dtype']} on {report['device_name']}; transformers: "
                  f"{report['transformers_mode']}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+@drawing
+def plot_defaults(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/defaults.py writes) into the PNG at path: per configuration, bars by
+    concurrency of aiperf's output tokens/s above its average inter-token latency; left alone, right beside a busy
+    process."""
+    rows = report["rows"]
+    configs = list(report["configs"])
+    levels = sorted({r["concurrency"] for r in rows})
+    width = BAR_GROUP_WIDTH / len(levels)
+    fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE, squeeze=False)
+    for col, busy in enumerate((False, True)):
+        for ax, figure, label in ((axes[0][col], "output_tokens_per_s", "output tokens/s (higher is better)"),
+                                  (axes[1][col], "itl_ms", "inter-token latency avg, ms (lower is better)")):
+            for i, level in enumerate(levels):
+                values = [next((r[figure] for r in rows if (r["config"], r["busy"], r["concurrency"]) ==
+                                (name, busy, level)), float("nan")) for name in configs]
+                ax.bar([c + (i - (len(levels) - 1) / 2) * width for c in range(len(configs))], values, width,
+                       label=f"concurrency {level}")
+            ax.set_xticks(range(len(configs)), configs)
+            ax.set(ylabel=label, title="beside a busy process" if busy else "alone")
+            ax.legend(fontsize="small")
+        axes[1][col].set_yscale("log")
+    fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
+                 f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -2,7 +2,8 @@
 latency beside the engine's step time, for naive and ngram k=3 at 1, 8 and 32 concurrent streams.
 
     python -m benchmarks.speculation [--device cpu|cuda] [--streams 1 8 32] [--max-tokens 128] [--requests-per-stream 4]
-                                     [--rounds 3] [--torch-threads N] [--engine-cpus 0] [--prompt-tokens 96]
+                                     [--rounds 3] [--torch-threads N] [--engine-cpus auto|none|0] [--prompt-tokens 96]
+                                     [--methods naive ngram] [--prompt-sets held-out self-repeating]
                                      [--out bench-out/speculation]
 
 Two prompt sets: openings (--prompt-tokens, default 96) of held-out standard-library files the demo model never trained on, and a
@@ -34,9 +35,9 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   cores; on some 2-core virtual machines a core's work slows its neighbour's (seen on one: 12-22% with a spinning
   loop, shared host core or clock; on another, nothing measurable), and there this figure is what any mesh of
   processes could reach.
-- --engine-cpus (`specmesh up --engine-cpus`, services/cpu_affinity.py): the mesh's engines run on these CPUs and
-  its other processes on the rest; the in-process engine and transformers run on the same CPUs, and this client
-  and the spinning process on the rest.
+- --engine-cpus and --torch-threads are `specmesh up`'s (services/cpu_plan.py), default auto as there: the mesh
+  gets them as given, so by default it runs on its own defaults; the in-process engine and transformers run on the
+  CPUs and threads the plan gives one worker's engine, and this client and the spinning process on the rest.
 - transformers (rows of one stream): --rounds passes of transformers `generate` on the same prompts, greedy
   beside naive and prompt lookup with ngram's k beside ngram; its decode rate (tokens after the first over
   generate(N) minus generate(1), as benchmarks/decode.py) is comparable with the mesh's decode rate.
@@ -47,7 +48,8 @@ point lasts long enough for a request's fixed start-up and the machine's drift t
   decoded. p50 and p99 are over every token of every stream of the run.
 
 Greedy outputs must agree: naive and ngram on the engine, and the mesh's text with the engine's tokens decoded
-(exit status 1 otherwise). Writes speculation.json and speculation.png to --out and prints a table.
+(exit status 1 otherwise). --methods and --prompt-sets run some of them only. Writes speculation.json and
+speculation.png to --out and prints a table.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ from benchmarks.decode import LOOKUP_TOKENS, SELF_REPEATING_TEXT, hf_decode
 from benchmarks.mesh_client import Stream, first_chunk_tokens, inter_token_gaps, mesh_streams, token_ends
 from benchmarks.methods import GREEDY, load_prompts
 from benchmarks.plot import plot_mesh
-from services.cpu_affinity import format_cpu_list, parse_cpu_list, pin, rest_of_mesh
+from services import cpu_plan
+from services.cpu_affinity import format_cpu_list, pin
 from services.detokenizer.incremental import TokenTable
 from services.mesh_process import start_mesh
 from services.worker.engine import Engine, EngineStats
@@ -204,12 +207,11 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
     differed from the engine's."""
     rows: list[Row] = []
     mismatches: list[str] = []
-    pinning = ("--engine-cpus", format_cpu_list(args.engine_cpus)) if args.engine_cpus else ()
-    engine_cpus, rest_cpus = args.engine_cpus, rest_of_mesh(args.engine_cpus)
+    engine_cpus, rest_cpus = args.cpu_plan.engine_cpus[0], args.cpu_plan.rest_cpus
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(
             Path(tmp), "--speculative-config", json.dumps(METHODS[name]), "--max-num-seqs", str(max(args.streams)),
-            "--device", args.device, "--torch-threads", str(args.torch_threads), *pinning, model=args.model,
+            "--device", args.device, *_cpu_options(args), model=args.model,
         )
         try:
             for prompts_name, all_prompts in sets.items():
@@ -255,6 +257,12 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
         finally:
             mesh.stop()
     return rows, mismatches
+
+
+def _cpu_options(args: argparse.Namespace) -> list[str]:
+    """--engine-cpus and --torch-threads for `specmesh up`, as given here (auto: the mesh's own defaults)."""
+    engine_cpus = args.engine_cpus if isinstance(args.engine_cpus, str) else format_cpu_list(args.engine_cpus)
+    return ["--engine-cpus", engine_cpus, "--torch-threads", str(args.torch_threads)]
 
 
 def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EnginePass],
@@ -323,47 +331,46 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument(
-        "--torch-threads", type=int, default=0,
-        help="torch intra-op threads of the in-process engine and of the mesh's worker (default 0: torch's choice); "
-        "on a small CPU machine the worker's threads compete with the mesh's other processes",
-    )
-    parser.add_argument(
-        "--engine-cpus", type=parse_cpu_list, default=None,
-        help="CPUs of the engines (the mesh's and the in-process one); the rest of the mesh and this client run on the "
-        "others (default: wherever the kernel puts them)",
-    )
+    cpu_plan.add_arguments(parser)
     parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes of engine and of mesh, taking turns")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="length of the held-out prompts")
+    kinds = list(dict.fromkeys(spec["method"] for spec in METHODS.values()))
+    parser.add_argument("--methods", nargs="+", choices=kinds, default=kinds, help="the methods to run (default: all)")
+    parser.add_argument("--prompt-sets", nargs="+", choices=[HELD_OUT, SELF_REPEATING],
+                        default=[HELD_OUT, SELF_REPEATING], help="the prompt sets to run (default: both)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
-    if args.torch_threads or args.engine_cpus:
-        torch.set_num_threads(args.torch_threads or len(args.engine_cpus))
+    args.cpu_plan = cpu_plan.plan_for(args, 1)
+    print(f"CPUs: {args.cpu_plan.describe()}", flush=True)
+    if args.cpu_plan.torch_threads:
+        torch.set_num_threads(args.cpu_plan.torch_threads)
     tokenizer = Tokenizer(args.model)
-    sets = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream, args.prompt_tokens)
+    every_set = prompt_sets(tokenizer, max(args.streams) * args.requests_per_stream, args.prompt_tokens)
+    sets = {name: every_set[name] for name in args.prompt_sets}
+    methods = [name for name, spec in METHODS.items() if spec["method"] in args.methods]
 
     table = TokenTable.from_tokenizer(tokenizer)
     rows: list[Row] = []
     mismatches: list[str] = []
     hf_model = shape.transformers_model(args.model, "auto", torch.float32, args.device) if 1 in args.streams else None
-    for name in METHODS:
+    for name in methods:
         method_rows, method_mismatches = run_method(args, name, sets, table, hf_model)
         rows += method_rows
         mismatches += method_mismatches
-    first = rows[: len(rows) // len(METHODS)]  # the first method's rows, in the order every method ran them
+    first = rows[: len(rows) // len(methods)]  # the first method's rows, in the order every method ran them
     for i, reference in enumerate(first):
         for other in rows[i :: len(first)][1:]:
             if other.outputs != reference.outputs:
                 mismatches.append(f"engine {other.method}, {other.prompts}, {other.streams} streams")
-    rows.sort(key=lambda r: (list(sets).index(r.prompts), r.streams, list(METHODS).index(r.method)))
+    rows.sort(key=lambda r: (list(sets).index(r.prompts), r.streams, methods.index(r.method)))
     text = markdown_table(rows)
     print("\n" + text + "\n")
     print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
     report = {
         "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-        "engine_cpus": None if args.engine_cpus is None else format_cpu_list(args.engine_cpus),
+        "cpu_options": _cpu_options(args), "cpu_plan": args.cpu_plan.describe(),
         "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Which CPUs the engine computes on, and keeping the rest of the mesh off them (`--engine-cpus`).
+"""Pinning processes to CPUs, and CPU lists as Linux writes them (`--engine-cpus`; the plan: cpu_plan.py).
 
 On a small CPU machine the engine and the mesh's other processes (NATS, gateway, detokenizer, the worker's event
 loop) share few cores. Left to the kernel, a process woken to publish a step's frames is often placed on the core
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-
-from services.startup_checks import UsageError
 
 CPU_LIST_HELP = "CPUs as Linux writes them: 0-3,6"
 
@@ -38,17 +36,6 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def rest_of_mesh(engine_cpus: frozenset[int] | None) -> frozenset[int] | None:
-    """The CPUs left to the processes that are not engines (None when the engines are not pinned); refuses engine
-    CPUs that leave none."""
-    if engine_cpus is None:
-        return None
-    rest = frozenset(os.sched_getaffinity(0) - engine_cpus)
-    if not rest:
-        raise UsageError(f"--engine-cpus {format_cpu_list(engine_cpus)} leaves no CPU for the rest of the mesh")
-    return rest
-
-
 def pin(cpus: frozenset[int] | None) -> None:
     """Runs this process (and the threads and processes it starts from now on) on these CPUs; None: leave it."""
     if cpus is not None:
@@ -56,5 +43,13 @@ def pin(cpus: frozenset[int] | None) -> None:
 
 
 def format_cpu_list(cpus: set[int] | frozenset[int]) -> str:
-    """The set as a CPU list that parse_cpu_list reads back (one CPU a term: "0,1,2")."""
-    return ",".join(map(str, sorted(cpus)))
+    """The set as a CPU list that parse_cpu_list reads back, runs written as ranges ("0-4,7")."""
+    terms: list[str] = []
+    ordered = sorted(cpus)
+    start = 0
+    for i, cpu in enumerate(ordered):
+        if i + 1 == len(ordered) or ordered[i + 1] != cpu + 1:
+            first = ordered[start]
+            terms.append(str(first) if first == cpu else f"{first}-{cpu}")
+            start = i + 1
+    return ",".join(terms)

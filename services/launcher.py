@@ -29,7 +29,8 @@ from shared import nats_settings
 from services.gateway import auth, limits
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
-from services.cpu_affinity import CPU_LIST_HELP, format_cpu_list, parse_cpu_list, pin, rest_of_mesh
+from services import cpu_plan
+from services.cpu_affinity import format_cpu_list, pin
 from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
@@ -84,16 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="positions per KV-cache block",
     )
     parser.add_argument("--device", default="cpu", help="the workers' torch device: cpu or cuda")
-    parser.add_argument(
-        "--torch-threads", type=int, default=0,
-        help="each worker's torch intra-op threads (default 0: torch's own choice, one per core)",
-    )
-    parser.add_argument(
-        "--engine-cpus", type=parse_cpu_list, default=None,
-        help=f"run the workers' engines on these CPUs and the rest of the mesh on the others ({CPU_LIST_HELP}); on a "
-        "small CPU machine this keeps NATS, the gateway and the detokenizer from preempting the engine (default: "
-        "wherever the kernel puts them)",
-    )
+    cpu_plan.add_arguments(parser)
     parser.add_argument(
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
@@ -132,7 +124,7 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
-    args.rest_cpus = rest_of_mesh(args.engine_cpus)
+    args.cpu_plan = cpu_plan.plan_for(args, args.workers)
 
 
 def _spawn(
@@ -203,7 +195,10 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"specmesh: {args.model} has no {TOKENIZER_FILE}: the gateway and detokenizer need one")
     SIGNALS.install()
     children: list[tuple[str, Child]] = []
-    rest = args.rest_cpus  # every process but the engines, when --engine-cpus pins those
+    plan = args.cpu_plan
+    print(f"specmesh: CPUs: {plan.describe()}", flush=True)
+    rest = plan.rest_cpus  # every process but the engines, when they are pinned
+    pin(rest)  # this one's supervision loop too
     exit_code = 0
     try:
         nats_url = args.nats_url
@@ -231,7 +226,6 @@ def run(args: argparse.Namespace) -> None:
             children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env, cpus=rest)))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
-        worker_args += ["--torch-threads", str(args.torch_threads)]
         if args.num_kv_blocks is not None:
             worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:
@@ -239,14 +233,17 @@ def run(args: argparse.Namespace) -> None:
         worker_args += ["--load-format", args.load_format]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]
-        if args.engine_cpus is not None:  # each worker pins its engine there and its event loop to the rest
-            worker_args += ["--engine-cpus", format_cpu_list(args.engine_cpus)]
+        worker_args += ["--torch-threads", str(plan.torch_threads)]
         for i in range(args.workers):
             port = free_port()
             metrics_urls[f"worker-{i}"] = f"http://127.0.0.1:{port}/metrics"
             nats_args, env = nats_of[NatsRole.WORKER]
-            extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port))
-            children.append((f"worker-{i}", _spawn("worker", args.log_level, *worker_args, *extra, env=env)))
+            engine_cpus = plan.engine_cpus[i]
+            extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port), "--engine-cpus",
+                     cpu_plan.UNPINNED if engine_cpus is None else format_cpu_list(engine_cpus))
+            children.append((f"worker-{i}", _spawn(
+                "worker", args.log_level, *worker_args, *extra, env=env, cpus=plan.worker_cpus(i)
+            )))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
         if args.max_n is not None:  # the gateway's own default otherwise: importing it would load torch here
             gateway_args += ["--max-n", str(args.max_n)]

@@ -356,3 +356,13 @@ def test_images_fit_the_manifests(variant):
     for workload in workloads(objects):
         for init in workload["spec"]["template"]["spec"].get("initContainers", []):
             assert init["command"][2].startswith(f"{workdir}/models/"), "the demo model's place in the image"
+
+
+def test_the_worker_has_a_cpu_limit_to_size_its_threads_by(rendered):
+    """services/cpu_plan.py sizes the engine's torch threads from the cgroup's CPU limit; without one a pod would
+    see every core of its node."""
+    _, objects = rendered
+    (container,) = one(objects, "Deployment", "specmesh-worker")["spec"]["template"]["spec"]["containers"]
+    resources = container["resources"]
+    assert resources["limits"]["cpu"] == resources["requests"]["cpu"]
+    assert not any(variable["name"] == "OMP_NUM_THREADS" for variable in container.get("env", []))

@@ -24,7 +24,8 @@ from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
-from services.cpu_affinity import CPU_LIST_HELP, parse_cpu_list, pin, rest_of_mesh
+from services import cpu_plan
+from services.cpu_affinity import pin
 from services.startup_checks import servable_max_model_len, speculative_config
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
@@ -60,15 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="positions per KV cache block",
     )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
-    parser.add_argument(
-        "--torch-threads", type=int, default=0,
-        help="torch intra-op threads for the engine (default 0: torch's own choice, one per core)",
-    )
-    parser.add_argument(
-        "--engine-cpus", type=parse_cpu_list, default=None,
-        help=f"run the engine process on these CPUs and this worker's event loop on the others ({CPU_LIST_HELP}); "
-        "--torch-threads defaults to their number (default: wherever the kernel puts them)",
-    )
+    cpu_plan.add_arguments(parser)
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations"
     )
@@ -91,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_args(args: argparse.Namespace) -> None:
     """The engine must be able to serve the model; --max-model-len defaults to its context length."""
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
-    args.rest_cpus = rest_of_mesh(args.engine_cpus)
+    args.cpu_plan = cpu_plan.plan_for(args, 1)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -120,8 +113,10 @@ async def run(args: argparse.Namespace) -> None:
     config = engine_config(args)
     # Every container's pid is 1, so the host name (the pod's name on Kubernetes) must go into the default id.
     worker_id = args.worker_id if args.worker_id is not None else zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode())
-    engine = await EngineProcess.start(config, worker_id, args.torch_threads, args.engine_cpus)
-    pin(args.rest_cpus)  # the event loop, once the engine process (which pins itself) is started
+    plan = args.cpu_plan
+    log.info("CPUs: %s", plan.describe())
+    engine = await EngineProcess.start(config, worker_id, plan.torch_threads, plan.engine_cpus[0])
+    pin(plan.rest_cpus)  # the event loop, once the engine process (which pins itself) is started
     log.info("model %s loaded and warmed up in %.1fs; speculation %s", config.model, engine.ready.seconds,
              config.speculative.model_dump_json())
     try:

@@ -1,0 +1,171 @@
+"""`specmesh up` on its defaults against hand-picked flags, under a load generator nobody here wrote (aiperf):
+
+    pip install aiperf            # in a virtual environment of its own: its dependencies are not specmesh's
+    python -m benchmarks.defaults --aiperf /path/to/aiperf [--concurrency 1 8] [--rounds 2] [--requests 24]
+        [--isl 128] [--osl 128] [--out bench-out/defaults]
+
+Configurations, each a `specmesh up` with these options and nothing else:
+- defaults: no option at all, what a newcomer runs (services/cpu_plan.py chooses the CPUs);
+- manual: `--manual` (default `--torch-threads 1 --engine-cpus 0`, README's tuned flags of the 2-core machine);
+- torch threads: `--engine-cpus none --torch-threads 0`, the defaults before the CPU plan: torch's one thread per
+  core, every process where the kernel puts it.
+Each is measured alone and beside a busy process (a pure-Python loop, on no particular CPU: a user's other program).
+For each point aiperf runs `profile --endpoint-type completions --streaming` with synthetic prompts of --isl tokens
+(aiperf's own text, which the demo model never saw) and --osl output tokens with `ignore_eos`, at the given
+concurrency, after warm-up requests. Figures are aiperf's: inter-token latency avg, time to first token avg,
+output tokens/s. Rounds take turns (every configuration once, then again) so that the machine's drift reaches all of
+them; each figure is the median over rounds. Prints a table with each configuration's ratio to manual, writes
+defaults.json, defaults.png and table.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from benchmarks.plot import plot_defaults
+from services.cpu_budget import CpuBudget
+from services.cpu_plan import plan_cpus
+from services.mesh_process import start_mesh
+from shared.config import DEFAULT_MODEL_DIR
+
+MANUAL_FLAGS = "--torch-threads 1 --engine-cpus 0"
+CONFIGS = {"defaults": "", "manual": MANUAL_FLAGS, "torch threads": "--engine-cpus none --torch-threads 0"}
+CONCURRENCY = (1, 8)
+ROUNDS = 2
+REQUESTS_PER_STREAM = 6
+WARMUP_PER_STREAM = 1
+ISL = OSL = 128
+AIPERF_TIMEOUT_S = 600
+SPIN_UP_S = 0.5  # lets the busy process reach its core before aiperf starts
+FIGURES = {  # aiperf's JSON key -> our name
+    "inter_token_latency": "itl_ms",
+    "time_to_first_token": "ttft_ms",
+    "output_token_throughput": "output_tokens_per_s",
+}
+
+
+@contextmanager
+def busy_process(busy: bool) -> Iterator[None]:
+    """A process spinning in pure Python for the block's duration, placed by the kernel; nothing when not busy."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(SPIN_UP_S)
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrency: int, out: Path) -> dict:
+    """One aiperf profile against the mesh at `concurrency`; its figures (module docstring)."""
+    cmd = [
+        args.aiperf, "profile", "--model", model, "--url", base_url.removesuffix("/v1"),
+        "--endpoint-type", "completions", "--streaming", "--tokenizer", str(args.model),
+        "--isl", str(args.isl), "--isl-stddev", "0", "--osl", str(args.osl), "--osl-stddev", "0",
+        "--extra-inputs", "ignore_eos:true", "--concurrency", str(concurrency),
+        "--request-count", str(args.requests * concurrency), "--warmup-request-count", str(WARMUP_PER_STREAM * concurrency),
+        "--artifact-dir", str(out), "--ui-type", "none",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=AIPERF_TIMEOUT_S)
+    export = out / "profile_export_aiperf.json"
+    if done.returncode != 0 or not export.is_file():
+        raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
+    report = json.loads(export.read_text())
+    if report.get("error_summary"):
+        raise RuntimeError(f"aiperf saw failed requests: {report['error_summary']}")
+    return {ours: report[key]["avg"] for key, ours in FIGURES.items()}
+
+
+def run_round(args: argparse.Namespace, name: str, tmp: Path, results: dict[tuple, list[dict]]) -> None:
+    mesh = start_mesh(tmp / name.replace(" ", "-"), *shlex.split(args.configs[name]), model=args.model)
+    try:
+        for busy in (False, True):
+            for concurrency in args.concurrency:
+                with busy_process(busy):
+                    point = aiperf_point(args, mesh.base_url, mesh.model, concurrency, tmp / "aiperf")
+                print(json.dumps({"config": name, "busy": busy, "concurrency": concurrency, **point}), flush=True)
+                results.setdefault((name, busy, concurrency), []).append(point)
+    finally:
+        mesh.stop()
+
+
+def summarise(results: dict[tuple, list[dict]]) -> list[dict]:
+    rows = []
+    for (name, busy, concurrency), points in results.items():
+        row = {"config": name, "busy": busy, "concurrency": concurrency, "rounds": points}
+        row.update({figure: statistics.median(p[figure] for p in points) for figure in FIGURES.values()})
+        rows.append(row)
+    for row in rows:
+        manual = next(r for r in rows if r["config"] == "manual" and r["busy"] == row["busy"]
+                      and r["concurrency"] == row["concurrency"])
+        row["itl_over_manual"] = row["itl_ms"] / manual["itl_ms"]
+        row["tokens_per_s_over_manual"] = row["output_tokens_per_s"] / manual["output_tokens_per_s"]
+    return sorted(rows, key=lambda r: (r["busy"], r["concurrency"], list(CONFIGS).index(r["config"])))
+
+
+def markdown_table(rows: list[dict], configs: dict[str, str]) -> str:
+    lines = [
+        "| configuration | busy process | concurrency | ITL avg ms | TTFT avg ms | output tok/s | ITL / manual | tok/s / manual |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        flags = configs[r["config"]] or "no options"
+        lines.append(
+            f"| {r['config']} (`{flags}`) | {'yes' if r['busy'] else 'no'} | {r['concurrency']} | {r['itl_ms']:.2f} "
+            f"| {r['ttft_ms']:.1f} | {r['output_tokens_per_s']:.0f} | {r['itl_over_manual']:.2f} "
+            f"| {r['tokens_per_s_over_manual']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--aiperf", default="aiperf", help="the aiperf command (its own virtual environment's)")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--manual", default=MANUAL_FLAGS, help="the hand-picked flags to compare the defaults with")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--requests", type=int, default=REQUESTS_PER_STREAM, help="timed requests per stream")
+    parser.add_argument("--isl", type=int, default=ISL, help="synthetic prompt tokens")
+    parser.add_argument("--osl", type=int, default=OSL, help="output tokens per request")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/defaults"))
+    args = parser.parse_args()
+    args.configs = {**CONFIGS, "manual": args.manual}
+    plan = plan_cpus(CpuBudget.of_this_process(), 1, "cpu")
+    print(f"the defaults' CPU plan here: {plan.describe()}", flush=True)
+    results: dict[tuple, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for name in args.configs:
+                run_round(args, name, Path(tmp), results)
+    rows = summarise(results)
+    text = markdown_table(rows, args.configs)
+    print("\n" + text)
+    report = {
+        "model": str(args.model), "isl": args.isl, "osl": args.osl, "requests_per_stream": args.requests,
+        "rounds": args.rounds, "configs": args.configs, "defaults_cpu_plan": plan.describe(),
+        "aiperf": subprocess.run([args.aiperf, "--version"], capture_output=True, text=True).stdout.strip(),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "defaults.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "table.md").write_text(text + "\n")
+    plot_defaults(report, args.out / "defaults.png")
+    print(f"wrote {args.out / 'defaults.json'}, {args.out / 'defaults.png'}, {args.out / 'table.md'}")
+
+
+if __name__ == "__main__":
+    main()
