@@ -1,7 +1,8 @@
 """Plain decoding per real-size shape, against transformers `generate` and the weight-read floor (issue 9):
 
     python -m benchmarks.gpu --shape qwen2.5-0.5b [--shape qwen2.5-7b ...] --device cuda --dtype bfloat16
-        [--shape-dir DIR] [--batches 1 8 32 64] [--contexts 64 2048] [--steps 32] [--out bench-out/gpu]
+        [--shape-dir DIR] [--batches 1 8 32 64] [--contexts 64 2048] [--steps 32] [--skip transformers eager]
+        [--out bench-out/gpu]
 
 For each shape (random weights from its config.json, benchmarks/shape.py; --shape-dir names a directory holding
 a config.json anywhere), at every batch and context (each sequence its own prompt of that many random ids):
@@ -17,8 +18,10 @@ a config.json anywhere), at every batch and context (each sequence its own promp
 
 Figures are medians of --repeats runs. An engine and transformers' model are never loaded together, so an 8B
 shape fits beside its caches. specmesh's tokens are compared with transformers' (share of sequences equal):
-reported, not enforced, since with random bf16 weights near-ties may break either way. Writes gpu.json, gpu.png
-and table.md to --out. On the CPU, with a tiny config, it is the suite's smoke test (tests/test_gpu_benchmark.py).
+reported, not enforced, since with random bf16 weights near-ties may break either way. --skip leaves out the
+transformers rows (and with them the token comparison) or the eager ones, for a run on a time budget
+(benchmarks/gpu_check.py): generate compiles afresh for every batch and context. Writes gpu.json, gpu.png and
+table.md to --out. On the CPU, with a tiny config, it is the suite's smoke test (tests/test_gpu_benchmark.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ MS_PER_S = 1e3
 PAD_TOKEN_ID = 0  # transformers asks for one; no prompt is padded
 GRAPHS, EAGER, TRANSFORMERS = "specmesh naive", "specmesh naive, eager", "transformers generate"
 TRANSFORMERS_CACHES = ("static", "dynamic")
+SKIPPABLE = ("transformers", "eager")
 
 
 def _sync(device: torch.device) -> None:
@@ -139,6 +143,8 @@ def _compiled(args: argparse.Namespace) -> bool:
 
 
 def transformers_mode(args: argparse.Namespace) -> str:
+    if "transformers" in args.skip:
+        return "not run (--skip transformers)"
     if args.transformers_cache == "dynamic":
         return "dynamic cache, eager"
     if _compiled(args):
@@ -174,13 +180,13 @@ def transformers_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
 def measure_shape(name: str, model_dir: Path, args: argparse.Namespace, bandwidth: float) -> tuple[dict, list[dict]]:
     """The shape's summary (floor, graphs' speed-up) and its rows, tokens compared with transformers'."""
     rows, floor = engine_rows(model_dir, args, args.batches, eager=False, bandwidth=bandwidth)
-    eager, _ = engine_rows(model_dir, args, [1], eager=True, bandwidth=bandwidth)
-    reference = transformers_rows(model_dir, args)
+    eager = [] if "eager" in args.skip else engine_rows(model_dir, args, [1], eager=True, bandwidth=bandwidth)[0]
+    reference = [] if "transformers" in args.skip else transformers_rows(model_dir, args)
     expected = {(r["batch"], r["context"]): r.pop("tokens") for r in reference}
     for row in rows + eager:
         tokens = row.pop("tokens")
-        want = expected[row["batch"], row["context"]]
-        row["same_tokens"] = sum(a == b for a, b in zip(tokens, want)) / len(want)
+        want = expected.get((row["batch"], row["context"]))
+        row["same_tokens"] = None if want is None else sum(a == b for a, b in zip(tokens, want)) / len(want)
     graph_ms = {r["context"]: r["ms_per_step"] for r in rows if r["batch"] == 1}
     speedup = {str(r["context"]): r["ms_per_step"] / graph_ms[r["context"]] for r in eager}
     summary = {"shape": name, "model_dir": str(model_dir), "floor": floor, "graphs_speedup_batch1": speedup}
@@ -193,10 +199,11 @@ def table(report: dict) -> str:
     rows = report["rows"]
     reference = {(r["shape"], r["batch"], r["context"]): r for r in rows if r["system"] == TRANSFORMERS}
     for r in sorted(rows, key=lambda r: (r["shape"], r["context"], r["batch"], r["system"] != GRAPHS)):
-        ratio = r["tokens_per_s"] / reference[r["shape"], r["batch"], r["context"]]["tokens_per_s"]
-        same = "–" if r["system"] == TRANSFORMERS else f"{r['same_tokens']:.0%}"
+        theirs = reference.get((r["shape"], r["batch"], r["context"]))
+        ratio = "–" if theirs is None else f"{r['tokens_per_s'] / theirs['tokens_per_s']:.2f}x"
+        same = "–" if r.get("same_tokens") is None else f"{r['same_tokens']:.0%}"
         lines.append(f"| {r['shape']} | {r['context']} | {r['batch']} | {r['system']} | {r['ms_per_step']:.2f} | "
-                     f"{r['tokens_per_s']:,.0f} | {ratio:.2f}x | {same} |")
+                     f"{r['tokens_per_s']:,.0f} | {ratio} | {same} |")
     lines += ["", "| shape | weights read/step | floor ms/step | floor tok/s (batch 1) | specmesh batch 1 / floor | "
               "graphs speed-up (batch 1) |", "|---|---:|---:|---:|---:|---:|"]
     for s in report["shapes"]:
@@ -223,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--copy-mib", type=int, default=DEFAULT_COPY_MIB, help="size of the bandwidth probe's copy")
     parser.add_argument("--transformers-cache", choices=TRANSFORMERS_CACHES, default="static")
+    parser.add_argument("--skip", nargs="+", choices=SKIPPABLE, default=[],
+                        help="leave out transformers' rows (and the token comparison) or specmesh's eager ones")
     parser.add_argument("--out", type=Path, default=Path("bench-out/gpu"))
     args = parser.parse_args(argv)
     if not args.shape and not args.shape_dir:

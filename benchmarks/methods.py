@@ -3,15 +3,19 @@ position, for batch 1, 8, 32 at temperature 0 and 1, next to transformers' `gene
 prompt lookup) on the same checkpoint and prompts.
 
     python -m benchmarks.methods [--device cpu|cuda] [--model DIR | --shape NAME] [--dtype bfloat16]
-        [--max-tokens 96] [--prompts 2] [--out bench-out/methods]
+        [--max-tokens 96] [--prompts 2] [--batches 1 8 32] [--methods NAME ...] [--adaptive-batches 32]
+        [--reference-prompts N] [--out bench-out/methods]
 
 Each engine run is in-process: all requests are submitted at once with max_num_seqs = batch and the engine is
 stepped until done; tokens/s = emitted tokens / that wall time (prefill included). A run has max(batch, --prompts)
 prompts: the BOS token then a window of a held-out standard-library file the demo model never trained on.
 Speedups are over specmesh naive at the same batch and temperature (transformers rows: naive at batch 1, T=0).
-transformers runs one prompt at a time over the largest prompt set. Every specmesh method at temperature 0
-must reproduce transformers' greedy tokens exactly (one OK/MISMATCH line per method; exit status 1 on any
-mismatch); transformers' own prompt-lookup output is compared too, for information only.
+transformers runs one prompt at a time over the largest prompt set (its first --reference-prompts only, if
+given). Every specmesh method at temperature 0 must reproduce transformers' greedy tokens exactly on the prompts
+transformers ran (one OK/MISMATCH line per method; exit status 1 on any mismatch); transformers' own
+prompt-lookup output is compared too, for information only. ms per step = an engine run's wall time over its
+steps (prefill steps included). --methods picks some of the methods (adaptive ones by name too), which run
+adaptively at --adaptive-batches.
 --shape runs a real-size shape with random weights (benchmarks/shape.py) on random-id prompts; it has no MTP
 module, so the MTP methods are left out, and with random weights only naive's speed means anything.
 
@@ -49,7 +53,7 @@ METHODS: dict[str, dict] = {
     "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
     "mtp+ngram k=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 1, "mtp_strategy": "with_ngram"},
 }
-# Adaptive speculation matters when the worker is busy, so it runs at the largest batch only.
+# Adaptive speculation matters when the worker is busy, so by default it runs at the largest batch only.
 ADAPTIVE_METHODS: dict[str, dict] = {
     "ngram k=3 adaptive": {**METHODS["ngram k=3"], "adaptive": True},
     "mtp k=3 steps=3 adaptive": {**METHODS["mtp k=3 steps=3"], "adaptive": True},
@@ -64,6 +68,7 @@ DEFAULT_PROMPT_TOKENS = 64
 MIN_PROMPTS = 2  # even batch 1 serves two requests, one after the other
 LOOKUP_TOKENS = 3  # transformers' prompt_lookup_num_tokens, the same k as the specmesh methods
 WARMUP_TOKENS = 4
+MS_PER_S = 1e3
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Run:
     tokens: int
     seconds: float
     tokens_per_s: float
+    steps: int | None = None  # engine steps of the run; None: transformers
     mean_acceptance_length: float | None = None  # None: the method drafts nothing
     acceptance_rate: float | None = None
     drafted_at: list[int] = field(default_factory=list)  # draft tokens proposed at position j of a step
@@ -87,8 +93,13 @@ class Run:
         """accepted / drafted at each draft position; None where no step drafted that far."""
         return [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    @property
+    def ms_per_step(self) -> float | None:
+        return MS_PER_S * self.seconds / self.steps if self.steps else None
+
     def figures(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "outputs"}, "per_position": self.per_position}
+        return {**{k: v for k, v in asdict(self).items() if k != "outputs"}, "per_position": self.per_position,
+                "ms_per_step": self.ms_per_step}
 
 
 def load_prompts(tokenizer: Tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
@@ -137,7 +148,7 @@ def run_engine(
     tokens = sum(map(len, outputs))
     drafts = stats.num_drafts > 0
     return Run(
-        name, batch, temperature, len(prompts), tokens, seconds, tokens / seconds,
+        name, batch, temperature, len(prompts), tokens, seconds, tokens / seconds, steps=stats.num_steps,
         mean_acceptance_length=stats.mean_acceptance_length if drafts else None,
         acceptance_rate=stats.num_accepted_tokens / stats.num_draft_tokens if drafts else None,
         drafted_at=drafted, accepted_at=accepted, outputs=outputs,
@@ -188,7 +199,8 @@ def check_greedy(runs: list[Run], reference: list[list[int]]) -> dict[str, str]:
     for run in runs:
         if run.temperature != GREEDY:
             continue
-        bad = [(p, first_difference(o, reference[p])) for p, o in enumerate(run.outputs) if o != reference[p]]
+        # zip: a reference over the first prompts only checks those
+        bad = [(p, first_difference(o, r)) for p, (o, r) in enumerate(zip(run.outputs, reference)) if o != r]
         problems = [f"batch {run.batch} prompt {p} from token {i}" for p, i in bad]
         previous = verdicts.get(run.method, "OK")
         if problems:
@@ -236,6 +248,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=MIN_PROMPTS, help="prompts per run at least (default 2)")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--methods", nargs="+", choices=[*METHODS, *ADAPTIVE_METHODS],
+                        default=[*METHODS, *ADAPTIVE_METHODS], help="the methods to run (default: all)")
+    parser.add_argument("--adaptive-batches", type=int, nargs="+", default=[ADAPTIVE_BATCH],
+                        help="batches the adaptive methods run at")
+    parser.add_argument("--reference-prompts", type=int, default=None,
+                        help="transformers runs only the first N prompts, and the greedy check compares those")
     parser.add_argument("--out", type=Path, default=Path("bench-out/methods"))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     args = parser.parse_args()
@@ -256,9 +274,10 @@ def main() -> None:
     run_transformers(hf_model, "warm-up", prompts[:1], WARMUP_TOKENS, None)
     run_engine(model_dir, "warm-up", METHODS[BASELINE], 1, prompts[:1], WARMUP_TOKENS, GREEDY, **engine_args)
 
-    greedy = run_transformers(hf_model, "transformers greedy", prompts, args.max_tokens, None)
+    reference_prompts = prompts[: args.reference_prompts]
+    greedy = run_transformers(hf_model, "transformers greedy", reference_prompts, args.max_tokens, None)
     lookup = run_transformers(
-        hf_model, f"transformers prompt lookup k={LOOKUP_TOKENS}", prompts, args.max_tokens, LOOKUP_TOKENS
+        hf_model, f"transformers prompt lookup k={LOOKUP_TOKENS}", reference_prompts, args.max_tokens, LOOKUP_TOKENS
     )
     reference_runs = [greedy, lookup]
     for r in reference_runs:
@@ -267,9 +286,9 @@ def main() -> None:
     runs: list[Run] = []
     for temperature in TEMPERATURES:
         for batch in args.batches:
-            methods = {**METHODS, **(ADAPTIVE_METHODS if batch == ADAPTIVE_BATCH else {})}
+            methods = {**METHODS, **(ADAPTIVE_METHODS if batch in args.adaptive_batches else {})}
             for name, spec in methods.items():
-                if spec["method"] == "mtp" and not has_mtp:
+                if name not in args.methods or (spec["method"] == "mtp" and not has_mtp):
                     continue
                 run = run_engine(
                     model_dir, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, **engine_args
