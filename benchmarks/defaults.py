@@ -1,8 +1,8 @@
 """`specmesh up` on its defaults against hand-picked flags, under a load generator nobody here wrote (aiperf):
 
     pip install aiperf            # in a virtual environment of its own: its dependencies are not specmesh's
-    python -m benchmarks.defaults --aiperf /path/to/aiperf [--concurrency 1 8] [--rounds 2] [--requests 24]
-        [--isl 128] [--osl 128] [--out bench-out/defaults]
+    python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "torch threads"]
+        [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--out bench-out/defaults]
 
 Configurations, each a `specmesh up` with these options and nothing else:
 - defaults: no option at all, what a newcomer runs (services/cpu_plan.py chooses the CPUs);
@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf command (its own virtual environment's)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--manual", default=MANUAL_FLAGS, help="the hand-picked flags to compare the defaults with")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                        help="the configurations to run (manual is always run: the ratios are to it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--requests", type=int, default=REQUESTS_PER_STREAM, help="timed requests per stream")
@@ -143,7 +145,8 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=OSL, help="output tokens per request")
     parser.add_argument("--out", type=Path, default=Path("bench-out/defaults"))
     args = parser.parse_args()
-    args.configs = {**CONFIGS, "manual": args.manual}
+    args.configs = {name: args.manual if name == "manual" else flags for name, flags in CONFIGS.items()
+                    if name in args.configs or name == "manual"}
     plan = plan_cpus(CpuBudget.of_this_process(), 1, "cpu")
     print(f"the defaults' CPU plan here: {plan.describe()}", flush=True)
     results: dict[tuple, list[dict]] = {}

@@ -4,7 +4,7 @@ above acceptance by draft position (one panel per temperature, counts pooled ove
 (one column per prompt set). benchmarks/gpu.py (`plot_gpu`): tokens/s by batch per shape beside transformers and the
 weight-read floor, above batch-1 ms/step (one column per context). benchmarks/defaults.py (`plot_defaults`): aiperf's
 output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone, one beside a busy
-process).
+process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside transformers.
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -217,9 +217,28 @@ def plot_defaults(report: dict, path: Path) -> None:
             ax.set_xticks(range(len(configs)), configs)
             ax.set(ylabel=label, title="beside a busy process" if busy else "alone")
             ax.legend(fontsize="small")
-        axes[1][col].set_yscale("log")
     fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
                  f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+@drawing
+def plot_heldout(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/heldout.py writes) into the PNG at path: per case, a bar per system."""
+    rows = report["rows"]
+    systems = list(dict.fromkeys(system for row in rows for system in row["decode_tokens_per_s"]))
+    width = BAR_GROUP_WIDTH / len(systems)
+    fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
+    for i, system in enumerate(systems):
+        values = [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows]
+        ax.bar([c + (i - (len(systems) - 1) / 2) * width for c in range(len(rows))], values, width, label=system)
+    ax.set_xticks(range(len(rows)), [row["case"] for row in rows])
+    ax.set(ylabel="decode tokens/s after the first token (higher is better)")
+    ax.legend(fontsize="small")
+    fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
+                 f"threads) on {report['package']}'s code, greedy", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
