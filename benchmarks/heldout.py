@@ -3,13 +3,17 @@ ever saw: the Python files of an installed package (default aiohttp; the demo mo
 library only, and no drafter was tuned on anything).
 
     python -m benchmarks.heldout [--package aiohttp] [--requests 6] [--rounds 3] [--max-tokens 128]
-        [--cases plain-64 plain-2k speculation] [--up-options "..."] [--out bench-out/heldout]
+        [--cases plain-64 plain-2k speculation] [--speculative-config JSON] [--up-options "..."]
+        [--out bench-out/heldout]
 
 Cases, one greedy request at a time (`ignore_eos`), each prompt the opening of one of the package's files:
 - plain decoding at a 64-token and a 1,900-token context: requests ask for no drafts
   (`"speculative": {"num_speculative_tokens": 0}`), against transformers greedy;
-- the default speculation (whatever `specmesh up` drafts with when asked nothing) on 256-token prompts, against
-  transformers greedy, transformers prompt lookup with the same k, and plain decoding through the same mesh.
+- the default speculation (whatever `specmesh up` drafts with when asked nothing; --speculative-config gives the
+  mesh another) on 256-token prompts, against transformers greedy, transformers prompt lookup with the same k, and
+  plain decoding through the same mesh.
+Every round serves prompts from files no earlier round used (and the warm-up request one more): suffix decoding
+remembers recent requests' outputs, and a prompt served twice would measure that memory, not held-out text.
 The mesh is one `specmesh up` with no options (--up-options adds some, for experiments), driven by benchmarks/mesh_client.py's SSE client; its decode rate is
 the tokens after each request's first chunk over the time from its first chunk to its last, summed over the
 requests. transformers runs in this process as a user runs it: torch's default threads, on any CPU, while the
@@ -103,8 +107,10 @@ def run_case(args: argparse.Namespace, mesh, hf_model, table: TokenTable, name: 
     if lookup is not None:
         figures.update({f"transformers prompt lookup k={lookup}": [], "mesh, no drafts": []})
     mismatches: list[str] = []
-    asyncio.run(mesh_pass(mesh.base_url, mesh.model, prompts[:1], speculative, args.max_tokens))  # warm-up
-    for _ in range(args.rounds):
+    warm_up, *rounds = prompts
+    asyncio.run(mesh_pass(mesh.base_url, mesh.model, [warm_up], speculative, args.max_tokens))
+    for round_number in range(args.rounds):
+        prompts = rounds[round_number * args.requests:(round_number + 1) * args.requests]
         rate, expected = transformers_rate(hf_model, prompts, args.max_tokens, None)
         figures["transformers greedy"].append(rate)
         texts_ends = [token_ends(table, tokens) for tokens in expected]
@@ -118,7 +124,7 @@ def run_case(args: argparse.Namespace, mesh, hf_model, table: TokenTable, name: 
         if lookup is not None:
             rate, _ = transformers_rate(hf_model, prompts, args.max_tokens, lookup)
             figures[f"transformers prompt lookup k={lookup}"].append(rate)
-    row = {"case": name, "prompt_tokens": len(prompts[0]), "requests": len(prompts), "speculative": speculative,
+    row = {"case": name, "prompt_tokens": len(warm_up), "requests": len(rounds), "speculative": speculative,
            "decode_tokens_per_s": {k: statistics.median(v) for k, v in figures.items()}, "passes": figures}
     rates = row["decode_tokens_per_s"]
     row["ratios"] = {f"mesh / {k}": rates["mesh"] / v for k, v in rates.items() if k != "mesh"}
@@ -143,21 +149,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--speculative-config", default=None, help="JSON for `specmesh up` (default: its own)")
     parser.add_argument("--up-options", default="", help="options for `specmesh up` (default: none)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/heldout"))
     args = parser.parse_args()
-    default = SpeculativeConfig()
+    default = SpeculativeConfig.from_json(args.speculative_config)
     lookup = default.num_speculative_tokens
+    up_options = shlex.split(args.up_options)
+    if args.speculative_config:
+        up_options += ["--speculative-config", args.speculative_config]
     tokenizer = Tokenizer(args.model)
     table = TokenTable.from_tokenizer(tokenizer)
     hf_model = shape.transformers_model(args.model, "auto", torch.float32, "cpu")
     rows, mismatches = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        mesh = start_mesh(Path(tmp), *shlex.split(args.up_options))
+        mesh = start_mesh(Path(tmp), *up_options)
         try:
-            plan = next(line.strip() for line in mesh.log if "CPUs:" in line)
+            plan = next(line.split("CPUs: ", 1)[1].strip() for line in mesh.log if "CPUs: " in line)
             for name, prompt_tokens, speculative, speculating in (CASES[case] for case in args.cases):
-                prompts = package_prompts(tokenizer, args.package, args.requests, prompt_tokens)
+                prompts = package_prompts(tokenizer, args.package, 1 + args.requests * args.rounds, prompt_tokens)
                 row, bad = run_case(args, mesh, hf_model, table, name, prompts, speculative,
                                     lookup if speculating else None)
                 rows.append(row)
@@ -169,8 +179,8 @@ def main() -> None:
     print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
     report = {
         "model": str(args.model), "package": args.package, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "mesh": f"specmesh up {args.up_options}".strip(), "mesh_cpu_plan": plan,
-        "default_speculation": default.model_dump(include={"method", "num_speculative_tokens"}),
+        "mesh": shlex.join(["specmesh", "up", *up_options]), "mesh_cpu_plan": plan,
+        "speculation": default.model_dump(include={"method", "num_speculative_tokens"}),
         "transformers_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
         "torch_version": torch.__version__, "rows": rows, "greedy_mismatches": mismatches,
     }
