@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.plot import plot_defaults
+from benchmarks.plot import plot_defaults, save_report
 from services.cpu_budget import CpuBudget
 from services.cpu_plan import plan_cpus
 from services.mesh_process import start_mesh
@@ -163,11 +163,7 @@ def main() -> None:
         "aiperf": subprocess.run([args.aiperf, "--version"], capture_output=True, text=True).stdout.strip(),
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "defaults.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "table.md").write_text(text + "\n")
-    plot_defaults(report, args.out / "defaults.png")
-    print(f"wrote {args.out / 'defaults.json'}, {args.out / 'defaults.png'}, {args.out / 'table.md'}")
+    save_report(args.out, "defaults", report, text, plot_defaults)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 from benchmarks import shape
 from benchmarks.decode import hf_decode
 from benchmarks.mesh_client import HTTP_TIMEOUT_S, Stream, first_chunk_tokens, stream_completion, token_ends
-from benchmarks.plot import plot_heldout
+from benchmarks.plot import plot_heldout, save_report
 from services.detokenizer.incremental import TokenTable
 from services.mesh_process import start_mesh
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
@@ -184,11 +184,7 @@ def main() -> None:
         "transformers_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
         "torch_version": torch.__version__, "rows": rows, "greedy_mismatches": mismatches,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "heldout.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "table.md").write_text(text + "\n")
-    plot_heldout(report, args.out / "heldout.png")
-    print(f"wrote {args.out / 'heldout.json'}, {args.out / 'heldout.png'}, {args.out / 'table.md'}")
+    save_report(args.out, "heldout", report, text, plot_heldout)
     if mismatches:
         sys.exit(1)
 

@@ -41,6 +41,21 @@ def drawing(draw: Callable[[dict, Path], None]) -> Callable[[dict, Path], None]:
     return draw_if_possible
 
 
+def save_report(out: Path, stem: str, report: dict, table: str, draw: Callable[[dict, Path], None]) -> None:
+    """A benchmark's files in out: stem.json (every figure), table.md (what it printed) and stem.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "table.md").write_text(table + "\n")
+    draw(report, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.png'}, {out / 'table.md'}")
+
+
+def _save(fig: plt.Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
 BASELINE = "naive"  # the dashed line: what a busy worker must not fall below
 BAR_GROUP_WIDTH = 0.8  # fraction of a method's slot that its batch bars fill
 ACCEPTANCE_AXIS_TOP = 1.05  # room above 1.0 so lines of always-accepted drafts stay visible
@@ -101,9 +116,7 @@ def plot(report: dict, path: Path) -> None:
         _tokens_per_s(axes[0][col], runs, temperature)
         _per_position(axes[1][col], runs, temperature, colors)
     fig.suptitle(f"specmesh drafting methods on {Path(report['model']).name}, {report['max_tokens']} tokens per request")
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _by_streams(ax: plt.Axes, runs: list[dict], lines: dict[str, tuple[str, str]], colors: dict[str, str]) -> None:
@@ -147,9 +160,7 @@ def plot_mesh(report: dict, path: Path) -> None:
         bottom.set_title(f"latency, {prompts} prompts")
     fig.suptitle(f"engine in-process vs through the mesh on {Path(report['model']).name} ({report['device']}), "
                  f"{report['max_tokens']} tokens per request, greedy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
 
 
 @drawing
@@ -191,9 +202,7 @@ def plot_gpu(report: dict, path: Path) -> None:
         bottom.legend(fontsize="small")
     fig.suptitle(f"plain greedy decoding, {report['dtype']} on {report['device_name']}; transformers: "
                  f"{report['transformers_mode']}", fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
 
 
 @drawing
@@ -219,9 +228,7 @@ def plot_defaults(report: dict, path: Path) -> None:
             ax.legend(fontsize="small")
     fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
                  f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
 
 
 @drawing
@@ -239,9 +246,7 @@ def plot_heldout(report: dict, path: Path) -> None:
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
                  f"threads) on {report['package']}'s code, greedy", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ from benchmarks import shape
 from benchmarks.decode import LOOKUP_TOKENS, SELF_REPEATING_TEXT, hf_decode
 from benchmarks.mesh_client import Stream, first_chunk_tokens, inter_token_gaps, mesh_streams, token_ends
 from benchmarks.methods import GREEDY, load_prompts
-from benchmarks.plot import plot_mesh
+from benchmarks.plot import plot_mesh, save_report
 from services import cpu_plan
 from services.cpu_affinity import format_cpu_list, pin
 from services.detokenizer.incremental import TokenTable
@@ -373,11 +373,7 @@ def main() -> None:
         "cpu_options": _cpu_options(args), "cpu_plan": args.cpu_plan.describe(),
         "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "speculation.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "table.md").write_text(text + "\n")
-    plot_mesh(report, args.out / "speculation.png")
-    print(f"wrote {args.out / 'speculation.json'}, {args.out / 'speculation.png'}, {args.out / 'table.md'}")
+    save_report(args.out, "speculation", report, text, plot_mesh)
     if mismatches:
         sys.exit(1)
 
