@@ -45,6 +45,17 @@ def mix64(x: Tensor) -> Tensor:
     return x ^ _shift_right(x, 31)
 
 
+def mix64_(x: Tensor, scratch: Tensor) -> Tensor:
+    """mix64 in place; scratch (x's shape and dtype) holds the shifted copies, so nothing is allocated."""
+    for bits, multiplier in ((30, MIX_MUL_1), (27, MIX_MUL_2), (31, None)):
+        torch.bitwise_right_shift(x, bits, out=scratch)
+        scratch &= (1 << (64 - bits)) - 1  # logical, not arithmetic, shift
+        x ^= scratch
+        if multiplier is not None:
+            x *= multiplier
+    return x
+
+
 def _key(seeds: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
     """One 64-bit key per (seed, position, purpose). Each stage is a bijection of the coordinate it adds."""
     key = mix64(seeds + GOLDEN_GAMMA)
@@ -69,5 +80,26 @@ def uniform(seeds: Tensor, positions: Tensor, purpose: Purpose, width: int | Non
     key = _key(seeds, positions, purpose)
     if width is None:
         return _to_unit_interval(mix64(key + GOLDEN_GAMMA))
-    counters = torch.arange(1, width + 1, dtype=torch.int64, device=seeds.device) * GOLDEN_GAMMA
-    return _to_unit_interval(mix64(key.unsqueeze(1) + counters))
+    return _to_unit_interval(mix64(key.unsqueeze(1) + _counters(width, seeds.device)))
+
+
+def uniform_into(
+    seeds: Tensor, positions: Tensor, purpose: Purpose, out: Tensor, bits: Tensor, scratch: Tensor
+) -> Tensor:
+    """uniform(seeds, positions, purpose, width) written into out (float64 [B, width]), bit for bit, with bits and
+    scratch (int64 [B, width]) as working memory: in place, for callers that reuse buffers small enough to stay
+    in cache (sample.py's CPU race)."""
+    key = _key(seeds, positions, purpose)
+    torch.add(_counters(out.shape[1], seeds.device), key.unsqueeze(1), out=bits)
+    mix64_(bits, scratch)
+    torch.bitwise_right_shift(bits, 64 - UNIFORM_BITS, out=scratch)
+    scratch &= (1 << UNIFORM_BITS) - 1
+    out.copy_(scratch)
+    out += 0.5
+    out *= _UNIFORM_SCALE
+    return out
+
+
+def _counters(width: int, device: torch.device) -> Tensor:
+    """[width] the stream's counters 1..width, each times the golden gamma (wrapping as int64 does)."""
+    return torch.arange(1, width + 1, dtype=torch.int64, device=device) * GOLDEN_GAMMA

@@ -95,24 +95,37 @@ def _slot_coordinates(inp: VerifyInput, num_slots: int) -> tuple[Tensor, Tensor]
     return inp.seeds.repeat_interleave(num_slots), (inp.positions.unsqueeze(1) + offsets).reshape(-1)
 
 
-def _rejection_test(inp: VerifyInput, drafted: Tensor, slot_probs: Tensor, target_at_draft: Tensor) -> Tensor:
+def _rejection_test(
+    inp: VerifyInput, drafted: Tensor, slot_probs: Tensor, target_at_draft: Tensor, tested: Tensor
+) -> Tensor:
     batch, num_slots = drafted.shape
     if inp.draft_probs is None:
-        return _target_match_test(inp, slot_probs)  # every draft is a point mass
+        return _target_match_test(inp, slot_probs, tested)  # every draft is a point mass
     draft_at_draft = inp.draft_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1).to(target_at_draft.dtype)
     u = uniform(*_slot_coordinates(inp, num_slots), Purpose.ACCEPT).reshape(batch, num_slots)
     # u < p/q without dividing: exact when q(x) = 0, and p(x) = 0 is never accepted since u > 0.
     test = u * draft_at_draft < target_at_draft
     point_mass = draft_at_draft >= 1.0
     if bool(point_mass.any()):
-        test = torch.where(point_mass, _target_match_test(inp, slot_probs), test)
+        test = torch.where(point_mass, _target_match_test(inp, slot_probs, tested & point_mass), test)
     return test
 
 
-def _target_match_test(inp: VerifyInput, slot_probs: Tensor) -> Tensor:
+def _target_match_test(inp: VerifyInput, slot_probs: Tensor, tested: Tensor) -> Tensor:
+    """[B, K] whether each slot's sample from p is its draft. Only the `tested` slots count (the others are masked
+    by the caller): on the CPU only those are sampled, since a sample's noise spans the vocabulary and a batch's
+    empty and greedy slots would cost as much as its drafts. Elsewhere every slot is, so as never to wait on the
+    device for the mask."""
     batch, num_slots, vocab = slot_probs.shape
-    target_samples = sample_torch(slot_probs.reshape(-1, vocab), *_slot_coordinates(inp, num_slots), Purpose.SAMPLE)
-    return inp.draft_tokens == target_samples.reshape(batch, num_slots)
+    seeds, positions = _slot_coordinates(inp, num_slots)
+    flat_probs, drafts = slot_probs.reshape(-1, vocab), inp.draft_tokens.reshape(-1)
+    if slot_probs.device.type != "cpu":
+        return (drafts == sample_torch(flat_probs, seeds, positions, Purpose.SAMPLE)).view(batch, num_slots)
+    rows = tested.reshape(-1).nonzero().squeeze(1)
+    matched = torch.zeros(batch * num_slots, dtype=torch.bool)
+    samples = sample_torch(flat_probs[rows], seeds[rows], positions[rows], Purpose.SAMPLE)
+    matched[rows] = drafts[rows] == samples
+    return matched.view(batch, num_slots)
 
 
 def _topp_test(inp: VerifyInput, slot_probs: Tensor, target_at_draft: Tensor) -> Tensor:
@@ -134,10 +147,11 @@ def _accepted(inp: VerifyInput, has_draft: Tensor, accept_policy: str, verify_st
     drafted = inp.draft_tokens.clamp(min=0)
     target_at_draft = slot_probs.gather(-1, drafted.unsqueeze(-1)).squeeze(-1)
     greedy = inp.draft_tokens == slot_probs.argmax(dim=-1)
+    tested = has_draft & ~inp.greedy.unsqueeze(1)  # the slots whose sampled test is read below
     if verify_strategy == "rejection":
-        test = _rejection_test(inp, drafted, slot_probs, target_at_draft)
+        test = _rejection_test(inp, drafted, slot_probs, target_at_draft, tested)
     elif verify_strategy == "target_match":
-        test = _target_match_test(inp, slot_probs)
+        test = _target_match_test(inp, slot_probs, tested)
     elif verify_strategy == "greedy":
         test = greedy
     else:
