@@ -1,12 +1,15 @@
 """`specmesh up` on its defaults against hand-picked flags, under a load generator nobody here wrote (aiperf):
 
     pip install aiperf            # in a virtual environment of its own: its dependencies are not specmesh's
-    python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "torch threads"]
+    python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "no drafts" "torch threads"]
         [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--out bench-out/defaults]
 
 Configurations, each a `specmesh up` with these options and nothing else:
 - defaults: no option at all, what a newcomer runs (services/cpu_plan.py chooses the CPUs);
 - manual: `--manual` (default `--torch-threads 1 --engine-cpus 0`, README's tuned flags of the 2-core machine);
+- no drafts: the defaults with plain decoding (`--speculative-config '{"method": "naive"}'`): what the default
+  speculation gains or costs under aiperf's requests, which sample at temperature 1 (aiperf sends none, and the
+  API's default is 1);
 - torch threads: `--engine-cpus none --torch-threads 0`, the defaults before the CPU plan: torch's one thread per
   core, every process where the kernel puts it.
 Each is measured alone and beside a busy process (a pure-Python loop, on no particular CPU: a user's other program).
@@ -39,7 +42,10 @@ from services.mesh_process import start_mesh
 from shared.config import DEFAULT_MODEL_DIR
 
 MANUAL_FLAGS = "--torch-threads 1 --engine-cpus 0"
-CONFIGS = {"defaults": "", "manual": MANUAL_FLAGS, "torch threads": "--engine-cpus none --torch-threads 0"}
+CONFIGS = {
+    "defaults": "", "manual": MANUAL_FLAGS, "no drafts": """--speculative-config '{"method": "naive"}'""",
+    "torch threads": "--engine-cpus none --torch-threads 0",
+}
 CONCURRENCY = (1, 8)
 ROUNDS = 2
 REQUESTS_PER_STREAM = 6
