@@ -24,8 +24,11 @@ class SpeculativeConfig(BaseModel):
     # mtp: how many tokens the MTP module drafts by feeding itself; "with_ngram" fills the rest with ngram
     num_model_steps: int = Field(1, ge=1)
     mtp_strategy: Literal["default", "with_ngram"] = "default"
-    # suffix decoding over this request's tokens and recent requests' outputs
-    suffix_decoding_max_tree_depth: int = Field(64, ge=1)
+    # suffix decoding over this request's tokens and recent requests' outputs. Depth 24, not 64: every token a
+    # request appends (and every token of a finished output, inserted at once) walks up to depth open suffixes;
+    # suffix k=8, greedy, one engine thread: +4% tok/s at batch 8 and +8% at 32 (held-out standard-library
+    # prompts, in-process), +3% through the mesh at one stream on aiohttp's code; tokens accepted per step within 1%.
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1)
     suffix_decoding_max_cached_requests: int = Field(1000, ge=0)
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0.0)
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0.0, le=1.0)
