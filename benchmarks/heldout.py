@@ -12,8 +12,9 @@ Cases, one greedy request at a time (`ignore_eos`), each prompt the opening of o
 - the default speculation (whatever `specmesh up` drafts with when asked nothing; --speculative-config gives the
   mesh another) on 256-token prompts, against transformers greedy, transformers prompt lookup with the same k, and
   plain decoding through the same mesh.
-Every round serves prompts from files no earlier round used (and the warm-up request one more): suffix decoding
-remembers recent requests' outputs, and a prompt served twice would measure that memory, not held-out text.
+Within a case, every round serves prompts from files no earlier round used (and the warm-up request one more):
+suffix decoding remembers recent requests' outputs, and a prompt served twice would measure that memory, not
+held-out text. Cases take openings of the same files, so measure suffix decoding with `--cases speculation` alone.
 The mesh is one `specmesh up` with no options (--up-options adds some, for experiments), driven by benchmarks/mesh_client.py's SSE client; its decode rate is
 the tokens after each request's first chunk over the time from its first chunk to its last, summed over the
 requests. transformers runs in this process as a user runs it: torch's default threads, on any CPU, while the

@@ -56,54 +56,70 @@ class CpuBudget:
 
 def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = PROC_MOUNTINFO) -> float | None:
     """The tightest CPU limit on this process's cgroup and its ancestors, in CPUs (cgroup v2 `cpu.max`, else v1
-    `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where no limit is set or cgroups cannot be read."""
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where no limit is set or cgroups cannot be read. Anything it
+    cannot parse counts as no limit: an unusual /proc must never stop a service from starting."""
     try:
-        memberships = proc_cgroup.read_text().splitlines()
-        mounts = mountinfo.read_text().splitlines()
+        memberships = proc_cgroup.read_text(errors="surrogateescape").splitlines()
+        mount_lines = mountinfo.read_text(errors="surrogateescape").splitlines()
     except OSError:
         return None
+    mounts = [mount for line in mount_lines if (mount := _Mount.parse(line)) is not None]
     limits = []
     for line in memberships:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)  # "hierarchy-id:controllers:path"
+        if len(parts) < 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":
-            mount = _mount_point(mounts, "cgroup2", None)
-            reader = _v2_limit
+            mount, reader = _find(mounts, "cgroup2", None), _v2_limit
         elif "cpu" in controllers.split(","):
-            mount = _mount_point(mounts, "cgroup", "cpu")
-            reader = _v1_limit
+            mount, reader = _find(mounts, "cgroup", "cpu"), _v1_limit
         else:
             continue
-        if mount is None:
-            continue
-        limits += [limit for d in _ancestors(mount, path) if (limit := reader(d)) is not None]
+        if mount is not None:
+            limits += [limit for d in mount.ancestors(path) if (limit := reader(d)) is not None]
     return min(limits, default=None)
 
 
-def _mount_point(mounts: list[str], fs_type: str, controller: str | None) -> Path | None:
-    """Where a cgroup hierarchy is mounted (mountinfo: fields, " - ", type, source, super options)."""
-    for line in mounts:
-        fields, _, tail = line.partition(" - ")
-        kind, _, options = tail.split(" ")[:3] if tail.count(" ") >= 2 else (tail, "", "")
-        if kind != fs_type:
-            continue
-        if controller is None or controller in options.split(","):
-            return Path(fields.split(" ")[4])
-    return None
+@dataclass(frozen=True)
+class _Mount:
+    """One line of /proc/self/mountinfo: "id parent major:minor root mount-point options [optional...] - type
+    source super-options"."""
+
+    root: str
+    point: Path
+    fs_type: str
+    super_options: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, line: str) -> _Mount | None:
+        """None for a line of another shape."""
+        fields, separator, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if not separator or len(fields) < 5 or not tail:
+            return None
+        return cls(fields[3], Path(fields[4]), tail[0], tuple(tail[2].split(",")) if len(tail) > 2 else ())
+
+    def ancestors(self, path: str) -> list[Path]:
+        """The cgroup's directory and its parents up to the mount point (a parent's limit binds its children).
+        A container's hierarchy is often mounted at its own cgroup (root /docker/<id>), so that prefix of the
+        cgroup's path is the mount point itself."""
+        relative = path[len(self.root):] if path.startswith(self.root) and self.root != "/" else path
+        here = self.point / relative.lstrip("/")
+        return [d for d in (here, *here.parents) if d == self.point or self.point in d.parents]
 
 
-def _ancestors(mount: Path, path: str) -> list[Path]:
-    """The cgroup's directory and its parents up to the mount point: a parent's limit binds its children too."""
-    here = mount / path.lstrip("/")
-    chain = [here, *here.parents]
-    return [d for d in chain if d == mount or mount in d.parents]
+def _find(mounts: list[_Mount], fs_type: str, controller: str | None) -> _Mount | None:
+    return next((m for m in mounts if m.fs_type == fs_type and (controller is None or controller in m.super_options)),
+                None)
 
 
 def _v2_limit(directory: Path) -> float | None:
     try:
         quota, period = (directory / CGROUP2_LIMIT_FILE).read_text().split()
-    except (OSError, ValueError):
+        return None if quota == NO_LIMIT_V2 else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
         return None
-    return None if quota == NO_LIMIT_V2 else int(quota) / int(period)
 
 
 def _v1_limit(directory: Path) -> float | None:

@@ -2,10 +2,10 @@
 chosen from the machine (services/cpu_budget.py) unless `--engine-cpus` or `--torch-threads` say otherwise.
 
 The rule, for the CPU device:
-- `MESH_CORES` (one core, one more per `WORKERS_PER_MESH_CORE` workers) are left to the processes that are not
+- The mesh's cores (one, and one more per `WORKERS_PER_MESH_CORE` workers) are left to the processes that are not
   engines: NATS, the gateway, the detokenizers and the workers' event loops. Every other core goes to the engines,
   shared out evenly, each engine pinned to its own CPUs with one torch thread per CPU (at most
-  `MAX_ENGINE_THREADS`; cores beyond that stay free).
+  `MAX_ENGINE_THREADS`; cores beyond that go to the rest of the mesh, which seldom needs them).
 - An engine that must wait for a core loses its whole step: torch's OpenMP threads meet at a barrier after every
   operator, so one preempted thread stalls the others, which spin while they wait. Measured on a 2-core machine
   with torch's default of one thread per core, under aiperf: 38-41 ms between tokens at one stream and 282 ms at
@@ -13,10 +13,10 @@ The rule, for the CPU device:
 - Where a cgroup limit allows less time than the CPUs in the mask (a container's CPU limit), the engines are not
   pinned: the mask's CPUs are shared with other containers, so no CPU is ours to reserve. Thread counts still
   come from the limit.
-- With fewer cores than engines plus the mesh's core, nothing is pinned and each engine runs one thread: the
+- With fewer cores than engines plus the mesh's cores, nothing is pinned and each engine runs one thread: the
   kernel spreads the processes over the cores better than a fixed placement of more processes than cores.
-On CUDA the engine's host side is one Python thread queueing kernels: torch's threads and the placement are left
-as they are.
+On CUDA the engine's host side is one Python thread queueing kernels: nothing is pinned, and torch's threads are
+left as they are unless a cgroup limit says how many cores there are.
 """
 
 from __future__ import annotations
@@ -102,13 +102,18 @@ def plan_for(args: argparse.Namespace, workers: int) -> CpuPlan:
 
 
 def requested_threads(option: int, environ: Mapping[str, str]) -> int:
-    """--torch-threads if given, else $OMP_NUM_THREADS, else 0 (the plan's choice)."""
-    if option or not environ.get(OMP_THREADS_ENV):
+    """--torch-threads if given, else $OMP_NUM_THREADS (its first level, as OpenMP reads "4,2"), else 0 (the
+    plan's choice)."""
+    text = environ.get(OMP_THREADS_ENV, "").strip()
+    if option or not text:
         return option
     try:
-        return int(environ[OMP_THREADS_ENV])
+        threads = int(text.split(",")[0])
     except ValueError:
-        raise UsageError(f"{OMP_THREADS_ENV}={environ[OMP_THREADS_ENV]!r} is not a thread count") from None
+        threads = 0
+    if threads < 1:
+        raise UsageError(f"{OMP_THREADS_ENV}={text!r} is not a thread count")
+    return threads
 
 
 def plan_cpus(
@@ -125,9 +130,11 @@ def plan_cpus(
         if not rest:
             raise UsageError(f"--engine-cpus {format_cpu_list(engine_cpus)} leaves no CPU for the rest of the mesh")
         shares, per_engine = _share_out(sorted(engine_cpus), workers)
-        return CpuPlan(shares, torch_threads or per_engine, frozenset(rest), "--engine-cpus")
+        rest = budget.cpus - frozenset().union(*shares)  # a list that does not divide evenly leaves some over
+        return CpuPlan(shares, torch_threads or per_engine, rest, "--engine-cpus")
     if not device.startswith("cpu"):
-        return CpuPlan(unpinned, torch_threads, None, f"{device}: the engine's host side is one thread")
+        threads = torch_threads or (budget.cores if budget.limit is not None else 0)
+        return CpuPlan(unpinned, threads, None, f"{device}: the engine's host side is one thread")
     mesh_cores = 1 + workers // WORKERS_PER_MESH_CORE
     engine_cores = budget.cores - mesh_cores
     if engine_cores < workers:

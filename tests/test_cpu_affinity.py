@@ -14,7 +14,7 @@ import pytest
 
 from services.cpu_affinity import format_cpu_list, parse_cpu_list
 from services.cpu_budget import CpuBudget
-from services.cpu_plan import plan_cpus
+from services.cpu_plan import plan_cpus, requested_threads
 from services.mesh_process import start_mesh
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -39,7 +39,7 @@ def test_a_bad_cpu_list_is_a_usage_error(text: str) -> None:
 
 @pytest.mark.e2e
 def test_up_on_its_defaults_pins_the_engine_and_the_rest_of_the_mesh_apart(tmp_path: Path) -> None:
-    plan = plan_cpus(CpuBudget.of_this_process(), 1, "cpu")
+    plan = plan_cpus(CpuBudget.of_this_process(), 1, "cpu", torch_threads=requested_threads(0, os.environ))
     if plan.engine_cpus[0] is None:
         pytest.skip(f"the plan pins nothing on this machine: {plan.describe()}")
     mesh = start_mesh(tmp_path, "--max-num-seqs", "2")

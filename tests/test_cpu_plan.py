@@ -67,6 +67,8 @@ def test_explicit_options_win() -> None:
     listed = plan_cpus(budget, 2, "cpu", frozenset({0, 1, 2, 3}))
     assert listed.engine_cpus == (frozenset({0, 1}), frozenset({2, 3})) and listed.torch_threads == 2
     assert listed.rest_cpus == {4, 5, 6, 7}
+    uneven = plan_cpus(budget, 2, "cpu", frozenset({0, 1, 2}))  # CPU 2 is no engine's: the rest of the mesh gets it
+    assert uneven.engine_cpus == (frozenset({0}), frozenset({1})) and uneven.rest_cpus == {2, 3, 4, 5, 6, 7}
     with pytest.raises(UsageError, match="leaves no CPU"):
         plan_cpus(budget, 1, "cpu", budget.cpus)
     with pytest.raises(UsageError, match="--torch-threads -1"):
@@ -77,13 +79,16 @@ def test_omp_num_threads_counts_as_torch_threads() -> None:
     assert requested_threads(0, {}) == 0 and requested_threads(0, {"OMP_NUM_THREADS": ""}) == 0
     assert requested_threads(0, {"OMP_NUM_THREADS": "3"}) == 3
     assert requested_threads(2, {"OMP_NUM_THREADS": "3"}) == 2
-    with pytest.raises(UsageError, match="OMP_NUM_THREADS='many'"):
-        requested_threads(0, {"OMP_NUM_THREADS": "many"})
+    assert requested_threads(0, {"OMP_NUM_THREADS": "4,2"}) == 4  # nested levels: the first is the engine's
+    for text in ("many", "-1", "0"):
+        with pytest.raises(UsageError, match=f"OMP_NUM_THREADS='{text}'"):
+            requested_threads(0, {"OMP_NUM_THREADS": text})
 
 
-def test_cuda_leaves_torch_and_the_kernel_alone() -> None:
+def test_cuda_pins_nothing_and_sizes_threads_only_by_a_cgroup_limit() -> None:
     plan = plan_cpus(CpuBudget(cpus(16)), 2, "cuda")
     assert plan.engine_cpus == (None, None) and plan.torch_threads == 0 and plan.rest_cpus is None
+    assert plan_cpus(CpuBudget(cpus(64), limit=4), 1, "cuda").torch_threads == 4
 
 
 def test_engine_cpus_option() -> None:
@@ -112,6 +117,29 @@ def test_cgroup_v2_limit_is_the_tightest_of_the_cgroup_and_its_parents(tmp_path:
     assert cgroup_cpu_limit(*files) == 1.5
     (mount / "pod" / "container" / "cpu.max").write_text("50000 100000\n")
     assert cgroup_cpu_limit(*files) == 0.5
+
+
+def test_a_container_mounted_at_its_own_cgroup_reads_its_limit(tmp_path: Path) -> None:
+    """Docker on cgroup v1: /proc/self/cgroup says /docker/abc, and the hierarchy is mounted with that root."""
+    mount = tmp_path / "cpu"
+    mount.mkdir()
+    (mount / "cpu.cfs_quota_us").write_text("200000\n")
+    (mount / "cpu.cfs_period_us").write_text("100000\n")
+    mounts = f"35 25 0:30 /docker/abc {mount} ro,nosuid master:13 - cgroup cgroup rw,cpu,cpuacct\n"
+    assert cgroup_cpu_limit(*_fake_proc(tmp_path, "4:cpu,cpuacct:/docker/abc\n", mounts)) == 2.0
+
+
+def test_unreadable_cgroup_files_mean_no_limit(tmp_path: Path) -> None:
+    mount = tmp_path / "unified"
+    mount.mkdir()
+    (mount / "cpu.max").write_text("lots 100000\n")
+    good = f"30 23 0:26 / {mount} rw - cgroup2 cgroup2 rw\n"
+    assert cgroup_cpu_limit(*_fake_proc(tmp_path, "0::/\n", good)) is None
+    garbage = "not a mount line\n" + good
+    assert cgroup_cpu_limit(*_fake_proc(tmp_path, "junk\n0::/\n", garbage)) is None
+    (tmp_path / "latin1").write_bytes(b"36 25 0:31 / /media/caf\xe9 rw - vfat /dev/sdb1 rw\n" + good.encode())
+    (mount / "cpu.max").write_text("50000 100000\n")
+    assert cgroup_cpu_limit(tmp_path / "cgroup", tmp_path / "latin1") == 0.5
 
 
 def test_cgroup_v1_limit_and_no_limit(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.worker.sampling.random import UNIFORM_BITS, Purpose, _to_unit_interval, mix64, uniform
-from services.worker.sampling.sample import process_logits, sample
+from services.worker.sampling.random import UNIFORM_BITS, Purpose, _to_unit_interval, mix64, uniform, uniform_into
+from services.worker.sampling.sample import process_logits, sample, sample_torch
 
 UINT64_MASK = (1 << 64) - 1
 
@@ -217,3 +217,27 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_after_temperature() -> No
     # After temperature 2 the tail is flatter: 0.05 ** 0.5 is above a quarter of 0.5 ** 0.5, so it stays.
     hot = process_logits(logits[:1], torch.tensor([2.0]), top_k[:1], top_p[:1], torch.tensor([0.25]))
     assert bool((hot > 0).all())
+
+
+@pytest.mark.parametrize("rows, vocab, dtype", [
+    (0, 4096, torch.float32), (1, 4096, torch.float32), (16, 4096, torch.float64), (17, 4096, torch.float32),
+    (33, 1001, torch.bfloat16), (3, 40000, torch.float32),
+])
+def test_the_cpu_race_in_chunks_draws_what_the_whole_race_draws(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    """sample_torch on the CPU runs the race a chunk of rows at a time with in-place noise (uniform_into): every
+    token must be the one the race over the whole batch at once picks."""
+    generator = torch.Generator().manual_seed(rows * vocab)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=generator), dim=-1).to(dtype)
+    if rows > 2:
+        probs[1] = 0
+        probs[1, 7] = 1  # one-hot
+        probs[2, : vocab // 2] = 0  # zero-probability entries
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=generator)
+    positions = torch.randint(0, 10**6, (rows,), generator=generator)
+    for purpose in Purpose:
+        whole = (probs.to(torch.float64) / -torch.log(uniform(seeds, positions, purpose, width=vocab))).argmax(-1)
+        assert torch.equal(sample_torch(probs, seeds, positions, purpose), whole)
+        out = torch.empty(rows, vocab, dtype=torch.float64)
+        scratch = (torch.empty(rows, vocab, dtype=torch.int64), torch.empty(rows, vocab, dtype=torch.int64))
+        in_place = uniform_into(seeds, positions, purpose, out, *scratch)
+        assert torch.equal(in_place, uniform(seeds, positions, purpose, vocab))

@@ -118,12 +118,14 @@ def _target_match_test(inp: VerifyInput, slot_probs: Tensor, tested: Tensor) -> 
     device for the mask."""
     batch, num_slots, vocab = slot_probs.shape
     seeds, positions = _slot_coordinates(inp, num_slots)
-    flat_probs, drafts = slot_probs.reshape(-1, vocab), inp.draft_tokens.reshape(-1)
+    drafts = inp.draft_tokens.reshape(-1)
     if slot_probs.device.type != "cpu":
-        return (drafts == sample_torch(flat_probs, seeds, positions, Purpose.SAMPLE)).view(batch, num_slots)
+        samples = sample_torch(slot_probs.reshape(-1, vocab), seeds, positions, Purpose.SAMPLE)
+        return (drafts == samples).view(batch, num_slots)
     rows = tested.reshape(-1).nonzero().squeeze(1)
     matched = torch.zeros(batch * num_slots, dtype=torch.bool)
-    samples = sample_torch(flat_probs[rows], seeds[rows], positions[rows], Purpose.SAMPLE)
+    # slot_probs[tested] picks the same rows, in the same order, without copying the untested ones first.
+    samples = sample_torch(slot_probs[tested], seeds[rows], positions[rows], Purpose.SAMPLE)
     matched[rows] = drafts[rows] == samples
     return matched.view(batch, num_slots)
 
