@@ -33,24 +33,22 @@ MIX_MUL_2 = _to_int64(constants.MIX_MUL_2)
 _UNIFORM_SCALE = 2.0**-UNIFORM_BITS
 
 
-def _shift_right(x: Tensor, bits: int) -> Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _shift_right_into(x: Tensor, bits: int, out: Tensor) -> Tensor:
+    """Logical right shift of int64 bit patterns, written into out (x's shape and dtype)."""
+    torch.bitwise_right_shift(x, bits, out=out)
+    out &= (1 << (64 - bits)) - 1  # `>>` copies the sign bit: mask it off
+    return out
 
 
 def mix64(x: Tensor) -> Tensor:
     """splitmix64's finaliser on int64 tensors: a bijection of 64-bit patterns with good avalanche."""
-    x = (x ^ _shift_right(x, 30)) * MIX_MUL_1
-    x = (x ^ _shift_right(x, 27)) * MIX_MUL_2
-    return x ^ _shift_right(x, 31)
+    return mix64_(x.clone(), torch.empty_like(x))
 
 
 def mix64_(x: Tensor, scratch: Tensor) -> Tensor:
     """mix64 in place; scratch (x's shape and dtype) holds the shifted copies, so nothing is allocated."""
     for bits, multiplier in ((30, MIX_MUL_1), (27, MIX_MUL_2), (31, None)):
-        torch.bitwise_right_shift(x, bits, out=scratch)
-        scratch &= (1 << (64 - bits)) - 1  # logical, not arithmetic, shift
-        x ^= scratch
+        x ^= _shift_right_into(x, bits, scratch)
         if multiplier is not None:
             x *= multiplier
     return x
@@ -64,7 +62,17 @@ def _key(seeds: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
 
 
 def _to_unit_interval(bits: Tensor) -> Tensor:
-    return (_shift_right(bits, 64 - UNIFORM_BITS).to(torch.float64) + 0.5) * _UNIFORM_SCALE
+    out = torch.empty(bits.shape, dtype=torch.float64, device=bits.device)
+    return _to_unit_interval_into(bits, torch.empty_like(bits), out)
+
+
+def _to_unit_interval_into(bits: Tensor, scratch: Tensor, out: Tensor) -> Tensor:
+    """The top UNIFORM_BITS of each pattern as a float64 strictly inside (0, 1), written into out (float64), with
+    scratch (bits' shape and dtype) as working memory."""
+    out.copy_(_shift_right_into(bits, 64 - UNIFORM_BITS, scratch))
+    out += 0.5
+    out *= _UNIFORM_SCALE
+    return out
 
 
 def uniform(seeds: Tensor, positions: Tensor, purpose: Purpose, width: int | None = None) -> Tensor:
@@ -91,13 +99,7 @@ def uniform_into(
     in cache (sample.py's CPU race)."""
     key = _key(seeds, positions, purpose)
     torch.add(_counters(out.shape[1], seeds.device), key.unsqueeze(1), out=bits)
-    mix64_(bits, scratch)
-    torch.bitwise_right_shift(bits, 64 - UNIFORM_BITS, out=scratch)
-    scratch &= (1 << UNIFORM_BITS) - 1
-    out.copy_(scratch)
-    out += 0.5
-    out *= _UNIFORM_SCALE
-    return out
+    return _to_unit_interval_into(mix64_(bits, scratch), scratch, out)
 
 
 def _counters(width: int, device: torch.device) -> Tensor:
