@@ -51,7 +51,6 @@ WARMUP_PER_STREAM = 1
 ISL = OSL = 128
 AIPERF_TIMEOUT_S = 600
 SPIN_UP_S = 0.5  # lets the busy process reach its core before aiperf starts
-PLAN_MARK = "CPUs: "  # the line where `specmesh up` says where its processes run
 FIGURES = {  # aiperf's JSON key -> our name
     "inter_token_latency": "itl_ms",
     "time_to_first_token": "ttft_ms",
@@ -97,7 +96,7 @@ def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrenc
 
 def run_round(args: argparse.Namespace, name: str, tmp: Path, results: dict[tuple, list[dict]]) -> None:
     mesh = start_mesh(tmp / name.replace(" ", "-"), *shlex.split(args.configs[name]), model=args.model)
-    args.cpu_plans[name] = next(line.split(PLAN_MARK, 1)[1].strip() for line in mesh.log if PLAN_MARK in line)
+    args.cpu_plans[name] = mesh.cpu_plan
     try:
         for busy in (False, True):
             for concurrency in args.concurrency:

@@ -165,8 +165,8 @@ def main() -> None:
     rows, mismatches = [], []
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(Path(tmp), *up_options)
+        mesh_cpu_plan = mesh.cpu_plan
         try:
-            plan = next(line.split("CPUs: ", 1)[1].strip() for line in mesh.log if "CPUs: " in line)
             for name, prompt_tokens, speculative, speculating in (CASES[case] for case in args.cases):
                 prompts = package_prompts(tokenizer, args.package, 1 + args.requests * args.rounds, prompt_tokens)
                 row, bad = run_case(args, mesh, hf_model, table, name, prompts, speculative,
@@ -180,7 +180,7 @@ def main() -> None:
     print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
     report = {
         "model": str(args.model), "package": args.package, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "mesh": shlex.join(["specmesh", "up", *up_options]), "mesh_cpu_plan": plan,
+        "mesh": shlex.join(["specmesh", "up", *up_options]), "mesh_cpu_plan": mesh_cpu_plan,
         "speculation": default.model_dump(include={"method", "num_speculative_tokens"}),
         "transformers_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
         "torch_version": torch.__version__, "rows": rows, "greedy_mismatches": mismatches,

@@ -43,6 +43,7 @@ TORCH_THREADS_HELP = (
     f"torch threads per engine (default 0: ${OMP_THREADS_ENV} if set, else one per engine CPU as --engine-cpus "
     "chooses them)"
 )
+PLAN_LINE = "specmesh: CPUs: "  # starts the line where `specmesh up` prints its plan (mesh_process.Mesh reads it)
 CPU_LIST_CHARACTERS = frozenset("0123456789,- ")
 WORKERS_PER_MESH_CORE = 4
 # An engine's threads meet at a barrier after every operator; beyond a point, more threads add waiting and no

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     SIGNALS.install()
     children: list[tuple[str, Child]] = []
     plan = args.cpu_plan
-    print(f"specmesh: CPUs: {plan.describe()}", flush=True)
+    print(f"{cpu_plan.PLAN_LINE}{plan.describe()}", flush=True)
     rest = plan.rest_cpus  # every process but the engines, when they are pinned
     pin(rest)  # this one's supervision loop too
     exit_code = 0

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.cpu_plan import PLAN_LINE
 from services.process_tree import descendants
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_credentials import NatsCredentials, credentials_file
@@ -39,6 +40,11 @@ class Mesh:
     def children(self) -> dict[int, str]:
         """The processes `specmesh up` runs (and theirs), by pid, with their command lines."""
         return descendants(self.proc.pid)
+
+    @property
+    def cpu_plan(self) -> str:
+        """Where `specmesh up` said it runs its processes (services/cpu_plan.py's description)."""
+        return next(line.removeprefix(PLAN_LINE).strip() for line in self.log if line.startswith(PLAN_LINE))
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
