@@ -56,6 +56,15 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
+def _grouped_bars(ax: plt.Axes, groups: list[str], series: dict[str, list[float]]) -> None:
+    """One bar per series in each group, side by side, series[label][g] the height in group g (nan: no bar),
+    the groups named on the x axis."""
+    width = BAR_GROUP_WIDTH / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))], values, width, label=label)
+    ax.set_xticks(range(len(groups)), groups)
+
+
 BASELINE = "naive"  # the dashed line: what a busy worker must not fall below
 BAR_GROUP_WIDTH = 0.8  # fraction of a method's slot that its batch bars fill
 ACCEPTANCE_AXIS_TOP = 1.05  # room above 1.0 so lines of always-accepted drafts stay visible
@@ -193,10 +202,7 @@ def plot_gpu(report: dict, path: Path) -> None:
         bars = {system: [next((r["ms_per_step"] for r in mine if (r["shape"], r["system"], r["batch"]) ==
                                (name, system, 1)), float("nan")) for name in names] for system in systems}
         bars["weight-read floor"] = [floors[name]["ms_per_step"] for name in names]
-        width = BAR_GROUP_WIDTH / len(bars)
-        for i, (label, values) in enumerate(bars.items()):
-            bottom.bar([n + (i - (len(bars) - 1) / 2) * width for n in range(len(names))], values, width, label=label)
-        bottom.set_xticks(range(len(names)), names)
+        _grouped_bars(bottom, names, bars)
         bottom.set(yscale="log", ylabel="ms per decode step, batch 1 (lower is better)",
                    title=f"batch 1, context {context}")
         bottom.legend(fontsize="small")
@@ -213,17 +219,15 @@ def plot_defaults(report: dict, path: Path) -> None:
     rows = report["rows"]
     configs = list(report["configs"])
     levels = sorted({r["concurrency"] for r in rows})
-    width = BAR_GROUP_WIDTH / len(levels)
     fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE, squeeze=False)
     for col, busy in enumerate((False, True)):
         for ax, figure, label in ((axes[0][col], "output_tokens_per_s", "output tokens/s (higher is better)"),
                                   (axes[1][col], "itl_ms", "inter-token latency avg, ms (lower is better)")):
-            for i, level in enumerate(levels):
-                values = [next((r[figure] for r in rows if (r["config"], r["busy"], r["concurrency"]) ==
-                                (name, busy, level)), float("nan")) for name in configs]
-                ax.bar([c + (i - (len(levels) - 1) / 2) * width for c in range(len(configs))], values, width,
-                       label=f"concurrency {level}")
-            ax.set_xticks(range(len(configs)), configs)
+            _grouped_bars(ax, configs, {
+                f"concurrency {level}": [next((r[figure] for r in rows if (r["config"], r["busy"], r["concurrency"])
+                                               == (name, busy, level)), float("nan")) for name in configs]
+                for level in levels
+            })
             ax.set(ylabel=label, title="beside a busy process" if busy else "alone")
             ax.legend(fontsize="small")
     fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
@@ -236,12 +240,9 @@ def plot_heldout(report: dict, path: Path) -> None:
     """Draws report (the JSON benchmarks/heldout.py writes) into the PNG at path: per case, a bar per system."""
     rows = report["rows"]
     systems = list(dict.fromkeys(system for row in rows for system in row["decode_tokens_per_s"]))
-    width = BAR_GROUP_WIDTH / len(systems)
     fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
-    for i, system in enumerate(systems):
-        values = [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows]
-        ax.bar([c + (i - (len(systems) - 1) / 2) * width for c in range(len(rows))], values, width, label=system)
-    ax.set_xticks(range(len(rows)), [row["case"] for row in rows])
+    _grouped_bars(ax, [row["case"] for row in rows],
+                  {system: [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows] for system in systems})
     ax.set(ylabel="decode tokens/s after the first token (higher is better)")
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
