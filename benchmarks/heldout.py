@@ -15,10 +15,10 @@ Cases, one greedy request at a time (`ignore_eos`), each prompt the opening of o
 Within a case, every round serves prompts from files no earlier round used (and the warm-up request one more):
 suffix decoding remembers recent requests' outputs, and a prompt served twice would measure that memory, not
 held-out text. Cases take openings of the same files, so measure suffix decoding with `--cases speculation` alone.
-The mesh is one `specmesh up` with no options (--up-options adds some, for experiments), driven by benchmarks/mesh_client.py's SSE client; its decode rate is
-the tokens after each request's first chunk over the time from its first chunk to its last, summed over the
-requests. transformers runs in this process as a user runs it: torch's default threads, on any CPU, while the
-mesh idles; its decode time is generate(N) minus generate(1) (benchmarks/decode.py). Mesh and transformers passes
+The mesh is one `specmesh up` with no options (--up-options adds some, for experiments), driven by
+benchmarks/mesh_client.py's SSE client; its decode rate is the tokens after each request's first chunk over the time
+from its first chunk to its last, summed over the requests. transformers runs in this process as a user runs it:
+torch's default threads, on any CPU, while the mesh idles; its decode time is generate(N) minus generate(1) (benchmarks/decode.py). Mesh and transformers passes
 take turns (--rounds), each figure the median of its passes. The mesh's greedy text must equal transformers'
 (exit status 1 otherwise). Writes heldout.json, heldout.png and table.md to --out.
 """

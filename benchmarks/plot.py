@@ -241,8 +241,8 @@ def plot_heldout(report: dict, path: Path) -> None:
     rows = report["rows"]
     systems = list(dict.fromkeys(system for row in rows for system in row["decode_tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
-    _grouped_bars(ax, [row["case"] for row in rows],
-                  {system: [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows] for system in systems})
+    rates = {system: [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows] for system in systems}
+    _grouped_bars(ax, [row["case"] for row in rows], rates)
     ax.set(ylabel="decode tokens/s after the first token (higher is better)")
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
