@@ -18,9 +18,10 @@ held-out text. Cases take openings of the same files, so measure suffix decoding
 The mesh is one `specmesh up` with no options (--up-options adds some, for experiments), driven by
 benchmarks/mesh_client.py's SSE client; its decode rate is the tokens after each request's first chunk over the time
 from its first chunk to its last, summed over the requests. transformers runs in this process as a user runs it:
-torch's default threads, on any CPU, while the mesh idles; its decode time is generate(N) minus generate(1) (benchmarks/decode.py). Mesh and transformers passes
-take turns (--rounds), each figure the median of its passes. The mesh's greedy text must equal transformers'
-(exit status 1 otherwise). Writes heldout.json, heldout.png and table.md to --out.
+torch's default threads, on any CPU, while the mesh idles; its decode time is generate(N) minus generate(1)
+(benchmarks/decode.py). Mesh and transformers passes take turns (--rounds), each figure the median of its passes.
+The mesh's greedy text must equal transformers' (exit status 1 otherwise). Writes heldout.json, heldout.png and
+table.md to --out.
 """
 
 from __future__ import annotations
