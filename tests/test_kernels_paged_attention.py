@@ -22,6 +22,7 @@ from services.worker.model.paged_attention import (  # noqa: E402
     attend_per_sequence,
     paged_attention,
     paged_attention_torch,
+    plan_spans,
 )
 
 BLOCK_SIZE = 16
@@ -115,10 +116,11 @@ class Batch:
 
     def per_sequence(self, first_position: int, head_major: bool = False) -> torch.Tensor:
         keys, values = self.caches(head_major)
-        return attend_per_sequence(
-            self.q, Pool(keys, BLOCK_SIZE), Pool(values, BLOCK_SIZE), self.block_tables, self.query_starts,
-            self.context_lens, SCALE, self.max_context_len, first_position,
+        spans = plan_spans(
+            self.query_starts.tolist(), self.context_lens.tolist(), self.block_tables.tolist(), BLOCK_SIZE,
+            first_position, self.q.device,
         )
+        return attend_per_sequence(self.q, Pool(keys, BLOCK_SIZE), Pool(values, BLOCK_SIZE), spans, SCALE)
 
     def gathered(self, first_position: int, head_major: bool = False) -> torch.Tensor:
         keys, values = self.caches(head_major)

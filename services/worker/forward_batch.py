@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from services.worker.block_manager import blocks_for
 from services.worker.kv_cache import KVCache
+from services.worker.model.paged_attention import SequenceSpan, plan_spans
 
 
 @dataclass
@@ -33,6 +34,19 @@ class ForwardBatch:
     max_context_len: int
     first_position: int  # keys before this position are not attended to (MTP modules have none at 0)
     host_query_starts: np.ndarray  # [B + 1] int64, the same offsets on the host for slicing outputs
+    host: HostBatch  # the pass's integers on the host, which CPU attention plans from
+    _spans: list[SequenceSpan] | None = field(default=None, repr=False)
+
+    def attention_spans(self) -> list[SequenceSpan]:
+        """Each sequence's queries and keys for CPU attention (model/paged_attention.plan_spans), worked out on
+        the first layer's call and kept for the others."""
+        if self._spans is None:
+            host = self.host
+            self._spans = plan_spans(
+                host.query_starts.tolist(), host.context_lens.tolist(), host.block_tables.tolist(),
+                self.cache.block_size, self.first_position, self.input_ids.device,
+            )
+        return self._spans
 
     @property
     def num_seqs(self) -> int:
@@ -150,6 +164,7 @@ def device_batch(cache: KVCache, host: HostBatch, staged: Tensor) -> ForwardBatc
         max_context_len=host.max_context_len,
         first_position=host.first_position,
         host_query_starts=host.query_starts,
+        host=host,
     )
 
 

@@ -26,9 +26,11 @@ def write_kv(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Te
 
 def write_kv_torch(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
     """`write_kv` in torch ops, on any device: the kernel's reference and the CPU path."""
+    if k.dtype != key_cache.dtype:
+        k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
     if key_cache.dim() == BLOCK_MAJOR_DIMS:
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v)
     else:
-        key_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
-        value_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
+        key_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        value_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))

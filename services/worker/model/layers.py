@@ -17,13 +17,14 @@ from torch import nn
 from services.worker.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.paged_attention import paged_attention
+from services.worker.model.plain_module import PlainModule
 from services.worker.model.rms_norm import rms_norm
 from services.worker.model.rope import rope_frequencies
 from services.worker.model.rotary_apply import apply_rotary
 from services.worker.model.silu_mul import silu_and_mul
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(PlainModule):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-class Rotary(nn.Module):
+class Rotary(PlainModule):
     """Rotary position embedding in the half-split layout Hugging Face uses for Llama and Qwen2.
 
     cos and sin of every position are computed once (and again only when a longer context shows up), so a step
@@ -43,7 +44,9 @@ class Rotary(nn.Module):
 
     The table starts with num_positions rows (default: max_position_embeddings): an engine passes its
     max_model_len, the most it serves, since a Llama-3.x table of 131,072 positions is 64 MB of float32. It is
-    built on `device` as transformers builds its cos and sin, from inverse frequencies computed on the host.
+    built on `device` as transformers builds its cos and sin, from inverse frequencies computed on the host, in
+    the layout the device's rotation reads (model/rotary_apply.py): half width for the CUDA kernel, full width
+    with the sign of sin folded in elsewhere, so that a CPU rotation is four torch ops.
     """
 
     def __init__(
@@ -53,16 +56,21 @@ class Rotary(nn.Module):
         inv_freq, self.attention_scaling = rope_frequencies(cfg)  # [head_dim / 2], a factor on cos and sin
         self.position_limit = cfg.rope_position_limit
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.register_buffer("cos_sin", torch.empty(0, 2, cfg.head_dim // 2, device=device), persistent=False)
+        self.full_width = self.inv_freq.device.type != "cuda"
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self._grow(cfg.max_position_embeddings if num_positions is None else num_positions)
 
     def _grow(self, num_positions: int) -> None:
         freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq
-        # [positions, 2, head_dim / 2]
-        self.cos_sin = torch.stack((freqs.cos(), freqs.sin()), dim=1) * self.attention_scaling
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        if self.full_width:  # [positions, 2, 1, head_dim]: cos|cos and -sin|sin
+            self.cos_sin = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)[:, :, None]
+        else:  # [positions, 2, head_dim / 2]
+            self.cos_sin = torch.stack((cos, sin), dim=1)
 
     def forward(self, positions: torch.Tensor, num_positions: int) -> torch.Tensor:
-        """cos and sin [..., 2, head_dim / 2] at positions (all below num_positions)."""
+        """cos and sin at positions (all below num_positions): [..., 2, head_dim / 2], or [..., 2, 1, head_dim]
+        when full width."""
         if num_positions > self.cos_sin.shape[0]:
             if self.position_limit is not None and num_positions > self.position_limit:
                 raise UnsupportedModelError(
@@ -72,7 +80,7 @@ class Rotary(nn.Module):
         return self.cos_sin[positions]
 
 
-class Attention(nn.Module):
+class Attention(PlainModule):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -84,10 +92,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [..., heads + 2 kv_heads, head_dim]
+        qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)  # [..., heads + 2 kv_heads, head_dim]
         rotated = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[..., :rotated, :], cos_sin)  # q and k rotate together (in place on CUDA)
-        q, k, v = qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., rotated:, :]
+        qk = apply_rotary(qkv.narrow(-2, 0, rotated), cos_sin)  # q and k rotate together (in place on CUDA)
+        q, k = qk.narrow(-2, 0, self.num_heads), qk.narrow(-2, self.num_heads, self.num_kv_heads)
+        v = qkv.narrow(-2, rotated, self.num_kv_heads)
         if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -97,12 +106,12 @@ class Attention(nn.Module):
             out = paged_attention(
                 q, batch.cache.keys[self.layer_index], batch.cache.values[self.layer_index], batch.block_tables,
                 batch.query_starts, batch.context_lens, self.scale, batch.max_query_len, batch.max_context_len,
-                batch.first_position, batch.cache.block_size,
+                batch.first_position, batch.cache.block_size, batch.attention_spans,
             )
         return self.o_proj(out.flatten(-2))
 
 
-class MLP(nn.Module):
+class MLP(PlainModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -112,7 +121,7 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PlainModule):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

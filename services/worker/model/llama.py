@@ -9,11 +9,13 @@ at position i and the embedding of token i+1 into a prediction of token i+2, sha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model.config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary
+from services.worker.model.plain_module import PlainModule
 
 
 class MTPLayer(DecoderLayer):
@@ -30,7 +32,7 @@ class MTPLayer(DecoderLayer):
         return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(prev_hidden)), dim=-1))
 
 
-class DecoderStack(nn.Module):
+class DecoderStack(PlainModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -42,7 +44,7 @@ class DecoderStack(nn.Module):
         )
 
 
-class CausalLM(nn.Module):
+class CausalLM(PlainModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -66,7 +68,7 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] packed (serving, with a batch) or [B, L] (training) -> the last layer's hidden
         states [..., hidden], before the final norm."""
         cos_sin = self._rope(positions, batch)
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = F.embedding(input_ids, self.model.embed_tokens.weight), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, batch)
         return x + residual
@@ -85,7 +87,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """MTP module `index` -> its hidden states [..., hidden]; its logits predict token i+2."""
         layer = self.model.mtp_layers[index]
-        x = layer.fuse(self.model.embed_tokens(next_ids), prev_hidden)
+        x = layer.fuse(F.embedding(next_ids, self.model.embed_tokens.weight), prev_hidden)
         x, residual = layer(x, None, self._rope(positions, batch), batch)
         return x + residual
 

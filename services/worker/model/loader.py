@@ -71,6 +71,7 @@ def load_model(
     model = model.to(device).eval()
     if model_device(model).type == "cpu":
         use_cpu_layout(model)
+    model.freeze_lookups()
     return model
 
 

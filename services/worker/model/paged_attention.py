@@ -10,6 +10,10 @@ CPU path, so it is written for speed on a small CPU, not only as a reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -54,6 +58,7 @@ def paged_attention(
     max_context_len: int,
     first_position: int = 0,
     block_size: int | None = None,
+    spans: Seq[SequenceSpan] | Callable[[], Seq[SequenceSpan]] | None = None,
 ) -> Tensor:
     """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
 
@@ -76,7 +81,7 @@ def paged_attention(
         )
     return paged_attention_torch(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
-        first_position, block_size,
+        first_position, block_size, spans,
     )
 
 
@@ -92,12 +97,15 @@ def paged_attention_torch(
     max_context_len: int,
     first_position: int = 0,
     block_size: int | None = None,
+    spans: Seq[SequenceSpan] | Callable[[], Seq[SequenceSpan]] | None = None,
 ) -> Tensor:
     """`paged_attention` in torch ops, on any device, either cache layout: the kernel's reference and the CPU path.
 
     On the CPU, where reading the small index tensors costs nothing, it picks per call between attending each
     sequence over a view of the cache and one batched attention over gathered contexts. Elsewhere it always
-    gathers, so that it never waits on the device.
+    gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them, called only
+    when the per-sequence path is taken), so that a layer does not work them out again; from the index tensors
+    when None.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
@@ -109,9 +117,15 @@ def paged_attention_torch(
     )
     keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
     if q.device.type == "cpu" and not gather_pays:
-        return attend_per_sequence(
-            q, keys, values, block_tables, query_starts, context_lens, scale, max_context_len, first_position,
-        )
+        if spans is None:
+            spans = plan_spans(
+                query_starts.tolist(), context_lens.tolist(),
+                block_tables[:, : blocks_for(max_context_len, keys.block_size)].tolist(), keys.block_size,
+                first_position, q.device,
+            )
+        elif callable(spans):
+            spans = spans()
+        return attend_per_sequence(q, keys, values, spans, scale)
     return attend_gathered(
         q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position,
@@ -151,57 +165,84 @@ class Pool:
         return (blocks.long()[..., None] * self.block_size + offsets).flatten(-2)
 
 
-def attend_per_sequence(
-    q: Tensor,
-    keys_pool: Pool,
-    values_pool: Pool,
-    block_tables: Tensor,
-    query_starts: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    max_context_len: int,
+@dataclass(frozen=True)
+class SequenceSpan:
+    """One sequence's queries and keys in a pass, as the CPU's per-sequence attention reads them. Worked out once
+    per pass (plan_spans) and read by every layer, since only the cache contents differ between layers."""
+
+    end: int  # its queries are rows end - count .. end - 1 of q, after num_blind rows that see no key
+    count: int
+    num_blind: int  # queries before first_position (an MTP module has no key at position 0): zeros
+    key_start: int  # its keys are the flat slots key_start .. key_stop - 1, when its blocks are one ascending run
+    key_stop: int
+    slots: Tensor | None  # [1, visible] flat slots otherwise, gathered
+    mask: Tensor | None  # [count, visible] bool for queries that are the last `count` of more positions
+    causal: bool  # every visible position is a query (prefill)
+
+
+def plan_spans(
+    query_starts: Seq[int],
+    context_lens: Seq[int],
+    block_rows: Seq[Seq[int]],
+    block_size: int,
     first_position: int,
+    device: torch.device,
+) -> list[SequenceSpan]:
+    """The spans of a pass from its host-side integers: query offsets [B + 1], context lengths [B] and each
+    sequence's blocks (at least those its context covers)."""
+    spans = []
+    for b, context in enumerate(context_lens):
+        end = query_starts[b + 1]
+        num_queries = end - query_starts[b]
+        visible = context - first_position  # keys at positions first_position..context - 1
+        count = max(min(num_queries, visible), 0)  # the queries that see at least one key
+        key_start = key_stop = 0
+        slots = mask = None
+        if count:
+            blocks = list(block_rows[b][: blocks_for(context, block_size)])
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # position x of the run: s * bs + x
+                key_start = blocks[0] * block_size + first_position
+                key_stop = blocks[0] * block_size + context
+            else:
+                offsets = torch.arange(block_size, device=device)
+                flat = (torch.tensor(blocks, device=device)[:, None] * block_size + offsets).flatten()
+                slots = flat[None, first_position:context]
+            if 1 < count < visible:  # the queries are the last `count` positions: causal, diagonal moved right
+                mask = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
+        spans.append(SequenceSpan(
+            end, count, num_queries - count, key_start, key_stop, slots, mask, causal=1 < count == visible,
+        ))
+    return spans
+
+
+def attend_per_sequence(
+    q: Tensor, keys_pool: Pool, values_pool: Pool, spans: Seq[SequenceSpan], scale: float
 ) -> Tensor:
     """One attention call per sequence. A sequence whose blocks are one ascending run (what the block manager
-    normally hands out) reads a view of the cache, no copy; any other gathers its own blocks. Reads the index
-    tensors on the host: for CPU tensors."""
-    block_size, num_kv_heads, head_dim = keys_pool.block_size, keys_pool.num_kv_heads, keys_pool.head_dim
-    group = q.shape[1] // num_kv_heads
-    starts = query_starts.tolist()
-    rows = block_tables[:, : blocks_for(max_context_len, block_size)].tolist()
+    normally hands out) reads a view of the cache, no copy; any other gathers its own blocks."""
+    num_kv_heads, head_dim = keys_pool.num_kv_heads, keys_pool.head_dim
     pieces: list[Tensor] = []  # the output, sequence after sequence: one concatenation instead of a write per sequence
-    for b, context in enumerate(context_lens.tolist()):
-        end = starts[b + 1]
-        visible = context - first_position  # keys at positions first_position..context - 1
-        count = max(min(end - starts[b], visible), 0)  # the queries that see at least one key
-        if count < end - starts[b]:  # the others come first, before first_position
-            pieces.append(q.new_zeros(end - starts[b] - count, *q.shape[1:]))
-        if count == 0:
+    for span in spans:
+        if span.num_blind:  # they come first, before first_position
+            pieces.append(q.new_zeros(span.num_blind, *q.shape[1:]))
+        if span.count == 0:
             continue
-        blocks = rows[b][: blocks_for(context, block_size)]
-        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # position x of the run: s * bs + x
-            base = blocks[0] * block_size
-            keys = keys_pool.span(base + first_position, base + context)[None]
-            values = values_pool.span(base + first_position, base + context)[None]
+        if span.slots is None:
+            keys = keys_pool.span(span.key_start, span.key_stop)[None]
+            values = values_pool.span(span.key_start, span.key_stop)[None]
         else:
-            slots = keys_pool.block_slots(torch.tensor(blocks, device=q.device))[None, first_position:context]
-            keys, values = keys_pool.gather(slots), values_pool.gather(slots)
+            keys, values = keys_pool.gather(span.slots), values_pool.gather(span.slots)
         # keys, values [1, kv_heads, visible, head_dim]: 4-d, because CPU SDPA takes its flash path only for 4-d
-        queries = q[end - count : end]
-        if count == 1:
+        queries = q[span.end - span.count : span.end]
+        if span.count == 1:
             # One query sees every visible key, so no mask; its heads that share a kv head become rows of one
             # matrix, which needs no GQA expansion.
-            grouped = queries.reshape(1, num_kv_heads, group, head_dim)
+            grouped = queries.reshape(1, num_kv_heads, -1, head_dim)
             attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
             pieces.append(attended.reshape(1, -1, head_dim))
             continue
-        if count == visible:  # every visible position is a query (prefill): plain causal
-            mask, causal = None, True
-        else:  # the queries are the last `count` positions: causal with the diagonal moved right
-            mask = torch.ones(count, visible, dtype=torch.bool, device=q.device).tril_(visible - count)
-            causal = False
         attended = F.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+            queries.transpose(0, 1)[None], keys, values, attn_mask=span.mask, is_causal=span.causal, scale=scale,
             enable_gqa=True,
         )
         pieces.append(attended[0].transpose(0, 1))

@@ -1,6 +1,12 @@
-"""Rotary position embedding applied to query and key heads, half-split layout (Hugging Face's Llama and Qwen2):
-the kernel of kernels/rotary.py on CUDA, rotating in place; `apply_rotary_torch` (its twin and the CPU path)
-elsewhere. The cos/sin table comes from model/layers.Rotary."""
+"""Rotary position embedding applied to query and key heads, half-split layout (Hugging Face's Llama and Qwen2).
+
+Two cos/sin tables, built by model/layers.Rotary in the layout its device reads:
+- half width, [..., 2, head_dim / 2]: the kernel of kernels/rotary.py on CUDA rotates in place;
+  `apply_rotary_torch` is its twin (and what a CUDA training step runs);
+- full width, [..., 2, 1, head_dim], cos|cos and -sin|sin: `apply_rotary_full`, the CPU path, four torch ops
+  where the twin takes nine (a decode step of a small model is mostly such overhead). It computes the same float32
+  products and sums as the twin, so the two are equal bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,13 @@ from kernels import use_inference_kernel
 
 
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """x [..., heads, head_dim] rotated by cos_sin [..., 2, head_dim / 2] (float32, the same leading dims).
+    """x [..., heads, head_dim] rotated by cos_sin (float32, the same leading dims, either table layout).
 
-    On CUDA x is rotated in place and returned; elsewhere the result is a new tensor and x is left as it was.
-    Callers use the result and do not read x again, so both are the same to them.
+    With the kernel, x is rotated in place and returned; otherwise the result is a new tensor and x is left as it
+    was. Callers use the result and do not read x again, so both are the same to them.
     """
+    if cos_sin.shape[-1] == x.shape[-1]:
+        return apply_rotary_full(x, cos_sin)
     if use_inference_kernel(x):
         # Imported here: CPU callers never need triton.
         from kernels.rotary import rotary_launch
@@ -24,9 +32,20 @@ def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
     return apply_rotary_torch(x, cos_sin)
 
 
+def apply_rotary_full(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """`apply_rotary` over the full-width table [..., 2, 1, head_dim]: x * cos + rotate_half(x) * sin, where
+    rotating the halves is a roll and sin's sign is already in the table."""
+    cos, sin = cos_sin.unbind(-3)  # [..., 1, head_dim] each
+    if x.dtype != torch.float32:
+        return apply_rotary_full(x.float(), cos_sin).to(x.dtype)
+    out = x * cos
+    out += torch.roll(x, x.shape[-1] // 2, -1) * sin
+    return out
+
+
 def apply_rotary_torch(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """`apply_rotary` in torch ops, out of place, on any device: the kernel's reference and the CPU path (which
-    rotates q and k of a fused projection with one set of ops)."""
+    """`apply_rotary` over the half-width table in torch ops, out of place, on any device: the kernel's
+    reference."""
     cos, sin = cos_sin[..., None, 0, :], cos_sin[..., None, 1, :]
     xf = x.float()
     half = x.shape[-1] // 2

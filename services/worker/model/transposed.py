@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from services.worker.model.llama import CausalLM
+from services.worker.model.plain_module import PlainModule
 
 
-class TransposedLinear(nn.Module):
+class TransposedLinear(PlainModule):
     """y = x @ weight_t (+ bias), weight_t = W^T stored contiguous [in, out]."""
 
     def __init__(self, linear: nn.Linear) -> None:
