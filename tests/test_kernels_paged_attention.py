@@ -118,7 +118,7 @@ class Batch:
         keys, values = self.caches(head_major)
         spans = plan_spans(
             self.query_starts.tolist(), self.context_lens.tolist(), self.block_tables.tolist(), BLOCK_SIZE,
-            first_position, self.q.device,
+            first_position, self.q.shape[1] // keys.shape[0 if head_major else 2], self.q.device,
         )
         return attend_per_sequence(self.q, Pool(keys, BLOCK_SIZE), Pool(values, BLOCK_SIZE), spans, SCALE)
 

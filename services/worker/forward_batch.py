@@ -37,14 +37,14 @@ class ForwardBatch:
     host: HostBatch  # the pass's integers on the host, which CPU attention plans from
     _spans: list[SequenceSpan] | None = field(default=None, repr=False)
 
-    def attention_spans(self) -> list[SequenceSpan]:
-        """Each sequence's queries and keys for CPU attention (model/paged_attention.plan_spans), worked out on
-        the first layer's call and kept for the others."""
+    def attention_spans(self, group: int) -> list[SequenceSpan]:
+        """Each sequence's queries and keys for CPU attention with `group` query heads per kv head
+        (model/paged_attention.plan_spans), worked out on the first layer's call and kept for the others."""
         if self._spans is None:
             host = self.host
             self._spans = plan_spans(
                 host.query_starts.tolist(), host.context_lens.tolist(), host.block_tables.tolist(),
-                self.cache.block_size, self.first_position, self.input_ids.device,
+                self.cache.block_size, self.first_position, group, self.input_ids.device,
             )
         return self._spans
 

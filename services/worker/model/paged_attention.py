@@ -58,7 +58,7 @@ def paged_attention(
     max_context_len: int,
     first_position: int = 0,
     block_size: int | None = None,
-    spans: Seq[SequenceSpan] | Callable[[], Seq[SequenceSpan]] | None = None,
+    spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
 ) -> Tensor:
     """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
 
@@ -97,15 +97,15 @@ def paged_attention_torch(
     max_context_len: int,
     first_position: int = 0,
     block_size: int | None = None,
-    spans: Seq[SequenceSpan] | Callable[[], Seq[SequenceSpan]] | None = None,
+    spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
 ) -> Tensor:
     """`paged_attention` in torch ops, on any device, either cache layout: the kernel's reference and the CPU path.
 
     On the CPU, where reading the small index tensors costs nothing, it picks per call between attending each
     sequence over a view of the cache and one batched attention over gathered contexts. Elsewhere it always
-    gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them, called only
-    when the per-sequence path is taken), so that a layer does not work them out again; from the index tensors
-    when None.
+    gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them from the
+    number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
+    work them out again; from the index tensors when None.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
@@ -117,14 +117,15 @@ def paged_attention_torch(
     )
     keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
     if q.device.type == "cpu" and not gather_pays:
+        group = q.shape[1] // keys.num_kv_heads
         if spans is None:
             spans = plan_spans(
                 query_starts.tolist(), context_lens.tolist(),
                 block_tables[:, : blocks_for(max_context_len, keys.block_size)].tolist(), keys.block_size,
-                first_position, q.device,
+                first_position, group, q.device,
             )
         elif callable(spans):
-            spans = spans()
+            spans = spans(group)
         return attend_per_sequence(q, keys, values, spans, scale)
     return attend_gathered(
         q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
@@ -176,7 +177,9 @@ class SequenceSpan:
     key_start: int  # its keys are the flat slots key_start .. key_stop - 1, when its blocks are one ascending run
     key_stop: int
     slots: Tensor | None  # [1, visible] flat slots otherwise, gathered
-    mask: Tensor | None  # [count, visible] bool for queries that are the last `count` of more positions
+    # [group * count, visible] bool for queries that are the last `count` of more positions, row g * count + i for
+    # query i's head g of each kv head (attend_per_sequence makes those heads rows of one matrix)
+    mask: Tensor | None
     causal: bool  # every visible position is a query (prefill)
 
 
@@ -186,10 +189,11 @@ def plan_spans(
     block_rows: Seq[Seq[int]],
     block_size: int,
     first_position: int,
+    group: int,
     device: torch.device,
 ) -> list[SequenceSpan]:
     """The spans of a pass from its host-side integers: query offsets [B + 1], context lengths [B] and each
-    sequence's blocks (at least those its context covers)."""
+    sequence's blocks (at least those its context covers); `group` query heads share each kv head."""
     spans = []
     for b, context in enumerate(context_lens):
         end = query_starts[b + 1]
@@ -208,7 +212,8 @@ def plan_spans(
                 flat = (torch.tensor(blocks, device=device)[:, None] * block_size + offsets).flatten()
                 slots = flat[None, first_position:context]
             if 1 < count < visible:  # the queries are the last `count` positions: causal, diagonal moved right
-                mask = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
+                causal = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
+                mask = causal.repeat(group, 1)
         spans.append(SequenceSpan(
             end, count, num_queries - count, key_start, key_stop, slots, mask, causal=1 < count == visible,
         ))
@@ -241,9 +246,20 @@ def attend_per_sequence(
             attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
             pieces.append(attended.reshape(1, -1, head_dim))
             continue
+        if span.mask is not None:
+            # Verify rows: as for one query, the heads sharing a kv head become rows of one matrix (kv head, head
+            # in group, query), which spares SDPA's GQA path (~20% of the call at a 2k context).
+            count, group = span.count, q.shape[1] // num_kv_heads
+            grouped = queries.view(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            attended = F.scaled_dot_product_attention(
+                grouped.reshape(1, num_kv_heads, group * count, head_dim), keys, values, attn_mask=span.mask,
+                scale=scale,
+            )
+            by_query = attended.view(num_kv_heads, group, count, head_dim).permute(2, 0, 1, 3)
+            pieces.append(by_query.reshape(count, -1, head_dim))
+            continue
         attended = F.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None], keys, values, attn_mask=span.mask, is_causal=span.causal, scale=scale,
-            enable_gqa=True,
+            queries.transpose(0, 1)[None], keys, values, is_causal=span.causal, scale=scale, enable_gqa=True,
         )
         pieces.append(attended[0].transpose(0, 1))
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
