@@ -69,20 +69,24 @@ class DraftBatch:
     counts: Tensor  # [B] int64
     q: Tensor | None  # [B, K, vocab], or None when every draft is a point mass
     host_counts: np.ndarray  # [B] the counts on the host
+    num_tokens: int  # drafted tokens in all
 
     @property
     def width(self) -> int:
         """K: the most drafts any row has (0 when the step drafts nothing)."""
         return self.tokens.shape[1]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.host_counts.sum())
-
     @classmethod
     def build(cls, drafts: list[Draft], vocab_size: int, device: torch.device) -> "DraftBatch":
-        counts = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))
-        width = int(counts.max(initial=0))
+        lengths = [len(d.tokens) for d in drafts]
+        counts = np.array(lengths, dtype=np.int64)
+        if not any(lengths):  # plain decoding: nothing to pack, nothing to verify (a CPU step pays every op)
+            return cls(
+                drafts=drafts, tokens=torch.empty((len(drafts), 0), dtype=torch.int64, device=device),
+                counts=torch.zeros(len(drafts), dtype=torch.int64, device=device), q=None, host_counts=counts,
+                num_tokens=0,
+            )
+        width = max(lengths)
         tokens = np.full((len(drafts), width), PAD_TOKEN, dtype=np.int64)
         for b, draft in enumerate(drafts):
             tokens[b, : counts[b]] = draft.tokens
@@ -93,6 +97,7 @@ class DraftBatch:
             counts=both[tokens.size :],
             q=stack_probs(drafts, width, vocab_size, device),
             host_counts=counts,
+            num_tokens=sum(lengths),
         )
 
     def modelled_rows(self, rows: list[int]) -> tuple[Tensor, Tensor] | None:

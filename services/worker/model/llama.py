@@ -100,6 +100,5 @@ class CausalLM(PlainModule):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.head_weight_t is not None:
-            return (normed @ self.head_weight_t).float()
-        return (normed @ self.head_weight.T).float()
+        logits = normed @ self.head_weight_t if self.head_weight_t is not None else normed @ self.head_weight.T
+        return logits if logits.dtype == torch.float32 else logits.float()
