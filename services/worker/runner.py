@@ -10,6 +10,7 @@ import torch
 from services.worker.cuda_graph import GraphRunner
 from services.worker.forward_batch import ForwardBatch, InputBuffers, device_batch, host_layout, pack, pack_host
 from services.worker.kv_cache import KVCache
+from services.worker.model.flat_trunk import FlatTrunk
 from services.worker.model.llama import CausalLM
 
 # An MTP module's entry at position p pairs the hidden state at p-1 with token p, so position 0 has none.
@@ -42,6 +43,8 @@ class ModelRunner:
             GraphRunner(model.forward, self.cache, max_num_seqs, graph_query_lens, capture=True)
             if graph_query_lens else None
         )
+        # The CPU runs the trunk as one flat loop (model/flat_trunk.py); other devices run the modules.
+        self.trunk = FlatTrunk(model, self.cache) if self.device.type == "cpu" else model
 
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
         return pack(self.cache, rows, starts, slots, self.buffers, first_position)
@@ -55,7 +58,7 @@ class ModelRunner:
         if shape is not None:
             return self.graphs.run(host, shape)
         batch = device_batch(self.cache, host, self.buffers.upload(host_layout(host)))
-        return self.model(batch.input_ids, batch.positions, batch), batch
+        return self.trunk(batch.input_ids, batch.positions, batch), batch
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -109,14 +109,8 @@ def paged_attention_torch(
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
-    batch = block_tables.shape[0]
-    gather_pays = (
-        max_query_len <= GATHER_MAX_QUERY_LEN
-        and batch >= GATHER_MIN_SEQS
-        and batch * max_context_len <= GATHER_MAX_KEYS
-    )
     keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
-    if q.device.type == "cpu" and not gather_pays:
+    if q.device.type == "cpu" and not gathering_pays(block_tables.shape[0], max_query_len, max_context_len):
         group = q.shape[1] // keys.num_kv_heads
         if spans is None:
             spans = plan_spans(
@@ -130,6 +124,16 @@ def paged_attention_torch(
     return attend_gathered(
         q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position,
+    )
+
+
+def gathering_pays(num_seqs: int, max_query_len: int, max_context_len: int) -> bool:
+    """Whether the CPU attends a pass's sequences in one batched call over gathered contexts (attend_gathered)
+    rather than one call each over views of the cache (attend_per_sequence): see the measurements above."""
+    return (
+        max_query_len <= GATHER_MAX_QUERY_LEN
+        and num_seqs >= GATHER_MIN_SEQS
+        and num_seqs * max_context_len <= GATHER_MAX_KEYS
     )
 
 
