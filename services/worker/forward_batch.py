@@ -168,6 +168,34 @@ def device_batch(cache: KVCache, host: HostBatch, staged: Tensor) -> ForwardBatc
     )
 
 
+def cpu_batch(cache: KVCache, host: HostBatch) -> ForwardBatch:
+    """The ForwardBatch over the host arrays themselves, for a CPU pass: no staging and no copy (a CPU decode step
+    pays every op, and `device_batch`'s concatenation, split and casts are a dozen of them)."""
+    as_tensor = torch.from_numpy
+    return ForwardBatch(
+        cache=cache,
+        input_ids=as_tensor(host.input_ids),
+        positions=as_tensor(host.positions),
+        slot_mapping=as_tensor(host.slot_mapping),
+        query_starts=as_tensor(host.query_starts.astype(np.int32)),
+        context_lens=as_tensor(host.context_lens.astype(np.int32)),
+        block_tables=as_tensor(host.block_tables.astype(np.int32, copy=False)),
+        max_query_len=host.max_query_len,
+        max_context_len=host.max_context_len,
+        first_position=host.first_position,
+        host_query_starts=host.query_starts,
+        host=host,
+    )
+
+
+def to_device(cache: KVCache, host: HostBatch, buffers: InputBuffers) -> ForwardBatch:
+    """The pass's ForwardBatch on the buffers' device: the host arrays as they are on the CPU, one staged copy
+    elsewhere."""
+    if buffers.device.type == "cpu":
+        return cpu_batch(cache, host)
+    return device_batch(cache, host, buffers.upload(host_layout(host)))
+
+
 def pack(
     cache: KVCache,
     rows: Seq[Seq[int]],
@@ -176,6 +204,6 @@ def pack(
     buffers: InputBuffers,
     first_position: int = 0,
 ) -> ForwardBatch:
-    """Feeds rows[b] at positions starts[b].. of cache slot slots[b], moved to the device in one copy."""
-    host = pack_host(cache, rows, starts, slots, first_position)
-    return device_batch(cache, host, buffers.upload(host_layout(host)))
+    """Feeds rows[b] at positions starts[b].. of cache slot slots[b], on the device (in one copy, where that is not the
+    CPU)."""
+    return to_device(cache, pack_host(cache, rows, starts, slots, first_position), buffers)
