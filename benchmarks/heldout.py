@@ -2,7 +2,7 @@
 ever saw: the Python files of an installed package (default aiohttp; the demo model trained on the standard
 library only, and no drafter was tuned on anything).
 
-    python -m benchmarks.heldout [--package aiohttp] [--requests 6] [--rounds 3] [--max-tokens 128]
+    python -m benchmarks.heldout [--package aiohttp] [--requests 6] [--rounds 5] [--max-tokens 128]
         [--cases plain-64 plain-2k speculation] [--speculative-config JSON] [--up-options "..."]
         [--out bench-out/heldout]
 
@@ -56,7 +56,7 @@ CASES = {  # option: (name, prompt tokens, the request's `speculative` object, w
     "plain-2k": ("plain, 1,900-token context", 1900, PLAIN, False),
     "speculation": ("default speculation, 256-token prompts", 256, None, True),
 }
-REQUESTS, ROUNDS, MAX_TOKENS = 6, 3, 128
+REQUESTS, ROUNDS, MAX_TOKENS = 6, 5, 128
 
 
 def package_prompts(tokenizer: Tokenizer, package: str, count: int, prompt_tokens: int) -> list[list[int]]:
