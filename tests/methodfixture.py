@@ -57,8 +57,12 @@ class Method:
         return self.method != "naive"
 
     def config(self, **overrides) -> SpeculativeConfig:
-        """The method's config; overrides replace any key, num_speculative_tokens included."""
-        keys = dict(method=self.method, num_speculative_tokens=self.num_speculative_tokens, **self.options)
+        """The method's config, with a fixed number of drafts: these tests check what drafting does, which adaptive
+        speculation (on by default for ngram and suffix) would thin by the step timings. Overrides replace any key,
+        num_speculative_tokens and adaptive included."""
+        keys = dict(
+            method=self.method, num_speculative_tokens=self.num_speculative_tokens, adaptive=False, **self.options
+        )
         return SpeculativeConfig(**(keys | overrides))
 
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from shared.config import SpeculativeConfig
 from services.worker.drafting.adaptive import (
     AdaptiveSpeculation,
     SpeculationGate,
@@ -21,11 +22,12 @@ MAX_DRAFTS = 5
 C0, C1 = 1.0, 0.01
 
 
-def _calibrated(c0: float = C0, c1: float = C1) -> StepCostModel:
-    """A cost model fitted from exact timings of this line."""
+def _calibrated(c0: float = C0, c1: float = C1, c_draft: float | None = None) -> StepCostModel:
+    """A cost model fitted from exact timings of this plane: c1 per sequence, c_draft (default c1) per draft row."""
+    c_draft = c1 if c_draft is None else c_draft
     cost = StepCostModel()
-    for num_tokens in (1, 64, 256):
-        cost.observe(num_tokens, c0 + c1 * num_tokens)
+    for num_seqs, num_drafts in ((1, 0), (1, 5), (64, 0), (64, 320), (256, 40)):
+        cost.observe(num_seqs, num_drafts, c0 + c1 * num_seqs + c_draft * num_drafts)
     return cost
 
 
@@ -128,34 +130,58 @@ def test_a_request_without_drafts_drifts_back_to_the_prior() -> None:
 
 def test_calibration_recovers_the_coefficients_from_noisy_timings() -> None:
     rng = random.Random(9)
-    c0, c1 = 4e-3, 1e-4
+    c0, c_seq, c_draft = 4e-3, 1.7e-4, 3.5e-5  # the demo model's CPU step: a draft row ~5x cheaper than a sequence
     policy = AdaptiveSpeculation(MAX_DRAFTS)
     for _ in range(2000):
-        num_tokens = rng.randint(1, 512)
-        policy.observe_step(num_tokens, (c0 + c1 * num_tokens) * rng.uniform(0.95, 1.05))
-    fit_c0, fit_c1 = policy.cost.coefficients
-    assert fit_c0 == pytest.approx(c0, rel=0.1)
-    assert fit_c1 == pytest.approx(c1, rel=0.05)
+        num_seqs = rng.randint(1, 64)
+        num_drafts = num_seqs * rng.randint(0, MAX_DRAFTS)
+        seconds = (c0 + c_seq * num_seqs + c_draft * num_drafts) * rng.uniform(0.95, 1.05)
+        policy.observe_step(num_seqs, num_drafts, seconds)
+    fit = policy.cost.coefficients
+    assert fit == pytest.approx((c0, c_seq, c_draft), rel=0.1)
+
+
+def test_cheap_draft_rows_keep_a_large_batch_drafting() -> None:
+    """With draft rows priced as what they cost (a fifth of a sequence), a batch of 32 with good acceptance keeps
+    drafting; priced like a sequence, as a one-coefficient model prices them, it drafts far less."""
+    cheap = AdaptiveSpeculation(MAX_DRAFTS, cost=_calibrated(c0=1.0, c1=0.05, c_draft=0.01))
+    dear = AdaptiveSpeculation(MAX_DRAFTS, cost=_calibrated(c0=1.0, c1=0.05))
+    ids = [str(i) for i in range(32)]
+    for policy in (cheap, dear):
+        for request_id in ids:
+            _observe_many(policy, request_id, 4)
+    drafted = [sum(policy.choose(ids, 32).values()) for policy in (cheap, dear)]
+    assert drafted[0] > 2 * drafted[1] > 0
 
 
 def test_forgetting_follows_a_change_in_cost() -> None:
     cost = StepCostModel(forgetting=0.99)
     rng = random.Random(2)
-    for c0, c1 in [(1.0, 0.1), (2.0, 0.01)]:
+    for c0, c_seq, c_draft in [(1.0, 0.1, 0.1), (2.0, 0.01, 0.002)]:
         for _ in range(2000):
-            num_tokens = rng.randint(1, 100)
-            cost.observe(num_tokens, c0 + c1 * num_tokens)
-    assert cost.coefficients == pytest.approx((2.0, 0.01), rel=1e-3)
+            num_seqs, num_drafts = rng.randint(1, 100), rng.randint(0, 300)
+            cost.observe(num_seqs, num_drafts, c0 + c_seq * num_seqs + c_draft * num_drafts)
+    assert cost.coefficients == pytest.approx((2.0, 0.01, 0.002), rel=1e-3)
 
 
-def test_uncalibrated_cost_uses_the_prior_ratio() -> None:
+def test_what_timings_cannot_separate_falls_back() -> None:
     cost = StepCostModel(token_cost_ratio=0.05)
-    assert cost.coefficients == pytest.approx((1.0, 0.05))
+    assert cost.coefficients == pytest.approx((1.0, 0.05, 0.05))
     for _ in range(10):
-        cost.observe(8, 0.02)  # a single token count cannot separate c0 from c1
-    c0, c1 = cost.coefficients
-    assert c1 / c0 == pytest.approx(0.05)
-    assert c0 + 8 * c1 == pytest.approx(0.02)
+        cost.observe(8, 0, 0.02)  # a single shape cannot separate anything: the prior ratio at the mean
+    c0, c_seq, c_draft = cost.coefficients
+    assert c_seq / c0 == pytest.approx(0.05) and c_draft == c_seq
+    assert c0 + 8 * c_seq == pytest.approx(0.02)
+
+    steady = StepCostModel()  # the same 8 sequences, drafting more or less: the draft rows alone are fitted
+    for num_drafts in (0, 8, 16, 24):
+        steady.observe(8, num_drafts, 1.0 + 0.1 * 8 + 0.01 * num_drafts)
+    assert steady.coefficients == pytest.approx((1.8, 0.0, 0.01))
+
+    plain = StepCostModel()  # never a draft: a draft row is priced like a sequence
+    for num_seqs in (1, 8, 32):
+        plain.observe(num_seqs, 0, 1.0 + 0.1 * num_seqs)
+    assert plain.coefficients == pytest.approx((1.0, 0.1, 0.1))
 
 
 def test_invalid_arguments_are_refused() -> None:
@@ -187,3 +213,13 @@ def test_gate_keeps_batch_sizes_apart() -> None:
     gate.observe(1, True, 3, 1.0)
     assert gate.speculate(1) is True
     assert gate.speculate(32) is False  # nothing measured at this batch size yet
+
+
+def test_adaptive_by_default_where_drafts_do_not_change_seeded_output() -> None:
+    """Point-mass drafters (ngram, suffix) give a seeded request the same tokens whatever number of drafts a step
+    verifies, so they adapt by default; MTP under rejection would not, so it keeps a fixed number unless asked."""
+    assert SpeculativeConfig(method="ngram").adaptive_drafts
+    assert SpeculativeConfig(method="suffix").adaptive_drafts
+    assert not SpeculativeConfig(method="mtp").adaptive_drafts
+    assert SpeculativeConfig(method="mtp", adaptive=True).adaptive_drafts
+    assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive_drafts

@@ -61,7 +61,9 @@ def test_echo_with_logprobs_whole_and_streamed(client, mesh, tokenizer, referenc
     assert chunks[0].choices[0].text.startswith(PROMPT[:8])
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
-    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    # The generated tokens' logprobs come from passes whose shapes follow adaptive speculation's draft counts, so
+    # the float32 matmuls behind them may differ in their last bits between the two requests.
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
 def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, mesh, tokenizer) -> None:

@@ -3,12 +3,16 @@ than it saves. At large batches a step's cost grows with the tokens it scores an
 overhead (vLLM measured n-gram speculation 1.8x slower than plain decoding at high load).
 
 Model: a request whose drafts are each accepted with probability alpha (given the ones before were) emits
-(1 - alpha^(k+1)) / (1 - alpha) tokens per step with k drafts; a step scoring T tokens costs c0 + c1 * T, with
-T = sum over the batch of (1 + k). The policy maximises emitted tokens per unit cost. Starting from no drafts at
-all (plain decoding), it adds drafts one at a time, best marginal gain alpha^(k+1) first, while each one raises
-the throughput; gains only shrink, so the first draft that does not pay ends the search, and the result is
-never below plain decoding under the model. Only c1 / c0 matters, so an uncalibrated prior ratio is enough to
-start; `observe_step` fits c0 and c1 from the engine's own step timings.
+(1 - alpha^(k+1)) / (1 - alpha) tokens per step with k drafts; a step over S sequences with D draft rows in all
+costs c0 + c_seq * S + c_draft * D. A sequence and a draft row cost differently: a sequence brings its own context
+to attend over, its sampling and its host bookkeeping, a draft row of a sequence already in the step only one
+more query over the same context (on a 2-core CPU the demo model's marginal draft row measured ~0.035 ms against
+~0.17 ms per sequence; one coefficient for both made drafts look five times dearer than they are, and adaptive
+speculation drafted a quarter of what paid at batch 32). The policy maximises emitted tokens per unit cost.
+Starting from no drafts at all (plain decoding), it adds drafts one at a time, best marginal gain alpha^(k+1)
+first, while each one raises the throughput; gains only shrink, so the first draft that does not pay ends the
+search, and the result is never below plain decoding under the model. Only ratios matter, so an uncalibrated
+prior ratio is enough to start; `observe_step` fits the coefficients from the engine's own step timings.
 
 Plain-Python bookkeeping on the host; no tensors.
 """
@@ -27,7 +31,9 @@ IDLE_RELAXATION = 0.98
 # accelerator where weights, not tokens, dominate a small batch.
 DEFAULT_TOKEN_COST_RATIO = 0.02
 _CERTAIN = 1.0 - 1e-12  # alpha at or above this is treated as 1 (every draft accepted)
-_MIN_SPREAD = 1e-9  # relative variance of token counts below which timings cannot separate c0 from c1
+_MIN_SPREAD = 1e-9  # relative variance of a count below which timings cannot tell its cost from the fixed one
+# 1 - (correlation of sequences and draft rows)^2 below which the two move together too closely to be told apart
+_MIN_INDEPENDENCE = 1e-3
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -37,14 +43,19 @@ def expected_tokens(alpha: float, num_drafts: int) -> float:
     return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
 
 
-def modelled_throughput(alphas: list[float], drafts: list[int], other_seqs: int, c0: float, c1: float) -> float:
+def modelled_throughput(
+    alphas: list[float], drafts: list[int], other_seqs: int, c0: float, c_seq: float, c_draft: float
+) -> float:
     """Tokens per unit cost of one step: the requests' expected tokens, plus one per sequence without drafts."""
     emitted = sum(map(expected_tokens, alphas, drafts)) + other_seqs
-    return emitted / (c0 + c1 * (sum(drafts) + len(drafts) + other_seqs))
+    return emitted / (c0 + c_seq * (len(drafts) + other_seqs) + c_draft * sum(drafts))
 
 
 class StepCostModel:
-    """Step time ~ c0 + c1 * tokens, by least squares over running (optionally exponentially forgotten) sums."""
+    """Step time ~ c0 + c_seq * sequences + c_draft * draft rows, by least squares over running (optionally
+    exponentially forgotten) sums. What the timings cannot separate falls back, in order: a steady batch (the
+    sequences never vary) fits the draft rows alone, its sequences' cost folded into c0; steps that never draft
+    fit the sequences and price a draft row like a sequence; a single shape scales the prior ratio to the mean."""
 
     def __init__(self, token_cost_ratio: float = DEFAULT_TOKEN_COST_RATIO, forgetting: float = 1.0) -> None:
         if token_cost_ratio < 0 or not 0 < forgetting <= 1:
@@ -54,36 +65,55 @@ class StepCostModel:
         self.token_cost_ratio = token_cost_ratio
         self.forgetting = forgetting
         self._weight = 0.0
-        self._mean_tokens = 0.0
-        self._mean_seconds = 0.0
-        self._var_tokens = 0.0  # weighted sums of squared and cross deviations from the means
-        self._cov = 0.0
+        self._mean = [0.0, 0.0, 0.0]  # sequences, draft rows, seconds
+        # Weighted sums of products of deviations from the means: (seq, seq), (seq, draft), (draft, draft),
+        # (seq, seconds), (draft, seconds).
+        self._ss = self._sd = self._dd = self._st = self._dt = 0.0
 
     @property
     def num_observations(self) -> float:
         return self._weight
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """One step over num_seqs sequences that scored num_drafts draft rows besides them."""
         # West's weighted update: older weights shrink by `forgetting`, which scales the sums but not the means.
-        self._weight = self.forgetting * self._weight + 1.0
-        dx = num_tokens - self._mean_tokens
-        self._mean_tokens += dx / self._weight
-        self._mean_seconds += (seconds - self._mean_seconds) / self._weight
-        self._var_tokens = self.forgetting * self._var_tokens + dx * (num_tokens - self._mean_tokens)
-        self._cov = self.forgetting * self._cov + dx * (seconds - self._mean_seconds)
+        f = self.forgetting
+        self._weight = f * self._weight + 1.0
+        before = [num_seqs - self._mean[0], num_drafts - self._mean[1], seconds - self._mean[2]]
+        for i, value in enumerate((num_seqs, num_drafts, seconds)):
+            self._mean[i] += before[i] / self._weight
+        after = [num_seqs - self._mean[0], num_drafts - self._mean[1], seconds - self._mean[2]]
+        self._ss = f * self._ss + before[0] * after[0]
+        self._sd = f * self._sd + before[0] * after[1]
+        self._dd = f * self._dd + before[1] * after[1]
+        self._st = f * self._st + before[0] * after[2]
+        self._dt = f * self._dt + before[1] * after[2]
 
     @property
-    def coefficients(self) -> tuple[float, float]:
-        """(c0, c1). With too little spread in the token counts, the prior ratio scaled to the mean step time."""
-        spread = self._var_tokens / self._weight if self._weight else 0.0
-        if spread > _MIN_SPREAD * max(1.0, self._mean_tokens**2):
-            c1 = max(self._cov / self._var_tokens, 0.0)
-            c0 = max(self._mean_seconds - c1 * self._mean_tokens, 0.0)
-            if c0 > 0 or c1 > 0:
-                return c0, c1
-        scale = self._mean_seconds if self._weight else 1.0
-        c0 = scale / (1.0 + self.token_cost_ratio * self._mean_tokens)
-        return c0, self.token_cost_ratio * c0
+    def coefficients(self) -> tuple[float, float, float]:
+        """(c0, c_seq, c_draft), none negative."""
+        mean_s, mean_d, mean_t = self._mean
+        weight = self._weight
+        seqs_vary = weight and self._ss / weight > _MIN_SPREAD * max(1.0, mean_s**2)
+        drafts_vary = weight and self._dd / weight > _MIN_SPREAD * max(1.0, mean_d**2)
+        det = self._ss * self._dd - self._sd**2
+        if seqs_vary and drafts_vary and det > _MIN_INDEPENDENCE * self._ss * self._dd:
+            c_seq = max((self._st * self._dd - self._dt * self._sd) / det, 0.0)
+            c_draft = max((self._dt * self._ss - self._st * self._sd) / det, 0.0)
+        elif drafts_vary:
+            c_seq, c_draft = 0.0, max(self._dt / self._dd, 0.0)
+        elif seqs_vary:  # no drafts to time, or always in step with the sequences: a row is a row
+            rows_ss = self._ss + 2 * self._sd + self._dd
+            c_seq = c_draft = max((self._st + self._dt) / rows_ss, 0.0)
+        else:
+            scale = mean_t if weight else 1.0
+            c0 = scale / (1.0 + self.token_cost_ratio * (mean_s + mean_d))
+            return c0, self.token_cost_ratio * c0, self.token_cost_ratio * c0
+        c0 = max(mean_t - c_seq * mean_s - c_draft * mean_d, 0.0)
+        if c0 == c_seq == c_draft == 0.0:  # timings that fit nothing: the prior ratio at the mean
+            c0 = mean_t / (1.0 + self.token_cost_ratio * (mean_s + mean_d))
+            c_seq = c_draft = self.token_cost_ratio * c0
+        return c0, c_seq, c_draft
 
 
 @dataclass
@@ -127,19 +157,19 @@ class AdaptiveSpeculation:
         included; the others score one token each without drafts."""
         if batch_size < len(request_ids):
             raise ValueError(f"batch_size {batch_size} is smaller than the {len(request_ids)} requests to choose for")
-        c0, c1 = self.cost.coefficients
+        c0, c_seq, c_draft = self.cost.coefficients
         alphas = [self.acceptance(r) for r in request_ids]
         drafts = [0] * len(request_ids)
-        emitted, cost = float(batch_size), c0 + c1 * batch_size
+        emitted, cost = float(batch_size), c0 + c_seq * batch_size
         gains = [(-alpha, i) for i, alpha in enumerate(alphas) if alpha > 0 and self.max_drafts > 0]
         heapq.heapify(gains)
         while gains:
             neg_gain, i = heapq.heappop(gains)
-            # One more draft pays iff (emitted + gain) / (cost + c1) > emitted / cost.
-            if -neg_gain * cost <= emitted * c1:
+            # One more draft pays iff (emitted + gain) / (cost + c_draft) > emitted / cost.
+            if -neg_gain * cost <= emitted * c_draft:
                 break
             drafts[i] += 1
-            emitted, cost = emitted - neg_gain, cost + c1
+            emitted, cost = emitted - neg_gain, cost + c_draft
             if drafts[i] < self.max_drafts:
                 heapq.heappush(gains, (neg_gain * alphas[i], i))
         for request_id, k in zip(request_ids, drafts):
@@ -159,9 +189,9 @@ class AdaptiveSpeculation:
         estimate.accepted = self.memory * estimate.accepted + num_accepted
         estimate.tried = self.memory * estimate.tried + tried
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Timing of one forward pass that scored num_tokens tokens."""
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """Timing of one step over num_seqs sequences that scored num_drafts draft rows besides them."""
+        self.cost.observe(num_seqs, num_drafts, seconds)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

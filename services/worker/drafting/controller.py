@@ -28,7 +28,7 @@ class SpeculationController:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
         self.max_drafts = spec.num_drafts
         self.max_model_len = max_model_len
-        adaptive = spec.adaptive and spec.num_drafts > 0
+        adaptive = spec.adaptive_drafts and spec.num_drafts > 0
         self.adaptive = AdaptiveSpeculation(spec.num_drafts) if adaptive else None
         self.gate = SpeculationGate() if adaptive else None
         self._chosen: dict[str, int] = {}
@@ -48,7 +48,7 @@ class SpeculationController:
                 for _ in range(CALIBRATION_REPEATS):
                     started = time.perf_counter()
                     run_step(num_rows, width)
-                    self.adaptive.observe_step(num_rows * width, time.perf_counter() - started)
+                    self.adaptive.observe_step(num_rows, num_rows * (width - 1), time.perf_counter() - started)
 
     def budget(self, seq: Sequence, next_step: bool = False) -> int:
         """Drafts for the sequence's step (this one, or the next for the MTP drafter): at most the request's own
@@ -79,7 +79,7 @@ class SpeculationController:
             return
         prepared, self._prepared_seconds, self._drafting_seconds = self._prepared_seconds, self._drafting_seconds, 0.0
         seconds = time.perf_counter() - self._started - self._prepared_seconds + prepared
-        self.adaptive.observe_step(num_scored, seconds)
+        self.adaptive.observe_step(num_seqs, num_scored - num_seqs, seconds)
         self.gate.observe(num_seqs, self._speculate, num_emitted, seconds)
 
     def charge_drafting(self, seconds: float) -> None:
