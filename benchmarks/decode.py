@@ -36,7 +36,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import load_corpus
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 
 CONTEXTS = (64, 512, 2048)
 SELF_REPEATING_TEXT = "import os\nimport sys\n" * 16

@@ -42,7 +42,7 @@ from benchmarks.floor import copy_bandwidth, weight_floor
 from benchmarks.plot import plot_gpu
 from shared.config import EngineConfig
 from shared.schemas import SamplingParams, WorkRequest
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (64, 2048)

@@ -40,7 +40,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import load_corpus
-from services.worker.engine import Engine, EngineStats
+from services.worker.engine.engine import Engine, EngineStats
 from services.worker.model.config import ModelConfig
 from benchmarks.plot import plot
 

@@ -79,7 +79,7 @@ from services import cpu_plan
 from services.cpu_affinity import format_cpu_list, pin
 from services.detokenizer.incremental import TokenTable
 from services.mesh_process import start_mesh
-from services.worker.engine import Engine, EngineStats
+from services.worker.engine.engine import Engine, EngineStats
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer

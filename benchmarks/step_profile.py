@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import shape
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 
 PROMPT_TOKENS = 64
 WARMUP_STEPS = 4

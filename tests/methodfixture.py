@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.block_manager import BlockManager, blocks_for
-from services.worker.kv_cache import KVCache
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import SeqState, Sequence
+from services.worker.engine.block_manager import BlockManager, blocks_for
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import SeqState, Sequence
 from shared.schemas import SamplingParams
 
 BLOCK_SIZE = 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import DISABLE_ENV
-from services.worker.kv_write import write_kv_torch
+from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.paged_attention import paged_attention_torch
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_torch

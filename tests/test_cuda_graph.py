@@ -9,9 +9,9 @@ import numpy as np
 import torch
 import pytest
 
-from services.worker.cuda_graph import GraphRunner, GraphShape, batch_buckets, pad_host
-from services.worker.forward_batch import pack_host
-from services.worker.kv_cache import KVCache
+from services.worker.engine.cuda_graph import GraphRunner, GraphShape, batch_buckets, pad_host
+from services.worker.engine.forward_batch import pack_host
+from services.worker.engine.kv_cache import KVCache
 from shared.config import EngineConfig
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, greedy_reference, make_engine, make_request, reference_model,

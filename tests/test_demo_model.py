@@ -11,7 +11,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import load_corpus
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from services.worker.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import shape
 from services import launcher
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import DUMMY_INIT_STD
 from services.worker.model.layers import RMSNorm

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.publisher import step_frames
 from shared.frames import NO_TOKEN, FinishReason, FrameKind, SeqStatus, decode
 from shared.schemas import WorkRequest

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.forward_batch import pack
+from services.worker.engine.forward_batch import pack
 from services.worker.model.loader import load_model
 from services.worker.model.paged_attention import GATHER_MIN_SEQS
-from services.worker.runner import ModelRunner
+from services.worker.engine.runner import ModelRunner
 from tests.modelfixture import MODEL_KINDS, make_tiny_model_dir
 
 MAX_MODEL_LEN = 128

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.forward_batch import InputBuffers, pack
-from services.worker.kv_cache import KVCache
+from services.worker.engine.forward_batch import InputBuffers, pack
+from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import ModelConfig
 from services.worker.model.weights import merge_projections, split_projections
 from services.worker.sampling.greedy import greedy_verify

@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.kv_write import kv_write_launch  # noqa: E402
-from services.worker.kv_cache import KVCache  # noqa: E402
-from services.worker.kv_write import write_kv, write_kv_torch  # noqa: E402
+from services.worker.engine.kv_cache import KVCache  # noqa: E402
+from services.worker.engine.kv_write import write_kv, write_kv_torch  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SIZE = 6, 16
 TOKENS = 11

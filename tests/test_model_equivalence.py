@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.forward_batch import InputBuffers, pack
-from services.worker.kv_cache import KVCache
+from services.worker.engine.forward_batch import InputBuffers, pack
+from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import load_model
 from tests.modelfixture import MODEL_SHAPE, random_causal_lm

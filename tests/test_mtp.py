@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.publisher import step_frames
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from shared.frames import FrameKind, decode
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHODS, Method, greedy_reference, make_engine, make_request, mtp_model_dir, mtp_model_dirs, outputs_of,

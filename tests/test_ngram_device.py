@@ -11,7 +11,7 @@ import torch
 
 from services.worker.drafting.ngram_device import DeviceNgramProposer
 from services.worker.drafting.proposer import PromptLookupProposer
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from shared.config import SpeculativeConfig
 from shared.schemas import SamplingParams
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from services.worker.sampling.penalties import LogitPenalties, apply_penalties
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from shared.schemas import SamplingParams, WorkRequest
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,

@@ -11,7 +11,7 @@ import pytest
 
 from services.detokenizer.assembler import Record, RequestAssembler
 from services.detokenizer.incremental import TokenTable
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.publisher import step_frames
 from shared.frames import FrameKind, SeqStatus, decode
 from shared.schemas import DetokOpen, WorkRequest

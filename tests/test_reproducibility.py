@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from shared.schemas import WorkRequest
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHOD_NAMES, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir,
@@ -26,7 +26,7 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
 
 pytest.importorskip("transformers")
 
-ENGINE_LOGGER = "services.worker.engine"
+ENGINE_LOGGER = "services.worker.engine.engine"
 # A seed that enters no other test here, so that coincidences with other requests cannot make a test pass.
 SEED = 917
 # The tiny random model's distribution is nearly flat (top p ~ 1.6 / vocab); at this temperature a sampled row

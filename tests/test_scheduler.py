@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import SeqState, Sequence
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import SeqState, Sequence
 from shared.frames import FinishReason
 from shared.schemas import SamplingParams
 

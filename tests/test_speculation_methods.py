@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.sampling.rejection import VERIFY_STRATEGIES
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     DRAFTING_METHOD_NAMES, GREEDY, METHOD_NAMES, METHODS, Steps, greedy_reference, make_engine, make_request,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.step_guard import Recovery, StepGuard
 from shared.schemas import WorkRequest
 from tests.methodfixture import GREEDY, METHODS, MAX_STEPS, make_engine, make_request, prompts, run, tokens_of

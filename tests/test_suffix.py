@@ -14,7 +14,7 @@ import pytest
 from shared.config import SpeculativeConfig
 from shared.frames import FinishReason
 from shared.schemas import SamplingParams
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from services.worker.drafting.suffix import SuffixCache, SuffixProposer
 from services.worker.drafting.suffix_tree import StoredSequence, SuffixTree
 

@@ -16,7 +16,7 @@ from shared.config import EngineConfig
 from shared.schemas import Cancel, SamplingParams, WorkRequest
 from services.cpu_affinity import pin
 from services.supervisor import die_with_parent
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from services.worker.engine_protocol import (
     MAX_UNSENT_STEPS, Counters, EngineFailed, EngineReady, Stop, Stopped, Work, decode, encode,
 )

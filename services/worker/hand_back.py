@@ -12,8 +12,8 @@ from collections import defaultdict
 
 from shared.schemas import ChoiceProgress, WorkRequest
 from services.worker.engine_protocol import Unfinished
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import Sequence
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import Sequence
 
 
 def unfinished(scheduler: Scheduler) -> dict[str, Unfinished]:

@@ -8,8 +8,8 @@ from shared.frames import (
     FIRST_SCORED_TOKEN, HEADER, MAX_RECORD_TOKENS, RECORD, WHEREVER, FinishReason, FrameBuilder, FrameKind, SeqStatus,
 )
 from shared.schemas import WorkRequest
-from services.worker.outputs import SeqOutput
-from services.worker.sequence import Sequence
+from services.worker.engine.outputs import SeqOutput
+from services.worker.engine.sequence import Sequence
 
 # The header step of a frame sent outside the engine's steps: the detokenizer joins DRAFT and TARGET frames by step,
 # and the engine numbers its steps from 1.

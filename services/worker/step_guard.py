@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
 from shared.schemas import ChoiceProgress, WorkRequest
-from services.worker.engine import Engine
-from services.worker.sequence import Sequence, SeqState
+from services.worker.engine.engine import Engine
+from services.worker.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("specmesh.worker")
 R = TypeVar("R")

@@ -17,11 +17,11 @@ from typing import TypeVar
 
 from shared.request_limits import OutOfLimits
 from shared.schemas import Cancel, WorkRequest
-from services.worker.engine import Engine, SeqOutput
+from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.engine_protocol import Gauges, StepResult, StepStats
 from services.worker.fail_reason import FailReason
 from services.worker.publisher import abort_frame, step_frames
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from services.worker.step_guard import StepGuard
 
 log = logging.getLogger("specmesh.worker")

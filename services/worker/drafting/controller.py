@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from shared.config import SpeculativeConfig
 from services.worker.drafting.adaptive import AdaptiveSpeculation, SpeculationGate
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 CALIBRATION_MAX_ROWS = 32
 CALIBRATION_REPEATS = 3

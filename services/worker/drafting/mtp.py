@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.drafting.draft import Draft
-from services.worker.runner import ModelRunner
-from services.worker.sequence import Sequence
+from services.worker.engine.runner import ModelRunner
+from services.worker.engine.sequence import Sequence
 from services.worker.sampling.random import Purpose
 from services.worker.sampling.sample import process_logits, sample
 

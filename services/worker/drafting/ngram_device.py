@@ -18,8 +18,8 @@ import torch
 from shared.config import SpeculativeConfig
 from services.worker.drafting.draft import Draft
 from services.worker.drafting.ngram_batch import ngram_propose
-from services.worker.host_copy import fetch
-from services.worker.sequence import Sequence
+from services.worker.engine.host_copy import fetch
+from services.worker.engine.sequence import Sequence
 
 
 class DeviceNgramProposer:

@@ -10,7 +10,7 @@ import torch
 
 from shared.config import SpeculativeConfig
 from services.worker.drafting.draft import Draft, point_mass_rows
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.ngram import NgramProposer
 from services.worker.drafting.ngram_device import DeviceNgramProposer

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from shared.config import SpeculativeConfig
 from shared.frames import FinishReason
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 from services.worker.drafting.suffix_tree import Location, StoredSequence, SuffixTree
 
 SELF_OCCURRENCE = 1  # a request's tree holds the context's own suffix, which has no continuation yet

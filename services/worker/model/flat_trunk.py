@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.forward_batch import ForwardBatch
-from services.worker.kv_cache import KVCache
-from services.worker.kv_write import write_kv_torch
+from services.worker.engine.forward_batch import ForwardBatch
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.llama import CausalLM
 from services.worker.model.paged_attention import Pool, attend_gathered, attend_per_sequence, gathering_pays
 from services.worker.model.rms_norm import rms_norm_torch

@@ -5,7 +5,7 @@ forward_batch.py), and attention reads the paged KV cache in place. Training (no
 with causal self-attention. q/k/v and gate/up are single matmuls (HF's separate weights are merged at load:
 model/weights.py), and the residual add is folded into the next RMSNorm, as fused serving stacks do, so a layer
 is a handful of ops. The elementwise ones (norm, rotary, activation, KV write) dispatch to fused Triton kernels on
-CUDA and run their torch twins elsewhere (model/rms_norm.py, rotary_apply.py, silu_mul.py, worker/kv_write.py).
+CUDA and run their torch twins elsewhere (model/rms_norm.py, rotary_apply.py, silu_mul.py, worker/engine/kv_write.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.forward_batch import ForwardBatch
+from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.paged_attention import paged_attention
 from services.worker.model.plain_module import PlainModule

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model.config import ModelConfig
-from services.worker.forward_batch import ForwardBatch
+from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary
 from services.worker.model.plain_module import PlainModule
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import use_kernel
-from services.worker.block_manager import blocks_for
-from services.worker.kv_write import BLOCK_MAJOR_DIMS
+from services.worker.engine.block_manager import blocks_for
+from services.worker.engine.kv_write import BLOCK_MAJOR_DIMS
 
 # The CPU twin has two strategies. Per sequence, a contiguous run of blocks is attended as a view of the cache,
 # so no context is copied, at a fixed ~25 us of torch calls per sequence. The batched gather pays those calls once

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from shared.schemas import NO_PENALTY, NO_REPETITION_PENALTY
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 MASKED = float("-inf")  # the logit of a token min_tokens forbids
 

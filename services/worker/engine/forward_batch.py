@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.worker.block_manager import blocks_for
-from services.worker.kv_cache import KVCache
+from services.worker.engine.block_manager import blocks_for
+from services.worker.engine.kv_cache import KVCache
 from services.worker.model.paged_attention import SequenceSpan, plan_spans
 
 

@@ -1,8 +1,8 @@
 """The KV cache: per layer, a pool of blocks of `block_size` token positions, written and read in place.
 
-A sequence owns a slot, and the slot a table of blocks (services/worker/block_manager.py decides which):
+A sequence owns a slot, and the slot a table of blocks (services/worker/engine/block_manager.py decides which):
 position p of the slot lives in block table[slot, p // block_size] at offset p % block_size. The model writes a
-step's keys and values by a flat slot mapping (block * block_size + offset per token, services/worker/kv_write.py)
+step's keys and values by a flat slot mapping (block * block_size + offset per token, services/worker/engine/kv_write.py)
 and the attention op reads the pool through the block tables (services/worker/model/paged_attention.py), so no
 step copies a sequence's context. Rewinding after rejected drafts is just moving the sequence's length back:
 stale entries past the length are never attended to and are overwritten later.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.block_manager import blocks_for
-from services.worker.kv_write import write_kv
+from services.worker.engine.block_manager import blocks_for
+from services.worker.engine.kv_write import write_kv
 
 DEFAULT_BLOCK_SIZE = 16
 BLOCK_TABLE_DTYPE = np.int32

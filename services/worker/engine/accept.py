@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from services.worker.drafting.draft import DraftBatch
-from services.worker.host_copy import fetch
-from services.worker.outputs import SeqOutput, TokenLogprobs
+from services.worker.engine.host_copy import fetch
+from services.worker.engine.outputs import SeqOutput, TokenLogprobs
 from services.worker.sampling.logprobs import token_logprobs
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 # Called for every sequence a step drafted for: (sequence, drafts proposed, drafts accepted).
 DraftObserver = Callable[[Sequence, int, int], None]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.frames import NO_TOKEN, FinishReason
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 NOT_COMPUTED_LOGPROB = float("nan")  # a request that did not ask for logprobs gets none computed
 NOT_COMPUTED_RANK = 0

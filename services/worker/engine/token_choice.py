@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.drafting.draft import DraftBatch
 from services.worker.sampling.greedy import greedy_verify
 from services.worker.sampling.rejection import AcceptPolicy, VerifyInput, VerifyStrategy, verify
 from services.worker.sampling.sample import process_logits, sample
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

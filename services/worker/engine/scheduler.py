@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.frames import FinishReason
-from services.worker.block_manager import BlockManager
-from services.worker.sequence import Sequence, SeqState
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.sequence import Sequence, SeqState
 
 
 @dataclass

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.worker.forward_batch import ForwardBatch, HostBatch, device_batch, host_layout
-from services.worker.kv_cache import KVCache
+from services.worker.engine.forward_batch import ForwardBatch, HostBatch, device_batch, host_layout
+from services.worker.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

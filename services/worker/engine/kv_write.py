@@ -1,4 +1,4 @@
-"""A step's keys and values written into one layer's paged caches by flat slot (services/worker/kv_cache.py): the
+"""A step's keys and values written into one layer's paged caches by flat slot (services/worker/engine/kv_cache.py): the
 kernel of kernels/kv_write.py on CUDA (keys and values in one launch), `write_kv_torch` (its twin and the CPU
 path) elsewhere."""
 
@@ -13,7 +13,7 @@ BLOCK_MAJOR_DIMS = 4  # [blocks, block_size, kv_heads, head_dim]; the head-major
 
 def write_kv(key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
     """key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim], or head-major [kv_heads, num_blocks *
-    block_size, head_dim] (the CPU's layout, services/worker/kv_cache.py); slot_mapping [T] int64 flat slots
+    block_size, head_dim] (the CPU's layout, services/worker/engine/kv_cache.py); slot_mapping [T] int64 flat slots
     (block * block_size + offset); k, v [T, kv_heads, head_dim], cast to the caches' dtype."""
     if use_kernel(k) and key_cache.dim() == BLOCK_MAJOR_DIMS:
         # Imported here: CPU callers never need triton.

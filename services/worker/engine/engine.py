@@ -31,23 +31,23 @@ from shared.request_limits import ModelLimits, check_work_request
 from shared.schemas import WorkRequest
 from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
-from services.worker.accept import accept
-from services.worker.block_manager import BlockManager, blocks_for
+from services.worker.engine.accept import accept
+from services.worker.engine.block_manager import BlockManager, blocks_for
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
-from services.worker.host_copy import fetch
+from services.worker.engine.host_copy import fetch
 from services.worker.model.loader import load_model
-from services.worker.outputs import EngineStats, SeqOutput, TokenLogprobs
-from services.worker.prompt_logprobs import score_prompts
-from services.worker.runner import ModelRunner
+from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
+from services.worker.engine.prompt_logprobs import score_prompts
+from services.worker.engine.runner import ModelRunner
 from services.worker.sampling.logprobs import token_logprobs
 from services.worker.sampling.penalties import LogitPenalties, apply_penalties
 from services.worker.sampling.sample import process_logits, sample
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import Sequence, SeqState
-from services.worker.token_choice import sample_tokens, verify_drafts
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import Sequence, SeqState
+from services.worker.engine.token_choice import sample_tokens, verify_drafts
 
 __all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 

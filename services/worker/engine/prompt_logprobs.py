@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from shared.frames import FIRST_SCORED_TOKEN
-from services.worker.host_copy import fetch
-from services.worker.outputs import TokenLogprobs
-from services.worker.runner import ModelRunner
+from services.worker.engine.host_copy import fetch
+from services.worker.engine.outputs import TokenLogprobs
+from services.worker.engine.runner import ModelRunner
 from services.worker.sampling.logprobs import token_logprobs
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits [rows, vocab] alive at once
 SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 
 def sampling_tensors(

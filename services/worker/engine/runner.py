@@ -10,9 +10,9 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from services.worker.cuda_graph import GraphRunner
-from services.worker.forward_batch import ForwardBatch, InputBuffers, pack, pack_host, to_device
-from services.worker.kv_cache import KVCache
+from services.worker.engine.cuda_graph import GraphRunner
+from services.worker.engine.forward_batch import ForwardBatch, InputBuffers, pack, pack_host, to_device
+from services.worker.engine.kv_cache import KVCache
 from services.worker.model.flat_trunk import FlatTrunk
 from services.worker.model.llama import CausalLM
 
@@ -49,7 +49,7 @@ class ModelRunner:
         graph_query_lens: Seq[int] = (),
     ) -> None:
         """graph_query_lens: the rows per sequence of the passes captured as CUDA graphs (1 for decode, 1 + drafts
-        for verify; services/worker/cuda_graph.py); empty runs every pass eagerly."""
+        for verify; services/worker/engine/cuda_graph.py); empty runs every pass eagerly."""
         cfg = model.config
         param = next(model.parameters())
         self.model = model
