@@ -1,6 +1,7 @@
-"""The CPU's spellings of the model's ops against the formulas they replace, bit for bit: RMSNorm in float32 against
-Hugging Face's formula, and the full-width rotary table against the kernel's half-width one (packed [T] and
-training-shaped [B, L] inputs, float32 and bfloat16, with a rope scale on cos and sin)."""
+"""The CPU's spellings of the model's ops against the formulas they replace: RMSNorm in float32 against Hugging
+Face's formula and the full-width rotary table against the kernel's half-width one (packed [T] and training-shaped
+[B, L] inputs, float32 and bfloat16, with a rope scale on cos and sin), bit for bit; a decode batch attended in one
+call over its slots' home regions against one call per sequence, up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ import torch
 from shared.config import DEFAULT_MODEL_DIR
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import Rotary
+from services.worker.model.paged_attention import (
+    Pool,
+    attend_home_decode,
+    attend_per_sequence,
+    plan_home_decode,
+    plan_spans,
+)
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary, apply_rotary_full, apply_rotary_torch
 
@@ -54,3 +62,47 @@ def test_float32_rms_norm_is_hugging_faces_formula(rows: int, hidden: int) -> No
     assert torch.equal(rms_norm_torch(x, weight, eps), hugging_face(x))
     normed, summed = rms_norm_torch(x, weight, eps, residual)
     assert torch.equal(summed, x + residual) and torch.equal(normed, hugging_face(x + residual))
+
+
+HOME_REGION = 64  # positions per slot's home region
+HOME_KV_HEADS, HOME_GROUP, HOME_HEAD_DIM, HOME_BLOCK = 2, 3, 16, 16
+
+
+def _home_pools(num_regions: int) -> tuple[Pool, Pool]:
+    generator = torch.Generator().manual_seed(num_regions)
+    shape = (HOME_KV_HEADS, num_regions * HOME_REGION + HOME_BLOCK, HOME_HEAD_DIM)
+    return tuple(Pool(torch.randn(*shape, generator=generator), HOME_BLOCK) for _ in range(2))
+
+
+def _home_spans(regions: list[int], contexts: list[int]) -> list:
+    blocks_per_region = HOME_REGION // HOME_BLOCK
+    rows = [list(range(r * blocks_per_region, (r + 1) * blocks_per_region)) for r in regions]
+    return plan_spans(list(range(len(regions) + 1)), contexts, rows, HOME_BLOCK, 0, HOME_GROUP, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("regions", [[0, 1, 2, 3], [5, 1, 3], [2]])
+def test_home_decode_attends_as_each_sequence_alone(regions: list[int]) -> None:
+    """A decode batch sitting in its slots' home regions, in order or not, with idle regions between them: one SDPA
+    call over views gives what one call per sequence gives, up to float32 summation order."""
+    keys, values = _home_pools(max(regions) + 1)
+    contexts = [HOME_REGION - 7 * i for i in range(len(regions))]
+    spans = _home_spans(regions, contexts)
+    q = torch.randn(len(regions), HOME_KV_HEADS * HOME_GROUP, HOME_HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    plan = plan_home_decode(spans, HOME_REGION, keys.flat.shape[1], q.device)
+    consecutive = regions == list(range(regions[0], regions[0] + len(regions)))
+    assert plan is not None and (plan.rows is None) == consecutive
+    got = attend_home_decode(q, keys, values, plan, 0.25)
+    want = attend_per_sequence(q, keys, values, spans, 0.25)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_home_decode_is_planned_only_for_one_query_per_sequence_at_a_region_start() -> None:
+    keys, _ = _home_pools(4)
+    cpu = torch.device("cpu")
+    assert plan_home_decode(_home_spans([0, 1], [10, 20]), HOME_REGION, keys.flat.shape[1], cpu) is not None
+    verify = plan_spans([0, 1, 4], [10, 20], [[0], [4, 5]], HOME_BLOCK, 0, HOME_GROUP, cpu)  # 3 rows for the second
+    assert plan_home_decode(verify, HOME_REGION, keys.flat.shape[1], cpu) is None
+    off_home = plan_spans([0, 1, 2], [10, 20], [[0], [5, 6]], HOME_BLOCK, 0, HOME_GROUP, cpu)  # starts mid-region
+    assert plan_home_decode(off_home, HOME_REGION, keys.flat.shape[1], cpu) is None
+    sparse = _home_spans([0, 30], [10, 20])  # 31 regions for 2 sequences: mostly idle
+    assert plan_home_decode(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, cpu) is None

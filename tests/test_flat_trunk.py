@@ -1,6 +1,6 @@
 """The CPU's flat trunk (model/flat_trunk.py) against the module tree it flattens: the same hidden states bit for bit
-over passes that prefill, decode, verify and mix the three, per sequence and gathered, over blocks in one run and
-scattered, for a Llama and a Qwen2 (q/k/v biases) checkpoint."""
+over passes that prefill, decode, verify and mix the three, per sequence, gathered and over the slots' home
+regions, over blocks in one run and scattered, for a Llama and a Qwen2 (q/k/v biases) checkpoint."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def test_flat_trunk_equals_the_modules(tmp_path: Path, kind: str) -> None:
         ([[t, t + 1] for t in range(SEQS)], [2] * SEQS, list(range(SEQS))),
     ]
     assert len(passes[3][0]) >= GATHER_MIN_SEQS
+    _check_passes(model, runner, passes)
+    runner.cache.set_block_table(1, list(range(blocks, 2 * blocks)))  # now every slot in its home region
+    _check_passes(model, runner, [  # decode batches attended in one call over the regions
+        ([[t] for t in range(SEQS)], [3] * SEQS, list(range(SEQS))),
+        ([[9], [10], [11]], [4, 4, 4], [5, 2, 7]),
+    ])
+
+
+def _check_passes(model, runner: ModelRunner, passes: list) -> None:
     with torch.inference_mode():
         for rows, starts, slots in passes:
             batch = pack(runner.cache, rows, starts, slots, runner.buffers)

@@ -4,7 +4,8 @@ On a small CPU, a decode step is a few hundred tiny ops and the framework around
 more so because streaming the weights through the caches evicts the interpreter's and the dispatcher's own state
 every step. The module tree (model/layers.py) keeps the parameters, loads checkpoints, trains, and runs on CUDA,
 where CUDA graphs remove that overhead; here the same arithmetic runs as one function with no module calls, no
-per-op device dispatch and no per-layer planning: the attention plan is made once per pass (plan_spans), the
+per-op device dispatch and no per-layer planning: the attention plan is made once per pass (plan_cpu_attention:
+one call over the slots' home regions for a decode batch sitting in them, one per sequence, or gathered), the
 rotary angles looked up once, the KV pools built once. The ops and their order are the modules', so the output is
 the same bit for bit (tests/test_flat_trunk.py); ~10% of a demo-model decode step on one thread (1.72 -> 1.55 ms).
 """
@@ -21,7 +22,14 @@ from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.llama import CausalLM
-from services.worker.model.paged_attention import Pool, attend_gathered, attend_per_sequence, gathering_pays
+from services.worker.model.paged_attention import (
+    HomeDecode,
+    Pool,
+    attend_gathered,
+    attend_home_decode,
+    attend_per_sequence,
+    plan_cpu_attention,
+)
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_full
 from services.worker.model.silu_mul import silu_and_mul_torch
@@ -56,6 +64,7 @@ class FlatTrunk:
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = model.model.embed_tokens.weight  # [vocab, hidden]
+        self.region_len = cache.region_len
         self.rotary = model.rotary
         self.layers = [
             LayerWeights(
@@ -82,8 +91,10 @@ class FlatTrunk:
         if num_tokens == 0:
             return x
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
-        per_sequence = not gathering_pays(batch.num_seqs, batch.max_query_len, batch.max_context_len)
-        spans = batch.attention_spans(self.group) if per_sequence else None
+        plan = plan_cpu_attention(
+            batch.num_seqs, batch.max_query_len, batch.max_context_len, batch.attention_spans, self.group,
+            self.region_len, self.layers[0].keys, input_ids.device,
+        )
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rotated = heads + kv_heads
         residual = None
@@ -98,8 +109,10 @@ class FlatTrunk:
             qk = apply_rotary_full(qkv.narrow(1, 0, rotated), cos_sin)
             q, k, v = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), qkv.narrow(1, rotated, kv_heads)
             write_kv_torch(layer.key_cache, layer.value_cache, batch.slot_mapping, k, v)
-            if per_sequence:
-                attended = attend_per_sequence(q, layer.keys, layer.values, spans, self.scale)
+            if isinstance(plan, HomeDecode):
+                attended = attend_home_decode(q, layer.keys, layer.values, plan, self.scale)
+            elif plan is not None:
+                attended = attend_per_sequence(q, layer.keys, layer.values, plan, self.scale)
             else:
                 attended = attend_gathered(
                     q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens,

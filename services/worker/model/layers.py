@@ -106,7 +106,7 @@ class Attention(PlainModule):
             out = paged_attention(
                 q, batch.cache.keys[self.layer_index], batch.cache.values[self.layer_index], batch.block_tables,
                 batch.query_starts, batch.context_lens, self.scale, batch.max_query_len, batch.max_context_len,
-                batch.first_position, batch.cache.block_size, batch.attention_spans,
+                batch.first_position, batch.cache.block_size, batch.attention_spans, batch.cache.region_len,
             )
         return self.o_proj(out.flatten(-2))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ def paged_attention(
     first_position: int = 0,
     block_size: int | None = None,
     spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
+    region_len: int | None = None,
 ) -> Tensor:
     """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
 
@@ -81,7 +83,7 @@ def paged_attention(
         )
     return paged_attention_torch(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
-        first_position, block_size, spans,
+        first_position, block_size, spans, region_len,
     )
 
 
@@ -98,6 +100,7 @@ def paged_attention_torch(
     first_position: int = 0,
     block_size: int | None = None,
     spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
+    region_len: int | None = None,
 ) -> Tensor:
     """`paged_attention` in torch ops, on any device, either cache layout: the kernel's reference and the CPU path.
 
@@ -105,22 +108,28 @@ def paged_attention_torch(
     sequence over a view of the cache and one batched attention over gathered contexts. Elsewhere it always
     gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them from the
     number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
-    work them out again; from the index tensors when None.
+    work them out again; from the index tensors when None. `region_len`: the positions of each cache slot's home
+    region (kv_cache.py), where a decode batch whose sequences all sit in theirs is attended in one call over
+    views (attend_home_decode); None leaves that path out.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
     keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
-    if q.device.type == "cpu" and not gathering_pays(block_tables.shape[0], max_query_len, max_context_len):
+    if q.device.type == "cpu":
         group = q.shape[1] // keys.num_kv_heads
         if spans is None:
-            spans = plan_spans(
-                query_starts.tolist(), context_lens.tolist(),
+            spans = partial(
+                plan_spans, query_starts.tolist(), context_lens.tolist(),
                 block_tables[:, : blocks_for(max_context_len, keys.block_size)].tolist(), keys.block_size,
-                first_position, group, q.device,
+                first_position, device=q.device,
             )
-        elif callable(spans):
-            spans = spans(group)
-        return attend_per_sequence(q, keys, values, spans, scale)
+        plan = plan_cpu_attention(
+            block_tables.shape[0], max_query_len, max_context_len, spans, group, region_len, keys, q.device
+        )
+        if isinstance(plan, HomeDecode):
+            return attend_home_decode(q, keys, values, plan, scale)
+        if plan is not None:
+            return attend_per_sequence(q, keys, values, plan, scale)
     return attend_gathered(
         q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position,
@@ -267,6 +276,91 @@ def attend_per_sequence(
         )
         pieces.append(attended[0].transpose(0, 1))
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+
+
+@dataclass(frozen=True)
+class HomeDecode:
+    """A decode pass (one query per sequence) whose sequences all read their context from the start of a home
+    region of the cache (a run of region_len positions that the block manager gives each slot by default):
+    regions first_region .. first_region + num_regions - 1 viewed as one batch, with no copy."""
+
+    first_region: int
+    num_regions: int
+    region_len: int
+    rows: Tensor | None  # [B] each sequence's region - first_region; None when they are 0 .. B - 1 in order
+    mask: Tensor  # [num_regions, 1, 1, max_context] bool: each region's keys, past its context hidden
+    max_context: int
+
+
+def plan_home_decode(
+    spans: Seq[SequenceSpan], region_len: int, num_positions: int, device: torch.device
+) -> HomeDecode | None:
+    """The one-call plan for a decode pass, or None when a sequence is not one query at the start of a home region
+    or the regions between them are mostly idle (each idle one is attended to and thrown away)."""
+    if any(s.count != 1 or s.num_blind or s.slots is not None or s.key_start % region_len for s in spans):
+        return None
+    regions = [s.key_start // region_len for s in spans]
+    first, last = min(regions), max(regions)
+    num_regions = last - first + 1
+    if num_regions > 2 * len(spans) or (last + 1) * region_len > num_positions:
+        return None
+    contexts = [1] * num_regions  # an idle region attends to one key, so its discarded row stays finite
+    for region, span in zip(regions, spans):
+        contexts[region - first] = span.key_stop - span.key_start
+    max_context = max(contexts)
+    mask = torch.arange(max_context, device=device) < torch.tensor(contexts, device=device)[:, None]
+    in_order = regions == list(range(first, first + len(spans)))
+    rows = None if in_order else torch.tensor([r - first for r in regions], device=device)
+    return HomeDecode(first, num_regions, region_len, rows, mask[:, None, None, :], max_context)
+
+
+def plan_cpu_attention(
+    num_seqs: int,
+    max_query_len: int,
+    max_context_len: int,
+    spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]],
+    group: int,
+    region_len: int | None,
+    keys: Pool,
+    device: torch.device,
+) -> HomeDecode | Seq[SequenceSpan] | None:
+    """How the CPU attends a pass: one call over home regions (a HomeDecode), one call per sequence (its spans), or
+    one batched call over gathered contexts (None). `spans` may be what makes them from `group`."""
+    decode_batch = max_query_len == 1 and num_seqs > 1 and region_len is not None and not keys.block_major
+    if not decode_batch and gathering_pays(num_seqs, max_query_len, max_context_len):
+        return None
+    planned = spans(group) if callable(spans) else spans
+    if decode_batch:
+        home = plan_home_decode(planned, region_len, keys.flat.shape[1], device)
+        if home is not None:
+            return home
+        if gathering_pays(num_seqs, max_query_len, max_context_len):
+            return None
+    return planned
+
+
+def attend_home_decode(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: HomeDecode, scale: float) -> Tensor:
+    """attend_per_sequence's result for a HomeDecode pass, in one SDPA call over views of the head-major cache:
+    [regions, kv_heads, context, head_dim], the heads sharing a kv head as rows of one matrix, past each context
+    masked. Equal to the per-sequence path up to float32 summation order."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys_pool.num_kv_heads
+    start = plan.first_region * plan.region_len
+    stop = start + plan.num_regions * plan.region_len
+
+    def regions(pool: Pool) -> Tensor:
+        by_region = pool.flat[:, start:stop].view(num_kv_heads, plan.num_regions, plan.region_len, head_dim)
+        return by_region[:, :, : plan.max_context].transpose(0, 1)
+
+    grouped = q.view(num_seqs, num_kv_heads, -1, head_dim)
+    if plan.rows is not None:
+        grouped = grouped.new_zeros(plan.num_regions, *grouped.shape[1:]).index_copy_(0, plan.rows, grouped)
+    attended = F.scaled_dot_product_attention(
+        grouped, regions(keys_pool), regions(values_pool), attn_mask=plan.mask, scale=scale
+    )
+    if plan.rows is not None:
+        attended = attended.index_select(0, plan.rows)
+    return attended.reshape(num_seqs, num_heads, head_dim)
 
 
 def attend_gathered(
