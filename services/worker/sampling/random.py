@@ -8,11 +8,15 @@ computed, and never touches the global torch RNG.
 The hash is splitmix64's finaliser, chained over the coordinates, in int64 torch ops so it runs vectorised on any
 device. Two int64 facts it relies on: multiplication wraps modulo 2**64, and `>>` is arithmetic, so a logical
 shift masks off the copied sign bits. kernels/noise.py is the same hash in Triton; the constants and the Purpose
-values live in kernels/constants.py, which both import.
+values live in kernels/constants.py, which both import. On the CPU the per-row keys are hashed in numpy's uint64
+arithmetic instead (`_key_on_host`, the same bits in fewer calls).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +35,10 @@ GOLDEN_GAMMA = _to_int64(constants.GOLDEN_GAMMA)
 MIX_MUL_1 = _to_int64(constants.MIX_MUL_1)
 MIX_MUL_2 = _to_int64(constants.MIX_MUL_2)
 _UNIFORM_SCALE = 2.0**-UNIFORM_BITS
+_MASK64 = (1 << 64) - 1
+_HOST_GAMMA, _HOST_MUL_1, _HOST_MUL_2 = (
+    np.uint64(c & _MASK64) for c in (constants.GOLDEN_GAMMA, constants.MIX_MUL_1, constants.MIX_MUL_2)
+)
 
 
 def _shift_right_into(x: Tensor, bits: int, out: Tensor) -> Tensor:
@@ -56,9 +64,31 @@ def mix64_(x: Tensor, scratch: Tensor) -> Tensor:
 
 def _key(seeds: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
     """One 64-bit key per (seed, position, purpose). Each stage is a bijection of the coordinate it adds."""
+    if seeds.device.type == "cpu":
+        return _key_on_host(seeds, positions, purpose)
     key = mix64(seeds + GOLDEN_GAMMA)
     key = mix64(key ^ positions)
     return mix64(key + _to_int64(int(purpose) * GOLDEN_GAMMA))
+
+
+def _mix64_host(x: np.ndarray) -> np.ndarray:
+    """mix64 on uint64 numpy arrays, where multiplication wraps and `>>` is logical: the same bits."""
+    for bits, multiplier in ((30, _HOST_MUL_1), (27, _HOST_MUL_2), (31, None)):
+        x ^= x >> np.uint64(bits)
+        if multiplier is not None:
+            x *= multiplier
+    return x
+
+
+def _key_on_host(seeds: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
+    """`_key` for CPU tensors in numpy's uint64 arithmetic: the same bits in ~15 array ops instead of ~40 torch ones
+    (three mix64 chains over a handful of rows are a measurable share of a CPU sampling step)."""
+    key = seeds.numpy().astype(np.uint64) + _HOST_GAMMA
+    key = _mix64_host(key)
+    key ^= positions.numpy().astype(np.uint64)
+    key = _mix64_host(key)
+    key += np.uint64(int(purpose) * constants.GOLDEN_GAMMA & _MASK64)
+    return torch.from_numpy(_mix64_host(key).view(np.int64))
 
 
 def _to_unit_interval(bits: Tensor) -> Tensor:
@@ -102,6 +132,8 @@ def uniform_into(
     return _to_unit_interval_into(mix64_(bits, scratch), scratch, out)
 
 
+@functools.lru_cache(maxsize=16)
 def _counters(width: int, device: torch.device) -> Tensor:
-    """[width] the stream's counters 1..width, each times the golden gamma (wrapping as int64 does)."""
+    """[width] the stream's counters 1..width, each times the golden gamma (wrapping as int64 does); the same for
+    every call of a width, so made once (callers only read it)."""
     return torch.arange(1, width + 1, dtype=torch.int64, device=device) * GOLDEN_GAMMA
