@@ -1,7 +1,7 @@
 """The CPU's spellings of the model's ops against the formulas they replace: RMSNorm in float32 against Hugging
 Face's formula and the full-width rotary table against the kernel's half-width one (packed [T] and training-shaped
-[B, L] inputs, float32 and bfloat16, with a rope scale on cos and sin), bit for bit; a decode batch attended in one
-call over its slots' home regions against one call per sequence, up to float32 summation order."""
+[B, L] inputs, float32 and bfloat16, with a rope scale on cos and sin), bit for bit; decode and verify rows attended
+in one call over their slots' home regions against one call per sequence, up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from shared.config import DEFAULT_MODEL_DIR
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import Rotary
 from services.worker.model.paged_attention import (
+    GATHER_MAX_QUERY_LEN,
     Pool,
-    attend_home_decode,
+    attend_home_pass,
     attend_per_sequence,
-    plan_home_decode,
+    plan_home_pass,
     plan_spans,
 )
 from services.worker.model.rms_norm import rms_norm_torch
@@ -74,35 +75,42 @@ def _home_pools(num_regions: int) -> tuple[Pool, Pool]:
     return tuple(Pool(torch.randn(*shape, generator=generator), HOME_BLOCK) for _ in range(2))
 
 
-def _home_spans(regions: list[int], contexts: list[int]) -> list:
+def _home_spans(regions: list[int], contexts: list[int], counts: list[int]) -> list:
     blocks_per_region = HOME_REGION // HOME_BLOCK
     rows = [list(range(r * blocks_per_region, (r + 1) * blocks_per_region)) for r in regions]
-    return plan_spans(list(range(len(regions) + 1)), contexts, rows, HOME_BLOCK, 0, HOME_GROUP, torch.device("cpu"))
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return plan_spans(starts, contexts, rows, HOME_BLOCK, 0, HOME_GROUP, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("regions", [[0, 1, 2, 3], [5, 1, 3], [2]])
-def test_home_decode_attends_as_each_sequence_alone(regions: list[int]) -> None:
-    """A decode batch sitting in its slots' home regions, in order or not, with idle regions between them: one SDPA
-    call over views gives what one call per sequence gives, up to float32 summation order."""
+@pytest.mark.parametrize(
+    ("regions", "counts"),
+    [([0, 1, 2, 3], [1, 1, 1, 1]), ([5, 1, 3], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [4, 1, 3]), ([3, 0], [2, 5])],
+)
+def test_home_pass_attends_as_each_sequence_alone(regions: list[int], counts: list[int]) -> None:
+    """Decode and verify rows of sequences sitting in their slots' home regions, in order or not, with idle regions
+    between them: one SDPA call over views gives what one call per sequence gives, up to float32 summation order."""
     keys, values = _home_pools(max(regions) + 1)
     contexts = [HOME_REGION - 7 * i for i in range(len(regions))]
-    spans = _home_spans(regions, contexts)
-    q = torch.randn(len(regions), HOME_KV_HEADS * HOME_GROUP, HOME_HEAD_DIM, generator=torch.Generator().manual_seed(3))
-    plan = plan_home_decode(spans, HOME_REGION, keys.flat.shape[1], q.device)
-    consecutive = regions == list(range(regions[0], regions[0] + len(regions)))
-    assert plan is not None and (plan.rows is None) == consecutive
-    got = attend_home_decode(q, keys, values, plan, 0.25)
+    spans = _home_spans(regions, contexts, counts)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(counts), HOME_KV_HEADS * HOME_GROUP, HOME_HEAD_DIM, generator=generator)
+    plan = plan_home_pass(spans, HOME_REGION, keys.flat.shape[1], HOME_GROUP, q.device)
+    identity = counts == [1] * len(counts) and regions == list(range(regions[0], regions[0] + len(regions)))
+    assert plan is not None and (plan.token_rows is None) == identity
+    got = attend_home_pass(q, keys, values, plan, 0.25)
     want = attend_per_sequence(q, keys, values, spans, 0.25)
     assert torch.allclose(got, want, atol=1e-6)
 
 
-def test_home_decode_is_planned_only_for_one_query_per_sequence_at_a_region_start() -> None:
+def test_home_pass_is_planned_only_for_short_runs_at_a_region_start() -> None:
     keys, _ = _home_pools(4)
-    cpu = torch.device("cpu")
-    assert plan_home_decode(_home_spans([0, 1], [10, 20]), HOME_REGION, keys.flat.shape[1], cpu) is not None
-    verify = plan_spans([0, 1, 4], [10, 20], [[0], [4, 5]], HOME_BLOCK, 0, HOME_GROUP, cpu)  # 3 rows for the second
-    assert plan_home_decode(verify, HOME_REGION, keys.flat.shape[1], cpu) is None
+    cpu, positions = torch.device("cpu"), keys.flat.shape[1]
+    assert plan_home_pass(_home_spans([0, 1], [10, 20], [1, 3]), HOME_REGION, positions, HOME_GROUP, cpu) is not None
+    too_long = _home_spans([0, 1], [10, 40], [1, GATHER_MAX_QUERY_LEN + 1])
+    assert plan_home_pass(too_long, HOME_REGION, positions, HOME_GROUP, cpu) is None
     off_home = plan_spans([0, 1, 2], [10, 20], [[0], [5, 6]], HOME_BLOCK, 0, HOME_GROUP, cpu)  # starts mid-region
-    assert plan_home_decode(off_home, HOME_REGION, keys.flat.shape[1], cpu) is None
-    sparse = _home_spans([0, 30], [10, 20])  # 31 regions for 2 sequences: mostly idle
-    assert plan_home_decode(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, cpu) is None
+    assert plan_home_pass(off_home, HOME_REGION, positions, HOME_GROUP, cpu) is None
+    sparse = _home_spans([0, 30], [10, 20], [1, 1])  # 31 regions for 2 sequences: mostly idle
+    assert plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu) is None

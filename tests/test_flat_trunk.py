@@ -44,9 +44,10 @@ def test_flat_trunk_equals_the_modules(tmp_path: Path, kind: str) -> None:
     assert len(passes[3][0]) >= GATHER_MIN_SEQS
     _check_passes(model, runner, passes)
     runner.cache.set_block_table(1, list(range(blocks, 2 * blocks)))  # now every slot in its home region
-    _check_passes(model, runner, [  # decode batches attended in one call over the regions
+    _check_passes(model, runner, [  # decode and verify rows attended in one call over the regions
         ([[t] for t in range(SEQS)], [3] * SEQS, list(range(SEQS))),
         ([[9], [10], [11]], [4, 4, 4], [5, 2, 7]),
+        ([[9, 10, 11], [12], [13, 14]], [5, 5, 5], [5, 2, 7]),
     ])
 
 

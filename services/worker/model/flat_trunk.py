@@ -5,9 +5,10 @@ more so because streaming the weights through the caches evicts the interpreter'
 every step. The module tree (model/layers.py) keeps the parameters, loads checkpoints, trains, and runs on CUDA,
 where CUDA graphs remove that overhead; here the same arithmetic runs as one function with no module calls, no
 per-op device dispatch and no per-layer planning: the attention plan is made once per pass (plan_cpu_attention:
-one call over the slots' home regions for a decode batch sitting in them, one per sequence, or gathered), the
-rotary angles looked up once, the KV pools built once. The ops and their order are the modules', so the output is
-the same bit for bit (tests/test_flat_trunk.py); ~10% of a demo-model decode step on one thread (1.72 -> 1.55 ms).
+one call over the slots' home regions for decode or verify rows of sequences sitting in them, one call per
+sequence, or gathered), the rotary angles looked up once, the KV pools built once. The ops and their order are
+the modules', so the output is the same bit for bit (tests/test_flat_trunk.py); ~10% of a demo-model decode step
+on one thread (1.72 -> 1.55 ms).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.llama import CausalLM
 from services.worker.model.paged_attention import (
-    HomeDecode,
+    HomePass,
     Pool,
     attend_gathered,
-    attend_home_decode,
+    attend_home_pass,
     attend_per_sequence,
     plan_cpu_attention,
 )
@@ -109,8 +110,8 @@ class FlatTrunk:
             qk = apply_rotary_full(qkv.narrow(1, 0, rotated), cos_sin)
             q, k, v = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), qkv.narrow(1, rotated, kv_heads)
             write_kv_torch(layer.key_cache, layer.value_cache, batch.slot_mapping, k, v)
-            if isinstance(plan, HomeDecode):
-                attended = attend_home_decode(q, layer.keys, layer.values, plan, self.scale)
+            if isinstance(plan, HomePass):
+                attended = attend_home_pass(q, layer.keys, layer.values, plan, self.scale)
             elif plan is not None:
                 attended = attend_per_sequence(q, layer.keys, layer.values, plan, self.scale)
             else:

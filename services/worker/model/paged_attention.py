@@ -110,7 +110,7 @@ def paged_attention_torch(
     number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
     work them out again; from the index tensors when None. `region_len`: the positions of each cache slot's home
     region (kv_cache.py), where a decode batch whose sequences all sit in theirs is attended in one call over
-    views (attend_home_decode); None leaves that path out.
+    views (attend_home_pass); None leaves that path out.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
@@ -126,8 +126,8 @@ def paged_attention_torch(
         plan = plan_cpu_attention(
             block_tables.shape[0], max_query_len, max_context_len, spans, group, region_len, keys, q.device
         )
-        if isinstance(plan, HomeDecode):
-            return attend_home_decode(q, keys, values, plan, scale)
+        if isinstance(plan, HomePass):
+            return attend_home_pass(q, keys, values, plan, scale)
         if plan is not None:
             return attend_per_sequence(q, keys, values, plan, scale)
     return attend_gathered(
@@ -279,39 +279,56 @@ def attend_per_sequence(
 
 
 @dataclass(frozen=True)
-class HomeDecode:
-    """A decode pass (one query per sequence) whose sequences all read their context from the start of a home
-    region of the cache (a run of region_len positions that the block manager gives each slot by default):
-    regions first_region .. first_region + num_regions - 1 viewed as one batch, with no copy."""
+class HomePass:
+    """A pass of short query runs (decode or verify rows, at most GATHER_MAX_QUERY_LEN a sequence) whose sequences
+    all read their context from the start of a home region of the cache (a run of region_len positions that the
+    block manager gives each slot by default): regions first_region .. first_region + num_regions - 1 viewed as one
+    batch, with no copy, each region's queries padded to queries_per_region."""
 
     first_region: int
     num_regions: int
     region_len: int
-    rows: Tensor | None  # [B] each sequence's region - first_region; None when they are 0 .. B - 1 in order
-    mask: Tensor  # [num_regions, 1, 1, max_context] bool: each region's keys, past its context hidden
+    queries_per_region: int
+    # [T] each packed token's row among the padded ones (region-major); None when that is the identity (one query
+    # per sequence, regions in order)
+    token_rows: Tensor | None
+    mask: Tensor  # [num_regions, 1, group * queries_per_region, max_context] bool, rows head-in-group major
     max_context: int
 
 
-def plan_home_decode(
-    spans: Seq[SequenceSpan], region_len: int, num_positions: int, device: torch.device
-) -> HomeDecode | None:
-    """The one-call plan for a decode pass, or None when a sequence is not one query at the start of a home region
-    or the regions between them are mostly idle (each idle one is attended to and thrown away)."""
-    if any(s.count != 1 or s.num_blind or s.slots is not None or s.key_start % region_len for s in spans):
+def plan_home_pass(
+    spans: Seq[SequenceSpan], region_len: int, num_positions: int, group: int, device: torch.device
+) -> HomePass | None:
+    """The one-call plan for a pass, or None when a sequence does not start a home region, has more than
+    GATHER_MAX_QUERY_LEN queries or queries that see no key, or the regions between them are mostly idle (each idle
+    one is attended to and thrown away)."""
+    if any(
+        s.num_blind or s.slots is not None or s.key_start % region_len or not 0 < s.count <= GATHER_MAX_QUERY_LEN
+        for s in spans
+    ):
         return None
     regions = [s.key_start // region_len for s in spans]
     first, last = min(regions), max(regions)
     num_regions = last - first + 1
     if num_regions > 2 * len(spans) or (last + 1) * region_len > num_positions:
         return None
-    contexts = [1] * num_regions  # an idle region attends to one key, so its discarded row stays finite
+    per_region = max(s.count for s in spans)
+    # Query i of a region sees keys up to its own position; padding rows and idle regions see key 0 alone, so
+    # their discarded rows stay finite.
+    limits = [[0] * per_region for _ in range(num_regions)]
+    token_rows = []
     for region, span in zip(regions, spans):
-        contexts[region - first] = span.key_stop - span.key_start
-    max_context = max(contexts)
-    mask = torch.arange(max_context, device=device) < torch.tensor(contexts, device=device)[:, None]
-    in_order = regions == list(range(first, first + len(spans)))
-    rows = None if in_order else torch.tensor([r - first for r in regions], device=device)
-    return HomeDecode(first, num_regions, region_len, rows, mask[:, None, None, :], max_context)
+        context, row = span.key_stop - span.key_start, (region - first) * per_region
+        limits[region - first][: span.count] = range(context - span.count, context)
+        token_rows.extend(range(row, row + span.count))
+    max_context = max(span.key_stop - span.key_start for span in spans)
+    visible = torch.arange(max_context, device=device) <= torch.tensor(limits, device=device)[:, :, None]
+    mask = visible[:, None].expand(num_regions, group, per_region, max_context).reshape(num_regions, 1, -1, max_context)
+    identity = token_rows == list(range(num_regions * per_region))
+    return HomePass(
+        first, num_regions, region_len, per_region,
+        None if identity else torch.tensor(token_rows, device=device), mask, max_context,
+    )
 
 
 def plan_cpu_attention(
@@ -323,15 +340,17 @@ def plan_cpu_attention(
     region_len: int | None,
     keys: Pool,
     device: torch.device,
-) -> HomeDecode | Seq[SequenceSpan] | None:
-    """How the CPU attends a pass: one call over home regions (a HomeDecode), one call per sequence (its spans), or
+) -> HomePass | Seq[SequenceSpan] | None:
+    """How the CPU attends a pass: one call over home regions (a HomePass), one call per sequence (its spans), or
     one batched call over gathered contexts (None). `spans` may be what makes them from `group`."""
-    decode_batch = max_query_len == 1 and num_seqs > 1 and region_len is not None and not keys.block_major
-    if not decode_batch and gathering_pays(num_seqs, max_query_len, max_context_len):
+    short_runs = (
+        max_query_len <= GATHER_MAX_QUERY_LEN and num_seqs > 1 and region_len is not None and not keys.block_major
+    )
+    if not short_runs and gathering_pays(num_seqs, max_query_len, max_context_len):
         return None
     planned = spans(group) if callable(spans) else spans
-    if decode_batch:
-        home = plan_home_decode(planned, region_len, keys.flat.shape[1], device)
+    if short_runs:
+        home = plan_home_pass(planned, region_len, keys.flat.shape[1], group, device)
         if home is not None:
             return home
         if gathering_pays(num_seqs, max_query_len, max_context_len):
@@ -339,12 +358,14 @@ def plan_cpu_attention(
     return planned
 
 
-def attend_home_decode(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: HomeDecode, scale: float) -> Tensor:
-    """attend_per_sequence's result for a HomeDecode pass, in one SDPA call over views of the head-major cache:
-    [regions, kv_heads, context, head_dim], the heads sharing a kv head as rows of one matrix, past each context
-    masked. Equal to the per-sequence path up to float32 summation order."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = keys_pool.num_kv_heads
+def attend_home_pass(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: HomePass, scale: float) -> Tensor:
+    """attend_per_sequence's result for a HomePass, in one SDPA call over views of the head-major cache:
+    [regions, kv_heads, context, head_dim], each region's queries of the heads sharing a kv head as rows of one
+    matrix, each query's keys past its position masked. Equal to the per-sequence path up to float32 summation
+    order."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, per_region = keys_pool.num_kv_heads, plan.queries_per_region
+    group = num_heads // num_kv_heads
     start = plan.first_region * plan.region_len
     stop = start + plan.num_regions * plan.region_len
 
@@ -352,15 +373,17 @@ def attend_home_decode(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: Home
         by_region = pool.flat[:, start:stop].view(num_kv_heads, plan.num_regions, plan.region_len, head_dim)
         return by_region[:, :, : plan.max_context].transpose(0, 1)
 
-    grouped = q.view(num_seqs, num_kv_heads, -1, head_dim)
-    if plan.rows is not None:
-        grouped = grouped.new_zeros(plan.num_regions, *grouped.shape[1:]).index_copy_(0, plan.rows, grouped)
+    padded = q
+    if plan.token_rows is not None:
+        padded = q.new_zeros(plan.num_regions * per_region, num_heads, head_dim).index_copy_(0, plan.token_rows, q)
+    grouped = padded.view(plan.num_regions, per_region, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     attended = F.scaled_dot_product_attention(
-        grouped, regions(keys_pool), regions(values_pool), attn_mask=plan.mask, scale=scale
+        grouped.reshape(plan.num_regions, num_kv_heads, group * per_region, head_dim), regions(keys_pool),
+        regions(values_pool), attn_mask=plan.mask, scale=scale,
     )
-    if plan.rows is not None:
-        attended = attended.index_select(0, plan.rows)
-    return attended.reshape(num_seqs, num_heads, head_dim)
+    by_row = attended.view(plan.num_regions, num_kv_heads, group, per_region, head_dim).permute(0, 3, 1, 2, 4)
+    out = by_row.reshape(plan.num_regions * per_region, num_heads, head_dim)
+    return out if plan.token_rows is None else out.index_select(0, plan.token_rows)
 
 
 def attend_gathered(
