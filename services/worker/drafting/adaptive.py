@@ -79,10 +79,10 @@ class StepCostModel:
         # West's weighted update: older weights shrink by `forgetting`, which scales the sums but not the means.
         f = self.forgetting
         self._weight = f * self._weight + 1.0
-        before = [num_seqs - self._mean[0], num_drafts - self._mean[1], seconds - self._mean[2]]
-        for i, value in enumerate((num_seqs, num_drafts, seconds)):
-            self._mean[i] += before[i] / self._weight
-        after = [num_seqs - self._mean[0], num_drafts - self._mean[1], seconds - self._mean[2]]
+        observed = (num_seqs, num_drafts, seconds)
+        before = [x - mean for x, mean in zip(observed, self._mean)]
+        self._mean = [mean + d / self._weight for mean, d in zip(self._mean, before)]
+        after = [x - mean for x, mean in zip(observed, self._mean)]
         self._ss = f * self._ss + before[0] * after[0]
         self._sd = f * self._sd + before[0] * after[1]
         self._dd = f * self._dd + before[1] * after[1]
@@ -106,14 +106,17 @@ class StepCostModel:
             rows_ss = self._ss + 2 * self._sd + self._dd
             c_seq = c_draft = max((self._st + self._dt) / rows_ss, 0.0)
         else:
-            scale = mean_t if weight else 1.0
-            c0 = scale / (1.0 + self.token_cost_ratio * (mean_s + mean_d))
-            return c0, self.token_cost_ratio * c0, self.token_cost_ratio * c0
+            return self._prior(mean_t if weight else 1.0)
         c0 = max(mean_t - c_seq * mean_s - c_draft * mean_d, 0.0)
-        if c0 == c_seq == c_draft == 0.0:  # timings that fit nothing: the prior ratio at the mean
-            c0 = mean_t / (1.0 + self.token_cost_ratio * (mean_s + mean_d))
-            c_seq = c_draft = self.token_cost_ratio * c0
+        if c0 == c_seq == c_draft == 0.0:  # timings that fit nothing
+            return self._prior(mean_t)
         return c0, c_seq, c_draft
+
+    def _prior(self, mean_seconds: float) -> tuple[float, float, float]:
+        """The prior ratio (a sequence and a draft row each token_cost_ratio of c0), scaled so that the mean
+        observed step costs mean_seconds."""
+        c0 = mean_seconds / (1.0 + self.token_cost_ratio * (self._mean[0] + self._mean[1]))
+        return c0, self.token_cost_ratio * c0, self.token_cost_ratio * c0
 
 
 @dataclass

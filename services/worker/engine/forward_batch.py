@@ -60,8 +60,8 @@ class ForwardBatch:
 
 class InputBuffers:
     """The host staging buffer (pinned) and the device buffer that a pass's packed integers travel through. They
-    persist across steps, so a step allocates nothing for its inputs and they sit at fixed device addresses. On
-    the CPU the numpy array itself is the tensor: no copy at all."""
+    persist across steps, so a step allocates nothing for its inputs and they sit at fixed device addresses. A CPU
+    pass needs neither: its host arrays are its tensors (cpu_batch)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -69,9 +69,8 @@ class InputBuffers:
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copy out of the staging buffer
 
     def upload(self, values: np.ndarray) -> Tensor:
-        """values (int64) on the device; valid until the next upload."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(values)
+        """values (int64) on the device (not the CPU: to_device takes CPU passes to cpu_batch); valid until the next
+        upload."""
         size = values.size
         if self._host is None or self._host.numel() < size:
             capacity = max(size, 2 * (0 if self._host is None else self._host.numel()))

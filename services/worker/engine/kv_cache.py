@@ -3,9 +3,10 @@
 A sequence owns a slot, and the slot a table of blocks (services/worker/engine/block_manager.py decides which):
 position p of the slot lives in block table[slot, p // block_size] at offset p % block_size. The model writes a
 step's keys and values by a flat slot mapping (block * block_size + offset per token,
-services/worker/engine/kv_write.py) and the attention op reads the pool through the block tables (services/worker/model/paged_attention.py), so no
-step copies a sequence's context. Rewinding after rejected drafts is just moving the sequence's length back:
-stale entries past the length are never attended to and are overwritten later.
+services/worker/engine/kv_write.py) and the attention op reads the pool through the block tables
+(services/worker/model/paged_attention.py), so no step copies a sequence's context. Rewinding after rejected drafts
+is just moving the sequence's length back: stale entries past the length are never attended to and are overwritten
+later.
 
 The tables live on the host (numpy): the runner packs each step's inputs from them with array operations and
 hands the device one copy per step.
@@ -72,7 +73,8 @@ class KVCache:
     @property
     def region_len(self) -> int | None:
         """Positions in each slot's home region (block_manager.py hands a slot's blocks out from there), when the
-        pool holds one per slot: CPU attention reads a decode batch of sequences sitting in theirs in one call."""
+        pool holds one per slot: CPU attention reads decode or verify rows of sequences sitting in theirs in one
+        call."""
         if self.num_blocks < self.padding_slot * self.max_blocks_per_seq:
             return None
         return self.max_blocks_per_seq * self.block_size

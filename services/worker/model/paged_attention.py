@@ -109,7 +109,7 @@ def paged_attention_torch(
     gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them from the
     number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
     work them out again; from the index tensors when None. `region_len`: the positions of each cache slot's home
-    region (kv_cache.py), where a decode batch whose sequences all sit in theirs is attended in one call over
+    region (kv_cache.py), where decode or verify rows of sequences that all sit in theirs are attended in one call over
     views (attend_home_pass); None leaves that path out.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
@@ -175,8 +175,13 @@ class Pool:
 
     def block_slots(self, blocks: Tensor) -> Tensor:
         """blocks [..., m] -> the flat slots of their positions [..., m * block_size], in position order."""
-        offsets = torch.arange(self.block_size, device=blocks.device)
-        return (blocks.long()[..., None] * self.block_size + offsets).flatten(-2)
+        return block_slots(blocks, self.block_size)
+
+
+def block_slots(blocks: Tensor, block_size: int) -> Tensor:
+    """blocks [..., m] -> the flat slots of their positions [..., m * block_size], in position order."""
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks.long()[..., None] * block_size + offsets).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -221,12 +226,10 @@ def plan_spans(
                 key_start = blocks[0] * block_size + first_position
                 key_stop = blocks[0] * block_size + context
             else:
-                offsets = torch.arange(block_size, device=device)
-                flat = (torch.tensor(blocks, device=device)[:, None] * block_size + offsets).flatten()
-                slots = flat[None, first_position:context]
+                slots = block_slots(torch.tensor(blocks, device=device), block_size)[None, first_position:context]
             if 1 < count < visible:  # the queries are the last `count` positions: causal, diagonal moved right
-                causal = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
-                mask = causal.repeat(group, 1)
+                lower = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
+                mask = lower.repeat(group, 1)
         spans.append(SequenceSpan(
             end, count, num_queries - count, key_start, key_stop, slots, mask, causal=1 < count == visible,
         ))

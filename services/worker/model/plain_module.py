@@ -33,9 +33,12 @@ class PlainModule(nn.Module):
         dicts."""
         for module in self.modules():
             if isinstance(module, PlainModule):
-                module.__dict__.update(module._parameters)
-                module.__dict__.update(module._modules)
-                module._frozen = True
+                module._freeze()
+
+    def _freeze(self) -> None:
+        self.__dict__.update(self._parameters)
+        self.__dict__.update(self._modules)
+        self._frozen = True
 
     def _thaw(self) -> None:
         for name in (*self._parameters, *self._modules):
@@ -47,7 +50,5 @@ class PlainModule(nn.Module):
             return super()._apply(fn, recurse)
         self._thaw()
         super()._apply(fn, recurse)
-        self.__dict__.update(self._parameters)
-        self.__dict__.update(self._modules)
-        self._frozen = True
+        self._freeze()
         return self
