@@ -5,6 +5,7 @@ above acceptance by draft position (one panel per temperature, counts pooled ove
 weight-read floor, above batch-1 ms/step (one column per context). benchmarks/defaults.py (`plot_defaults`): aiperf's
 output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone, one beside a busy
 process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside transformers.
+benchmarks/prefix_cache.py (`plot_prefix_cache`): time to first token cold and cached per method.
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -247,6 +248,22 @@ def plot_heldout(report: dict, path: Path) -> None:
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
                  f"threads) on {report['package']}'s code, greedy", fontsize="small")
+    _save(fig, path)
+
+
+@drawing
+def plot_prefix_cache(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/prefix_cache.py writes) into the PNG at path: per method, time to first
+    token cold and with its prompt cached."""
+    rows = report["methods"]
+    fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0] / 2, FIGURE_SIZE[1] / 2))
+    _grouped_bars(ax, [row["method"] for row in rows], {
+        "cold": [row["cold_ttft_ms"] for row in rows], "prompt cached": [row["hot_ttft_ms"] for row in rows],
+    })
+    ax.set(ylabel="time to first token, ms (lower is better)")
+    ax.legend(fontsize="small")
+    fig.suptitle(f"{report['prompt_tokens']}-token prompts from {report['package']}, through the mesh, median of "
+                 f"{report['rounds']}", fontsize="small")
     _save(fig, path)
 
 

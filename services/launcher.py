@@ -29,7 +29,7 @@ from shared import nats_settings
 from services.gateway import auth, limits
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
-from services import cpu_plan
+from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
 from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
 from services.supervisor import (
@@ -90,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
     )
+    engine_flags.add_arguments(parser)
     parser.add_argument(
         "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
@@ -230,6 +231,7 @@ def run(args: argparse.Namespace) -> None:
             worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
         if args.enforce_eager:
             worker_args.append("--enforce-eager")
+        worker_args += engine_flags.forwarded(args)
         worker_args += ["--load-format", args.load_format]
         if args.speculative_config:
             worker_args += ["--speculative-config", args.speculative_config]

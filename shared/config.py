@@ -91,6 +91,8 @@ class EngineConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"
     # CUDA: decode and verify passes run as CUDA graphs unless this is set (the CPU always runs eagerly)
     enforce_eager: bool = False
+    # Keep computed prompt (and output) blocks for later requests that start the same way
+    enable_prefix_caching: bool = True
 
     @property
     def graph_query_lens(self) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 The layout is documented in docs/frames.md. In short, all little-endian:
 
     HEADER            32 bytes   magic, version, kind, top_k, worker id, number of records, step, time sent
-    RECORDS           32 bytes   x num_records: request id, seq_no, offset, counts, status
+    RECORDS           36 bytes   x num_records: request id, seq_no, offset, counts, status, choice, cached tokens
     TOKEN_IDS   int32 [num_tokens, num_slots]   slot 0 = chosen token, slots 1..top_k = top-K
     LOGPROBS  float32 [num_tokens, num_slots]
     RANKS       int32 [num_tokens]              1-based rank of the chosen token
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x534D4652  # "RFMS" on the wire, little-endian "SMFR": SpecMesh FRame
-VERSION = 2  # 2: records carry a choice index where version 1 had padding
+VERSION = 3  # 2: records carry a choice index where version 1 had padding; 3: and the prompt's cached tokens
 MAX_TOP_K = 20
 NO_TOKEN = -1  # token id of an unused top-k slot (its logprob is -inf)
 # A PROMPT frame scores prompt tokens from this index on: token 0 has no logprob, nothing comes before it.
@@ -59,14 +59,15 @@ RECORD = np.dtype(
         ("status", "u1"),
         ("finish_reason", "u1"),
         ("choice", "<u2"),  # which of the request's n choices the record belongs to
+        ("num_cached", "<u4"),  # TARGET at offset 0: prompt tokens the worker found in its prefix cache; else 0
     ]
 )
-assert HEADER.itemsize == 32 and RECORD.itemsize == 32
+assert HEADER.itemsize == 32 and RECORD.itemsize == 36
 KIND_OFFSET = HEADER.fields["kind"][1]  # where a frame's kind byte lies: frame_kind reads it alone
 # HEADER and RECORD as struct formats: the encoder packs and the decoder reads a header with one call each, instead
 # of numpy's cost per structured array (a third of a frame's encoding time, paid by the engine every step).
 HEADER_STRUCT = struct.Struct("<IHBBIIQQ")
-RECORD_STRUCT = struct.Struct("<16sIIHHBBH")
+RECORD_STRUCT = struct.Struct("<16sIIHHBBHI")
 assert HEADER_STRUCT.size == HEADER.itemsize and RECORD_STRUCT.size == RECORD.itemsize
 I32 = np.dtype("<i4")  # token ids and ranks on the wire
 F32 = np.dtype("<f4")  # logprobs on the wire
@@ -196,6 +197,7 @@ class FrameBuilder:
         status: SeqStatus = SeqStatus.RUNNING,
         finish_reason: FinishReason = FinishReason.NONE,
         choice: int = 0,
+        num_cached: int = 0,
     ) -> None:
         num_slots = self.top_k + 1
         n = len(ranks)
@@ -205,7 +207,7 @@ class FrameBuilder:
                 f"got {token_ids.shape} and {logprobs.shape}"
             )
         self._records.append(RECORD_STRUCT.pack(
-            request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, status, finish_reason, choice
+            request_id_to_bytes(request_id), seq_no, offset, n, num_accepted, status, finish_reason, choice, num_cached
         ))
         # Row-major bytes of each record's rows: joined, they are the frame's [num_tokens, num_slots] arrays.
         self._token_ids.append(_wire_bytes(token_ids, I32))

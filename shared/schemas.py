@@ -16,6 +16,7 @@ from shared.frames import MAX_CHOICES, MAX_TOP_K
 # Choices one request may ask for, whoever sent it: the worker copies the prompt for each choice, so a forged request
 # with the wire format's limit (MAX_CHOICES) could take gigabytes. The gateway's --max-n may not exceed it.
 MAX_REQUEST_CHOICES = 256
+MAX_CACHE_SALT_CHARS = 1024  # a prefix-cache salt names a tenant; longer is a mistake, not a need
 assert MAX_REQUEST_CHOICES <= MAX_CHOICES
 
 NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
@@ -130,6 +131,8 @@ class WorkRequest(_Message):
     detok_id: str = Field("", pattern=r"^[0-9a-zA-Z_-]{0,64}$")
     sampling: SamplingParams
     created: float
+    # Names this request's cached blocks apart: only requests with the same salt share them (vLLM's cache_salt)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="after")
     def _progress_names_choices(self) -> "WorkRequest":
@@ -251,10 +254,15 @@ class SpeculativeUsage(_Message):
     acceptance_histogram: tuple[int, ...]  # index j: steps that accepted exactly j drafts
 
 
+class PromptTokensDetails(_Message):
+    cached_tokens: int = Field(0, ge=0)  # prompt tokens whose cache the worker found computed (prefix caching)
+
+
 class Usage(_Message):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     speculative: SpeculativeUsage | None = None  # only when the request asked (speculative.return_stats)
 
 

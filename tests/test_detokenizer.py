@@ -237,7 +237,10 @@ def test_completion_logprobs_and_draft_logprobs_shape(tokenizer, table) -> None:
     assert last.final and text_of(last) == "!" and last.choice["finish_reason"] == "stop"
     assert last.choice["logprobs"]["tokens"] == ["!"]  # the EOS token is counted but gets no entry
     assert last.choice["draft_logprobs"]["tokens"] == []
-    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 4, "total_tokens": 11, "speculative": None}
+    usage = {
+        "prompt_tokens": PROMPT_TOKENS, "completion_tokens": 4, "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0}, "speculative": None,
+    }
     assert last.usage.model_dump() == usage  # no speculation summary unless the request asked for one
 
 

@@ -12,10 +12,13 @@ import openai
 import pytest
 
 from services.mesh_process import Mesh, start_mesh
+from shared.config import EngineConfig
+from shared.tokenizer import Tokenizer
 from tests.test_e2e import E2E_MODEL, REPETITIVE
 
 pytestmark = pytest.mark.e2e
 
+BLOCK_SIZE = EngineConfig.model_fields["block_size"].default
 METRICS_LINE = re.compile(r"metrics of (\S+): (\S+)")
 
 
@@ -71,6 +74,11 @@ def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
     assert _value(worker, "specmesh_worker_spec_decode_draft_tokens_total") > 0
     assert _value(worker, "specmesh_worker_spec_decode_accepted_tokens_per_pos_total", 'position="0"') > 0
     assert _value(worker, "specmesh_worker_frames_published_total", 'kind="target"') > 0
+    # The same prompt twice (after the start's own probe): the second finds its full blocks cached, all but the
+    # one holding its last token.
+    prompt_len = len(Tokenizer(E2E_MODEL).encode(REPETITIVE))
+    assert _value(worker, "specmesh_worker_prefix_cache_queries_total") >= 2 * prompt_len
+    assert _value(worker, "specmesh_worker_prefix_cache_hits_total") >= (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert _value(detok, "specmesh_detokenizer_tokens_total") >= 64
     assert _value(detok, "specmesh_detokenizer_step_to_chunk_lag_seconds_count") > 0
     assert _value(detok, "specmesh_detokenizer_malformed_frames_total") == 0

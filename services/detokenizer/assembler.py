@@ -15,7 +15,7 @@ from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPa
 from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import StopMatcher
 from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
-from shared.schemas import ChoiceProgress, Chunk, DetokOpen, Usage
+from shared.schemas import ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 STOP_STRING_FINISH = "stop"
@@ -40,6 +40,7 @@ class Record:
     ranks: np.ndarray  # [n]
     ids: list[int]  # token_ids[:, 0] as Python ints: the record's tokens
     choice: int = 0  # which of the request's choices
+    num_cached: int = 0  # a choice's first TARGET record: prompt tokens found in the worker's prefix cache
 
     @classmethod
     def from_row(cls, rec: np.void, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> "Record":
@@ -54,6 +55,7 @@ class Record:
             ranks,
             token_ids[:, 0].tolist(),
             int(rec["choice"]),
+            int(rec["num_cached"]),
         )
 
     @property
@@ -70,12 +72,14 @@ def frame_records(frame: Frame) -> Iterator[tuple[str, Record]]:
     all records become Python values in one conversion each, instead of one numpy access per field and record."""
     tokens = frame.token_ids[:, 0].tolist()
     start = 0
-    for raw_id, seq_no, offset, num_tokens, num_accepted, status, finish_reason, choice in frame.records.tolist():
+    for raw_id, seq_no, offset, num_tokens, num_accepted, status, finish_reason, choice, num_cached in (
+        frame.records.tolist()
+    ):
         end = start + num_tokens
         rows = slice(start, end)
         yield raw_id.hex(), Record(
             seq_no, offset, num_accepted, _STATUSES[status], _FINISH_REASONS[finish_reason],
-            frame.token_ids[rows], frame.logprobs[rows], frame.ranks[rows], tokens[start:end], choice,
+            frame.token_ids[rows], frame.logprobs[rows], frame.ranks[rows], tokens[start:end], choice, num_cached,
         )
         start = end
 
@@ -117,6 +121,7 @@ class RequestAssembler:
         # Set when this side ended the request while the worker may still be generating for it.
         self.cancel_reason: CancelReason | None = None
         self.speculation = SpeculationTally() if open_msg.speculative_stats else None
+        self.num_cached_tokens = 0  # of the prompt, as the worker's first record of this choice reports
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this step produces, or None when it produced nothing to send yet (or was a duplicate)."""
@@ -131,6 +136,8 @@ class RequestAssembler:
         if problem := self._out_of_order(target) or self._bad_ids(target) or (draft and self._bad_ids(draft)):
             return self.fail(problem)
         self._next_seq_no += 1
+        if target.offset == 0:
+            self.num_cached_tokens = target.num_cached
         if draft is not None and self.speculation is not None:
             self.speculation.observe(draft.num_tokens, draft.num_accepted)
         ids = target.ids
@@ -310,5 +317,6 @@ class RequestAssembler:
         prompt = self._open.num_prompt_tokens
         return Usage(
             prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
             speculative=None if self.speculation is None else self.speculation.usage(),
         )

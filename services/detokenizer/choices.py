@@ -11,7 +11,7 @@ from __future__ import annotations
 from services.detokenizer.assembler import Record, RequestAssembler
 from services.detokenizer.incremental import TokenTable
 from services.detokenizer.speculation import SpeculationTally
-from shared.schemas import Cancel, ChoiceProgress, Chunk, DetokOpen, Usage
+from shared.schemas import Cancel, ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails, Usage
 
 
 class RequestChoices:
@@ -113,5 +113,7 @@ class RequestChoices:
         tallies = [c.speculation for c in self._choices if c.speculation is not None]
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            # The prompt is counted once, as its first choice found it.
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self._choices[0].num_cached_tokens),
             speculative=SpeculationTally.merged(tallies).usage() if tallies else None,
         )

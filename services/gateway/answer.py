@@ -23,7 +23,6 @@ from shared.schemas import Usage
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = 500
-NO_CACHED_TOKENS = 0  # usage.prompt_tokens_details.cached_tokens: the mesh keeps no prompt cache between requests
 
 
 async def answer(
@@ -129,8 +128,5 @@ async def _respond(
 
 
 def usage_body(usage: Usage) -> dict:
-    """`usage` as a response shows it: `speculative` only for a request that asked for its summary, and OpenAI's
-    `prompt_tokens_details`."""
-    body = usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
-    body["prompt_tokens_details"] = {"cached_tokens": NO_CACHED_TOKENS}
-    return body
+    """`usage` as a response shows it: `speculative` only for a request that asked for its summary."""
+    return usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from services.detokenizer.speculation import SpeculationTally
 from services.gateway.aggregate import Api, merge_choices
-from shared.schemas import Chunk, Usage
+from shared.schemas import Chunk, PromptTokensDetails, Usage
 
 
 class ResponseChoices:
@@ -73,8 +73,10 @@ class ResponseChoices:
             return self._usages[0]
         prompt = sum(u.prompt_tokens for u in self._usages)
         completion = sum(u.completion_tokens for u in self._usages)
+        cached = sum(u.prompt_tokens_details.cached_tokens for u in self._usages)
         summaries = [u.speculative for u in self._usages if u.speculative is not None]
         speculative = SpeculationTally.merged(map(SpeculationTally.of, summaries)).usage() if summaries else None
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, speculative=speculative
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), speculative=speculative,
         )

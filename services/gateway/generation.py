@@ -253,6 +253,7 @@ class Generator:
             sampling=gen.sampling,
             detok_id=gen.detok_id,
             created=time.time(),
+            cache_salt=gen.body.cache_salt,
         )
         work_bytes = work.to_bytes()
         check_message_size("work request", work_bytes, self._nc.max_payload, prompt_param)

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from shared.frames import MAX_TOP_K
 from shared.seeds import MAX_API_SEED, MIN_API_SEED, worker_seed
 from shared.schemas import (
-    MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams, SpeculationParams,
+    MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams,
+    SpeculationParams,
 )
 
 MAX_STOP_STRINGS = 16
@@ -94,6 +95,8 @@ class GenerationRequest(Body):
     min_p: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias; ids are checked against the vocabulary
     speculative: SpeculativeOptions | None = None  # specmesh extension
+    # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
 
     @field_validator("stop", mode="before")

@@ -90,6 +90,8 @@ class StepStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: sequences that verified a draft there
     accepted_at: list[int] = field(default_factory=list)  # per draft position: of those, accepted
     acceptance_lengths: list[int] = field(default_factory=list)  # per sequence that verified drafts: 1 + accepted
+    prefix_queries: int = 0  # tokens the step's admissions looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found cached
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs the engine process a few microseconds a step
@@ -115,7 +117,7 @@ class StepResult:
             self.step, self.frames, self.finished, (gauges.running, gauges.waiting, gauges.kv_usage),
             None if stats is None else (
                 stats.batch_size, stats.emitted, stats.finished, stats.drafted_at, stats.accepted_at,
-                stats.acceptance_lengths,
+                stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
         )
@@ -124,8 +126,7 @@ class StepResult:
     def from_wire(cls, wire: tuple) -> StepResult:
         step, frames, finished, gauges, stats, seconds, num_preempted, failed = wire
         if stats is not None:
-            batch_size, emitted, finished_by_reason, drafted_at, accepted_at, acceptance_lengths = stats
-            stats = StepStats(batch_size, emitted, finished_by_reason, drafted_at, accepted_at, acceptance_lengths)
+            stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
             [(request_id, FailReason(reason)) for request_id, reason in failed],

@@ -34,6 +34,13 @@ ACCEPTANCE_LENGTH = Histogram(
     "specmesh_worker_spec_decode_acceptance_length", "Tokens emitted per sequence-step that verified drafts",
     _LABELS, buckets=ACCEPTANCE_BUCKETS,
 )
+PREFIX_QUERIES = Counter(
+    "specmesh_worker_prefix_cache_queries", "Tokens admitted sequences had to compute, looked up in the prefix cache",
+    _LABELS,
+)
+PREFIX_HITS = Counter(
+    "specmesh_worker_prefix_cache_hits", "Of the tokens looked up in the prefix cache, those found computed", _LABELS
+)
 FRAMES = Counter("specmesh_worker_frames_published", "Frames published, by kind", _LABELS + ["kind"])
 FRAME_BYTES = Counter("specmesh_worker_frame_bytes", "Bytes of frames published, by kind", _LABELS + ["kind"])
 REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from the work queue", _LABELS)
@@ -84,6 +91,9 @@ class WorkerMetrics:
 
     def observe_step(self, stats: StepStats, seconds: float) -> None:
         self.child(STEP_SECONDS).observe(seconds)
+        if stats.prefix_queries:
+            self.child(PREFIX_QUERIES).inc(stats.prefix_queries)
+            self.child(PREFIX_HITS).inc(stats.prefix_hits)
         if not stats.batch_size:
             return
         self.child(BATCH_SIZE).observe(stats.batch_size)

@@ -58,6 +58,7 @@ def step_frames(
             status=SeqStatus.FINISHED if seq.is_finished else SeqStatus.RUNNING,
             finish_reason=seq.finish_reason,
             choice=seq.choice,
+            num_cached=seq.num_cached_tokens if out.offset == 0 else 0,
         )
         seq.target_seq_no += 1
     for seq in preempted:

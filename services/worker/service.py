@@ -24,7 +24,7 @@ from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
-from services import cpu_plan
+from services import cpu_plan, engine_flags
 from services.cpu_affinity import pin
 from services.startup_checks import servable_max_model_len, speculative_config
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true",
         help="on CUDA, run decode and verify passes eagerly instead of as captured CUDA graphs",
     )
+    engine_flags.add_arguments(parser)
     parser.add_argument(
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
     )
@@ -99,6 +100,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.prefix_caching,
     )
 
 

@@ -39,6 +39,7 @@ class StepRunner:
         self._detok_ids: dict[str, str] = {}
         self._num_live: dict[str, int] = {}
         self._guard: StepGuard = StepGuard(engine)
+        self._lookups = (0, 0)  # the scheduler's prefix cache counters at the last step
 
     def step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
         """Admits, cancels and steps; returns what the event loop must send. A request the engine refuses, or that
@@ -59,6 +60,7 @@ class StepRunner:
                 outputs, frames, num_preempted = stepped
                 finished += self._ended([o.seq for o in outputs if o.seq.is_finished])
             stats = step_stats(outputs)  # a step that failed still counts as a step, with no outputs
+            stats.prefix_queries, stats.prefix_hits = self._lookups_since_last_step()
             if recovery is not None:
                 failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
                 for request in recovery.resumed:
@@ -78,6 +80,13 @@ class StepRunner:
         gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
         step = self.engine.step_no if seconds is not None else 0
         return StepResult(step, frames, finished, gauges, stats, seconds, num_preempted, failures)
+
+    def _lookups_since_last_step(self) -> tuple[int, int]:
+        """The prefix cache's (queries, hits) in tokens since the last call."""
+        scheduler = self.engine.scheduler
+        queries, hits = scheduler.prefix_queries - self._lookups[0], scheduler.prefix_hits - self._lookups[1]
+        self._lookups = (scheduler.prefix_queries, scheduler.prefix_hits)
+        return queries, hits
 
     def _admit(self, request: WorkRequest) -> FailReason | None:
         """Gives the request to the engine; the reason it was refused, or None."""

@@ -5,7 +5,9 @@ next step, kept per cache slot. For a sequence of N tokens x_0..x_{N-1}, between
 
 - the MTP cache holds positions 1..N-1; its entry at position p is the module run on (h_{p-1}, x_p), where
   h is the trunk's last hidden state before the final norm (position 0 has no entry: nothing precedes x_0);
-- the pending drafts d_1..d_k and their q rows were computed from the last of those entries.
+- the pending drafts d_1..d_k and their q rows were computed from the last of those entries;
+- beside each full block, the trunk's hidden state at its last position is kept, so that a sequence starting
+  from the block in the prefix cache has the h_{p-1} its first computed position pairs with.
 
 `catch_up` restores this after every trunk pass (prefill, or verify with its accepted tokens) in one batched
 call, then `draft` feeds the module its own output hidden state and draft to propose the rest. Those
@@ -62,6 +64,7 @@ class MtpDrafter:
         self._report = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._count = [0] * max_num_seqs
         self._lag: dict[int, _Lag] = {}  # by cache slot
+        self._end = [0] * max_num_seqs  # by cache slot: the module's entries are written below this position
 
     def catch_up(
         self,
@@ -70,25 +73,28 @@ class MtpDrafter:
         first_rows: list[int],
         tokens: list[list[int]],
         starts: list[int],
-        budgets: list[int],
+        budgets: list[int | None],
     ) -> None:
         """Writes the MTP cache for tokens[b] at positions starts[b].., token j paired with hidden row
         first_rows[b] + j (the trunk's hidden state at the position before it), then drafts up to budgets[b]
-        tokens per sequence.
+        tokens per sequence (None: write its entries now and draft nothing, for a sequence that has finished).
 
         tokens[b] must end with the sequence's last token, so the last entry predicts the next one.
         """
+        self._keep_boundaries(seqs, hidden, first_rows, tokens, starts)
         pieces = [
             self._with_lag(seq, hidden[first_rows[b] : first_rows[b] + len(tokens[b])], tokens[b], starts[b])
             for b, seq in enumerate(seqs)
         ]
         run = []
         for b, (seq, piece) in enumerate(zip(seqs, pieces)):
-            if budgets[b] <= 0 and len(piece.tokens) < LAG_LIMIT:
+            if budgets[b] is not None and budgets[b] <= 0 and len(piece.tokens) < LAG_LIMIT:
                 self._lag[seq.slot] = piece  # no drafts next step: the module can wait
                 self._count[seq.slot] = 0
+                self._end[seq.slot] = piece.start
             else:
                 run.append(b)
+                self._end[seq.slot] = piece.end
         if not run:
             return
         packed = torch.cat([pieces[b].hidden for b in run]) if len(run) > 1 else pieces[run[0]].hidden
@@ -97,7 +103,41 @@ class MtpDrafter:
             [seqs[b].slot for b in run],
         )  # [T', hidden]
         last = np.cumsum([len(pieces[b].tokens) for b in run]) - 1
-        self.draft([seqs[b] for b in run], out[torch.from_numpy(last).to(out.device)], [budgets[b] for b in run])
+        self.draft([seqs[b] for b in run], out[torch.from_numpy(last).to(out.device)], [budgets[b] or 0 for b in run])
+
+    def _keep_boundaries(
+        self, seqs: list[Sequence], hidden: Tensor, first_rows: list[int], tokens: list[list[int]], starts: list[int]
+    ) -> None:
+        """Keeps the trunk's hidden state at the last position of every block these rows complete, beside the
+        block (KVCache.boundary_hidden): a sequence that later starts from the cached block pairs it with its next
+        token, so a prefix cache hit drafts exactly as a cold prefill (no block is dropped to recompute it)."""
+        cache = self.runner.cache
+        block_size = cache.block_size
+        rows, blocks = [], []
+        for b, seq in enumerate(seqs):
+            first = starts[b] - 1  # the position of hidden row first_rows[b]
+            for position in range(first + (-(first + 1) % block_size), first + len(tokens[b]), block_size):
+                rows.append(first_rows[b] + position - first)
+                blocks.append(int(cache.block_tables[seq.slot, position // block_size]))
+        if rows:
+            device = hidden.device
+            cache.boundary_hidden.index_copy_(
+                0, torch.tensor(blocks, device=device), hidden[torch.tensor(rows, device=device)]
+            )
+
+    def boundary(self, seq: Sequence, position: int) -> Tensor:
+        """The trunk's hidden state [hidden] at `position`, the last of one of the sequence's blocks."""
+        cache = self.runner.cache
+        return cache.boundary_hidden[int(cache.block_tables[seq.slot, position // cache.block_size])]
+
+    def computed_until(self, seq: Sequence) -> int:
+        """The sequence's module entries are written at every position below this (position 0 has none)."""
+        return self._end[seq.slot]
+
+    def forget(self, slot: int) -> None:
+        """A slot starts over (a prefill): what an earlier occupant left waiting there is dropped."""
+        self._lag.pop(slot, None)
+        self._end[slot] = 0
 
     def _with_lag(self, seq: Sequence, hidden: Tensor, tokens: list[int], start: int) -> _Lag:
         """This catch-up's tokens, preceded by the sequence's lag if it ends where they begin (otherwise the lag

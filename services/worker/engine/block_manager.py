@@ -3,22 +3,33 @@
 The cache is divided into blocks of `block_size` token positions. A running sequence holds a table of blocks,
 keyed by its cache slot: position p lives in block table[p // block_size] at offset p % block_size. Tables
 only grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are
-freed whole when it finishes or is preempted.
+let go whole when it finishes or is preempted.
 
-The choices of one request share their prompt's full blocks (`share`): a block then has several owners and
-returns to the pool when the last of them frees it. Shared blocks are only ever read: a sequence writes its
-positions from its own length on, and a shared block lies wholly inside the prompt.
+A block may have several holders, counted: the choices of one request share their prompt's full blocks (`share`),
+and with prefix caching a sequence starts from the cached blocks of its prompt's prefix (`reuse`). Shared blocks
+are only ever read: a sequence writes its positions from its own length on, past every full block it shares. A
+block whose last holder lets go returns to the pool, or, when it is named in the prefix cache (prefix_cache.py),
+stays cached and idle until the pool needs it.
 
-Blocks are handed out so that a sequence's table is one ascending run whenever the pool allows: a slot's first
-block comes from its home region (slot * max_blocks_per_seq .., when the pool holds a whole region per slot, as
-it does by default) and each next block is the one after its last, if free. Attention then reads such a
-sequence's context as one view of the cache, with no copy (model/paged_attention.py); when the pool is tight,
-any free block will do, lowest id first.
+Blocks are handed out so that a sequence's table is one ascending run whenever the pool allows: a slot's block i
+is block i of its home region (slot * max_blocks_per_seq .., when the pool holds a whole region per slot, as it does
+by default), if free. Attention then reads such a sequence's context as one view of the cache, with no copy
+(model/paged_attention.py); when the pool is tight, any free block will do, lowest id first. With `copy_hits` (the
+CPU, whose attention reads home regions in one call) a cached block found outside the slot's home position is
+copied there rather than shared: a copy of its keys and values costs far less than the per-step attention over a
+table that is no longer one run, and home regions are reserved per slot anyway. A new sequence is given the free
+slot whose region holds its cached prefix, else one whose region holds nothing cached, else the one idle longest.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+
+from shared.prefix_hash import BlockHash
+from services.worker.engine.prefix_cache import PrefixCache
+
+NO_BLOCK = -1  # no block wanted in particular
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -27,7 +38,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int | None = None,
+        caching: bool = False, copy_hits: bool = False,
+    ) -> None:
+        """max_num_seqs: slots, for home regions (None: as many as the pool holds). caching: keep named blocks
+        after their holders let go (prefix caching). copy_hits: copy cached blocks to the slot's home positions."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
@@ -39,19 +55,28 @@ class BlockManager:
                 f"{num_blocks} KV blocks of {block_size} positions cannot hold one sequence of max_model_len "
                 f"{max_model_len}: it needs {self.max_blocks_per_seq}"
             )
-        self._free = set(range(num_blocks))
+        slots = num_blocks // self.max_blocks_per_seq if max_num_seqs is None else max_num_seqs
+        self.has_regions = slots * self.max_blocks_per_seq <= num_blocks
+        self.caching = caching
+        self.copy_hits = copy_hits and self.has_regions
+        self.cache = PrefixCache(self.max_blocks_per_seq if self.has_regions else None)
+        self._free = set(range(num_blocks))  # free and holding nothing worth keeping
         self._lowest = list(range(num_blocks))  # a heap over free ids; entries of taken blocks are skipped lazily
         self._tables: dict[int, list[int]] = {}
-        self._extra_owners: dict[int, int] = {}  # shared blocks: owners beyond the first
+        self._holders: dict[int, int] = {}  # blocks in use: how many tables (or pending copies) hold each
         self._changed: set[int] = set()
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next pass
+        self._clock = itertools.count()
+        self._freed_at: dict[int, int] = {}  # by slot: when it last let its blocks go
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks the pool can hand out: free ones and idle cached ones."""
+        return len(self._free) + self.cache.num_idle
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence needs to hold positions [0, num_tokens); positions past max_model_len are never
@@ -68,65 +93,155 @@ class BlockManager:
 
     def can_allocate(self, slot: int, num_tokens: int, num_shared: int = 0) -> bool:
         """Whether the slot can hold `num_tokens` positions, `num_shared` of its blocks to be shared first."""
-        return self.num_missing(slot, num_tokens) - num_shared <= len(self._free)
+        return self.num_missing(slot, num_tokens) - num_shared <= self.num_free
 
     def share(self, slot: int, source: int, num_blocks: int) -> None:
-        """Starts the empty slot's table with the first `num_blocks` blocks of the source slot's, owned by both."""
+        """Starts the empty slot's table with the first `num_blocks` blocks of the source slot's, held by both."""
         if self._tables.get(slot):
             raise RuntimeError(f"slot {slot} already holds blocks; only an empty slot can share")
         shared = self._tables.get(source, [])[:num_blocks]
         if len(shared) < num_blocks:
             raise RuntimeError(f"slot {source} holds {len(shared)} blocks, fewer than the {num_blocks} to share")
         for block in shared:
-            self._extra_owners[block] = self._extra_owners.get(block, 0) + 1
+            self._holders[block] += 1
         self._tables[slot] = list(shared)
         self._changed.add(slot)
+
+    def lookup(self, names: list[BlockHash]) -> list[int]:
+        """The cached blocks of the longest run of leading names found (none without caching)."""
+        return self.cache.lookup(names) if self.caching else []
+
+    def choose_slot(self, free_slots: list[int], hits: list[int]) -> int:
+        """The free slot for a new sequence whose cached prefix is `hits` (see the module docstring)."""
+        if not self.has_regions:
+            return free_slots[-1]
+        if hits and hits[0] % self.max_blocks_per_seq == 0 and hits[0] // self.max_blocks_per_seq in free_slots:
+            return hits[0] // self.max_blocks_per_seq
+        return min(free_slots, key=lambda s: (self.cache.idle_in_region(s) > 0, self._freed_at.get(s, -1)))
+
+    def can_reuse(self, slot: int, num_tokens: int, hits: list[int]) -> bool:
+        """Whether the empty slot can start from the cached blocks `hits` and grow to `num_tokens` positions."""
+        held = sum(self.cache.is_idle(b) for b in hits)  # idle hits leave the pool while held
+        copied = sum(not self._in_place(slot, i, b) for i, b in enumerate(hits))
+        return held + copied + max(0, self.blocks_needed(num_tokens) - len(hits)) <= self.num_free
+
+    def reuse(self, slot: int, hits: list[int]) -> None:
+        """Starts the empty slot's table with the contents of the cached blocks `hits`: held in place, or copied to
+        the slot's home positions (take_copies) with `copy_hits`."""
+        if self._tables.get(slot):
+            raise RuntimeError(f"slot {slot} already holds blocks; only an empty slot can reuse cached ones")
+        for block in hits:  # held first, so that no destination below evicts a source
+            self._hold(block)
+        table = self._tables.setdefault(slot, [])
+        for index, block in enumerate(hits):
+            if self._in_place(slot, index, block):
+                table.append(block)
+            else:
+                destination = self._take(self._wanted(slot, table))
+                self._copies.append((block, destination))
+                table.append(destination)
+        self._changed.add(slot)
+
+    def _in_place(self, slot: int, index: int, block: int) -> bool:
+        home = self._home(slot)
+        return not self.copy_hits or home == NO_BLOCK or block == home + index
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies `reuse` planned, to run before the next pass; their sources are
+        let go here, their contents still intact until the pool hands them out again."""
+        copies, self._copies = self._copies, []
+        for source, _ in copies:
+            self._release(source)
+        return copies
+
+    def publish(self, slot: int, first: int, names: list[BlockHash]) -> None:
+        """Names the slot's blocks first, first + 1, .. (full blocks of accepted tokens) in the prefix cache."""
+        if not self.caching:
+            return
+        table = self._tables[slot]
+        for index, name in enumerate(names, first):
+            displaced = self.cache.register(table[index], name)
+            if displaced is not None:
+                self._return(displaced)
 
     def allocate(self, slot: int, num_tokens: int) -> None:
         """Grows the slot's table to hold `num_tokens` positions."""
         missing = self.num_missing(slot, num_tokens)
-        if missing > len(self._free):
-            raise RuntimeError(f"slot {slot} needs {missing} more KV blocks but only {len(self._free)} are free")
+        if missing > self.num_free:
+            raise RuntimeError(f"slot {slot} needs {missing} more KV blocks but only {self.num_free} are free")
         if missing:
             table = self._tables.setdefault(slot, [])
             for _ in range(missing):
-                table.append(self._take(table[-1] + 1 if table else self._home(slot)))
+                table.append(self._take(self._wanted(slot, table)))
             self._changed.add(slot)
 
+    def _wanted(self, slot: int, table: list[int]) -> int:
+        """The block that keeps the slot's table one ascending run: the one after its last, or the home region's
+        block at the table's next index when the table starts with blocks outside the region (shared or reused)."""
+        home = self._home(slot)
+        if not table:
+            return home
+        last = table[-1]
+        if home != NO_BLOCK and not home <= last < home + self.max_blocks_per_seq:
+            return home + len(table)
+        return last + 1
+
     def _home(self, slot: int) -> int:
-        """The first block of the slot's home region, or -1 when the pool is too small for one region per slot."""
+        """The first block of the slot's home region, or NO_BLOCK when the pool is too small for one region per slot."""
         start = slot * self.max_blocks_per_seq
-        return start if start + self.max_blocks_per_seq <= self.num_blocks else -1
+        return start if start + self.max_blocks_per_seq <= self.num_blocks else NO_BLOCK
 
     def _take(self, wanted: int) -> int:
-        """The wanted block if it is free, else the lowest free one."""
-        if wanted not in self._free:
+        """The wanted block if it is free (or, in a home region, idle in the cache); else the lowest free one; else
+        the least recently used idle one. Held once."""
+        if wanted in self._free:
+            self._free.remove(wanted)
+        elif self.has_regions and self.cache.is_idle(wanted):
+            self.cache.evict(wanted)  # its own region's stale cache: the run matters more
+        elif self._free:
             while self._lowest[0] not in self._free:
                 heapq.heappop(self._lowest)
             wanted = heapq.heappop(self._lowest)
-        self._free.remove(wanted)
+            self._free.remove(wanted)
+        else:
+            wanted = self.cache.evict_lru()
+        self._holders[wanted] = 1
         return wanted
 
+    def _hold(self, block: int) -> None:
+        if self.cache.is_idle(block):
+            self.cache.unpark(block)
+            self._holders[block] = 1
+        else:
+            self._holders[block] += 1
+
+    def _release(self, block: int) -> None:
+        holders = self._holders[block] - 1
+        if holders:
+            self._holders[block] = holders
+            return
+        del self._holders[block]
+        if self.caching and self.cache.is_named(block):
+            self.cache.park(block)
+        else:
+            self._return(block)
+
+    def _return(self, block: int) -> None:
+        """A block that holds nothing worth keeping goes back to the pool."""
+        self._free.add(block)
+        if len(self._lowest) > 2 * self.num_blocks:  # drop stale entries before they pile up
+            self._lowest = sorted(self._free)
+        else:
+            heapq.heappush(self._lowest, block)
+
     def free(self, slot: int) -> None:
-        """Returns the slot's blocks to the pool, except shared ones that another slot still owns."""
+        """Lets go of the slot's blocks: each returns to the pool (or idles in the cache) once no one holds it."""
         table = self._tables.pop(slot, [])
         if table:
             self._changed.add(slot)
-        released = []
-        for block in table:
-            owners = self._extra_owners.get(block, 0)
-            if not owners:
-                released.append(block)
-            elif owners == 1:
-                del self._extra_owners[block]
-            else:
-                self._extra_owners[block] = owners - 1
-        self._free.update(released)
-        if len(self._lowest) + len(released) > 2 * self.num_blocks:  # drop stale entries before they pile up
-            self._lowest = sorted(self._free)
-        else:
-            for block in released:
-                heapq.heappush(self._lowest, block)
+            self._freed_at[slot] = next(self._clock)
+        for block in reversed(table):  # tail first: the cache evicts a prefix's tail before its head
+            self._release(block)
 
     def take_changed(self) -> dict[int, list[int]]:
         """The tables changed since the last call (an empty list for a slot that was freed), for the cache's copy."""

@@ -27,6 +27,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.frames import FinishReason
+from shared.prefix_hash import root_hash
 from shared.request_limits import ModelLimits, check_work_request
 from shared.schemas import WorkRequest
 from shared.seeds import SEED_BITS, choice_seed
@@ -38,7 +39,7 @@ from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
-from services.worker.model.loader import load_model
+from services.worker.model.loader import load_model, model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.engine.prompt_logprobs import score_prompts
 from services.worker.engine.runner import ModelRunner
@@ -83,7 +84,13 @@ class Engine:
         )
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         lookahead = spec.num_drafts + (spec.num_model_steps if self.mtp is not None else 0)
-        blocks = BlockManager(num_blocks, config.block_size, config.max_model_len)
+        # The CPU's attention reads each slot's home region in one call: a cached block found elsewhere is copied
+        # there (block_manager.py).
+        blocks = BlockManager(
+            num_blocks, config.block_size, config.max_model_len, config.max_num_seqs,
+            caching=config.enable_prefix_caching, copy_hits=self.runner.device.type == "cpu",
+        )
+        self.revision = model_revision(config.model, config.dtype, config.load_format)
         # MTP's cache entries of a prompt are written per sequence and may lag (drafting/mtp.py): choices of a
         # request share prompt blocks only without it.
         self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None)
@@ -109,11 +116,12 @@ class Engine:
             sampling = sampling.model_copy(update={"seed": secrets.randbits(SEED_BITS)})
             log.debug("request %s runs with seed %d", request.request_id, sampling.seed)
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
+        root = root_hash(self.revision, request.cache_salt) if self.config.enable_prefix_caching else None
         seqs = [
             Sequence(
                 request.request_id, list(request.prompt_token_ids), sampling, choice_seed(sampling.seed, choice.index),
                 stop_ids, output_ids=list(choice.output_token_ids), choice=choice.index,
-                target_seq_no=choice.next_seq_no,
+                target_seq_no=choice.next_seq_no, cache_root=root,
             )
             for choice in choices
         ]
@@ -139,8 +147,10 @@ class Engine:
         self._release_finished()  # aborted since the last step: their slots go to waiting requests now
         plan = self.scheduler.schedule()
         self.last_preempted = plan.preempted
-        for slot, table in self.scheduler.blocks.take_changed().items():
+        blocks = self.scheduler.blocks
+        for slot, table in blocks.take_changed().items():
             self.runner.cache.set_block_table(slot, table)
+        self.runner.cache.copy_blocks(blocks.take_copies())
         # One frame holds one top-K for all its records: the most any running request asked for.
         self._top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
         outputs = self._prefill(plan.prefills) if plan.prefills else []
@@ -149,9 +159,27 @@ class Engine:
             decoded, num_scored = self._speculative_step(plan.decodes)
             self.controller.end_step(len(plan.decodes), num_scored, sum(len(o.tokens) for o in decoded))
             outputs += decoded
+        self._publish(plan.prefills + plan.decodes)
         self._release_finished()
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        """Names in the prefix cache the full blocks whose every position now holds accepted tokens, in the target's
+        layers and (with MTP) the module's: positions written by rejected drafts, or that the module has not caught
+        up with, never enter the cache."""
+        blocks = self.scheduler.blocks
+        if not blocks.caching:
+            return
+        size = blocks.block_size
+        for seq in seqs:
+            computed = min(seq.num_computed, seq.num_tokens)
+            if self.mtp is not None:
+                computed = min(computed, self.mtp.computed_until(seq))
+            full = computed // size
+            if full > seq.num_published and seq.cache_root is not None:
+                blocks.publish(seq.slot, seq.num_published, seq.names(full, size)[seq.num_published :])
+                seq.num_published = full
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
@@ -166,22 +194,26 @@ class Engine:
         starts: list[int],
     ) -> None:
         """Brings the MTP drafter's cache up to the sequences' new tokens (see drafting/mtp.py); token j of
-        sequence b pairs with hidden row first_rows[b] + j. Finished sequences need none."""
+        sequence b pairs with hidden row first_rows[b] + j. A finished sequence drafts nothing, and needs its
+        entries only when its blocks go to the prefix cache (a chat's next turn resends its answer)."""
         if self.mtp is None:
             return
         started = time.perf_counter()
-        live = [b for b, s in enumerate(seqs) if not s.is_finished]
+        caching = self.scheduler.blocks.caching
+        kept = [b for b, s in enumerate(seqs) if not s.is_finished or (caching and s.cache_root is not None)]
         self.mtp.catch_up(
-            [seqs[b] for b in live], hidden, [int(first_rows[b]) for b in live], [tokens[b] for b in live],
-            [starts[b] for b in live], [self._draft_budget(seqs[b], next_step=True) for b in live],
+            [seqs[b] for b in kept], hidden, [int(first_rows[b]) for b in kept], [tokens[b] for b in kept],
+            [starts[b] for b in kept],
+            [None if seqs[b].is_finished else self._draft_budget(seqs[b], next_step=True) for b in kept],
         )
         self.controller.charge_drafting(time.perf_counter() - started)
 
     def _prefill(self, seqs: list[Sequence]) -> list[SeqOutput]:
-        """Computes the cache of admitted sequences in one packed pass. A new one samples its next token here;
-        one that already has output is recomputed up to its last token and emits nothing here."""
-        starts = [s.num_computed for s in seqs]  # past a prompt prefix shared with another choice (scheduler.py)
-        rows = [s.token_ids[start:] if not s.output_ids else s.token_ids[:-1] for s, start in zip(seqs, starts)]
+        """Computes the cache of admitted sequences in one packed pass, from where their cached or shared prefix
+        ends (scheduler.py). A new one samples its next token here; one that already has output is recomputed up
+        to its last token and emits nothing here."""
+        starts = [s.num_computed for s in seqs]
+        rows = [s.token_ids[start:] if not s.output_ids else s.token_ids[start:-1] for s, start in zip(seqs, starts)]
         hidden, batch = self.runner.forward(rows, starts, [s.slot for s in seqs])
         for seq, start, row in zip(seqs, starts, rows):
             seq.num_computed = start + len(row)
@@ -205,10 +237,34 @@ class Engine:
         )
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt
-        # Trunk row j of a sequence (position j) pairs with its token j + 1 in the MTP module. With MTP no prefix is
-        # shared, so every row starts at position 0.
-        self._catch_up(seqs, hidden, batch.host_query_starts, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
+        if self.mtp is not None:
+            self._prefill_mtp(seqs, hidden, batch.host_query_starts, starts)
         return outputs
+
+    def _prefill_mtp(
+        self, seqs: list[Sequence], hidden: torch.Tensor, first_rows: np.ndarray, starts: list[int]
+    ) -> None:
+        """The MTP module's cache for a prefill. Trunk row j of a sequence (position start + j) pairs with its token
+        at start + j + 1; a sequence starting past its cached or shared prefix pairs the token at its start with the
+        trunk's state kept beside the prefix's last block."""
+        for seq in seqs:
+            self.mtp.forget(seq.slot)
+        if not any(starts):
+            self._catch_up(seqs, hidden, first_rows, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
+            return
+        pieces, firsts, row = [], [], 0
+        for b, (seq, start) in enumerate(zip(seqs, starts)):
+            piece = hidden[first_rows[b] : first_rows[b + 1]]
+            if start:
+                piece = torch.cat([self.mtp.boundary(seq, start - 1)[None], piece])
+            pieces.append(piece)
+            firsts.append(row)
+            row += len(piece)
+        firsts_computed = [max(start, 1) for start in starts]
+        self._catch_up(
+            seqs, torch.cat(pieces), np.asarray(firsts), [s.token_ids[f:] for s, f in zip(seqs, firsts_computed)],
+            firsts_computed,
+        )
 
     def _score_only(self, seq: Sequence) -> SeqOutput:
         """A request with max_tokens 0 (completions' echo) ends with its prefill, having emitted nothing."""

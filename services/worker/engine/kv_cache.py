@@ -43,9 +43,11 @@ class KVCache:
         device: torch.device | str,
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
+        hidden_size: int | None = None,
     ) -> None:
         """num_blocks None: every slot gets its own max_model_len positions up front (a static cache, tables
-        preset). Otherwise tables start empty and `set_block_table` fills them."""
+        preset). Otherwise tables start empty and `set_block_table` fills them. hidden_size: keep a hidden state
+        per block (an MTP module's input, see boundary_hidden)."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = blocks_for(max_model_len, block_size)
@@ -64,6 +66,10 @@ class KVCache:
             shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # [blocks + 1, hidden] the trunk's hidden state at each block's last position (drafting/mtp.py)
+        self.boundary_hidden = (
+            torch.zeros(num_blocks + 1, hidden_size, dtype=dtype, device=device) if hidden_size is not None else None
+        )
         self.block_tables = np.full(
             (max_num_seqs + 1, self.max_blocks_per_seq), self.padding_block, dtype=BLOCK_TABLE_DTYPE
         )
@@ -95,6 +101,24 @@ class KVCache:
         """Flat pool index (block * block_size + offset) of each (slot, position) pair, on the host."""
         blocks = self.block_tables[slots, positions // self.block_size].astype(np.int64)
         return blocks * self.block_size + positions % self.block_size
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole blocks, (source, destination) pairs: their keys and values in every layer, and their
+        boundary hidden states (a prefix cache hit moved to its sequence's home region, block_manager.py)."""
+        if not copies:
+            return
+        device = self.keys[0].device
+        sources, destinations = (torch.tensor(ids, device=device) for ids in zip(*copies))
+        if self.head_major:
+            offsets = torch.arange(self.block_size, device=device)
+            from_pos, to_pos = ((ids[:, None] * self.block_size + offsets).flatten() for ids in (sources, destinations))
+            for pool in self.keys + self.values:  # [kv_heads, positions, head_dim]
+                pool.index_copy_(1, to_pos, pool.index_select(1, from_pos))
+        else:
+            for pool in self.keys + self.values:  # [blocks, block_size, kv_heads, head_dim]
+                pool.index_copy_(0, destinations, pool.index_select(0, sources))
+        if self.boundary_hidden is not None:
+            self.boundary_hidden.index_copy_(0, destinations, self.boundary_hidden.index_select(0, sources))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slot_mapping [T] flat pool indices; k, v [T, kv_heads, head_dim] (views of a fused projection are fine)."""

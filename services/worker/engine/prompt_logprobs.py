@@ -21,10 +21,9 @@ from services.worker.engine.host_copy import fetch
 from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.runner import ModelRunner
 from services.worker.sampling.logprobs import token_logprobs
-from services.worker.engine.sequence import Sequence
+from services.worker.engine.sequence import SCORING_CHOICE, Sequence
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits [rows, vocab] alive at once
-SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt
 
 
 def score_prompts(

@@ -59,6 +59,7 @@ class ModelRunner:
         self.cache = KVCache(
             model.num_cache_layers, max_num_seqs, max_model_len, cfg.num_key_value_heads, cfg.head_dim,
             param.dtype, param.device, block_size, num_blocks,
+            hidden_size=cfg.hidden_size if cfg.num_mtp_layers else None,
         )
         self.graphs = (
             GraphRunner(model.forward, self.cache, max_num_seqs, graph_query_lens, capture=True)

@@ -5,10 +5,12 @@ first served, and leave as soon as they finish or are aborted. Before each step 
 given the blocks the step may write; when blocks run out, the most recently admitted sequences are preempted:
 their slot and blocks are freed and they wait at the front of the queue to be recomputed.
 
-The choices of a request wait in the queue one after another. Those admitted in the same step as the request's
-first fresh choice (its leader) share the leader's full prompt blocks instead of computing them: each computes
-only the rest of its prompt, at least its last token, in the same prefill pass, whose layers write every key
-before any query reads them. A choice admitted later, or resumed, computes its whole prompt.
+With prefix caching, a sequence starts from the cached blocks of its tokens' longest cached prefix (see
+block_manager.py) and computes only the rest, at least one token. The choices of a request wait in the queue one
+after another. Those admitted in the same step as the request's first fresh choice (its leader) share the
+leader's full prompt blocks instead of computing them: each computes only the rest of its prompt, at least its
+last token, in the same prefill pass, whose layers write every key before any query reads them. A choice
+admitted later, or resumed, starts from what the prefix cache holds of it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        # Prefix cache lookups, in tokens as vLLM counts them: the tokens each admission had to compute, and those of
+        # them it found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -66,24 +72,55 @@ class Scheduler:
         leaders: dict[str, Sequence] = {}  # by request id: the first fresh choice admitted now
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            slot = self._free_slots[-1]
             leader = leaders.get(seq.request_id) if not seq.output_ids else None
             shared = self._shareable_blocks(seq) if leader is not None else 0
+            hits = self._cached_prefix(seq) if not shared else []
             if self.blocks is not None:
-                if not self.blocks.can_allocate(slot, self._tokens_needed(seq), shared):
+                slot = self.blocks.choose_slot(self._free_slots, hits)
+                needed = self._tokens_needed(seq)
+                if hits and not self.blocks.can_reuse(slot, needed, hits):
+                    hits = []  # room for its own blocks may still be there
+                if not hits and not self.blocks.can_allocate(slot, needed, shared):
                     break
                 if shared:
                     self.blocks.share(slot, leader.slot, shared)
-                self.blocks.allocate(slot, self._tokens_needed(seq))
-                seq.num_computed = shared * self.blocks.block_size  # the leader computes them in the same pass
+                elif hits:
+                    self.blocks.reuse(slot, hits)
+                self.blocks.allocate(slot, needed)
+                # The leader computes shared blocks in the same pass; cached ones are computed already.
+                seq.num_computed = (shared or len(hits)) * self.blocks.block_size
+                seq.num_published = 0  # its table's blocks are (re)named after its pass
+                if not shared:
+                    self._count_lookup(seq, hits)
+            else:
+                slot = self._free_slots[-1]
             if self.share_prompts and not seq.output_ids:
                 leaders.setdefault(seq.request_id, seq)
             self.waiting.popleft()
-            seq.slot = self._free_slots.pop()
+            self._free_slots.remove(slot)
+            seq.slot = slot
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of the sequence's leading full blocks, leaving at least one token to compute: the
+        prompt's last (a fresh sequence samples from its logits) or the one before its last (a resumed one).
+        None for a sequence that scores its prompt: those scores come from its own prefill of every position."""
+        if self.blocks is None or not self.blocks.caching or seq.cache_root is None or seq.scores_prompt:
+            return []
+        to_compute = len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
+        return self.blocks.lookup(seq.names((to_compute - 1) // self.blocks.block_size, self.blocks.block_size))
+
+    def _count_lookup(self, seq: Sequence, hits: list[int]) -> None:
+        if not self.blocks.caching or seq.cache_root is None or seq.scores_prompt:
+            return
+        cached = len(hits) * self.blocks.block_size
+        self.prefix_queries += len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
+        self.prefix_hits += cached
+        if not seq.output_ids:
+            seq.num_cached_tokens = cached
 
     def _shareable_blocks(self, seq: Sequence) -> int:
         """Full prompt blocks a fresh choice can share with its leader: all but the one holding the prompt's last

@@ -6,7 +6,10 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.frames import FinishReason
+from shared.prefix_hash import BlockHash, extend_hashes
 from shared.schemas import SamplingParams
+
+SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt (engine/prompt_logprobs.py)
 
 
 class SeqState(enum.Enum):
@@ -33,6 +36,11 @@ class Sequence:
     num_drafts: int = 0  # speculation statistics for this request
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prefix caching (engine/prefix_cache.py): the root of its blocks' names, None when its blocks are not cached
+    cache_root: BlockHash | None = None
+    block_names: list[BlockHash] = field(default_factory=list)  # of its first full blocks, extended as needed
+    num_published: int = 0  # leading blocks named in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens its first prefill found cached (usage's cached_tokens)
 
     @property
     def key(self) -> str:
@@ -47,6 +55,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its next prefill scores the prompt (prompt logprobs, echo): the scoring choice's first one."""
+        return self.sampling.prompt_logprobs is not None and self.choice == SCORING_CHOICE and not self.output_ids
+
+    def names(self, num_blocks: int, block_size: int) -> list[BlockHash]:
+        """The names of its first `num_blocks` blocks (full blocks of its tokens)."""
+        if len(self.block_names) < num_blocks:
+            extend_hashes(self.block_names, self.cache_root, self.token_ids[: num_blocks * block_size], block_size)
+        return self.block_names[:num_blocks]
 
     @property
     def is_finished(self) -> bool:
