@@ -6,6 +6,7 @@ weight-read floor, above batch-1 ms/step (one column per context). benchmarks/de
 output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone, one beside a busy
 process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside transformers.
 benchmarks/prefix_cache.py (`plot_prefix_cache`): time to first token cold and cached per method.
+benchmarks/chunked_prefill.py (`plot_chunked_prefill`): the running streams' gaps and tokens/s per prefill setting.
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -264,6 +265,29 @@ def plot_prefix_cache(report: dict, path: Path) -> None:
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['prompt_tokens']}-token prompts from {report['package']}, through the mesh, median of "
                  f"{report['rounds']}", fontsize="small")
+    _save(fig, path)
+
+
+@drawing
+def plot_chunked_prefill(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/chunked_prefill.py writes) into the PNG at path: per prefill setting, the
+    running streams' worst and p99 gap beside their tokens/s and the long prompts' time to first token."""
+    rows = report["rows"]
+    names = [row["config"] for row in rows]
+    fig, (gaps, rates) = plt.subplots(1, 2, figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
+    _grouped_bars(gaps, names, {
+        "worst gap": [row["worst_gap_ms"] for row in rows], "p99 gap": [row["p99_gap_ms"] for row in rows],
+        "long prompt TTFT": [row["long_ttft_ms"] for row in rows],
+    })
+    gaps.set(ylabel="ms (lower is better)")
+    gaps.legend(fontsize="small")
+    _grouped_bars(rates, names, {"running streams": [row["tokens_per_s"] for row in rows]})
+    rates.set(ylabel="tokens/s of the running streams")
+    for ax in (gaps, rates):
+        ax.tick_params(axis="x", labelsize="small", rotation=20)
+    fig.suptitle(f"{report['streams']} streams decoding while {report['arrivals']} prompts of "
+                 f"{report['long_prompt_tokens']} tokens arrive, through the mesh, median of {report['rounds']}",
+                 fontsize="small")
     _save(fig, path)
 
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import EngineConfig
+from shared.config import MIN_NUM_BATCHED_TOKENS, EngineConfig
+
+
+def _batched_tokens(text: str) -> int:
+    value = int(text)
+    if value < MIN_NUM_BATCHED_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_NUM_BATCHED_TOKENS} (a block of prompt tokens), got {value}"
+        )
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    default = EngineConfig.model_fields["enable_prefix_caching"].default
+    fields = EngineConfig.model_fields
+    default = fields["enable_prefix_caching"].default
     parser.add_argument(
         "--enable-prefix-caching", dest="prefix_caching", action="store_true", default=default,
         help="keep computed prompt and output blocks for later requests that start the same way (the default)",
@@ -18,8 +28,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
         help="compute every prompt from its first token",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_batched_tokens, default=fields["max_num_batched_tokens"].default,
+        help="rows an engine step computes: every decoding sequence's, then pieces of prompts (chunked prefill)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill", dest="chunked_prefill", action="store_true",
+        default=fields["enable_chunked_prefill"].default, help="prefill long prompts in pieces (the default)",
+    )
+    parser.add_argument(
+        "--no-chunked-prefill", "--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false",
+        help="prefill every prompt in one step, however long",
+    )
+
+
+def config_keys(args: argparse.Namespace) -> dict:
+    """The EngineConfig keys these options set."""
+    return dict(
+        enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
     """The options as a worker's command line takes them."""
-    return ["--enable-prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
+    return [
+        "--enable-prefix-caching" if args.prefix_caching else "--no-prefix-caching",
+        "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    ]

@@ -37,7 +37,9 @@ SPECULATIVE_KEYS = {
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=SERVER_DRAFTS).model_dump_json()
+    # Fixed drafts per step: adaptive speculation would choose them from step timings, and a busy machine could leave
+    # a short request with no accepted draft to count.
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=SERVER_DRAFTS, adaptive=False).model_dump_json()
     m = start_mesh(
         tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "512",
         "--speculative-config", config, model=E2E_MODEL,

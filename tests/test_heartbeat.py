@@ -26,7 +26,8 @@ from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (fixtures a
 WORKER_ID = 11
 DETOK_ID = "heartbeat-test"
 NUM_REQUESTS = 8
-PROMPT_LEN = 1900  # eight prompts this long are prefilled in one packed pass: a step of two seconds or more
+# Eight prompts this long, prefilled in one packed pass (chunked prefill off), make a step of two seconds or more.
+PROMPT_LEN = 1900
 MAX_MODEL_LEN = 2048
 IN_PROGRESS = b"+WPI"
 # A heartbeat may come this much later than its period and still leave ack_wait far away.
@@ -36,7 +37,10 @@ DONE_TIMEOUT_S = 120.0
 
 async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: NatsServer) -> None:  # noqa: F811
     spec = SpeculativeConfig(method="naive", num_speculative_tokens=0)
-    config = EngineConfig(model=DEFAULT_MODEL_DIR, max_num_seqs=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN, speculative=spec)
+    config = EngineConfig(
+        model=DEFAULT_MODEL_DIR, max_num_seqs=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN, speculative=spec,
+        enable_chunked_prefill=False,
+    )
     engine = await EngineProcess.start(config, WORKER_ID, torch_threads=1)
     worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
     admin = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())

@@ -100,7 +100,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.prefix_caching,
+        **engine_flags.config_keys(args),
     )
 
 

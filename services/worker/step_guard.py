@@ -6,9 +6,9 @@ tokens its client has been sent and the number of its next TARGET record. When t
 the engine goes back to that point: its sequences are aborted and the request is set aside in the form a draining
 worker hands a request back in (its progress), from which the engine recomputes the cache and continues the same
 output, as it does after a preemption or on another worker. Then each request that took part in the step is tried
-alone for PROBE_STEPS steps, whose results are thrown away: one that fails alone is the culprit and ends with an
-error; the others resume. When every one of them passes alone, the failure cannot be pinned on one request, and
-all of them end with an error. Requests that only waited resume.
+alone through its prefill and PROBE_STEPS_AFTER_PREFILL steps more, whose results are thrown away: one that fails
+alone is the culprit and ends with an error; the others resume. When every one of them passes alone, the failure
+cannot be pinned on one request, and all of them end with an error. Requests that only waited resume.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from services.worker.engine.sequence import Sequence, SeqState
 log = logging.getLogger("specmesh.worker")
 R = TypeVar("R")
 
-PROBE_STEPS = 2  # a fresh request's first step only prefills and samples; its second drafts and verifies
+# A fresh request's last prefill step samples its first token; the step after drafts and verifies. A long prompt
+# is prefilled over several steps (chunked prefill): the probe runs those too.
+PROBE_STEPS_AFTER_PREFILL = 2
 
 
 class Mark(NamedTuple):
@@ -122,11 +124,19 @@ class StepGuard(Generic[R]):
         # The sampling the engine ran with carries the seed it drew for a request that had none.
         return self._requests[request_id].model_copy(update={"progress": progress, "sampling": choices[0].seq.sampling})
 
+    def _prefill_steps(self, request: WorkRequest) -> int:
+        """Steps the request's prefill takes alone in the engine, at most."""
+        config = self.engine.config
+        if not config.enable_chunked_prefill:
+            return 1
+        tokens = len(request.prompt_token_ids) + max((len(c.output_token_ids) for c in request.choices()), default=0)
+        return -(-tokens * request.num_choices // config.max_num_batched_tokens)
+
     def _fails_alone(self, request: WorkRequest, step: Callable[[], R]) -> bool:
         """Runs the request alone in the engine for a few steps, then takes it out again; True if it failed."""
         try:
             self.engine.add_request(request)
-            for _ in range(PROBE_STEPS):
+            for _ in range(self._prefill_steps(request) - 1 + PROBE_STEPS_AFTER_PREFILL):
                 if self.engine.has_work():
                     step()
         # The probe exists to catch the failure again: any exception names this request.

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.drafting.draft import Draft
-from services.worker.engine.runner import ModelRunner
+from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.sampling.random import Purpose
 from services.worker.sampling.sample import process_logits, sample
@@ -129,6 +129,34 @@ class MtpDrafter:
         """The trunk's hidden state [hidden] at `position`, the last of one of the sequence's blocks."""
         cache = self.runner.cache
         return cache.boundary_hidden[int(cache.block_tables[seq.slot, position // cache.block_size])]
+
+    def prefill_inputs(
+        self, seqs: list[Sequence], hidden: Tensor, first_rows: np.ndarray, starts: list[int], rows: list[list[int]]
+    ) -> tuple[Tensor, np.ndarray, list[list[int]], list[int]]:
+        """catch_up's hidden states, first rows, tokens and start positions for a prefill pass whose rows[b] began at
+        position starts[b] (hidden [T, hidden], sequence b's rows from first_rows[b]).
+
+        Trunk row j of a piece (position start + j) pairs with the token at start + j + 1, which for a piece before
+        the last is the next piece's first prompt token: each piece writes the module's entries up to where the next
+        one starts, so the module sees every piece's hidden states. A sequence's first piece starts its slot anew; one
+        past a cached or shared prefix pairs the token at its start with the trunk's state kept beside the prefix's
+        last block."""
+        pieces, firsts, tokens, positions, row = [], [], [], [], 0
+        for b, (seq, start) in enumerate(zip(seqs, starts)):
+            piece = hidden[first_rows[b] : first_rows[b + 1]]
+            if start == seq.prefill_start:
+                self.forget(seq.slot)
+                if start:
+                    piece = torch.cat([self.boundary(seq, start - 1)[None], piece])
+                first = max(start, MTP_FIRST_POSITION)
+            else:
+                first = start + 1  # the piece before wrote the entry at its start
+            pieces.append(piece)
+            firsts.append(row)
+            row += len(piece)
+            tokens.append(seq.token_ids[first : start + len(rows[b]) + 1])
+            positions.append(first)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0], np.asarray(firsts), tokens, positions
 
     def computed_until(self, seq: Sequence) -> int:
         """The sequence's module entries are written at every position below this (position 0 has none)."""

@@ -1,11 +1,12 @@
 """The worker's engine. A step reads schedule -> execute -> postprocess:
 
-- schedule: the scheduler reserves KV blocks (preempting when short) and admits waiting requests (StepPlan);
-- execute: one packed forward pass prefills the admitted sequences, and one speculative step runs for the
-  running ones: propose (a DraftBatch), score (the last token and the drafts in one pass), verify, accept
+- schedule: the scheduler reserves KV blocks (preempting when short), admits waiting requests from their longest
+  cached prefix and shares out the step's rows, decoding sequences first and prompt pieces after (StepPlan);
+- execute: one packed forward pass computes this step's prompt pieces, and one speculative step runs for the
+  decoding sequences: propose (a DraftBatch), score (the last token and the drafts in one pass), verify, accept
   (token_choice.py: the sampling and verification rules);
 - postprocess: plain-Python bookkeeping appends the emitted tokens, finishes sequences and builds SeqOutputs
-  (accept.py).
+  (accept.py); full blocks of accepted tokens are named in the prefix cache.
 
 Work is done only for what was asked: greedy rows draw no noise, a step without drafts skips verification,
 logprobs are computed in one call for the rows of the requests that asked, and a step's results reach the host
@@ -41,7 +42,7 @@ from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
 from services.worker.model.loader import load_model, model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
-from services.worker.engine.prompt_logprobs import score_prompts
+from services.worker.engine.prompt_logprobs import PromptScores
 from services.worker.engine.runner import ModelRunner
 from services.worker.sampling.logprobs import token_logprobs
 from services.worker.sampling.penalties import LogitPenalties, apply_penalties
@@ -93,7 +94,11 @@ class Engine:
         self.revision = model_revision(config.model, config.dtype, config.load_format)
         # MTP's cache entries of a prompt are written per sequence and may lag (drafting/mtp.py): choices of a
         # request share prompt blocks only without it.
-        self.scheduler = Scheduler(config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None)
+        self.scheduler = Scheduler(
+            config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None,
+            max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
+            rows_per_decode=1 + spec.num_drafts,
+        )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = build_proposer(
             spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
@@ -103,6 +108,7 @@ class Engine:
         self.eos_token_ids = model_eos_ids(config.model)
         self.step_no = 0
         self._top_k = 0
+        self._prompt_scores = PromptScores()  # of prompts prefilled in pieces, until their first token
         self.stats = EngineStats()
 
     def add_request(self, request: WorkRequest) -> list[Sequence]:
@@ -153,7 +159,7 @@ class Engine:
         self.runner.cache.copy_blocks(blocks.take_copies())
         # One frame holds one top-K for all its records: the most any running request asked for.
         self._top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
-        outputs = self._prefill(plan.prefills) if plan.prefills else []
+        outputs = self._prefill(plan.prefills, plan.chunks) if plan.prefills else []
         if plan.decodes:
             self.controller.begin_step(plan.decodes)
             decoded, num_scored = self._speculative_step(plan.decodes)
@@ -183,6 +189,7 @@ class Engine:
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
+            self._prompt_scores.forget(seq)
             self.proposer.on_finished(seq)
             self.controller.forget(seq)
 
@@ -191,35 +198,45 @@ class Engine:
 
     def _catch_up(
         self, seqs: list[Sequence], hidden: torch.Tensor, first_rows: np.ndarray, tokens: list[list[int]],
-        starts: list[int],
+        starts: list[int], drafting: list[bool] | None = None,
     ) -> None:
         """Brings the MTP drafter's cache up to the sequences' new tokens (see drafting/mtp.py); token j of
-        sequence b pairs with hidden row first_rows[b] + j. A finished sequence drafts nothing, and needs its
-        entries only when its blocks go to the prefix cache (a chat's next turn resends its answer)."""
+        sequence b pairs with hidden row first_rows[b] + j. A sequence drafts for its next step unless it finished
+        or drafting[b] is False (a prompt piece before its last); a finished one needs its entries only when its
+        blocks go to the prefix cache (a chat's next turn resends its answer)."""
         if self.mtp is None:
             return
         started = time.perf_counter()
         caching = self.scheduler.blocks.caching
         kept = [b for b, s in enumerate(seqs) if not s.is_finished or (caching and s.cache_root is not None)]
+        drafts = [not seqs[b].is_finished and (drafting is None or drafting[b]) for b in kept]
         self.mtp.catch_up(
             [seqs[b] for b in kept], hidden, [int(first_rows[b]) for b in kept], [tokens[b] for b in kept],
             [starts[b] for b in kept],
-            [None if seqs[b].is_finished else self._draft_budget(seqs[b], next_step=True) for b in kept],
+            [self._draft_budget(seqs[b], next_step=True) if d else None for b, d in zip(kept, drafts)],
         )
         self.controller.charge_drafting(time.perf_counter() - started)
 
-    def _prefill(self, seqs: list[Sequence]) -> list[SeqOutput]:
-        """Computes the cache of admitted sequences in one packed pass, from where their cached or shared prefix
-        ends (scheduler.py). A new one samples its next token here; one that already has output is recomputed up
-        to its last token and emits nothing here."""
+    def _prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[SeqOutput]:
+        """Computes the next piece of each sequence's cache, chunks[b] tokens from where it stands (past a cached or
+        shared prefix, or its earlier pieces), in one packed pass. A new sequence whose piece ends its prompt samples
+        its next token here; one that already has output is recomputed up to its last token and emits nothing
+        here. Prompt scores (echo, prompt_logprobs) are gathered piece by piece and sent with the first token."""
         starts = [s.num_computed for s in seqs]
-        rows = [s.token_ids[start:] if not s.output_ids else s.token_ids[start:-1] for s, start in zip(seqs, starts)]
+        rows = [s.token_ids[start : start + chunk] for s, start, chunk in zip(seqs, starts, chunks)]
+        scorers = [b for b, s in enumerate(seqs) if s.scores_prompt]  # read before any token is sampled
         hidden, batch = self.runner.forward(rows, starts, [s.slot for s in seqs])
         for seq, start, row in zip(seqs, starts, rows):
             seq.num_computed = start + len(row)
-        new = [b for b, s in enumerate(seqs) if not s.output_ids]
+        completing = [b for b, s in enumerate(seqs) if not s.is_prefilling]
+        new = [b for b in completing if not seqs[b].output_ids]
         fresh = [b for b in new if seqs[b].sampling.max_tokens > 0]  # these sample their first token now
         scored_only = [b for b in new if seqs[b].sampling.max_tokens == 0]  # an echoed prompt and nothing more
+        if scorers:
+            self._prompt_scores.gather(
+                self.runner, [seqs[b] for b in scorers], hidden, batch.host_query_starts[scorers],
+                [starts[b] for b in scorers], [len(rows[b]) for b in scorers],
+            )
         outputs = []
         if fresh:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
@@ -231,40 +248,15 @@ class Engine:
                 self._count,
             )
         outputs += [self._score_only(seqs[b]) for b in scored_only]
-        scored = fresh + scored_only  # in the order of outputs
-        prompts = score_prompts(
-            self.runner, [seqs[b] for b in scored], hidden, batch.host_query_starts[scored], [starts[b] for b in scored]
-        )
-        for out, prompt in zip(outputs, prompts):
-            out.prompt = prompt
+        for out in outputs:
+            out.prompt = self._prompt_scores.take(out.seq)
         if self.mtp is not None:
-            self._prefill_mtp(seqs, hidden, batch.host_query_starts, starts)
+            # The module's entries of every piece; only a last piece drafts (drafting/mtp.py, prefill_inputs).
+            self._catch_up(
+                seqs, *self.mtp.prefill_inputs(seqs, hidden, batch.host_query_starts, starts, rows),
+                [b in completing for b in range(len(seqs))],
+            )
         return outputs
-
-    def _prefill_mtp(
-        self, seqs: list[Sequence], hidden: torch.Tensor, first_rows: np.ndarray, starts: list[int]
-    ) -> None:
-        """The MTP module's cache for a prefill. Trunk row j of a sequence (position start + j) pairs with its token
-        at start + j + 1; a sequence starting past its cached or shared prefix pairs the token at its start with the
-        trunk's state kept beside the prefix's last block."""
-        for seq in seqs:
-            self.mtp.forget(seq.slot)
-        if not any(starts):
-            self._catch_up(seqs, hidden, first_rows, [s.token_ids[1:] for s in seqs], [1] * len(seqs))
-            return
-        pieces, firsts, row = [], [], 0
-        for b, (seq, start) in enumerate(zip(seqs, starts)):
-            piece = hidden[first_rows[b] : first_rows[b + 1]]
-            if start:
-                piece = torch.cat([self.mtp.boundary(seq, start - 1)[None], piece])
-            pieces.append(piece)
-            firsts.append(row)
-            row += len(piece)
-        firsts_computed = [max(start, 1) for start in starts]
-        self._catch_up(
-            seqs, torch.cat(pieces), np.asarray(firsts), [s.token_ids[f:] for s, f in zip(seqs, firsts_computed)],
-            firsts_computed,
-        )
 
     def _score_only(self, seq: Sequence) -> SeqOutput:
         """A request with max_tokens 0 (completions' echo) ends with its prefill, having emitted nothing."""

@@ -15,6 +15,7 @@ admitted later, or resumed, starts from what the prefix cache holds of it.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,12 +24,16 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.sequence import Sequence, SeqState
 
 
+MIN_PROMPT_TOKENS = 16  # prompt tokens a step computes however many rows its decoding sequences take
+
+
 @dataclass
 class StepPlan:
     """What runs in one step."""
 
-    prefills: list[Sequence]  # admitted now: their cache is computed from position 0 (new ones sample a token)
-    decodes: list[Sequence]  # score their last token and drafts against the cache (resumed admissions included)
+    prefills: list[Sequence]  # compute the next piece of their cache (new ones sample a token after the last piece)
+    chunks: list[int]  # the tokens each of them computes this step
+    decodes: list[Sequence]  # score their last token and drafts against the cache (resumed ones done prefilling too)
     preempted: list[Sequence]  # evicted to make room, newest first
 
     @property
@@ -38,14 +43,19 @@ class StepPlan:
 
 class Scheduler:
     def __init__(
-        self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0, share_prompts: bool = True
+        self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0, share_prompts: bool = True,
+        max_num_batched_tokens: int | None = None, rows_per_decode: int = 1,
     ) -> None:
         """blocks: the KV block pool; None leaves memory unlimited (a slot is all a sequence needs).
         lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries).
-        share_prompts: whether choices admitted together share their prompt's full blocks (see above)."""
+        share_prompts: whether choices admitted together share their prompt's full blocks (see above).
+        max_num_batched_tokens: the rows a step may compute (chunked prefill, see schedule); None: every prefill
+        whole. rows_per_decode: the most a decoding sequence scores in a step (its last token and its drafts)."""
         self.max_num_seqs = max_num_seqs
         self.blocks = blocks
         self.lookahead = lookahead
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.rows_per_decode = rows_per_decode
         self.share_prompts = share_prompts and blocks is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -65,12 +75,12 @@ class Scheduler:
     def _tokens_needed(self, seq: Sequence) -> int:
         return seq.num_tokens + self.lookahead
 
-    def admit(self) -> list[Sequence]:
-        """Moves waiting sequences into free slots while their blocks fit, first come first served (the head of
-        the queue is never overtaken); returns the admitted ones."""
+    def admit(self, budget: float = math.inf) -> list[Sequence]:
+        """Moves waiting sequences into free slots while their blocks fit and the step has prompt tokens left of
+        `budget`, first come first served (the head of the queue is never overtaken); returns the admitted ones."""
         admitted = []
         leaders: dict[str, Sequence] = {}  # by request id: the first fresh choice admitted now
-        while self.waiting and self._free_slots:
+        while self.waiting and self._free_slots and budget > 0:
             seq = self.waiting[0]
             leader = leaders.get(seq.request_id) if not seq.output_ids else None
             shared = self._shareable_blocks(seq) if leader is not None else 0
@@ -87,8 +97,9 @@ class Scheduler:
                 elif hits:
                     self.blocks.reuse(slot, hits)
                 self.blocks.allocate(slot, needed)
-                # The leader computes shared blocks in the same pass; cached ones are computed already.
+                # The leader computes shared blocks (in this step's pass or a later one); cached ones are computed.
                 seq.num_computed = (shared or len(hits)) * self.blocks.block_size
+                seq.leader = leader if shared else None
                 seq.num_published = 0  # its table's blocks are (re)named after its pass
                 if not shared:
                     self._count_lookup(seq, hits)
@@ -100,8 +111,10 @@ class Scheduler:
             self._free_slots.remove(slot)
             seq.slot = slot
             seq.state = SeqState.RUNNING
+            seq.prefill_start = seq.num_computed
             self.running.append(seq)
             admitted.append(seq)
+            budget -= seq.prefill_target - seq.num_computed
         return admitted
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -149,15 +162,63 @@ class Scheduler:
         return preempted
 
     def schedule(self) -> StepPlan:
-        """Reserves this step's blocks (preempting when short) and admits waiting sequences. Blocks just freed by
-        preemption would only readmit what was preempted, so admission waits a step after a preemption. A new
-        sequence samples its first token in its prefill; one with output (preempted, or handed back by another
-        worker) is recomputed up to its last token and then decodes in the same step as if it had never left."""
+        """Reserves this step's blocks (preempting when short), admits waiting sequences and shares out the step's
+        rows. Blocks just freed by preemption would only readmit what was preempted, so admission waits a step after
+        a preemption.
+
+        Chunked prefill: every decoding sequence gets its rows (its last token and the most drafts it may verify),
+        and the rest of max_num_batched_tokens (at least MIN_PROMPT_TOKENS, so prompts always progress) goes to
+        prompts, oldest first: a long prompt is computed over several steps while the others keep decoding. A choice
+        that shares its leader's blocks computes only once the leader's pieces reach its own start, in the same
+        pass at the earliest. A new sequence samples its first token after its last piece; one with output
+        (preempted, or handed back by another worker) is recomputed up to its last token and then decodes in the
+        same step as if it had never left."""
         preempted = self.reserve()
-        admitted = [] if preempted else self.admit()
-        fresh = {id(s) for s in admitted if not s.output_ids}
-        decodes = [s for s in self.running if id(s) not in fresh and not s.is_finished]
-        return StepPlan(prefills=admitted, decodes=decodes, preempted=preempted)
+        preempted += [self._preempt(s) for s in self._orphans()]
+        decoding = [s for s in self.running if not s.is_finished and not s.is_prefilling]
+        budget = math.inf
+        if self.max_num_batched_tokens is not None:
+            budget = max(self.max_num_batched_tokens - len(decoding) * self.rows_per_decode, MIN_PROMPT_TOKENS)
+        if not preempted:
+            self.admit(budget - sum(s.prefill_target - s.num_computed for s in self.running if s.is_prefilling))
+        prefills, chunks = self._share_out(budget)
+        completing = {id(s) for s, chunk in zip(prefills, chunks) if s.num_computed + chunk == s.prefill_target}
+        decodes = [
+            s for s in self.running
+            if not s.is_finished and (not s.is_prefilling or (s.output_ids and id(s) in completing))
+        ]
+        return StepPlan(prefills=prefills, chunks=chunks, decodes=decodes, preempted=preempted)
+
+    def _orphans(self) -> list[Sequence]:
+        """Choices whose leader left before computing the blocks they share: they start over. (The newest are
+        preempted first and a request's choices are cancelled together before they have output, so this is a
+        safeguard.) A leader that left after computing them just lets its followers go on."""
+        orphans = []
+        for seq in self.running:
+            leader = seq.leader
+            if leader is not None and leader.state is not SeqState.RUNNING:
+                if leader.num_computed < seq.num_computed:
+                    orphans.append(seq)
+                seq.leader = None
+        return orphans
+
+    def _share_out(self, budget: float) -> tuple[list[Sequence], list[int]]:
+        """The prompt pieces of this step within `budget` tokens, oldest sequence first: (sequences, tokens each)."""
+        prefills, chunks = [], []
+        reached: dict[int, int] = {}  # id(sequence) -> num_computed after this step
+        for seq in [s for s in self.running if not s.is_finished and s.is_prefilling]:
+            if budget <= 0:
+                break
+            if seq.leader is not None:
+                if reached.get(id(seq.leader), seq.leader.num_computed) < seq.num_computed:
+                    continue  # the blocks it shares are not computed yet
+                seq.leader = None
+            chunk = int(min(seq.prefill_target - seq.num_computed, budget))
+            budget -= chunk
+            prefills.append(seq)
+            chunks.append(chunk)
+            reached[id(seq)] = seq.num_computed + chunk
+        return prefills, chunks
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Evicts a running sequence: its cache is dropped and it waits first in line to be recomputed."""
@@ -165,6 +226,7 @@ class Scheduler:
         self._free(seq)
         seq.state = SeqState.WAITING
         seq.num_computed = 0
+        seq.leader = None
         self.waiting.appendleft(seq)
         return seq
 

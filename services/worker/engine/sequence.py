@@ -41,6 +41,10 @@ class Sequence:
     block_names: list[BlockHash] = field(default_factory=list)  # of its first full blocks, extended as needed
     num_published: int = 0  # leading blocks named in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens its first prefill found cached (usage's cached_tokens)
+    # Chunked prefill: where its prefill started (past a cached or shared prefix), and the choice of its request
+    # whose prefill computes the blocks it shares (scheduler.py), until those are computed
+    prefill_start: int = 0
+    leader: Sequence | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -55,6 +59,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions its prefill computes: the whole prompt (a fresh sequence samples from the last one's logits), or
+        every token but its last (a resumed one decodes from there)."""
+        return len(self.prompt_ids) if not self.output_ids else self.num_tokens - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prefill_target
 
     @property
     def scores_prompt(self) -> bool:
