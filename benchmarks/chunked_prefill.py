@@ -4,7 +4,8 @@ mesh (`specmesh up` on its defaults but the prefill options), on code the demo m
     python -m benchmarks.chunked_prefill [--budgets 128 256 512 1024] [--streams 8] [--arrivals 3] [--rounds 2]
         [--out bench-out/chunked-prefill]
 
-Per configuration (unchunked, and each --max-num-batched-tokens of --budgets), one mesh; per round, --streams greedy
+Per configuration (unchunked, and each --max-num-batched-tokens of --budgets), one mesh with a batch slot more than
+--streams (`--max-num-seqs`, otherwise its defaults); per round, --streams greedy
 streams of 64-token prompts decode (EOS ignored) while --arrivals long requests (1,900-token prompts, the context
 less their 16 tokens, each with its own `cache_salt` so that the prefix cache cannot help) arrive one after another.
 The figures, over the window from the first arrival to the last long request's end: the running streams' worst
@@ -74,8 +75,9 @@ async def one_round(base_url: str, model: str, short: list[list[int]], long: lis
             ttfts.append(arrivals[0][0] - sent)
             windows.append((sent, arrivals[-1][0]))
             await asyncio.sleep(ARRIVAL_GAP_S)
-        if any(task.done() for task in streams):
-            raise SystemExit("a running stream ended before the long prompts were done")
+        for task in streams:
+            if task.done():
+                raise SystemExit(f"a running stream ended before the long prompts were done: {task.exception()!r}")
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -122,7 +124,8 @@ def main() -> None:
     for round_no in range(args.rounds):
         for name, options in configs.items():
             with tempfile.TemporaryDirectory() as tmp:
-                mesh = start_mesh(Path(tmp), *options)
+                # One slot more than the running streams, for the long prompt to arrive in.
+                mesh = start_mesh(Path(tmp), "--max-num-seqs", str(args.streams + 1), *options)
                 try:
                     results[name].append(asyncio.run(one_round(mesh.base_url, mesh.model, short, long)))
                 finally:

@@ -1,12 +1,14 @@
 """The CPU's spellings of the model's ops against the formulas they replace: RMSNorm in float32 against Hugging
 Face's formula and the full-width rotary table against the kernel's half-width one (packed [T] and training-shaped
 [B, L] inputs, float32 and bfloat16, with a rope scale on cos and sin), bit for bit; decode and verify rows attended
-in one call over their slots' home regions against one call per sequence, up to float32 summation order."""
+in one call over their slots' home regions against one call per sequence, and a prompt piece after a prefix in two
+flash calls against one masked call, up to float32 summation order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shared.config import DEFAULT_MODEL_DIR
 from services.worker.model.config import ModelConfig
@@ -14,6 +16,8 @@ from services.worker.model.layers import Rotary
 from services.worker.model.paged_attention import (
     GATHER_MAX_QUERY_LEN,
     Pool,
+    FLASH_WITH_LSE,
+    attend_after_prefix,
     attend_home_pass,
     attend_per_sequence,
     plan_home_pass,
@@ -114,3 +118,17 @@ def test_home_pass_is_planned_only_for_short_runs_at_a_region_start() -> None:
     assert plan_home_pass(off_home, HOME_REGION, positions, HOME_GROUP, cpu) is None
     sparse = _home_spans([0, 30], [10, 20], [1, 1])  # 31 regions for 2 sequences: mostly idle
     assert plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu) is None
+
+
+@pytest.mark.skipif(FLASH_WITH_LSE is None, reason="this torch build has no CPU flash attention with log-sum-exps")
+@pytest.mark.parametrize("prefix", [1, 17, 300])
+def test_a_piece_after_a_prefix_attends_as_one_masked_call(prefix: int) -> None:
+    count, heads, kv_heads, head_dim = GATHER_MAX_QUERY_LEN + 24, 8, 4, 32
+    generator = torch.Generator().manual_seed(prefix)
+    queries = torch.randn(count, heads, head_dim, generator=generator)
+    keys, values = (torch.randn(1, kv_heads, prefix + count, head_dim, generator=generator) for _ in range(2))
+    visible = torch.ones(count, prefix + count, dtype=torch.bool).tril_(prefix)
+    expected = F.scaled_dot_product_attention(
+        queries.transpose(0, 1)[None], keys, values, attn_mask=visible, scale=0.17, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(attend_after_prefix(queries, keys, values, 0.17), expected, atol=1e-6, rtol=1e-5)
