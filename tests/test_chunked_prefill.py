@@ -1,8 +1,9 @@
 """Chunked prefill in the engine, on the tiny test checkpoints: a step computes at most max_num_batched_tokens rows
 (decoding sequences' first), so a long prompt arrives over several steps while the others keep decoding, and
 nothing it emits changes: greedy tokens equal transformers' under every drafting method, seeded samples and logprobs
-do not depend on the piece size, MTP's acceptance neither, prompt scores and shared choices span pieces, and a
-sequence preempted or moved mid-prefill continues exactly. With prefix caching on, as by default."""
+do not depend on the piece size, MTP's acceptance neither, prompt scores and shared choices span pieces, a sequence
+preempted or moved mid-prefill continues exactly, and rejection sampling stays lossless (chi-square) with prompts in
+pieces and cached. With prefix caching on, as by default."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     tiny_model_dir, tokens_of,
 )
 from tests.test_prefix_caching import long_prompt  # noqa: F401
+from tests.test_reproducibility import (  # noqa: F401
+    DISTRIBUTION_MAX_MODEL_LEN, NUM_SEEDS, chi_square_critical, chi_square_homogeneity, looping_prompt, second_tokens,
+)
 
 pytest.importorskip("transformers")
 
@@ -164,3 +168,26 @@ def test_decoding_sequences_get_their_rows_first_and_prompts_the_rest() -> None:
     for seq in decoding + [long]:
         busy.running.append(seq)
     assert busy.schedule().chunks == [MIN_PROMPT_TOKENS]  # decoding rows fill the budget: prompts still progress
+
+
+def test_rejection_keeps_the_target_distribution_with_prompts_in_pieces_and_cached(
+    tiny_model_dir: Path, looping_prompt  # noqa: F811
+) -> None:
+    """test_reproducibility's chi-square test with both features at work: admission waits for the step's prompt
+    budget, so the first request's prompt arrives in pieces and the later ones start from its cached blocks."""
+    common = dict(num_speculative_tokens=1, max_num_seqs=NUM_SEEDS, max_model_len=DISTRIBUTION_MAX_MODEL_LEN)
+    plain_engine = make_engine(
+        tiny_model_dir, METHODS["naive"], enable_chunked_prefill=False, enable_prefix_caching=False, **common
+    )
+    plain = second_tokens(plain_engine, looping_prompt, 0)
+    engine = make_engine(
+        tiny_model_dir, METHODS["ngram"], min_ngram_size=1, block_size=BLOCK_SIZE, max_num_batched_tokens=32, **common
+    )
+    assert len(looping_prompt) > 32
+    speculative = second_tokens(engine, looping_prompt, NUM_SEEDS)
+    # Nearly every request after the first started from its cached blocks (a few were admitted beside it).
+    cached_per_request = (len(looping_prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert engine.scheduler.prefix_hits >= 0.95 * NUM_SEEDS * cached_per_request
+    assert engine.stats.num_drafts > NUM_SEEDS / 3
+    statistic, dof = chi_square_homogeneity(plain, speculative)
+    assert dof >= 3 and statistic < chi_square_critical(dof), (statistic, dof)

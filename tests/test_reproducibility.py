@@ -171,7 +171,7 @@ def test_unseeded_requests_draw_fresh_seeds_and_log_them(tiny_model_dir, prompts
         assert tokens_alone(make_engine(tiny_model_dir, method), again) == tokens_of(steps, request)
 
 
-def _second_tokens(engine: Engine, prompt: list[int], first_seed: int) -> list[int]:
+def second_tokens(engine: Engine, prompt: list[int], first_seed: int) -> list[int]:
     requests = [
         # max_tokens 3: room for one draft after prefill's token, besides the token verification adds.
         make_request(prompt, max_tokens=3, temperature=CHI_SQUARE_TEMPERATURE, top_k=CHI_SQUARE_TOP_K,
@@ -225,9 +225,9 @@ def test_rejection_with_ngram_drafts_keeps_the_target_distribution(
         )
 
     # Disjoint seeds, so that the samples are independent (the same seed would pair their noise).
-    plain = _second_tokens(engine("naive"), looping_prompt, 0)
+    plain = second_tokens(engine("naive"), looping_prompt, 0)
     speculative_engine = engine("ngram")
-    speculative = _second_tokens(speculative_engine, looping_prompt, NUM_SEEDS)
+    speculative = second_tokens(speculative_engine, looping_prompt, NUM_SEEDS)
     stats = speculative_engine.stats
     # Non-vacuous: most requests had a draft to verify, and both outcomes of the test occurred often.
     assert stats.num_drafts > NUM_SEEDS / 3
@@ -235,6 +235,6 @@ def test_rejection_with_ngram_drafts_keeps_the_target_distribution(
     statistic, dof = chi_square_homogeneity(plain, speculative)
     assert dof >= 3 and statistic < chi_square_critical(dof), (statistic, dof)
 
-    wrong = _second_tokens(engine("ngram", "accept_all"), looping_prompt, NUM_SEEDS)
+    wrong = second_tokens(engine("ngram", "accept_all"), looping_prompt, NUM_SEEDS)
     statistic, dof = chi_square_homogeneity(plain, wrong)
     assert statistic > chi_square_critical(dof), (statistic, dof)
