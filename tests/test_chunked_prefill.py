@@ -2,7 +2,7 @@
 (decoding sequences' first), so a long prompt arrives over several steps while the others keep decoding, and
 nothing it emits changes: greedy tokens equal transformers' under every drafting method, seeded samples and logprobs
 do not depend on the piece size, MTP's acceptance neither, prompt scores and shared choices span pieces, a sequence
-preempted or moved mid-prefill continues exactly, and rejection sampling stays lossless (chi-square) with prompts in
+moved mid-prefill continues exactly (preemption with prompts in pieces: tests/test_prefix_caching.py), and rejection sampling stays lossless (chi-square) with prompts in
 pieces and cached. With prefix caching on, as by default."""
 
 from __future__ import annotations
@@ -118,23 +118,6 @@ def test_choices_sharing_a_prompt_follow_their_leader_across_pieces(
         for out in outputs:
             by_choice.setdefault(out.seq.choice, []).extend(out.tokens)
     assert by_choice == {c: greedy_reference(long_prompt, NUM_TOKENS) for c in range(3)}
-
-
-@pytest.mark.parametrize("name", ["naive", "mtp"])
-def test_a_sequence_preempted_mid_prefill_continues_exactly(
-    name, model_dirs, long_prompt, greedy_reference  # noqa: F811
-) -> None:
-    max_model_len = 128
-    engine = _engine(
-        model_dirs, name, PIECE, max_model_len=max_model_len, num_kv_blocks=max_model_len // BLOCK_SIZE * 3 // 2,
-    )
-    prompts = [long_prompt, long_prompt[:1] + long_prompt[:0:-1]]
-    requests = [make_request(p, max_tokens=NUM_TOKENS + 16, **GREEDY) for p in prompts]
-    preempted = []
-    steps = run(engine, {0: requests[:1], 1: requests[1:]}, lambda _: preempted.extend(engine.last_preempted))
-    assert preempted
-    for prompt, request in zip(prompts, requests):
-        assert tokens_of(steps, request) == greedy_reference(prompt, NUM_TOKENS + 16)
 
 
 def test_a_request_moved_mid_prefill_continues_exactly_elsewhere(model_dirs, long_prompt) -> None:  # noqa: F811

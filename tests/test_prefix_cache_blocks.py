@@ -28,6 +28,15 @@ def _manager(num_blocks: int = NUM_SLOTS * 4, copy_hits: bool = False) -> BlockM
     return BlockManager(num_blocks, BLOCK_SIZE, MAX_MODEL_LEN, NUM_SLOTS, caching=True, copy_hits=copy_hits)
 
 
+def _cached_and_idle(blocks: BlockManager, slot: int, num_tokens: int) -> list[bytes]:
+    """The slot computes num_tokens tokens, names its blocks and lets them go: they idle in the cache. Their names."""
+    names = _names(list(range(num_tokens)))
+    blocks.allocate(slot, num_tokens)
+    blocks.publish(slot, 0, names)
+    blocks.free(slot)
+    return names
+
+
 def _seq(tokens: list[int], max_tokens: int = 4, root: bytes | None = ROOT) -> Sequence:
     return Sequence("ab" * 16, tokens, SamplingParams(max_tokens=max_tokens), 0, frozenset(), cache_root=root)
 
@@ -100,10 +109,7 @@ def test_a_hit_in_place_is_shared_and_one_elsewhere_is_copied_to_the_home_region
 
 def test_copy_sources_survive_until_the_copy_is_taken() -> None:
     blocks = _manager(num_blocks=NUM_SLOTS * 4, copy_hits=True)
-    names = _names(list(range(8)))
-    blocks.allocate(0, 8)
-    blocks.publish(0, 0, names)
-    blocks.free(0)
+    names = _cached_and_idle(blocks, 0, 8)
     hits = blocks.lookup(names)
     blocks.reuse(1, hits)  # sources 0, 1 idle: held until copied
     assert blocks.num_free == blocks.num_blocks - 4
@@ -115,10 +121,7 @@ def test_copy_sources_survive_until_the_copy_is_taken() -> None:
 
 def test_a_new_sequence_gets_the_slot_whose_region_holds_its_prefix_else_an_empty_one() -> None:
     blocks = _manager(copy_hits=True)
-    names = _names(list(range(8)))
-    blocks.allocate(1, 8)
-    blocks.publish(1, 0, names)
-    blocks.free(1)
+    names = _cached_and_idle(blocks, 1, 8)
     free_slots = [2, 1, 0]
     assert blocks.choose_slot(free_slots, blocks.lookup(names)) == 1
     assert blocks.choose_slot(free_slots, []) in (0, 2)  # region 1 holds cached blocks: kept for its prefix
@@ -163,10 +166,7 @@ def test_copy_blocks_moves_every_layers_keys_values_and_boundary_state() -> None
 
 def test_a_copy_published_over_an_idle_original_returns_the_original_to_the_pool() -> None:
     blocks = _manager(copy_hits=True)
-    names = _names(list(range(8)))
-    blocks.allocate(0, 8)
-    blocks.publish(0, 0, names)
-    blocks.free(0)
+    names = _cached_and_idle(blocks, 0, 8)
     blocks.reuse(1, blocks.lookup(names))  # copied to slot 1's home region
     blocks.take_copies()
     blocks.allocate(1, 12)

@@ -147,17 +147,19 @@ def test_a_request_scoring_its_prompt_computes_it_whole(tiny_model_dir: Path, lo
     assert _seq(run(engine, {0: [plain]}), plain).num_cached_tokens == _cached_tokens(long_prompt)
 
 
+@pytest.mark.parametrize("piece", [None, 24], ids=["whole", "in-pieces"])
 @pytest.mark.parametrize("name", ["naive", "mtp"])
 def test_a_preempted_sequence_resumes_from_its_own_cached_blocks(
-    name, model_dirs, long_prompt, greedy_reference  # noqa: F811
+    name, piece, model_dirs, long_prompt, greedy_reference  # noqa: F811
 ) -> None:
-    """Two sequences in a pool that holds one and a half: the newer is preempted, its blocks stay cached, and it
-    resumes from them with unchanged output."""
+    """Two sequences in a pool that holds one and a half, their prompts computed whole or in pieces of 24 tokens: the
+    newer is preempted, its blocks stay cached, and it resumes from them with unchanged output."""
     method = METHODS[name]
     max_model_len = 128
+    chunking = dict(max_num_batched_tokens=piece) if piece else dict(enable_chunked_prefill=False)
     engine = make_engine(
         model_dirs(method), method, block_size=BLOCK_SIZE, max_model_len=max_model_len,
-        num_kv_blocks=max_model_len // BLOCK_SIZE * 3 // 2,
+        num_kv_blocks=max_model_len // BLOCK_SIZE * 3 // 2, **chunking,
     )
     prompts = [long_prompt, long_prompt[:1] + long_prompt[:0:-1]]
     requests = [make_request(prompt, max_tokens=NUM_TOKENS + 16, **GREEDY) for prompt in prompts]
