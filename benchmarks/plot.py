@@ -7,6 +7,7 @@ output tokens/s above its inter-token latency per `specmesh up` configuration (o
 process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside transformers.
 benchmarks/prefix_cache.py (`plot_prefix_cache`): time to first token cold and cached per method.
 benchmarks/chunked_prefill.py (`plot_chunked_prefill`): the running streams' gaps and tokens/s per prefill setting.
+benchmarks/prefix_routing.py (`plot_prefix_routing`): the prefix cache's hit rate per worker count and routing.
 
     python -m benchmarks.plot bench-out/methods/methods.json   # redraws methods.png beside it
 """
@@ -288,6 +289,22 @@ def plot_chunked_prefill(report: dict, path: Path) -> None:
     fig.suptitle(f"{report['streams']} streams decoding while {report['arrivals']} prompts of "
                  f"{report['long_prompt_tokens']} tokens arrive, through the mesh, median of {report['rounds']}",
                  fontsize="small")
+    _save(fig, path)
+
+
+@drawing
+def plot_prefix_routing(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/prefix_routing.py writes) into the PNG at path: per worker count, the hit
+    rate with the shared queue and with prefix-aware routing."""
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0] / 2, FIGURE_SIZE[1] / 2))
+    _grouped_bars(ax, [f"{row['workers']} workers" for row in rows], {
+        name: [row[name] for row in rows] for name in ("shared queue", "prefix-aware")
+    })
+    ax.set(ylabel="prompt tokens found cached, turns 2.. (higher is better)", ylim=(0, 1))
+    ax.legend(fontsize="small")
+    fig.suptitle(f"{report['conversations']} chats at once, {report['turns']} turns each, median of "
+                 f"{report['rounds']}", fontsize="small")
     _save(fig, path)
 
 

@@ -71,6 +71,30 @@ def _pulls_requests() -> tuple[str, ...]:
     return (f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}", f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}")
 
 
+def _declares_routed_stream() -> tuple[str, ...]:
+    """natsutil.ensure_routed_stream: create or update the routed requests' stream."""
+    return (f"{JS_API}.STREAM.CREATE.{subjects.ROUTED_STREAM}", f"{JS_API}.STREAM.UPDATE.{subjects.ROUTED_STREAM}")
+
+
+def _serves_routed_requests() -> tuple[str, ...]:
+    """services/worker/routing.py: declare a worker's consumer of its routed subject (its own, or a gone worker's it
+    adopts), pull and acknowledge from it, count the stream's messages per subject, list and delete the consumers
+    of workers gone; the cache events and state it publishes."""
+    stream = subjects.ROUTED_STREAM
+    return (
+        *_declares_routed_stream(),
+        f"{JS_API}.CONSUMER.CREATE.{stream}.{ANY_REST}",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{ANY_TOKEN}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{ANY_TOKEN}",
+        f"{JS_API}.CONSUMER.LIST.{stream}",
+        f"{JS_API}.CONSUMER.DELETE.{stream}.{ANY_TOKEN}",
+        f"{JS_API}.STREAM.INFO.{stream}",
+        f"{JS_ACK}.{stream}.{ANY_REST}",
+        subjects.cache_events(ANY_TOKEN),
+        subjects.worker_state(ANY_TOKEN),
+    )
+
+
 def _moves_dead_letters() -> tuple[str, ...]:
     """The API calls of services/worker/dead_letters.py: declare the dead-letter stream and its consumer, pull and
     acknowledge its advisories, read and delete the work-queue message one names, store its copy."""
@@ -97,17 +121,20 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
     NatsRole.GATEWAY: Permissions(
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
-            *_declares_request_stream(),
+            *_declares_request_stream(), subjects.ROUTED_SUBJECTS, *_declares_routed_stream(),
         ),
-        subscribe=(subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY)),
+        subscribe=(
+            subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
+            subjects.worker_state(ANY_TOKEN),
+        ),
     ),
     NatsRole.WORKER: Permissions(
         publish=(
             subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.RESUMED_REQUESTS,
             *_declares_request_stream(), *_pulls_requests(),
-            *_moves_dead_letters(),
+            *_moves_dead_letters(), *_serves_routed_requests(),
         ),
-        subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER)),
+        subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER), subjects.worker_state(ANY_TOKEN)),
     ),
     NatsRole.DETOKENIZER: Permissions(
         publish=(subjects.responses(ANY_TOKEN), subjects.STOP),

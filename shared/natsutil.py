@@ -84,16 +84,12 @@ async def connect(settings: NatsSettings, service: str, on_reconnect: Callable[[
     return nc
 
 
-async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
-    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service.
-
-    With `limits` (the gateway's), an existing stream takes them; without, an existing stream keeps its own and a new
-    one gets the defaults (shared/stream_limits.py)."""
+async def _declare_work_queue(
+    js: JetStreamContext, name: str, stream_subjects: list[str], limits: StreamLimits | None
+) -> None:
+    """A work-queue stream on file storage; with `limits`, an existing stream takes them (see below)."""
     config = StreamConfig(
-        name=subjects.REQUEST_STREAM,
-        subjects=list(subjects.REQUEST_SUBJECTS),
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
+        name=name, subjects=stream_subjects, retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
         **(limits or StreamLimits()).stream_options(),
     )
     try:
@@ -103,13 +99,36 @@ async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | Non
             raise
         if limits is not None:
             await js.update_stream(config)
-    await js.add_consumer(
-        subjects.REQUEST_STREAM,
-        ConsumerConfig(
-            durable_name=subjects.WORKER_CONSUMER,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=REQUEST_ACK_WAIT_S,
-            max_ack_pending=-1,
-            max_deliver=REQUEST_MAX_DELIVER,
-        ),
+
+
+def _request_consumer(durable_name: str, filter_subject: str | None = None) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=durable_name, filter_subject=filter_subject, ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=REQUEST_ACK_WAIT_S, max_ack_pending=-1, max_deliver=REQUEST_MAX_DELIVER,
     )
+
+
+async def ensure_routed_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
+    """Declares the stream of routed requests (subjects.ROUTED_STREAM), as ensure_request_stream its own."""
+    await _declare_work_queue(js, subjects.ROUTED_STREAM, [subjects.ROUTED_SUBJECTS], limits)
+
+
+def routed_consumer(worker_id: int) -> str:
+    """The durable pull consumer of a worker's routed subject (a consumer name, not a subject)."""
+    return f"worker-{worker_id}"
+
+
+async def ensure_routed_consumer(js: JetStreamContext, worker_id: int) -> None:
+    """Declares a worker's durable consumer of its routed subject (idempotent: an adopter declares it again)."""
+    await js.add_consumer(
+        subjects.ROUTED_STREAM, _request_consumer(routed_consumer(worker_id), subjects.routed(worker_id))
+    )
+
+
+async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
+    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service.
+
+    With `limits` (the gateway's), an existing stream takes them; without, an existing stream keeps its own and a new
+    one gets the defaults (shared/stream_limits.py)."""
+    await _declare_work_queue(js, subjects.REQUEST_STREAM, list(subjects.REQUEST_SUBJECTS), limits)
+    await js.add_consumer(subjects.REQUEST_STREAM, _request_consumer(subjects.WORKER_CONSUMER))

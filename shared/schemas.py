@@ -198,6 +198,22 @@ class DetokReady(_Message):
     detok_id: str = Field(pattern=r"^[0-9a-zA-Z_-]{1,64}$")
 
 
+class WorkerState(_Message):
+    """worker -> gateways and workers, every WORKER_STATE_PERIOD_S (services/worker/routing.py): that it is alive, what
+    its prefix cache's block names are made of, and how busy it is. Gateways route by it; workers adopt the routed
+    requests of one whose state stopped coming."""
+
+    worker_id: int = Field(ge=0, le=MAX_WORKER_ID)
+    epoch: int = Field(ge=0)  # drawn at start: a new one means the worker's cache started empty
+    revision: str = Field(max_length=64)  # the model revision its block names start from (shared/prefix_hash.py)
+    block_size: int = Field(ge=1)
+    caching: bool
+    max_num_seqs: int = Field(ge=1)
+    in_flight: int = Field(ge=0)  # sequences it holds (running or waiting), one per choice
+    routed_backlog: int = Field(ge=0)  # routed requests waiting in its own queue
+    draining: bool = False  # takes no more requests; gone once its last state says so
+
+
 class ProgressQuery(_Message):
     """worker -> detokenizer: this worker takes over a request another worker lost; how far did its output get?"""
 

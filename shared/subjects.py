@@ -15,6 +15,35 @@ RESUMED_REQUESTS = f"{PREFIX}.requests.resumed"
 REQUEST_SUBJECTS = (REQUESTS, RESUMED_REQUESTS)  # what the stream stores
 WORKER_CONSUMER = "workers"  # the durable pull consumer every worker shares
 
+# Prefix-aware routing (services/gateway/prefix_router.py, services/worker/routing.py): a request the gateway sends to
+# the worker whose prefix cache holds the longest part of its prompt goes to a second work-queue stream, on that
+# worker's own subject, which only that worker's durable consumer reads. A stream of its own, rather than subjects of
+# the request stream: the workers' shared consumer there takes every subject, and a work queue's consumers may not
+# overlap. A worker never runs a routed message delivered a second time, and another worker adopts the subject of one
+# that is gone: both move the message to the shared queue (RESUMED_REQUESTS), where take-over, redelivery limits and
+# dead letters work as for any request.
+ROUTED_STREAM = "SPECMESH_ROUTED"
+ROUTED_SUBJECTS = f"{PREFIX}.routed.*"
+# The header of a routed request moved to the shared queue after a delivery: it may have started somewhere, so the
+# worker that takes it asks its detokenizer where its output stands (services/worker/takeover.py).
+DELIVERED_BEFORE_HEADER = "Specmesh-Delivered-Before"
+
+
+def routed(worker_id: int) -> str:
+    """gateway -> one worker (JetStream, work queue); body: schemas.WorkRequest."""
+    return f"{PREFIX}.routed.{worker_id}"
+
+
+def cache_events(worker_id: int) -> str:
+    """worker -> gateways: the names of blocks its prefix cache stored and evicted; body: shared/cache_events.py."""
+    return f"{PREFIX}.cache.{worker_id}"
+
+
+def worker_state(worker_id: int) -> str:
+    """worker -> gateways and workers, every WORKER_STATE_PERIOD_S: alive, how busy, draining; schemas.WorkerState."""
+    return f"{PREFIX}.worker.{worker_id}.state"
+
+
 # Requests the work queue gave up on (services/worker/dead_letters.py). JetStream announces a message delivered
 # max_deliver times without an ack on the advisory subject below; the dead-letter stream stores those advisories, so
 # none is lost while no worker runs, and the copies of the requests they name, which a worker moves there.

@@ -24,11 +24,12 @@ from services.gateway.disconnects import quiet_disconnects
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.limits import GatewayLimits
+from services.gateway.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared.schemas import MAX_REQUEST_CHOICES
-from shared.natsutil import ensure_request_stream
+from shared.natsutil import ensure_request_stream, ensure_routed_stream
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
 
@@ -49,6 +50,9 @@ class GatewayConfig(BaseModel):
     speculative: SpeculativeConfig = SpeculativeConfig()
     limits: GatewayLimits = GatewayLimits()
     api_keys: tuple[SecretStr, ...] = ()  # none: no key is asked for
+    # Send each request to the worker holding the longest part of its prompt (prefix_router.py)
+    prefix_routing: bool = True
+    routing_busy_margin: float = Field(DEFAULT_BUSY_MARGIN, ge=0.0)
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -70,10 +74,11 @@ class Gateway:
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
         limits = config.limits
         self.admission = Admission(limits.max_in_flight, limits.max_concurrent_per_key, config.request_timeout_s)
+        self.prefix_router = PrefixRouter(nc, config.routing_busy_margin) if config.prefix_routing else None
         self.generator = Generator(
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
-            keys_checked=bool(config.api_keys),
+            keys_checked=bool(config.api_keys), prefix_router=self.prefix_router,
         )
         self.readiness = Readiness(nc=nc)
 
@@ -103,7 +108,10 @@ class Gateway:
 
     async def start(self, app: web.Application) -> None:
         await ensure_request_stream(self.nc.jetstream(), self.config.limits.queue)
+        await ensure_routed_stream(self.nc.jetstream(), self.config.limits.queue)
         await self.router.start()
+        if self.prefix_router is not None:
+            await self.prefix_router.start()
         self.readiness.started = True
 
     async def stop(self, app: web.Application) -> None:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from services.gateway import metrics
 from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.prefix_router import PrefixRouter
 from services.gateway.aggregate import Api
 from services.gateway.answer import answer
 from services.gateway.chat_request import ChatCompletionRequest
@@ -70,6 +71,7 @@ class Generator:
     def __init__(
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
+        prefix_router: PrefixRouter | None = None,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -82,6 +84,7 @@ class Generator:
         self._admission = admission
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
+        self._prefix_router = prefix_router  # None: every request goes to the shared queue
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -257,6 +260,8 @@ class Generator:
         )
         work_bytes = work.to_bytes()
         check_message_size("work request", work_bytes, self._nc.max_payload, prompt_param)
+        if await self._routed(gen, work_bytes):
+            return
         try:
             await self._js.publish(subjects.REQUESTS, work_bytes, timeout=PUBLISH_ACK_TIMEOUT_S)
         except nats.js.errors.APIError as exc:  # the stream refused it: a limit of the work queue is reached
@@ -269,6 +274,25 @@ class Generator:
                 SERVICE_UNAVAILABLE, f"The request could not be queued: {exc!r}", type=UNAVAILABLE,
                 headers=RETRY_AFTER,
             ) from exc
+
+    async def _routed(self, gen: Generation, work_bytes: bytes) -> bool:
+        """Sends the request to the worker whose prefix cache holds the longest part of its prompt
+        (prefix_router.py); False when it goes to the shared queue instead (no such worker, or the routed stream
+        refused it). A request that scores its prompt computes it whole wherever it runs: the shared queue."""
+        worker_id = None
+        if self._prefix_router is not None and gen.sampling.prompt_logprobs is None:
+            worker_id = self._prefix_router.choose(gen.prompt_ids, gen.body.cache_salt, gen.body.num_choices)
+        if worker_id is not None:
+            try:
+                await self._js.publish(
+                    subjects.routed(worker_id), work_bytes, timeout=PUBLISH_ACK_TIMEOUT_S, stream=subjects.ROUTED_STREAM
+                )
+                metrics.ROUTED_REQUESTS.labels(target="worker").inc()
+                return True
+            except nats.errors.Error as exc:
+                log.warning("request %s not routed to worker %d: %r", gen.request_id, worker_id, exc)
+        metrics.ROUTED_REQUESTS.labels(target="shared").inc()
+        return False
 
     async def _cancel_all(self, request_ids: list[str], reason: str) -> None:
         for request_id in request_ids:

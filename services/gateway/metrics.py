@@ -39,6 +39,11 @@ CLIENT_DISCONNECTS = Counter("specmesh_gateway_client_disconnects", "Generation 
 REQUEST_ERRORS = Counter("specmesh_gateway_request_errors", "Requests answered with an error, by error type", ["type"])
 PROMPT_TOKENS = Counter("specmesh_gateway_prompt_tokens", "Prompt tokens of finished generation requests")
 COMPLETION_TOKENS = Counter("specmesh_gateway_completion_tokens", "Tokens generated for finished requests")
+ROUTED_REQUESTS = Counter(
+    "specmesh_gateway_routed_requests",
+    "Requests sent to the worker holding the longest part of their prompt (target worker) or to the shared queue",
+    ["target"],
+)
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
 SEQUENCES_IN_FLIGHT = Gauge(
     "specmesh_gateway_admitted_sequences", "Sequences (prompts x n) of the requests admitted into the mesh (admission.py)"

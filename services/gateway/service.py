@@ -10,7 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway import auth, limits
+from services.gateway import auth, limits, routing_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_arguments(parser)
     auth.add_arguments(parser)
+    routing_options.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -73,6 +74,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         limits=GatewayLimits.from_args(args),
         api_keys=args.api_keys,
+        prefix_routing=args.prefix_routing,
+        routing_busy_margin=args.routing_busy_margin,
     )
 
 

@@ -48,7 +48,9 @@ def serve(
         began = time.perf_counter()
         engine = Engine(config)
         warm_up(engine)
-        outbox.send_bytes(encode(EngineReady(engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began)))
+        outbox.send_bytes(encode(EngineReady(
+            engine.vocab_size, engine.runner.cache.nbytes, time.perf_counter() - began, engine.revision,
+        )))
         with torch.inference_mode():
             EngineLoop(engine, worker_id, inbox, outbox, counters).run()
     except (EOFError, BrokenPipeError):

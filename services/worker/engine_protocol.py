@@ -69,6 +69,7 @@ class EngineReady:
     vocab_size: int
     kv_cache_bytes: int
     seconds: float  # loading and warming up
+    revision: str  # the model revision its prefix cache's block names start from
 
 
 @dataclass(slots=True)
@@ -107,6 +108,9 @@ class StepResult:
     num_preempted: int = 0
     # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.
     failed: list[tuple[str, FailReason]] = field(default_factory=list)
+    # The prefix cache's block names stored and evicted by the step (cache events for prefix-aware routing)
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
 
     def to_wire(self) -> tuple:
         """The result as nested tuples of builtins (decode() takes it back): encoded in a few microseconds, where
@@ -120,16 +124,17 @@ class StepResult:
                 stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
+            self.stored, self.removed,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepResult:
-        step, frames, finished, gauges, stats, seconds, num_preempted, failed = wire
+        step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed = wire
         if stats is not None:
             stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
-            [(request_id, FailReason(reason)) for request_id, reason in failed],
+            [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed,
         )
 
 

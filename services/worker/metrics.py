@@ -41,6 +41,11 @@ PREFIX_QUERIES = Counter(
 PREFIX_HITS = Counter(
     "specmesh_worker_prefix_cache_hits", "Of the tokens looked up in the prefix cache, those found computed", _LABELS
 )
+ROUTED_MOVED = Counter(
+    "specmesh_worker_routed_requests_moved",
+    "Routed requests moved to the shared queue: delivered before (a crash), adopted from a worker gone, or a drain's "
+    "backlog", _LABELS + ["delivered_before"],
+)
 FRAMES = Counter("specmesh_worker_frames_published", "Frames published, by kind", _LABELS + ["kind"])
 FRAME_BYTES = Counter("specmesh_worker_frame_bytes", "Bytes of frames published, by kind", _LABELS + ["kind"])
 REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from the work queue", _LABELS)

@@ -33,6 +33,7 @@ from services.worker.fail_reason import FailReason
 from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics
 from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
+from services.worker.routing import Routing
 from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, take_over
 
 log = logging.getLogger("specmesh.worker")
@@ -53,13 +54,18 @@ class QueueWorker:
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
+        self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences of the requests taken (one per choice)."""
+        return sum(request.num_choices for request in self._requests.values())
 
     @property
     def capacity(self) -> int:
         """Requests worth fetching now: free slots plus one batch of waiting sequences (one per choice) to keep
         steps full."""
-        num_choices = sum(request.num_choices for request in self._requests.values())
-        return 2 * self.engine.config.max_num_seqs - num_choices
+        return 2 * self.engine.config.max_num_seqs - self.num_choices
 
     @property
     def num_in_flight(self) -> int:
@@ -77,7 +83,9 @@ class QueueWorker:
                 self._recent_cancels.popitem(last=False)
         self.engine.send(Work(cancels=[cancel]))
 
-    async def fetch_loop(self, psub) -> None:
+    async def fetch_loop(self, psub, routed: bool = False) -> None:
+        """Takes requests from a pull subscription while there is capacity: the shared queue's, or (routed) this
+        worker's own routed queue."""
         while True:
             if self.capacity <= 0:
                 await asyncio.sleep(CAPACITY_POLL_S)
@@ -97,7 +105,10 @@ class QueueWorker:
                     await msg.nak()
                 raise asyncio.CancelledError
             for msg in msgs:
-                await self._take(msg)
+                if routed:
+                    await self.routing.take(msg, self._take)
+                else:
+                    await self._take(msg)
 
     async def _take(self, msg: Msg) -> None:
         try:
@@ -211,6 +222,8 @@ class QueueWorker:
             self.metrics.child(PREEMPTIONS).inc(result.num_preempted)
         for _, frame in result.frames:
             self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
+        if self.routing is not None:
+            await self.routing.publish_events(result.stored, result.removed)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
@@ -229,7 +242,7 @@ class QueueWorker:
         Call only once publish_loop has returned. The new message carries each unfinished choice's tokens already
         sent and next record number, and the seed this worker used; the original message is acknowledged after the new one is
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
-        as they came (nak).
+        as they came (nak), routed ones to the shared queue.
         """
         for task in self._taking_over:  # a request still asking its detokenizer goes back as it came
             task.cancel()
@@ -240,7 +253,8 @@ class QueueWorker:
         handed = 0
         for request_id, msg in list(self._messages.items()):
             if request_id in unseen:
-                await msg.nak()
+                # A routed one goes to the shared queue: its own queue is read by no one once this worker is gone.
+                await (self.routing.move(msg) if self.routing and self.routing.is_routed(msg) else msg.nak())
                 continue
             resumed = resumed_request(self._requests[request_id], stopped.unfinished.get(request_id))
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -31,6 +32,7 @@ from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
+from services.worker.routing import Routing
 
 log = logging.getLogger("specmesh.worker")
 
@@ -104,9 +106,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _report_stop(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("dead letters are no longer moved by this worker", exc_info=task.exception())
+def _report_stop(what: str) -> Callable[[asyncio.Task], None]:
+    """A done callback that logs a housekeeping task's failure: `what` is no longer done by this worker."""
+
+    def report(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s no longer by this worker", what, exc_info=task.exception())
+
+    return report
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -139,33 +146,53 @@ async def _serve(
     metrics = WorkerMetrics(Path(config.model).name, config.speculative.method, worker_id)
     metrics.observe_engine(engine.ready.kv_cache_bytes)
     worker = QueueWorker(engine, nc, worker_id, metrics)
+    routing = Routing(nc, worker_id, config, engine.ready.revision, lambda: worker.num_choices, metrics)
+    worker.routing = routing
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
+    routed_psub = await routing.start()
     fetching = asyncio.create_task(worker.fetch_loop(psub))
+    fetching_routed = asyncio.create_task(worker.fetch_loop(routed_psub, routed=True))
     heartbeat = asyncio.create_task(worker.heartbeat_loop())
     stepping = asyncio.create_task(worker.publish_loop())
+    stating = asyncio.create_task(routing.state_loop())
+    # Housekeeping, like moving dead letters: serving goes on without it.
+    sweeping = asyncio.create_task(routing.sweep_loop())
+    sweeping.add_done_callback(_report_stop("routed requests of workers gone are adopted"))
     # Not among the tasks that end the worker: moving dead letters is housekeeping; serving goes on without it.
     burying = asyncio.create_task(DeadLetters(nc, worker_id, metrics).loop())
-    burying.add_done_callback(_report_stop)
+    burying.add_done_callback(_report_stop("dead letters are moved"))
     readiness.started = True
     log.info("worker %d ready", worker_id)
     try:
         # asyncio.wait, unlike gather, leaves the tasks running when this coroutine is cancelled.
-        done, _ = await asyncio.wait([fetching, heartbeat, stepping], return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(
+            [fetching, fetching_routed, heartbeat, stepping, stating], return_when=asyncio.FIRST_EXCEPTION
+        )
         for task in done:
             task.result()
     except asyncio.CancelledError:
         readiness.draining = True
+        routing.draining = True
         fetching.cancel()
+        fetching_routed.cancel()
+        await routing.publish_state()  # gateways stop routing here at once
         finished = await worker.wait_idle(args.drain_timeout)
         worker.stop()
         await stepping
         if not finished:
             log.warning("drain timeout: handed %d unfinished requests back to the queue", await worker.hand_back())
+        await asyncio.gather(fetching, fetching_routed, return_exceptions=True)
+        await routed_psub.unsubscribe()
+        moved = await routing.move_backlog()
+        if moved:
+            log.info("moved %d routed requests to the shared queue", moved)
         heartbeat.cancel()
         burying.cancel()
-        await asyncio.gather(fetching, heartbeat, burying, return_exceptions=True)
+        stating.cancel()
+        sweeping.cancel()
+        await asyncio.gather(heartbeat, burying, stating, sweeping, return_exceptions=True)
         await psub.unsubscribe()  # a pull subscription with a fetch outstanding would stall the drain
         await nc.drain()
         await http.cleanup()

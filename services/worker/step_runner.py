@@ -79,7 +79,8 @@ class StepRunner:
         scheduler = self.engine.scheduler
         gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
         step = self.engine.step_no if seconds is not None else 0
-        return StepResult(step, frames, finished, gauges, stats, seconds, num_preempted, failures)
+        stored, removed = scheduler.blocks.cache.take_journal()
+        return StepResult(step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed)
 
     def _lookups_since_last_step(self) -> tuple[int, int]:
         """The prefix cache's (queries, hits) in tokens since the last call."""

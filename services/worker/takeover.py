@@ -49,8 +49,10 @@ class TakenOver:
 
 
 def came_back(msg: Msg, request: WorkRequest) -> bool:
-    """Whether another worker had this request before: delivered again, or handed back with its progress."""
-    return msg.metadata.num_delivered > 1 or bool(request.progress)
+    """Whether another worker had this request before: delivered again, handed back with its progress, or moved
+    from a routed queue after a delivery there (services/worker/routing.py)."""
+    delivered_before = bool(msg.headers and msg.headers.get(subjects.DELIVERED_BEFORE_HEADER))
+    return msg.metadata.num_delivered > 1 or bool(request.progress) or delivered_before
 
 
 async def take_over(nc: Client, request: WorkRequest, worker_id: int) -> TakenOver:

@@ -23,6 +23,9 @@ class PrefixCache:
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._region_size = region_size
         self._idle_per_region: Counter[int] = Counter()
+        # Names stored (True) or evicted (False) since take_journal, the last change winning: the worker's cache
+        # events for prefix-aware routing (shared/cache_events.py)
+        self._journal: dict[BlockHash, bool] = {}
 
     @property
     def num_idle(self) -> int:
@@ -64,6 +67,7 @@ class PrefixCache:
             self.evict(holder)
         self._block_of[name] = block
         self._name_of[block] = name
+        self._journal[name] = True
         return holder
 
     def park(self, block: int) -> None:
@@ -79,13 +83,21 @@ class PrefixCache:
     def evict(self, block: int) -> None:
         """Forgets an idle block's name: the pool is about to hand it out."""
         self.unpark(block)
-        del self._block_of[self._name_of.pop(block)]
+        name = self._name_of.pop(block)
+        del self._block_of[name]
+        self._journal[name] = False
 
     def evict_lru(self) -> int:
         """Evicts the least recently used idle block and returns it."""
         block = next(iter(self._idle))
         self.evict(block)
         return block
+
+    def take_journal(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """The names stored and the names evicted since the last call."""
+        journal, self._journal = self._journal, {}
+        stored = [name for name, present in journal.items() if present]
+        return stored, [name for name, present in journal.items() if not present]
 
     def _count(self, block: int, change: int) -> None:
         if self._region_size is not None:

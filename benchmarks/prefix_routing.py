@@ -1,0 +1,113 @@
+"""Prefix-aware routing, measured: the prefix cache's hit rate of a multi-turn chat workload on a mesh of several
+workers, with requests routed to the worker holding their conversation against the shared queue alone.
+
+    python -m benchmarks.prefix_routing [--workers 2 4] [--conversations 8] [--turns 5] [--rounds 2]
+        [--out bench-out/prefix-routing]
+
+Per worker count and routing, one `specmesh up --workers N` (`--prefix-routing` or `--no-prefix-routing`, otherwise
+its defaults). The workload: --conversations chats at once, each opening with its own ~300-token user message (the
+opening of one of aiohttp's files, code the demo model never saw), then --turns turns back to back, each answered
+with up to 32 tokens (greedy) and followed by a short new user message; a fresh `cache_salt` per round, so that no
+round finds what another left. The figure: the share of the prompt tokens of turns 2.. that the workers found cached
+(`usage.prompt_tokens_details.cached_tokens`), over all conversations; median over rounds. Writes
+prefix-routing.json, its PNG and table.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.heldout import PACKAGE, package_prompts
+from benchmarks.mesh_client import HTTP_TIMEOUT_S
+from benchmarks.plot import plot_prefix_routing, save_report
+from services.mesh_process import start_mesh
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import Tokenizer
+
+OPENING_TOKENS, ANSWER_TOKENS = 300, 32
+ROUTINGS = {"shared queue": "--no-prefix-routing", "prefix-aware": "--prefix-routing"}
+
+
+async def conversation(session: aiohttp.ClientSession, url: str, model: str, opening: str, turns: int,
+                       salt: str) -> tuple[int, int]:
+    """One chat, turn after turn; (prompt tokens, cached tokens) of its turns after the first."""
+    messages = [{"role": "user", "content": opening}]
+    prompt = cached = 0
+    for turn in range(turns):
+        body = {"model": model, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+                "cache_salt": salt}
+        async with session.post(url, json=body) as response:
+            response.raise_for_status()
+            answer = await response.json()
+        if turn:
+            prompt += answer["usage"]["prompt_tokens"]
+            cached += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        messages += [
+            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"Now explain part {turn + 1} of it."},
+        ]
+    return prompt, cached
+
+
+async def one_round(base_url: str, model: str, openings: list[str], turns: int) -> float:
+    url = f"{base_url}/chat/completions"
+    salt = uuid.uuid4().hex
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)) as session:
+        totals = await asyncio.gather(*(conversation(session, url, model, o, turns, salt) for o in openings))
+    return sum(c for _, c in totals) / sum(p for p, _ in totals)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| workers | shared queue | prefix-aware | ratio |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['workers']} | {row['shared queue']:.3f} | {row['prefix-aware']:.3f} | "
+            f"{row['prefix-aware'] / row['shared queue']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/prefix-routing"))
+    args = parser.parse_args()
+
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    openings = [tokenizer.decode(ids[1:]) for ids in package_prompts(tokenizer, PACKAGE, args.conversations,
+                                                                     OPENING_TOKENS)]
+    rows, runs = [], {}
+    for workers in args.workers:
+        row = {"workers": workers}
+        for name, option in ROUTINGS.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                mesh = start_mesh(Path(tmp), "--workers", str(workers), option)
+                try:
+                    rates = [asyncio.run(one_round(mesh.base_url, mesh.model, openings, args.turns))
+                             for _ in range(args.rounds)]
+                finally:
+                    mesh.stop()
+            runs[f"{workers} workers, {name}"] = rates
+            row[name] = statistics.median(rates)
+            print(f"{workers} workers, {name}: hit rates {[round(r, 3) for r in rates]}", flush=True)
+        rows.append(row)
+    report = {"package": PACKAGE, "conversations": args.conversations, "turns": args.turns, "rounds": args.rounds,
+              "rows": rows, "runs": runs}
+    table = markdown_table(rows)
+    print(table)
+    save_report(args.out, "prefix-routing", report, table, plot_prefix_routing)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Prefix-aware routing, the gateway's side (the worker's is services/worker/routing.py): which worker's prefix cache
+holds the longest part of a request's prompt, from what the workers announce.
+
+Each gateway replica listens to every worker's cache events (the names of the blocks it stored and evicted,
+shared/cache_events.py) and state (alive, busy, draining, what its names are made of; schemas.WorkerState), and
+keeps an approximate map from block name to the workers holding it. Approximate, and only ever a hint: a request
+routed to a worker that evicted its prefix meanwhile is computed there, and one that goes to the shared queue is
+served by whoever has room. A worker's names are forgotten when it restarts (a new epoch), when this gateway missed
+one of its events (a gap in their numbers), and when its state stops coming.
+
+The rule, for a prompt whose first (len - 1) // block_size blocks can be cached (a worker computes at least the
+prompt's last token): the workers holding the longest run of its leading blocks, at least MIN_MATCHED_BLOCKS, take
+it, the least busy of them, if that one is no busier than the least busy worker of all by more than `busy_margin`
+(a share of a batch); else the next longest run, and so on; else the shared queue. When every worker holds the
+longest run (a system prompt all requests share), there is nothing to choose: the shared queue. Busy is (the
+sequences a worker holds + its routed backlog + what this gateway routed to it since its last state) / max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from shared import subjects
+from shared.cache_events import CacheEventError, CacheEvents
+from shared.prefix_hash import BlockHash, extend_hashes, root_hash
+from shared.schemas import WorkerState
+
+log = logging.getLogger("specmesh.gateway")
+
+DEFAULT_BUSY_MARGIN = 1.0  # a whole batch
+MIN_MATCHED_BLOCKS = 1
+STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
+
+
+@dataclass
+class _Worker:
+    state: WorkerState
+    seen: float  # when its state last came
+    next_event: int = 0  # the number of the event expected next
+    names: set[BlockHash] = field(default_factory=set)
+    routed_since_state: int = 0  # sequences this gateway routed to it since its last state
+
+    @property
+    def load(self) -> float:
+        held = self.state.in_flight + self.state.routed_backlog + self.routed_since_state
+        return held / self.state.max_num_seqs
+
+
+class PrefixRouter:
+    def __init__(self, nc: Client, busy_margin: float = DEFAULT_BUSY_MARGIN) -> None:
+        self.nc = nc
+        self.busy_margin = busy_margin
+        self._workers: dict[int, _Worker] = {}
+        self._holders: dict[BlockHash, set[int]] = {}  # block name -> the workers holding it
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.worker_state("*"), cb=self._on_state)
+        await self.nc.subscribe(subjects.cache_events("*"), cb=self._on_events)
+
+    async def _on_state(self, msg: Msg) -> None:
+        try:
+            self.observe_state(WorkerState.from_bytes(msg.data))
+        except (ValidationError, ValueError) as exc:
+            log.warning("ignoring a malformed worker state: %s", exc)
+
+    async def _on_events(self, msg: Msg) -> None:
+        try:
+            self.observe_events(CacheEvents.decode(msg.data))
+        except CacheEventError as exc:
+            log.warning("ignoring a malformed cache event: %s", exc)
+
+    def observe_state(self, state: WorkerState) -> None:
+        worker = self._workers.get(state.worker_id)
+        if worker is None or worker.state.epoch != state.epoch:
+            self._forget(state.worker_id)
+            self._workers[state.worker_id] = _Worker(state, time.monotonic())
+            return
+        worker.state, worker.seen, worker.routed_since_state = state, time.monotonic(), 0
+
+    def observe_events(self, events: CacheEvents) -> None:
+        worker = self._workers.get(events.worker_id)
+        if worker is None or worker.state.epoch != events.epoch:
+            return  # its state comes first: until then, nothing is known of what it holds
+        if events.seq != worker.next_event:
+            self._forget_names(worker, events.worker_id)
+        worker.next_event = events.seq + 1
+        for name in events.removed:
+            worker.names.discard(name)
+            holders = self._holders.get(name)
+            if holders is not None:
+                holders.discard(events.worker_id)
+                if not holders:
+                    del self._holders[name]
+        for name in events.stored:
+            worker.names.add(name)
+            self._holders.setdefault(name, set()).add(events.worker_id)
+
+    def _forget(self, worker_id: int) -> None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._forget_names(worker, worker_id)
+
+    def _forget_names(self, worker: _Worker, worker_id: int) -> None:
+        for name in worker.names:
+            holders = self._holders.get(name)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[name]
+        worker.names.clear()
+
+    def choose(self, prompt_ids: list[int], cache_salt: str | None, num_seqs: int = 1) -> int | None:
+        """The worker to send this prompt to, or None for the shared queue (see the module docstring); counts the
+        request against the chosen worker's load until its next state."""
+        now = time.monotonic()
+        eligible = {
+            worker_id: worker for worker_id, worker in self._workers.items()
+            if now - worker.seen <= STATE_FRESH_S and not worker.state.draining and worker.state.caching
+        }
+        if len(eligible) < 2:
+            return None
+        matched: dict[int, int] = {}
+        names_by_kind: dict[tuple[str, int], list[BlockHash]] = {}
+        for worker_id, worker in eligible.items():
+            kind = (worker.state.revision, worker.state.block_size)
+            if kind not in names_by_kind:
+                size = worker.state.block_size
+                cacheable = (len(prompt_ids) - 1) // size * size
+                names_by_kind[kind] = extend_hashes([], root_hash(kind[0], cache_salt), prompt_ids[:cacheable], size)
+            names = names_by_kind[kind]
+            depth = 0
+            while depth < len(names) and worker_id in self._holders.get(names[depth], ()):
+                depth += 1
+            matched[worker_id] = depth
+        least_busy = min(worker.load for worker in eligible.values())
+        for depth in sorted({d for d in matched.values() if d >= MIN_MATCHED_BLOCKS}, reverse=True):
+            tier = [worker_id for worker_id, d in matched.items() if d == depth]
+            if len(tier) == len(eligible):
+                return None  # every worker holds it: no locality to gain
+            chosen = min(tier, key=lambda worker_id: (eligible[worker_id].load, worker_id))
+            if eligible[chosen].load <= least_busy + self.busy_margin:
+                eligible[chosen].routed_since_state += num_seqs
+                return chosen
+        return None
