@@ -1,10 +1,11 @@
 """Prefix-aware routing, measured: the prefix cache's hit rate of a multi-turn chat workload on a mesh of several
 workers, with requests routed to the worker holding their conversation against the shared queue alone.
 
-    python -m benchmarks.prefix_routing [--workers 2 4] [--conversations 8] [--turns 5] [--rounds 2]
+    python -m benchmarks.prefix_routing [--workers 1 2 4] [--conversations 8] [--turns 5] [--rounds 3]
         [--out bench-out/prefix-routing]
 
-Per worker count and routing, one `specmesh up --workers N` (`--prefix-routing` or `--no-prefix-routing`, otherwise
+Per worker count and routing, one `specmesh up --workers N` (one worker: what the workload can hit at all, the same
+either way) (`--prefix-routing` or `--no-prefix-routing`, otherwise
 its defaults). The workload: --conversations chats at once, each opening with its own ~300-token user message (the
 opening of one of aiohttp's files, code the demo model never saw), then --turns turns back to back, each answered
 with up to 32 tokens (greedy) and followed by a short new user message; a fresh `cache_salt` per round, so that no
@@ -77,10 +78,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="1: the workload's ceiling")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-out/prefix-routing"))
     args = parser.parse_args()
 

@@ -132,6 +132,7 @@ class QueuedRequests:
     async def watch(self, mesh: FailoverMesh):
         nc = await connect(mesh.nats.settings(NatsRole.ADMIN), "test-admin")
         await nc.subscribe(subjects.REQUESTS, cb=self._on_request)
+        await nc.subscribe(subjects.ROUTED_SUBJECTS, cb=self._on_request)  # those sent to the worker holding them
         await nc.flush()
         return nc
 

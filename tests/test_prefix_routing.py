@@ -49,30 +49,37 @@ def test_the_worker_holding_the_longest_prefix_gets_the_prompt() -> None:
     router.observe_events(CacheEvents(1, 7, 0, tuple(_names(PROMPT[:8])), ()))
     router.observe_events(CacheEvents(2, 7, 0, tuple(_names(PROMPT[:16])), ()))
     assert router.choose(PROMPT, None) == 2
-    assert router.choose(list(range(100, 117)), None) is None  # nobody holds it: the shared queue
-    assert router.choose(PROMPT, "tenant") is None  # a salt's names are others
     router.observe_events(CacheEvents(2, 7, 1, (), tuple(_names(PROMPT[:16])[1:])))
     assert router.choose(PROMPT, None) == 1  # worker 2 evicted all but the first block
 
 
-def test_a_busy_holder_loses_the_prompt_to_the_next_longest_or_the_shared_queue() -> None:
+def test_a_prompt_nobody_holds_goes_to_the_least_busy_worker() -> None:
+    router = _router(_state(1, in_flight=3), _state(2, in_flight=1), _state(3, in_flight=2))
+    router.observe_events(CacheEvents(1, 7, 0, tuple(_names(PROMPT[:16])), ()))
+    assert router.choose(list(range(100, 117)), None) == 2
+    assert router.choose(PROMPT, "tenant") == 2  # a salt's names are others: nobody holds them either
+    assert router.choose(PROMPT, "tenant") == 3  # what this gateway routed counts until the next state
+
+
+def test_a_busy_holder_loses_the_prompt_to_the_next_longest_and_at_last_to_the_least_busy() -> None:
     router = _router(_state(1), _state(2, in_flight=7), _state(3), margin=0.5)
     router.observe_events(CacheEvents(2, 7, 0, tuple(_names(PROMPT[:16])), ()))
     router.observe_events(CacheEvents(1, 7, 0, tuple(_names(PROMPT[:8])), ()))
     assert router.choose(PROMPT, None) == 1  # 7/8 busier than 0/8 by more than half a batch
     router.observe_state(_state(1, in_flight=8))
-    assert router.choose(PROMPT, None) is None
+    assert router.choose(PROMPT, None) == 3
     router.observe_state(_state(1))
     router.observe_state(_state(2, in_flight=3))
+    router.observe_state(_state(3))
     assert router.choose(PROMPT, None, num_seqs=2) == 2
-    assert router.choose(PROMPT, None, num_seqs=2) == 1  # what this gateway routed counts until the next state
+    assert router.choose(PROMPT, None, num_seqs=2) == 1  # worker 2 at 5/8 now, beyond the margin
 
 
-def test_no_locality_when_every_worker_holds_it() -> None:
-    router = _router(_state(1), _state(2))
+def test_when_every_worker_holds_it_the_least_busy_takes_it() -> None:
+    router = _router(_state(1, in_flight=2), _state(2))
     for worker_id in (1, 2):
         router.observe_events(CacheEvents(worker_id, 7, 0, tuple(_names(PROMPT[:16])), ()))
-    assert router.choose(PROMPT, None) is None
+    assert router.choose(PROMPT, None) == 2
 
 
 def test_a_restarted_silent_draining_or_gapped_worker_loses_what_it_was_believed_to_hold() -> None:
@@ -80,16 +87,16 @@ def test_a_restarted_silent_draining_or_gapped_worker_loses_what_it_was_believed
     router = _router(_state(1), _state(2))
     router.observe_events(events)
     router.observe_state(_state(2, epoch=8))
-    assert router.choose(PROMPT, None) is None
+    assert router.choose(PROMPT, None) == 1  # nobody holds it now: the least busy, the lower id
 
     router = _router(_state(1), _state(2))
     router.observe_events(CacheEvents(2, 7, 3, tuple(_names(PROMPT[:16])), ()))
     router.observe_events(CacheEvents(2, 7, 5, (), ()))  # event 4 was missed
-    assert router.choose(PROMPT, None) is None
+    assert router.choose(PROMPT, None) == 1
 
     router = _router(_state(1), _state(2, draining=True))
     router.observe_events(events)
-    assert router.choose(PROMPT, None) is None
+    assert router.choose(PROMPT, None) is None  # one worker left to choose from: the shared queue
 
     router = _router(_state(1), _state(2))
     router.observe_events(events)

@@ -9,11 +9,13 @@ served by whoever has room. A worker's names are forgotten when it restarts (a n
 one of its events (a gap in their numbers), and when its state stops coming.
 
 The rule, for a prompt whose first (len - 1) // block_size blocks can be cached (a worker computes at least the
-prompt's last token): the workers holding the longest run of its leading blocks, at least MIN_MATCHED_BLOCKS, take
-it, the least busy of them, if that one is no busier than the least busy worker of all by more than `busy_margin`
-(a share of a batch); else the next longest run, and so on; else the shared queue. When every worker holds the
-longest run (a system prompt all requests share), there is nothing to choose: the shared queue. Busy is (the
-sequences a worker holds + its routed backlog + what this gateway routed to it since its last state) / max_num_seqs.
+prompt's last token): the workers holding the longest run of its leading blocks take it, the least busy of them, if
+that one is no busier than the least busy worker of all by more than `busy_margin` (in batches); else the workers
+holding the next longest run, and so on down to those holding none of it, among whom the least busy worker of all
+is. So a prompt nobody holds (a conversation's first turn) goes to the least busy worker, which spreads new
+conversations evenly and leaves each worker room for their next turns; a shared pull queue would hand them to
+whichever worker asked first. Busy is (the sequences a worker holds + its routed backlog + what this gateway routed
+to it since its last state) / max_num_seqs. With fewer than two workers to choose from, the shared queue.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from shared.schemas import WorkerState
 log = logging.getLogger("specmesh.gateway")
 
 DEFAULT_BUSY_MARGIN = 1.0  # a whole batch
-MIN_MATCHED_BLOCKS = 1
 STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
 
 
@@ -139,12 +140,10 @@ class PrefixRouter:
                 depth += 1
             matched[worker_id] = depth
         least_busy = min(worker.load for worker in eligible.values())
-        for depth in sorted({d for d in matched.values() if d >= MIN_MATCHED_BLOCKS}, reverse=True):
+        for depth in sorted(set(matched.values()), reverse=True):
             tier = [worker_id for worker_id, d in matched.items() if d == depth]
-            if len(tier) == len(eligible):
-                return None  # every worker holds it: no locality to gain
             chosen = min(tier, key=lambda worker_id: (eligible[worker_id].load, worker_id))
             if eligible[chosen].load <= least_busy + self.busy_margin:
-                eligible[chosen].routed_since_state += num_seqs
-                return chosen
-        return None
+                break
+        eligible[chosen].routed_since_state += num_seqs
+        return chosen

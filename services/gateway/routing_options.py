@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-prefix-routing", dest="prefix_routing", action="store_false",
-        help="send every request to the shared queue, which whichever worker has room takes from",
+        help="send every request to the shared queue, which whichever worker asks first takes from",
     )
     parser.add_argument(
         "--routing-busy-margin", type=_margin, default=DEFAULT_BUSY_MARGIN,

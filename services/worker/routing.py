@@ -36,8 +36,10 @@ from services.worker.metrics import ROUTED_MOVED, WorkerMetrics
 log = logging.getLogger("specmesh.worker")
 
 WORKER_STATE_PERIOD_S = 0.5
-DEAD_AFTER_S = 2 * REQUEST_ACK_WAIT_S  # silence after which a worker's routed requests are adopted
-SWEEP_PERIOD_S = 1.0
+# Silence after which a worker's routed requests are adopted: as long as JetStream waits for a request's heartbeat,
+# which the same event loop sends, so that a worker loses its routed requests when it loses its shared ones.
+DEAD_AFTER_S = REQUEST_ACK_WAIT_S
+SWEEP_PERIOD_S = 0.5
 MOVE_BATCH = 64
 MOVE_FETCH_TIMEOUT_S = 0.2
 
