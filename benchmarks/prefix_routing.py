@@ -82,6 +82,11 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None,
+        help="each worker's KV cache (default: a whole context per batch slot): smaller than the chats' working set "
+        "measures the cache under pressure",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/prefix-routing"))
     args = parser.parse_args()
 
@@ -93,7 +98,8 @@ def main() -> None:
         row = {"workers": workers}
         for name, option in ROUTINGS.items():
             with tempfile.TemporaryDirectory() as tmp:
-                mesh = start_mesh(Path(tmp), "--workers", str(workers), option)
+                kv = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+                mesh = start_mesh(Path(tmp), "--workers", str(workers), option, *kv)
                 try:
                     rates = [asyncio.run(one_round(mesh.base_url, mesh.model, openings, args.turns))
                              for _ in range(args.rounds)]
@@ -104,7 +110,7 @@ def main() -> None:
             print(f"{workers} workers, {name}: hit rates {[round(r, 3) for r in rates]}", flush=True)
         rows.append(row)
     report = {"package": PACKAGE, "conversations": args.conversations, "turns": args.turns, "rounds": args.rounds,
-              "rows": rows, "runs": runs}
+              "num_kv_blocks": args.num_kv_blocks, "rows": rows, "runs": runs}
     table = markdown_table(rows)
     print(table)
     save_report(args.out, "prefix-routing", report, table, plot_prefix_routing)
