@@ -12,6 +12,7 @@ LLAMA = dict(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
 )
 QWEN2 = LLAMA | dict(architectures=["Qwen2ForCausalLM"])
+QWEN3 = LLAMA | dict(architectures=["Qwen3ForCausalLM"], head_dim=32)
 WINDOW = 128
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
@@ -32,6 +33,8 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
     (LLAMA | dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "rope_parameters"),
     (QWEN2 | dict(layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
     (QWEN2 | dict(hidden_act="relu"), "hidden_act"),
+    (QWEN3 | dict(attention_bias=True), "attention_bias"),
+    (QWEN3 | dict(layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
 ])
 def test_unsupported_key_is_refused_by_name(raw: dict, key: str) -> None:
     with pytest.raises(UnsupportedModelError, match=key):
@@ -44,6 +47,7 @@ def test_unsupported_key_is_refused_by_name(raw: dict, key: str) -> None:
     QWEN2 | dict(use_sliding_window=False, sliding_window=32768, max_window_layers=2),  # every Qwen2.5 config
     QWEN2 | dict(attention_bias=False, mlp_bias=True),  # keys transformers' Qwen2 does not read
     LLAMA | dict(rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    QWEN3 | dict(attention_bias=False, mlp_bias=True, use_sliding_window=False, sliding_window=None),  # Qwen3-*B
 ])
 def test_harmless_keys_are_accepted(raw: dict) -> None:
     cfg = ModelConfig.from_dict(raw)
@@ -54,6 +58,7 @@ def test_harmless_keys_are_accepted(raw: dict) -> None:
 @pytest.mark.parametrize("raw", [
     QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"] * 2),
+    QWEN3 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
 ])
 def test_sliding_window_is_refused_only_where_it_applies(raw: dict) -> None:
     cfg = ModelConfig.from_dict(raw)

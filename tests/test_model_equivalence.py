@@ -1,4 +1,4 @@
-"""Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama and Qwen2)."""
+"""Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2 and Qwen3)."""
 
 from pathlib import Path
 
@@ -9,7 +9,8 @@ from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import load_model
-from tests.modelfixture import MODEL_SHAPE, random_causal_lm
+from tests.methodfixture import GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, tokens_alone
+from tests.modelfixture import MODEL_SHAPE, make_tiny_model_dir, random_causal_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +34,9 @@ def _save_tiny(kind: str, tied: bool, path: Path) -> "transformers.PreTrainedMod
     return model.eval()
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)])
+@pytest.mark.parametrize(
+    "kind,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True)]
+)
 def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     reference = _save_tiny(kind, tied, tmp_path)
     ours = load_model(tmp_path)
@@ -45,7 +48,7 @@ def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> Non
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: str) -> None:
     """Prefill 10 tokens, then score 4 more in one pass against the cache: same logits as one full pass."""
     reference = _save_tiny(kind, False, tmp_path)
@@ -80,3 +83,23 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
         whole, sharded = load_model(tmp_path / "whole"), load_model(tmp_path / "sharded")
         positions = torch.arange(12)[None]
         assert torch.equal(whole.logits(whole(ids, positions)), sharded.logits(sharded(ids, positions)))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.mark.parametrize("name", ["naive", "ngram", "suffix"])
+def test_qwen3_greedy_tokens_equal_transformers_under_every_method(qwen3_dir: Path, name: str) -> None:
+    """Every drafting method but MTP, which needs a checkpoint with MTP modules (Qwen3 ships none)."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    engine = make_engine(qwen3_dir, METHODS[name])
+    for prompt in encode_prompts(qwen3_dir, PROMPT_TEXTS[:2]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt):].tolist()
+        assert tokens_alone(engine, make_request(prompt, max_tokens=24, **GREEDY)) == expected

@@ -6,10 +6,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM")
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
-# transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config).
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768}
+_QWEN3 = "Qwen3ForCausalLM"  # RMSNorm of every query and key head (q_norm, k_norm), optional sliding-window layers
+_SLIDING_FAMILY = (*_QWEN2_FAMILY, _QWEN3)
+_QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim where config.json has none (not hidden_size / heads, as elsewhere)
+# transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
+_DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
+}
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # transformers reads `rope_scaling` (older configs) before `rope_parameters` (what transformers 5 saves).
@@ -109,6 +114,7 @@ class ModelConfig:
     num_mtp_layers: int  # multi-token-prediction modules stored beside the decoder (0 = none)
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None  # Qwen2 with sliding layers: keys this far back or more are not attended to
+    qk_norm: bool = False  # Qwen3: each query and key head is RMS-normalised (over head_dim) before the rotation
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -164,7 +170,7 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=raw.get("head_dim") or (_QWEN3_HEAD_DIM if arch == _QWEN3 else raw["hidden_size"] // heads),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -174,6 +180,7 @@ class ModelConfig:
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
+            qk_norm=arch == _QWEN3,
         )
 
     @classmethod
@@ -197,6 +204,12 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     if arch in _QWEN2_FAMILY:
         return  # transformers' Qwen2 reads neither attention_bias (q/k/v always have one) nor mlp_bias
+    if raw.get("attention_bias") and arch == _QWEN3:
+        raise UnsupportedModelError(
+            "attention_bias true is not supported for Qwen3: its o_proj bias (beside the q/k/v ones) is not implemented"
+        )
+    if arch == _QWEN3:
+        return  # transformers' Qwen3 MLP has no bias whatever mlp_bias says
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported: specmesh's MLP projections have no bias")
     if raw.get("attention_bias"):
@@ -206,9 +219,9 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
 
 
 def _sliding_window(raw: dict, arch: str) -> int | None:
-    """The window of Qwen2's sliding layers, if any layer slides; transformers drops the window unless
+    """The window of Qwen2's or Qwen3's sliding layers, if any layer slides; transformers drops the window unless
     use_sliding_window is set, and Llama has none."""
-    if arch not in _QWEN2_FAMILY:
+    if arch not in _SLIDING_FAMILY:
         return None
     layer_types = raw.get("layer_types")
     unknown = set(layer_types or ()) - {FULL_ATTENTION, SLIDING_ATTENTION}

@@ -23,6 +23,7 @@ from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.llama import CausalLM
+from services.worker.model.layers import normed_heads
 from services.worker.model.paged_attention import (
     HomePass,
     Pool,
@@ -43,6 +44,8 @@ class LayerWeights:
     input_norm: Tensor  # [hidden]
     qkv: Tensor  # [hidden, (heads + 2 kv_heads) * head_dim]
     qkv_bias: Tensor | None  # [(heads + 2 kv_heads) * head_dim]: Qwen2's q/k/v biases
+    q_norm: Tensor | None  # [head_dim]: Qwen3's per-head RMSNorm of queries and keys
+    k_norm: Tensor | None
     o: Tensor  # [heads * head_dim, hidden]
     post_norm: Tensor  # [hidden]
     gate_up: Tensor  # [hidden, 2 * intermediate]
@@ -72,6 +75,8 @@ class FlatTrunk:
                 input_norm=layer.input_layernorm.weight,
                 qkv=layer.self_attn.qkv_proj.weight_t,
                 qkv_bias=layer.self_attn.qkv_proj.bias,
+                q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
+                k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
                 o=layer.self_attn.o_proj.weight_t,
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=layer.mlp.gate_up_proj.weight_t,
@@ -107,7 +112,10 @@ class FlatTrunk:
                 h, residual = rms_norm_torch(x, layer.input_norm, self.eps, residual)
             qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
             qkv = qkv.view(num_tokens, rotated + kv_heads, head_dim)
-            qk = apply_rotary_full(qkv.narrow(1, 0, rotated), cos_sin)
+            qk = qkv.narrow(1, 0, rotated)
+            if layer.q_norm is not None:
+                qk = normed_heads(qk, heads, layer.q_norm, layer.k_norm, self.eps, norm=rms_norm_torch)
+            qk = apply_rotary_full(qk, cos_sin)
             q, k, v = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), qkv.narrow(1, rotated, kv_heads)
             write_kv_torch(layer.key_cache, layer.value_cache, batch.slot_mapping, k, v)
             if isinstance(plan, HomePass):

@@ -80,6 +80,18 @@ class Rotary(PlainModule):
         return self.cos_sin[positions]
 
 
+def normed_heads(
+    qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, norm=rms_norm
+) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of queries and keys: qk [..., heads + kv_heads, head_dim] -> the same, normed, new.
+    Every head is a row of head_dim, as the fused kernel normalises rows (norm: rms_norm, or its twin)."""
+    q, k = qk.narrow(-2, 0, num_heads), qk.narrow(-2, num_heads, qk.shape[-2] - num_heads)
+    head_dim = qk.shape[-1]
+    q = norm(q.reshape(-1, head_dim), q_weight, eps).view(q.shape)
+    k = norm(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
+    return torch.cat((q, k), dim=-2)
+
+
 class Attention(PlainModule):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -90,11 +102,18 @@ class Attention(PlainModule):
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)  # [..., heads + 2 kv_heads, head_dim]
         rotated = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv.narrow(-2, 0, rotated), cos_sin)  # q and k rotate together (in place on CUDA)
+        qk = qkv.narrow(-2, 0, rotated)
+        if self.qk_norm:
+            qk = normed_heads(qk, self.num_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        qk = apply_rotary(qk, cos_sin)  # q and k rotate together (in place on CUDA)
         q, k = qk.narrow(-2, 0, self.num_heads), qk.narrow(-2, self.num_heads, self.num_kv_heads)
         v = qkv.narrow(-2, rotated, self.num_kv_heads)
         if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
