@@ -1,7 +1,7 @@
 """Real-size model shapes without their weights, for the benchmarks' `--shape NAME`.
 
 benchmarks/shapes/<name>/config.json holds a published checkpoint's hyperparameters (Qwen2.5-0.5B, -1.5B, -7B,
-Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B); the engine loads it with random weights (load format "dummy",
+Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B); the engine loads it with random weights (load format "dummy",
 services/worker/model/dummy.py), and transformers gets a twin with the same values, so the two still decode the
 same greedy tokens. Only speed means anything with random weights: text is noise and drafts are rarely accepted.
 
@@ -73,10 +73,10 @@ def transformers_model(model_dir: Path, load_format: str, dtype: torch.dtype, de
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         shell = CausalLM(cfg)
-    state = split_projections(dummy_state_dict(shell, dtype, device), cfg)
     hf_config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         twin = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = split_projections(_stacked_experts(dummy_state_dict(shell, dtype, device), cfg), cfg)
     loaded = twin.load_state_dict(state, strict=False)
     # A tied head is the embedding itself in both models; MTP modules have no place in transformers'.
     missing = set(loaded.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
@@ -85,6 +85,21 @@ def transformers_model(model_dir: Path, load_format: str, dtype: torch.dtype, de
         raise ValueError(f"dummy weights do not fit transformers' model: missing {sorted(missing)[:5]}, "
                          f"unexpected {unexpected[:5]}")
     return twin.eval()
+
+
+def _stacked_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Routed experts as transformers 5 holds them in memory: each layer's [experts, 2 x intermediate, hidden] gate/up
+    (gate rows first, as specmesh merges them) and [experts, hidden, intermediate] down projections."""
+    stacked = dict(state)
+    for layer in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if f"{prefix}0.gate_up_proj.weight" not in state:
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            stacked[f"{prefix}{name}"] = torch.stack(
+                [stacked.pop(f"{prefix}{e}.{name}.weight") for e in range(cfg.num_experts)]
+            )
+    return stacked
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = PROMPT_SEED) -> list[int]:

@@ -21,7 +21,7 @@ from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
-from tests.modelfixture import MODEL_SHAPE
+from tests.modelfixture import MODEL_SHAPE, MOE_SHAPE
 from tests.threadfixture import single_thread  # noqa: F401  (fixtures are used by name)
 
 VOCAB_SIZE = 300
@@ -35,14 +35,19 @@ PUBLISHED_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
     # The model cards give 0.6B (0.44B without embeddings) and 8.2B (6.95B): these are the exact sums of those shapes.
     "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+    "qwen3-30b-a3b": 30_532_122_624,  # the model card's 30.5B (3.3B active)
 }
 ROPE_TYPES = {"qwen2.5-0.5b": "default", "qwen2.5-1.5b": "default", "qwen2.5-7b": "default",
-              "llama-3.2-1b": "llama3", "llama-3.1-8b": "llama3", "qwen3-0.6b": "default", "qwen3-8b": "default"}
+              "llama-3.2-1b": "llama3", "llama-3.1-8b": "llama3", "qwen3-0.6b": "default", "qwen3-8b": "default",
+              "qwen3-30b-a3b": "default"}
 
 
 def _config_dir(path: Path, kind: str = "qwen2", **overrides) -> Path:
     """config.json alone: no weights, no tokenizer."""
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    arch = {
+        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }[kind]
     config = MODEL_SHAPE | dict(architectures=[arch], model_type=kind, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID,
                                 bos_token_id=EOS_ID, tie_word_embeddings=False) | overrides
     path.mkdir(parents=True, exist_ok=True)
@@ -97,8 +102,9 @@ def test_engine_steps_a_dummy_model_without_a_tokenizer(tmp_path: Path) -> None:
 
 def test_transformers_twin_holds_the_dummy_weights(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    for kind, tied in (("llama", True), ("qwen2", False), ("qwen3", False)):
-        model_dir = _config_dir(tmp_path / kind, kind, tie_word_embeddings=tied)
+    for kind, tied in (("llama", True), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False)):
+        experts = MOE_SHAPE if kind == "qwen3_moe" else {}
+        model_dir = _config_dir(tmp_path / kind, kind, tie_word_embeddings=tied, **experts)
         ours = load_model(model_dir, load_format="dummy")
         twin = shape.transformers_model(model_dir, "dummy", torch.float32, "cpu")
         ids = torch.tensor([shape.random_prompt(VOCAB_SIZE, 24)])

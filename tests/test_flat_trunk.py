@@ -26,7 +26,7 @@ def _rows(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(1, 400, (count, length), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("kind", [kind for kind in MODEL_KINDS if kind != "qwen3_moe"])  # routed experts: modules
 def test_flat_trunk_equals_the_modules(tmp_path: Path, kind: str) -> None:
     model = load_model(make_tiny_model_dir(tmp_path, kind), max_model_len=MAX_MODEL_LEN)
     runner = ModelRunner(model, SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS)

@@ -1,4 +1,5 @@
-"""Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2 and Qwen3)."""
+"""Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2, Qwen3 and Qwen3-MoE),
+and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
 from pathlib import Path
 
@@ -23,9 +24,9 @@ SHAPE = MODEL_SHAPE | dict(
 SEED = 0
 
 
-def _save_tiny(kind: str, tied: bool, path: Path) -> "transformers.PreTrainedModel":
+def _save_tiny(kind: str, tied: bool, path: Path, **config) -> "transformers.PreTrainedModel":
     torch.manual_seed(SEED)
-    model = random_causal_lm(kind, **SHAPE, tie_word_embeddings=tied)
+    model = random_causal_lm(kind, **SHAPE, tie_word_embeddings=tied, **config)
     with torch.no_grad():  # random biases and norms, so their loading is really checked
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -96,6 +97,44 @@ def test_qwen3_greedy_tokens_equal_transformers_under_every_method(qwen3_dir: Pa
     reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
     engine = make_engine(qwen3_dir, METHODS[name])
     for prompt in encode_prompts(qwen3_dir, PROMPT_TEXTS[:2]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt):].tolist()
+        assert tokens_alone(engine, make_request(prompt, max_tokens=24, **GREEDY)) == expected
+
+
+@pytest.mark.parametrize("experts", [
+    dict(norm_topk_prob=False),
+    dict(norm_topk_prob=True),
+    dict(decoder_sparse_step=2),  # layer 0 dense, layer 1 sparse
+    dict(mlp_only_layers=[1]),
+])
+def test_qwen3_moe_logits_match_transformers(tmp_path: Path, experts: dict) -> None:
+    reference = _save_tiny("qwen3_moe", False, tmp_path, **experts)
+    ours = load_model(tmp_path)
+    sparse = [layer.mlp.__class__.__name__ == "SparseMoE" for layer in ours.model.layers]
+    assert sparse == [reference.config.num_experts > 0 and i not in reference.config.mlp_only_layers
+                      and (i + 1) % reference.config.decoder_sparse_step == 0 for i in range(len(sparse))]
+    ids = torch.randint(0, VOCAB_SIZE, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
+    assert torch.allclose(got, expected, atol=TOLERANCE), (got - expected).abs().max()
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.mark.parametrize("name", ["naive", "ngram"])
+def test_qwen3_moe_greedy_tokens_equal_transformers(qwen3_moe_dir: Path, name: str) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe_dir, dtype=torch.float32).eval()
+    engine = make_engine(qwen3_moe_dir, METHODS[name])
+    for prompt in encode_prompts(qwen3_moe_dir, PROMPT_TEXTS[:2]):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             expected = reference.generate(

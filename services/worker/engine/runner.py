@@ -61,12 +61,14 @@ class ModelRunner:
             param.dtype, param.device, block_size, num_blocks,
             hidden_size=cfg.hidden_size if cfg.num_mtp_layers else None,
         )
+        # Routed experts are grouped by counts read on the host (model/moe.py), which a captured graph cannot do.
         self.graphs = (
             GraphRunner(model.forward, self.cache, max_num_seqs, graph_query_lens, capture=True)
-            if graph_query_lens else None
+            if graph_query_lens and not cfg.num_experts else None
         )
-        # The CPU runs the trunk as one flat loop (model/flat_trunk.py); other devices run the modules.
-        self.trunk = FlatTrunk(model, self.cache) if self.device.type == "cpu" else model
+        # The CPU runs a dense trunk as one flat loop (model/flat_trunk.py); other devices, and routed experts, run
+        # the modules.
+        self.trunk = FlatTrunk(model, self.cache) if self.device.type == "cpu" and not cfg.num_experts else model
 
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
         return pack(self.cache, rows, starts, slots, self.buffers, first_position)

@@ -6,14 +6,24 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+)
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
-_QWEN3 = "Qwen3ForCausalLM"  # RMSNorm of every query and key head (q_norm, k_norm), optional sliding-window layers
-_SLIDING_FAMILY = (*_QWEN2_FAMILY, _QWEN3)
-_QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim where config.json has none (not hidden_size / heads, as elsewhere)
+_QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # RMSNorm of every query and key head (q/k_norm)
+_QWEN3_MOE = "Qwen3MoeForCausalLM"  # and routed experts
+_SLIDING_FAMILY = (*_QWEN2_FAMILY, *_QWEN3_FAMILY)
+# Qwen3MoeConfig's defaults where config.json is silent
+_MOE_DEFAULTS = dict(
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+)
+_QWEN3_DENSE = "Qwen3ForCausalLM"
+# Qwen3Config's head_dim where config.json has none (not hidden_size / heads, as elsewhere, Qwen3-MoE included)
+_QWEN3_HEAD_DIM = 128
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
+    "Qwen3MoeForCausalLM": 32768,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -115,6 +125,21 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None  # Qwen2 with sliding layers: keys this far back or more are not attended to
     qk_norm: bool = False  # Qwen3: each query and key head is RMS-normalised (over head_dim) before the rotation
+    # Qwen3-MoE: layers whose MLP is num_experts routed experts of moe_intermediate_size, each token's output the
+    # sum of its num_experts_per_tok most likely ones, weighted by their router probabilities (renormalised to sum
+    # to 1 with norm_topk_prob); 0 experts: every layer dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -170,7 +195,7 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or (_QWEN3_HEAD_DIM if arch == _QWEN3 else raw["hidden_size"] // heads),
+            head_dim=raw.get("head_dim") or (_QWEN3_HEAD_DIM if arch == _QWEN3_DENSE else raw["hidden_size"] // heads),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -180,7 +205,8 @@ class ModelConfig:
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
-            qk_norm=arch == _QWEN3,
+            qk_norm=arch in _QWEN3_FAMILY,
+            **_experts(raw, arch),
         )
 
     @classmethod
@@ -204,18 +230,36 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     if arch in _QWEN2_FAMILY:
         return  # transformers' Qwen2 reads neither attention_bias (q/k/v always have one) nor mlp_bias
-    if raw.get("attention_bias") and arch == _QWEN3:
+    if raw.get("attention_bias") and arch in _QWEN3_FAMILY:
         raise UnsupportedModelError(
             "attention_bias true is not supported for Qwen3: its o_proj bias (beside the q/k/v ones) is not implemented"
         )
-    if arch == _QWEN3:
-        return  # transformers' Qwen3 MLP has no bias whatever mlp_bias says
+    if arch in _QWEN3_FAMILY:
+        return  # transformers' Qwen3 MLPs have no bias whatever mlp_bias says
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported: specmesh's MLP projections have no bias")
     if raw.get("attention_bias"):
         raise UnsupportedModelError(
             "attention_bias true is not supported for Llama: its o_proj bias (beside the q/k/v ones) is not implemented"
         )
+
+
+def _experts(raw: dict, arch: str) -> dict:
+    """Qwen3-MoE's expert keys, with Qwen3MoeConfig's defaults."""
+    if arch != _QWEN3_MOE:
+        return {}
+    # Published configs say num_experts; transformers 5 saves it as num_local_experts.
+    raw = {"num_experts": raw.get("num_local_experts"), **{k: v for k, v in raw.items() if v is not None}}
+    keys = {key: raw.get(key) if raw.get(key) is not None else default for key, default in _MOE_DEFAULTS.items()}
+    if not 0 < keys["num_experts_per_tok"] <= keys["num_experts"]:
+        raise UnsupportedModelError(
+            f"num_experts_per_tok {keys['num_experts_per_tok']} must be between 1 and num_experts {keys['num_experts']}"
+        )
+    return dict(
+        num_experts=int(keys["num_experts"]), num_experts_per_tok=int(keys["num_experts_per_tok"]),
+        moe_intermediate_size=int(keys["moe_intermediate_size"]), norm_topk_prob=bool(keys["norm_topk_prob"]),
+        decoder_sparse_step=int(keys["decoder_sparse_step"]), mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+    )
 
 
 def _sliding_window(raw: dict, arch: str) -> int | None:

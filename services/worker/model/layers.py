@@ -16,6 +16,7 @@ from torch import nn
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig, UnsupportedModelError
+from services.worker.model.moe import SparseMoE
 from services.worker.model.paged_attention import paged_attention
 from services.worker.model.plain_module import PlainModule
 from services.worker.model.rms_norm import rms_norm
@@ -131,10 +132,12 @@ class Attention(PlainModule):
 
 
 class MLP(PlainModule):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """intermediate_size: the config's (None), or a routed expert's."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -146,7 +149,7 @@ class DecoderLayer(PlainModule):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg, MLP) if cfg.is_sparse_layer(layer_index) else MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch | None

@@ -15,19 +15,19 @@ ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 ATTENTION_MERGED = "qkv_proj"
 MLP_PARTS = ("gate_proj", "up_proj")
 MLP_MERGED = "gate_up_proj"
-_GROUPS = ((".self_attn.", ATTENTION_PARTS, ATTENTION_MERGED), (".mlp.", MLP_PARTS, MLP_MERGED))
+_GROUPS = ((ATTENTION_PARTS, ATTENTION_MERGED), (MLP_PARTS, MLP_MERGED))
 _KINDS = ("weight", "bias")
 
 
 def merge_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> merged names; other entries pass through."""
+    """HF names -> merged names (a routed expert's gate/up as a dense MLP's); other entries pass through."""
     merged = dict(state)
     for key in state:
-        for infix, parts, name in _GROUPS:
+        for parts, name in _GROUPS:
             for kind in _KINDS:
-                suffix = f"{infix}{parts[0]}.{kind}"
+                suffix = f".{parts[0]}.{kind}"
                 if key.endswith(suffix):
-                    prefix = key[: -len(suffix)] + infix
+                    prefix = key[: -len(suffix)] + "."
                     merged[f"{prefix}{name}.{kind}"] = torch.cat([merged.pop(f"{prefix}{p}.{kind}") for p in parts])
     return merged
 
@@ -36,13 +36,14 @@ def split_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     """Merged names -> HF names, the inverse of merge_projections."""
     q_size = cfg.num_attention_heads * cfg.head_dim
     kv_size = cfg.num_key_value_heads * cfg.head_dim
-    sizes = {ATTENTION_MERGED: (q_size, kv_size, kv_size), MLP_MERGED: (cfg.intermediate_size,) * 2}
     split = {}
     for key, value in state.items():
-        for infix, parts, name in _GROUPS:
-            head, sep, kind = key.rpartition(f"{infix}{name}.")
+        for parts, name in _GROUPS:
+            head, sep, kind = key.rpartition(f".{name}.")
             if sep:
-                split.update({f"{head}{infix}{p}.{kind}": t for p, t in zip(parts, value.split(sizes[name]))})
+                # gate/up halves: a dense MLP's or a routed expert's, whose intermediate size differs
+                pieces = value.split((q_size, kv_size, kv_size)) if name == ATTENTION_MERGED else value.chunk(2)
+                split.update({f"{head}.{p}.{kind}": t for p, t in zip(parts, pieces)})
                 break
         else:
             split[key] = value
