@@ -1,7 +1,7 @@
 """Real-size model shapes without their weights, for the benchmarks' `--shape NAME`.
 
 benchmarks/shapes/<name>/config.json holds a published checkpoint's hyperparameters (Qwen2.5-0.5B, -1.5B, -7B,
-Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B); the engine loads it with random weights (load format "dummy",
+Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B, Mistral-7B-v0.3); the engine loads it with random weights (load format "dummy",
 services/worker/model/dummy.py), and transformers gets a twin with the same values, so the two still decode the
 same greedy tokens. Only speed means anything with random weights: text is noise and drafts are rarely accepted.
 

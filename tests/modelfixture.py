@@ -1,4 +1,4 @@
-"""A tiny random Llama, Qwen2, Qwen3 or Qwen3-MoE checkpoint with a real tokenizer, for tests that run the engine.
+"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral checkpoint with a real tokenizer, for tests that run the engine.
 
 Use the fixture by importing it into a test module (`from tests.modelfixture import tiny_model_dir`), or call
 `make_tiny_model_dir(path)` directly. The fixture builds the directory once per test session.
@@ -27,7 +27,8 @@ MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+MISTRAL_WINDOW = 8  # a tiny Mistral's sliding window: shorter than the tests' prompts and outputs
 # A tiny Qwen3-MoE's experts (with MODEL_SHAPE's two layers, both sparse unless the config says otherwise)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 
@@ -38,14 +39,17 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3 or Qwen3-MoE with these config keys, its random weights drawn from torch's
-    global RNG."""
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral with these config keys, its random weights drawn from
+    torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    if kind == "mistral":
+        config = dict(sliding_window=MISTRAL_WINDOW) | config
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**config))
     if kind in ("qwen3", "qwen3_moe"):  # Qwen3's head_dim defaults to 128, not hidden_size / heads
         head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
         if kind == "qwen3":

@@ -36,10 +36,11 @@ PUBLISHED_PARAMETERS = {
     # The model cards give 0.6B (0.44B without embeddings) and 8.2B (6.95B): these are the exact sums of those shapes.
     "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
     "qwen3-30b-a3b": 30_532_122_624,  # the model card's 30.5B (3.3B active)
+    "mistral-7b": 7_248_023_552,  # Mistral-7B-v0.3
 }
 ROPE_TYPES = {"qwen2.5-0.5b": "default", "qwen2.5-1.5b": "default", "qwen2.5-7b": "default",
               "llama-3.2-1b": "llama3", "llama-3.1-8b": "llama3", "qwen3-0.6b": "default", "qwen3-8b": "default",
-              "qwen3-30b-a3b": "default"}
+              "qwen3-30b-a3b": "default", "mistral-7b": "default"}
 
 
 def _config_dir(path: Path, kind: str = "qwen2", **overrides) -> Path:

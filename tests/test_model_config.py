@@ -13,6 +13,7 @@ LLAMA = dict(
 )
 QWEN2 = LLAMA | dict(architectures=["Qwen2ForCausalLM"])
 QWEN3 = LLAMA | dict(architectures=["Qwen3ForCausalLM"], head_dim=32)
+MISTRAL = LLAMA | dict(architectures=["MistralForCausalLM"])
 WINDOW = 128
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
@@ -84,3 +85,12 @@ def test_rope_fields_follow_transformers_precedence() -> None:
     assert cfg.rope_scaling.rope_type == "llama3"
     assert cfg.rope_theta == 500000.0
     assert cfg.rope_scaling.original_max_position_embeddings == 32
+
+
+def test_mistral_windows_every_layer_as_transformers_does() -> None:
+    assert ModelConfig.from_dict(MISTRAL).attention_window == 4096  # MistralConfig's default: the key is absent
+    assert ModelConfig.from_dict(MISTRAL | dict(sliding_window=None)).attention_window is None  # Mistral-7B-v0.3
+    cfg = ModelConfig.from_dict(MISTRAL | dict(sliding_window=WINDOW, attention_bias=True, mlp_bias=True))
+    assert cfg.attention_window == WINDOW and cfg.sliding_window is None  # honoured, so nothing is refused
+    cfg.check_served_length(4 * WINDOW)
+    assert ModelConfig.from_dict(LLAMA).attention_window is None

@@ -8,7 +8,10 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "MistralForCausalLM",
 )
+_MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
+_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has no such key (null: none)
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
 _QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # RMSNorm of every query and key head (q/k_norm)
 _QWEN3_MOE = "Qwen3MoeForCausalLM"  # and routed experts
@@ -23,7 +26,7 @@ _QWEN3_HEAD_DIM = 128
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
-    "Qwen3MoeForCausalLM": 32768,
+    "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -125,6 +128,8 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
     sliding_window: int | None = None  # Qwen2 with sliding layers: keys this far back or more are not attended to
     qk_norm: bool = False  # Qwen3: each query and key head is RMS-normalised (over head_dim) before the rotation
+    # Mistral: every layer's query at position i attends to keys i - attention_window < j <= i (None: all of them)
+    attention_window: int | None = None
     # Qwen3-MoE: layers whose MLP is num_experts routed experts of moe_intermediate_size, each token's output the
     # sum of its num_experts_per_tok most likely ones, weighted by their router probabilities (renormalised to sum
     # to 1 with norm_topk_prob); 0 experts: every layer dense
@@ -206,6 +211,7 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
             qk_norm=arch in _QWEN3_FAMILY,
+            attention_window=raw.get("sliding_window", _MISTRAL_WINDOW) if arch == _MISTRAL else None,
             **_experts(raw, arch),
         )
 
@@ -234,8 +240,8 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError(
             "attention_bias true is not supported for Qwen3: its o_proj bias (beside the q/k/v ones) is not implemented"
         )
-    if arch in _QWEN3_FAMILY:
-        return  # transformers' Qwen3 MLPs have no bias whatever mlp_bias says
+    if arch in _QWEN3_FAMILY or arch == _MISTRAL:
+        return  # transformers' Qwen3 and Mistral MLPs have no bias whatever mlp_bias says, nor Mistral's attention
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported: specmesh's MLP projections have no bias")
     if raw.get("attention_bias"):

@@ -67,6 +67,7 @@ class FlatTrunk:
         self.head_dim = cfg.head_dim
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
+        self.window = cfg.attention_window
         self.embed = model.model.embed_tokens.weight  # [vocab, hidden]
         self.region_len = cache.region_len
         self.rotary = model.rotary
@@ -97,7 +98,9 @@ class FlatTrunk:
         if num_tokens == 0:
             return x
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
-        plan = plan_cpu_attention(
+        # A window that cuts any context: the batched call, whose mask takes its lower bound (paged_attention_torch).
+        window = self.window if self.window is not None and self.window < batch.max_context_len else None
+        plan = None if window is not None else plan_cpu_attention(
             batch.num_seqs, batch.max_query_len, batch.max_context_len, batch.attention_spans, self.group,
             self.region_len, self.layers[0].keys, input_ids.device,
         )
@@ -125,7 +128,7 @@ class FlatTrunk:
             else:
                 attended = attend_gathered(
                     q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens,
-                    self.scale, batch.max_query_len, batch.max_context_len, batch.first_position,
+                    self.scale, batch.max_query_len, batch.max_context_len, batch.first_position, window,
                 )
             h, residual = rms_norm_torch(attended.view(num_tokens, -1) @ layer.o, layer.post_norm, self.eps, residual)
             x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down

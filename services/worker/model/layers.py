@@ -81,6 +81,12 @@ class Rotary(PlainModule):
         return self.cos_sin[positions]
 
 
+def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[length, length] bool: query i sees keys i - window < j <= i (a causal mask when window >= length)."""
+    distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
+    return (distance >= 0) & (distance < window)
+
+
 def normed_heads(
     qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, norm=rms_norm
 ) -> torch.Tensor:
@@ -107,6 +113,7 @@ class Attention(PlainModule):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.window = cfg.attention_window
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)  # [..., heads + 2 kv_heads, head_dim]
@@ -119,7 +126,9 @@ class Attention(PlainModule):
         v = qkv.narrow(-2, rotated, self.num_kv_heads)
         if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.window is None,
+                attn_mask=None if self.window is None else window_mask(q.shape[-3], self.window, q.device),
+                enable_gqa=True,
             ).transpose(1, 2)
         else:  # serving: [T, heads, head_dim] against the paged cache
             batch.cache.write(self.layer_index, batch.slot_mapping, k, v)
@@ -127,6 +136,7 @@ class Attention(PlainModule):
                 q, batch.cache.keys[self.layer_index], batch.cache.values[self.layer_index], batch.block_tables,
                 batch.query_starts, batch.context_lens, self.scale, batch.max_query_len, batch.max_context_len,
                 batch.first_position, batch.cache.block_size, batch.attention_spans, batch.cache.region_len,
+                self.window,
             )
         return self.o_proj(out.flatten(-2))
 

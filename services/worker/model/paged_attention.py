@@ -64,6 +64,7 @@ def paged_attention(
     block_size: int | None = None,
     spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
     region_len: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention output [T, heads, head_dim] in q's dtype; the kernel on CUDA, the twin elsewhere.
 
@@ -73,10 +74,14 @@ def paged_attention(
     query_starts [B + 1] int32; context_lens [B] int32. Query i of sequence b sits at position
     context_lens[b] - n_b + i and attends to positions first_position..itself (an MTP module has no entry at
     position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros. q and the
-    caches share a dtype; scores and softmax are float32.
+    caches share a dtype; scores and softmax are float32. With a `window` (Mistral), a query at position i attends to
+    positions i - window + 1..i only (the twin only: the kernel has no window, and the engine refuses one that would
+    apply on CUDA).
     max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
     """
-    if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS:
+    if window is not None and window >= max_context_len:
+        window = None  # every key is inside it
+    if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS and window is None:
         # Imported here: CPU callers never need triton.
         from kernels.paged_attention import paged_attention_launch
 
@@ -86,7 +91,7 @@ def paged_attention(
         )
     return paged_attention_torch(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
-        first_position, block_size, spans, region_len,
+        first_position, block_size, spans, region_len, window,
     )
 
 
@@ -104,6 +109,7 @@ def paged_attention_torch(
     block_size: int | None = None,
     spans: Seq[SequenceSpan] | Callable[[int], Seq[SequenceSpan]] | None = None,
     region_len: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """`paged_attention` in torch ops, on any device, either cache layout: the kernel's reference and the CPU path.
 
@@ -113,12 +119,13 @@ def paged_attention_torch(
     number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
     work them out again; from the index tensors when None. `region_len`: the positions of each cache slot's home
     region (kv_cache.py), where decode or verify rows of sequences that all sit in theirs are attended in one call over
-    views (attend_home_pass); None leaves that path out.
+    views (attend_home_pass); None leaves that path out. A `window` that cuts any context is attended in the batched
+    call, whose mask takes its lower bound.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
         return torch.zeros_like(q)
     keys, values = Pool(key_cache, block_size), Pool(value_cache, block_size)
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and window is None:
         group = q.shape[1] // keys.num_kv_heads
         if spans is None:
             spans = partial(
@@ -135,7 +142,7 @@ def paged_attention_torch(
             return attend_per_sequence(q, keys, values, plan, scale)
     return attend_gathered(
         q, keys, values, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
-        first_position,
+        first_position, window,
     )
 
 
@@ -435,9 +442,11 @@ def attend_gathered(
     max_query_len: int,
     max_context_len: int,
     first_position: int,
+    window: int | None = None,
 ) -> Tensor:
     """One batched attention over every sequence's gathered context [B, max_context_len, kv_heads, head_dim],
-    queries padded to max_query_len, mask built on q's device. Never reads a device tensor on the host."""
+    queries padded to max_query_len, mask built on q's device (with a `window`, each query sees only the last `window`
+    positions up to its own). Never reads a device tensor on the host."""
     tokens, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
     device = q.device
@@ -455,6 +464,8 @@ def attend_gathered(
     positions = (context_lens.long() - counts)[:, None] + offsets  # [B, Lq]
     key_positions = torch.arange(first_position, max_context_len, device=device)
     mask = key_positions <= positions[:, None, :, None]  # [B, 1, Lq, C]; also hides keys past each context
+    if window is not None:
+        mask &= key_positions > positions[:, None, :, None] - window
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
     # Token t of sequence s is row s * Lq + (t - start_s) of the padded output.
