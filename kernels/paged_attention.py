@@ -9,7 +9,9 @@ head however many query heads read it (a decode or verify step has few queries, 
 a prefill's tile by queries). The program walks the sequence's block table from first_position up to its last
 query's block, one block of BLOCK_SIZE keys per iteration, with a flash-attention online softmax in float32
 (exp2, the scale folded with log2 e), so the context is never gathered and nothing is allocated per step.
-A query whose position is before first_position sees no key and is written as zeros.
+A query whose position is before first_position sees no key and is written as zeros. With a window (Mistral's
+sliding window), a query at position i sees keys i - window < j <= i only, and the program starts its walk at the
+first block its earliest query's window reaches.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ MAX_TILE_ROWS = 64  # (query, head) rows per program: a prefill's tile; decode/v
 NUM_WARPS = 4
 # Running-max start: finite, so a row that has seen only masked keys rescales by exp2(0) instead of NaN.
 SCORE_FLOOR = tl.constexpr(-1.0e30)
+NO_WINDOW = 2**30  # the window of a model without one: beyond any context
 
 
 @triton.jit
@@ -49,6 +52,7 @@ def _paged_attention_kernel(
     context_lens_ptr,  # [B] int32
     scale_log2,  # softmax scale * log2(e)
     first_position,
+    window,  # a query at position i sees keys i - window < j <= i (NO_WINDOW: every earlier key)
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -97,7 +101,8 @@ def _paged_attention_kernel(
     last_position = context - count + tl.minimum(first_query + QUERIES_PER_TILE, count) - 1
     offsets = tl.arange(0, BLOCK_SIZE)
     table_row = block_tables_ptr + sequence.to(tl.int64) * stride_table
-    for logical_block in range(first_position // BLOCK_SIZE, last_position // BLOCK_SIZE + 1):
+    first_key = tl.maximum(first_position, context - count + first_query - window + 1)
+    for logical_block in range(first_key // BLOCK_SIZE, last_position // BLOCK_SIZE + 1):
         block = tl.load(table_row + logical_block).to(tl.int64)
         block_base = block * stride_cache_block + kv_head * stride_cache_head
         token_offsets = offsets * stride_cache_token
@@ -110,6 +115,7 @@ def _paged_attention_kernel(
         scores = _dot(q, keys, WIDEN_DOT, DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_SIZE] float32
         key_position = logical_block * BLOCK_SIZE + offsets
         allowed = (key_position[None, :] <= position[:, None]) & (key_position[None, :] >= first_position)
+        allowed &= key_position[None, :] > position[:, None] - window
         scores = tl.where(allowed, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -144,6 +150,7 @@ def paged_attention_launch(
     max_query_len: int,
     max_context_len: int,
     first_position: int = 0,
+    window: int | None = None,
 ) -> Tensor:
     """Launches the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); the twin's contract."""
     assert q.dim() == 3, f"q must be [T, heads, head_dim], got {tuple(q.shape)}"
@@ -164,6 +171,7 @@ def paged_attention_launch(
     assert context_lens.shape == (batch,) and context_lens.dtype == torch.int32, "context_lens must be [B] int32"
     assert max_context_len <= block_tables.shape[1] * block_size, "max_context_len exceeds the block tables"
     assert first_position >= 0, f"first_position {first_position} must be >= 0"
+    assert window is None or 0 < window < NO_WINDOW, f"window {window} must be positive and below {NO_WINDOW}"
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -185,6 +193,7 @@ def paged_attention_launch(
         context_lens.contiguous(),
         scale * math.log2(math.e),
         first_position,
+        NO_WINDOW if window is None else window,
         q.stride(0),
         q.stride(1),
         out.stride(0),

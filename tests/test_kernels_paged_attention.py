@@ -3,7 +3,9 @@ kernel, run by Triton's interpreter on CPU tensors, against the twin. Ragged pac
 query, decode (1), verification (4, 9) and prefill-length query runs, and verify batches give every sequence K + 1
 queries at its own context length (float32 and bfloat16, every GQA ratio); contexts cross block boundaries; block
 tables are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16. The
-twin reads both cache layouts (block-major, the kernel's; head-major, the CPU's) to the same result.
+twin reads both cache layouts (block-major, the kernel's; head-major, the CPU's) to the same result. A sliding window
+(Mistral) shorter than the contexts: the twin against the naive softmax over each query's window, the kernel against
+the twin.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class Batch:
             self.context_lens, SCALE, self.max_query_len, self.max_context_len, first_position,
         )
 
-    def naive(self, first_position: int) -> torch.Tensor:
-        """Query by query and head by head: an explicit float64 softmax over that query's allowed keys."""
+    def naive(self, first_position: int, window: int | None = None) -> torch.Tensor:
+        """Query by query and head by head: an explicit float64 softmax over that query's allowed keys (the last
+        `window` positions up to its own, with a window)."""
         out = torch.zeros(self.q.shape, dtype=torch.float64)
         num_heads, num_kv_heads = self.q.shape[1], self.logical_keys[0].shape[1]
         group = num_heads // num_kv_heads
@@ -139,9 +142,10 @@ class Batch:
             for i in range(count):
                 position = context - count + i
                 for head in range(num_heads):
+                    lowest = first_position if window is None else max(first_position, position - window + 1)
                     if position >= first_position:
-                        k = keys[first_position : position + 1, head // group].double()
-                        v = values[first_position : position + 1, head // group].double()
+                        k = keys[lowest : position + 1, head // group].double()
+                        v = values[lowest : position + 1, head // group].double()
                         weights = torch.softmax(k @ self.q[token, head].double() * SCALE, dim=0)
                         out[token, head] = weights @ v
                 token += 1
@@ -269,3 +273,23 @@ def test_dispatcher_runs_the_twin_on_cpu_and_launcher_checks_shapes() -> None:
         paged_attention_launch(batch.q, half_blocks, half_blocks, *args[3:])
     with pytest.raises(AssertionError, match="heads"):
         paged_attention_launch(batch.q[:, :3], *args[1:])
+
+
+WINDOWS = (1, 7, 20)  # one key, less than a block, more than one block
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
+def test_twin_honours_a_sliding_window(window: int, head_major: bool) -> None:
+    batch = Batch(RAGGED, 8, 2, "shuffled", seed=window)
+    for first_position in (0, 1):
+        got = paged_attention(*batch.args(first_position, head_major), window=window)
+        _close(got, batch.naive(first_position, window), FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("cases", [RAGGED, VERIFY], ids=["ragged", "verify"])
+def test_kernel_honours_a_sliding_window(window: int, cases) -> None:
+    batch = Batch(cases, 8, 2, "shuffled", seed=window + 1)
+    args = batch.args(0)
+    _close(paged_attention_launch(*args, window=window), batch.naive(0, window), FLOAT32_TOLERANCE)

@@ -14,7 +14,6 @@ from services.worker.engine.cuda_graph import GraphRunner
 from services.worker.engine.forward_batch import ForwardBatch, InputBuffers, pack, pack_host, to_device
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.flat_trunk import FlatTrunk
-from services.worker.model.config import UnsupportedModelError
 from services.worker.model.llama import CausalLM
 
 P = ParamSpec("P")
@@ -53,12 +52,6 @@ class ModelRunner:
         for verify; services/worker/engine/cuda_graph.py); empty runs every pass eagerly."""
         cfg = model.config
         param = next(model.parameters())
-        window = cfg.attention_window
-        if param.device.type != "cpu" and window is not None and window < max_model_len:
-            raise UnsupportedModelError(
-                f"sliding_window {window}: the CUDA kernels attend to whole contexts; serve at most {window} positions "
-                f"(--max-model-len, not {max_model_len}) or on the CPU, where the window is honoured"
-            )
         self.model = model
         self.device = param.device
         self.max_model_len = max_model_len

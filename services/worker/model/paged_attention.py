@@ -75,19 +75,18 @@ def paged_attention(
     context_lens[b] - n_b + i and attends to positions first_position..itself (an MTP module has no entry at
     position 0); query head h reads kv head h // (heads // kv_heads). A query with no key gets zeros. q and the
     caches share a dtype; scores and softmax are float32. With a `window` (Mistral), a query at position i attends to
-    positions i - window + 1..i only (the twin only: the kernel has no window, and the engine refuses one that would
-    apply on CUDA).
+    positions i - window + 1..i only.
     max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
     """
     if window is not None and window >= max_context_len:
         window = None  # every key is inside it
-    if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS and window is None:
+    if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS:
         # Imported here: CPU callers never need triton.
         from kernels.paged_attention import paged_attention_launch
 
         return paged_attention_launch(
             q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len,
-            max_context_len, first_position,
+            max_context_len, first_position, window,
         )
     return paged_attention_torch(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
