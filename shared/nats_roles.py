@@ -122,6 +122,7 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
             *_declares_request_stream(), subjects.ROUTED_SUBJECTS, *_declares_routed_stream(),
+            subjects.cache_sync(ANY_TOKEN),
         ),
         subscribe=(
             subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
@@ -134,7 +135,10 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
             *_declares_request_stream(), *_pulls_requests(),
             *_moves_dead_letters(), *_serves_routed_requests(),
         ),
-        subscribe=(subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER), subjects.worker_state(ANY_TOKEN)),
+        subscribe=(
+            subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER), subjects.worker_state(ANY_TOKEN),
+            subjects.cache_sync(ANY_TOKEN),
+        ),
     ),
     NatsRole.DETOKENIZER: Permissions(
         publish=(subjects.responses(ANY_TOKEN), subjects.STOP),

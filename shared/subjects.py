@@ -39,6 +39,12 @@ def cache_events(worker_id: int) -> str:
     return f"{PREFIX}.cache.{worker_id}"
 
 
+def cache_sync(worker_id: int) -> str:
+    """gateway -> one worker: publish a snapshot of every block name you hold (a gateway that has just met the worker,
+    after its own start or the worker's); no body."""
+    return f"{PREFIX}.cache.sync.{worker_id}"
+
+
 def worker_state(worker_id: int) -> str:
     """worker -> gateways and workers, every WORKER_STATE_PERIOD_S: alive, how busy, draining; schemas.WorkerState."""
     return f"{PREFIX}.worker.{worker_id}.state"

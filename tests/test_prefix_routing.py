@@ -1,13 +1,15 @@
 """Prefix-aware routing: the gateway's rule on what workers announce (no NATS), the cache events' codec, and the
 whole path through real processes (NATS, two workers, two detokenizers, a gateway): a conversation's next turn goes
 to the worker that holds it and finds its cache there; a worker killed with routed requests in flight and queued,
-loses none of them, and their streams end as undisturbed runs do."""
+loses none of them, and their streams end as undisturbed runs do; a gateway started after the workers learns what
+they hold from their snapshots."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import openai
 import pytest
 
 from services.gateway.prefix_router import PrefixRouter
@@ -17,6 +19,7 @@ from shared.natsutil import REQUEST_ACK_WAIT_S
 from shared.prefix_hash import extend_hashes, root_hash
 from shared.schemas import WorkerState
 from tests.failoverfixture import FailoverMesh, Streamed, kill, stream
+from tests.test_drain import Service
 from tests.test_e2e import E2E_MODEL
 
 BLOCK_SIZE = 4
@@ -104,13 +107,29 @@ def test_a_restarted_silent_draining_or_gapped_worker_loses_what_it_was_believed
     assert router.choose(PROMPT, None) is None
 
 
+def test_a_worker_met_is_asked_for_a_snapshot_which_replaces_what_was_believed() -> None:
+    router = PrefixRouter(nc=None)
+    assert router.observe_state(_state(1)) == 1  # met: ask it (subjects.cache_sync)
+    assert router.observe_state(_state(1)) is None
+    assert router.observe_state(_state(1, epoch=9)) == 1  # restarted
+    assert router.observe_state(_state(2)) == 2
+    router.observe_events(CacheEvents(2, 7, 0, tuple(_names(PROMPT[:16])), ()))
+    assert router.choose(PROMPT, None) == 2
+    # Its snapshot: numbered on from its events, everything it holds now (the prompt's first block only).
+    router.observe_events(CacheEvents(2, 7, 1, tuple(_names(PROMPT[:4])), (), snapshot=True))
+    router.observe_events(CacheEvents(1, 9, 0, tuple(_names(PROMPT[:8])), (), snapshot=True))
+    assert router.choose(PROMPT, None) == 1
+
+
 def test_cache_events_round_trip_and_refuse_what_they_cannot_read() -> None:
     events = CacheEvents(3, 2**40, 9, tuple(_names(PROMPT[:8])), tuple(_names(PROMPT[:4], "s")))
     assert CacheEvents.decode(events.encode()) == events
+    snapshot = CacheEvents(3, 2**40, 10, tuple(_names(PROMPT[:8])), (), snapshot=True)
+    assert CacheEvents.decode(snapshot.encode()) == snapshot
     with pytest.raises(CacheEventError):
         CacheEvents.decode(events.encode()[:-1])
     with pytest.raises(CacheEventError):
-        CacheEvents.decode(b"\x02" + events.encode()[1:])
+        CacheEvents.decode(b"\x09" + events.encode()[1:])  # an unknown version
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +174,22 @@ async def test_a_turn_goes_where_the_conversation_is_cached(mesh: FailoverMesh) 
         r = await mesh.client.completions.create(model=E2E_MODEL.name, prompt=prompt, max_tokens=4, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens > 0
     assert _routed(mesh) - routed_before == len(PROMPTS)
+
+
+async def test_a_restarted_gateway_routes_to_what_the_workers_held_before(mesh: FailoverMesh) -> None:
+    """A new gateway asks each worker it meets for a snapshot of its names, so even the prompts cached before it
+    started go where they are cached."""
+    await _warm(mesh)
+    assert mesh.gateway.terminate() == 0
+    mesh.gateway = mesh.services[4] = Service("gateway", mesh.nats)
+    mesh.client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{mesh.gateway.port}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    await asyncio.sleep(1.5)  # the workers' states, then their snapshots
+    for prompt in PROMPTS:
+        r = await mesh.client.completions.create(model=E2E_MODEL.name, prompt=prompt, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert _routed(mesh) == len(PROMPTS)
 
 
 async def test_routed_requests_of_a_killed_worker_continue_exactly_on_the_other(mesh: FailoverMesh) -> None:

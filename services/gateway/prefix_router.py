@@ -6,7 +6,8 @@ shared/cache_events.py) and state (alive, busy, draining, what its names are mad
 keeps an approximate map from block name to the workers holding it. Approximate, and only ever a hint: a request
 routed to a worker that evicted its prefix meanwhile is computed there, and one that goes to the shared queue is
 served by whoever has room. A worker's names are forgotten when it restarts (a new epoch), when this gateway missed
-one of its events (a gap in their numbers), and when its state stops coming.
+one of its events (a gap in their numbers), and when its state stops coming. A worker this gateway meets (its own
+start, the worker's, or after forgetting it) is asked for a snapshot of every name it holds.
 
 The rule, for a prompt whose first (len - 1) // block_size blocks can be cached (a worker computes at least the
 prompt's last token): the workers holding the longest run of its leading blocks take it, the least busy of them, if
@@ -66,9 +67,12 @@ class PrefixRouter:
 
     async def _on_state(self, msg: Msg) -> None:
         try:
-            self.observe_state(WorkerState.from_bytes(msg.data))
+            met = self.observe_state(WorkerState.from_bytes(msg.data))
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring a malformed worker state: %s", exc)
+            return
+        if met is not None:
+            await self.nc.publish(subjects.cache_sync(met), b"")
 
     async def _on_events(self, msg: Msg) -> None:
         try:
@@ -76,19 +80,22 @@ class PrefixRouter:
         except CacheEventError as exc:
             log.warning("ignoring a malformed cache event: %s", exc)
 
-    def observe_state(self, state: WorkerState) -> None:
+    def observe_state(self, state: WorkerState) -> int | None:
+        """Takes a worker's state; returns its id when this gateway meets it (first state, or a new epoch): what it
+        holds is then asked for (subjects.cache_sync)."""
         worker = self._workers.get(state.worker_id)
         if worker is None or worker.state.epoch != state.epoch:
             self._forget(state.worker_id)
             self._workers[state.worker_id] = _Worker(state, time.monotonic())
-            return
+            return state.worker_id
         worker.state, worker.seen, worker.routed_since_state = state, time.monotonic(), 0
+        return None
 
     def observe_events(self, events: CacheEvents) -> None:
         worker = self._workers.get(events.worker_id)
         if worker is None or worker.state.epoch != events.epoch:
             return  # its state comes first: until then, nothing is known of what it holds
-        if events.seq != worker.next_event:
+        if events.seq != worker.next_event or events.snapshot:
             self._forget_names(worker, events.worker_id)
         worker.next_event = events.seq + 1
         for name in events.removed:

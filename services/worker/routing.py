@@ -2,7 +2,8 @@
 
 - It says what it holds: the names of the blocks its prefix cache stores and evicts go out as cache events after
   the steps that changed them (shared/cache_events.py), and its state every WORKER_STATE_PERIOD_S (schemas.
-  WorkerState: alive, how busy, the revision and block size its names are made of, draining).
+  WorkerState: alive, how busy, the revision and block size its names are made of, draining). It keeps the names it
+  announced, to send them all again to a gateway that asks (a snapshot, in events of at most SNAPSHOT_NAMES).
 - It takes the requests gateways route to it from its own consumer of the routed stream (shared/subjects.py), beside
   the shared queue, under the same capacity. A routed message delivered a second time may have started here before
   a crash: it is never run from here but moved to the shared queue, marked as delivered before, where the take-over
@@ -40,6 +41,7 @@ WORKER_STATE_PERIOD_S = 0.5
 # which the same event loop sends, so that a worker loses its routed requests when it loses its shared ones.
 DEAD_AFTER_S = REQUEST_ACK_WAIT_S
 SWEEP_PERIOD_S = 0.5
+SNAPSHOT_NAMES = 16384  # names per snapshot event: 256 KiB, well inside NATS's max_payload
 MOVE_BATCH = 64
 MOVE_FETCH_TIMEOUT_S = 0.2
 
@@ -67,6 +69,7 @@ class Routing:
         self._revision = revision
         self._in_flight = in_flight
         self._events_sent = 0
+        self._names: set[bytes] = set()  # the block names its cache holds, as announced
         self._backlog = 0  # routed requests waiting in this worker's own queue, as last counted
         self._last_seen: dict[int, tuple[float, bool]] = {}  # other workers: (when their state came, draining)
         self._consumers_seen: dict[str, float] = {}  # other workers' routed consumers: when this worker first saw each
@@ -78,6 +81,7 @@ class Routing:
         await ensure_routed_stream(self.js)
         await ensure_routed_consumer(self.js, self.worker_id)
         await self.nc.subscribe(subjects.worker_state("*"), cb=self._on_state)
+        await self.nc.subscribe(subjects.cache_sync(self.worker_id), cb=self._on_sync)
         return await self.js.pull_subscribe_bind(routed_consumer(self.worker_id), subjects.ROUTED_STREAM)
 
     def state(self) -> WorkerState:
@@ -103,9 +107,23 @@ class Routing:
         """One step's cache events, if it changed the cache."""
         if not (stored or removed):
             return
-        events = CacheEvents(self.worker_id, self.epoch, self._events_sent, tuple(stored), tuple(removed))
+        self._names.difference_update(removed)
+        self._names.update(stored)
+        await self._publish(tuple(stored), tuple(removed))
+
+    async def _publish(self, stored: tuple[bytes, ...], removed: tuple[bytes, ...], snapshot: bool = False) -> None:
+        events = CacheEvents(self.worker_id, self.epoch, self._events_sent, stored, removed, snapshot)
         self._events_sent += 1
         await self.nc.publish(subjects.cache_events(self.worker_id), events.encode())
+
+    async def _on_sync(self, msg: Msg) -> None:
+        """A gateway asks for every name this worker holds: a snapshot, the first event flagged."""
+        names = sorted(self._names)
+        try:
+            for start in range(0, max(len(names), 1), SNAPSHOT_NAMES):
+                await self._publish(tuple(names[start : start + SNAPSHOT_NAMES]), (), snapshot=start == 0)
+        except nats.errors.Error as exc:
+            log.warning("no cache snapshot sent: %r", exc)
 
     async def _on_state(self, msg: Msg) -> None:
         try:
