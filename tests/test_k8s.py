@@ -1,7 +1,7 @@
-"""The Kubernetes manifests: rendered offline, validated against pinned Kubernetes schemas, and cross-checked.
+"""The Kubernetes manifests: rendered by the real kustomize (`kubectl kustomize`, offline), validated against pinned
+Kubernetes schemas, and cross-checked.
 
-k8s/render.py renders each kustomization (the same objects as `kubectl kustomize`, checked where kubectl is
-installed). Core objects are validated with kubernetes-validate's strict schemas for KUBERNETES_VERSION; the
+Core objects are validated with kubernetes-validate's strict schemas for KUBERNETES_VERSION; the
 custom resources (Prometheus Operator, KEDA) have no schemas there and are checked against the objects they
 point at. Container command lines are parsed by the services' own argument parsers, and the NATS server
 configuration by the real nats-server; its users and permissions are shared/nats_roles.py's, and each service
@@ -11,8 +11,6 @@ connects as its own role with that role's password from the Secret.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import re
 import shutil
@@ -42,14 +40,18 @@ GPU = "nvidia.com/gpu"
 UNPROBED_SIDECARS = {"exporter"}  # prometheus-nats-exporter: restarts with the pod, nothing depends on its readiness
 POD_NAME = "specmesh-pod-0"  # stands in for fieldRef values when command lines are expanded
 
-_spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
-render_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render_module)
+def kustomize(directory: Path) -> list[dict]:
+    """The objects `kubectl kustomize` renders from a kustomization directory."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl (with its built-in kustomize) is needed to render the manifests; install it")
+    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, check=True)
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
 
 
 @pytest.fixture(scope="module", params=sorted(KUSTOMIZATIONS))
 def rendered(request) -> tuple[str, list[dict]]:
-    return request.param, render_module.render(KUSTOMIZATIONS[request.param])
+    return request.param, kustomize(KUSTOMIZATIONS[request.param])
 
 
 def find(objects: list[dict], kind: str, name: str | None = None) -> list[dict]:
@@ -131,19 +133,6 @@ def parse_command_line(argv: list[str]) -> tuple[str, argparse.Namespace, object
         return command, args, module
     except SystemExit:
         pytest.fail(f"specmesh rejects the command line {argv} (its message is in the captured stderr)")
-
-
-def test_renderer_matches_kubectl_kustomize(rendered):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed; the manifests are still validated as k8s/render.py renders them")
-    name, objects = rendered
-    out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, check=True)
-
-    def by_id(items):
-        return {(o["kind"], o["metadata"]["name"]): o for o in items if o}
-
-    assert by_id(objects) == by_id(yaml.safe_load_all(out.stdout))
 
 
 def test_core_objects_match_the_kubernetes_schemas(rendered):
@@ -326,14 +315,14 @@ def test_dashboards_are_provisioned_for_the_grafana_sidecar(rendered):
 
 
 def test_overlays_fit_their_hardware():
-    gpu = render_module.render(KUSTOMIZATIONS["gpu"])
+    gpu = kustomize(KUSTOMIZATIONS["gpu"])
     worker = one(gpu, "Deployment", "specmesh-worker")
     (container,) = worker["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"][GPU] == 1 == container["resources"]["requests"][GPU]
     assert container["image"].endswith("-cuda") and config_data(gpu)["DEVICE"] == "cuda"
     assert worker["spec"]["template"]["spec"]["nodeSelector"] and worker["spec"]["template"]["spec"]["tolerations"]
 
-    dev = render_module.render(KUSTOMIZATIONS["cpu-dev"])
+    dev = kustomize(KUSTOMIZATIONS["cpu-dev"])
     assert all(o["apiVersion"].split("/")[0] not in CUSTOM_GROUPS for o in dev), "cpu-dev needs no operator"
     assert not find(dev, "HorizontalPodAutoscaler")
     for workload in workloads(dev):
@@ -349,7 +338,7 @@ def test_images_fit_the_manifests(variant):
     assert 'ENTRYPOINT ["specmesh"]' in dockerfile and "COPY models models" in dockerfile
     (uid,) = re.findall(r"^ARG SPECMESH_UID=(\d+)$", dockerfile, re.M)
     (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.M)
-    objects = render_module.render(KUSTOMIZATIONS["gpu" if variant == "cuda" else "cpu-dev"])
+    objects = kustomize(KUSTOMIZATIONS["gpu" if variant == "cuda" else "cpu-dev"])
     for workload, container in specmesh_containers(objects):
         assert container["image"].endswith(f"-{variant}")
         assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
