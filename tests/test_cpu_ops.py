@@ -132,3 +132,12 @@ def test_a_piece_after_a_prefix_attends_as_one_masked_call(prefix: int) -> None:
         queries.transpose(0, 1)[None], keys, values, attn_mask=visible, scale=0.17, enable_gqa=True
     )[0].transpose(0, 1)
     torch.testing.assert_close(attend_after_prefix(queries, keys, values, 0.17), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(FLASH_WITH_LSE is None, reason="this torch build has no CPU flash attention with log-sum-exps")
+def test_a_piece_after_a_prefix_keeps_the_model_dtype() -> None:
+    count, heads, kv_heads, head_dim = GATHER_MAX_QUERY_LEN + 8, 8, 4, 32
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(count, heads, head_dim, generator=generator).bfloat16()
+    keys, values = (torch.randn(1, kv_heads, 40 + count, head_dim, generator=generator).bfloat16() for _ in range(2))
+    assert attend_after_prefix(queries, keys, values, 0.17).dtype == torch.bfloat16

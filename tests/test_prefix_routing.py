@@ -93,9 +93,15 @@ def test_a_restarted_silent_draining_or_gapped_worker_loses_what_it_was_believed
     assert router.choose(PROMPT, None) == 1  # nobody holds it now: the least busy, the lower id
 
     router = _router(_state(1), _state(2))
-    router.observe_events(CacheEvents(2, 7, 3, tuple(_names(PROMPT[:16])), ()))
-    router.observe_events(CacheEvents(2, 7, 5, (), ()))  # event 4 was missed
+    assert not router.observe_events(CacheEvents(2, 7, 0, tuple(_names(PROMPT[:16])), ()))
+    assert router.observe_events(CacheEvents(2, 7, 2, (), ()))  # event 1 was missed: ask for a snapshot
     assert router.choose(PROMPT, None) == 1
+
+    router = _router(_state(1), _state(2))
+    router.observe_events(events)
+    router._workers[2].seen -= 60.0
+    router.choose(PROMPT, None)
+    assert 2 not in router._workers and not router._holders  # forgotten, names and all
 
     router = _router(_state(1), _state(2, draining=True))
     router.observe_events(events)

@@ -38,6 +38,7 @@ log = logging.getLogger("specmesh.gateway")
 
 DEFAULT_BUSY_MARGIN = 1.0  # a whole batch
 STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
+FORGET_AFTER_S = 30.0  # a worker silent this long is forgotten, names and all (a pod replaced under a new id)
 
 
 @dataclass
@@ -76,9 +77,12 @@ class PrefixRouter:
 
     async def _on_events(self, msg: Msg) -> None:
         try:
-            self.observe_events(CacheEvents.decode(msg.data))
+            events = CacheEvents.decode(msg.data)
         except CacheEventError as exc:
             log.warning("ignoring a malformed cache event: %s", exc)
+            return
+        if self.observe_events(events):
+            await self.nc.publish(subjects.cache_sync(events.worker_id), b"")
 
     def observe_state(self, state: WorkerState) -> int | None:
         """Takes a worker's state; returns its id when this gateway meets it (first state, or a new epoch): what it
@@ -91,11 +95,14 @@ class PrefixRouter:
         worker.state, worker.seen, worker.routed_since_state = state, time.monotonic(), 0
         return None
 
-    def observe_events(self, events: CacheEvents) -> None:
+    def observe_events(self, events: CacheEvents) -> bool:
+        """Takes a worker's cache events; True when an earlier one was missed, so that what it holds is asked for
+        again (names that stay cached are never announced twice)."""
         worker = self._workers.get(events.worker_id)
         if worker is None or worker.state.epoch != events.epoch:
-            return  # its state comes first: until then, nothing is known of what it holds
-        if events.seq != worker.next_event or events.snapshot:
+            return False  # its state comes first: until then, nothing is known of what it holds
+        missed = events.seq != worker.next_event and not events.snapshot
+        if missed or events.snapshot:
             self._forget_names(worker, events.worker_id)
         worker.next_event = events.seq + 1
         for name in events.removed:
@@ -108,6 +115,7 @@ class PrefixRouter:
         for name in events.stored:
             worker.names.add(name)
             self._holders.setdefault(name, set()).add(events.worker_id)
+        return missed
 
     def _forget(self, worker_id: int) -> None:
         worker = self._workers.pop(worker_id, None)
@@ -127,6 +135,8 @@ class PrefixRouter:
         """The worker to send this prompt to, or None for the shared queue (see the module docstring); counts the
         request against the chosen worker's load until its next state."""
         now = time.monotonic()
+        for worker_id in [w for w, worker in self._workers.items() if now - worker.seen > FORGET_AFTER_S]:
+            self._forget(worker_id)
         eligible = {
             worker_id: worker for worker_id, worker in self._workers.items()
             if now - worker.seen <= STATE_FRESH_S and not worker.state.draining and worker.state.caching

@@ -105,10 +105,27 @@ class QueueWorker:
                     await msg.nak()
                 raise asyncio.CancelledError
             for msg in msgs:
-                if routed:
-                    await self.routing.take(msg, self._take)
-                else:
-                    await self._take(msg)
+                await (self._take_routed(msg) if routed else self._take(msg))
+
+    async def _take_routed(self, msg: Msg) -> None:
+        """A message of this worker's own routed queue. One delivered before may have started here before a crash:
+        it is moved to the shared queue, whose take-over continues it (routing.py), unless it still runs here (a
+        heartbeat came too late), where _take keeps it as the shared path does."""
+        if msg.metadata.num_delivered > 1 and not self._runs(msg):
+            await self.routing.move(msg)
+        else:
+            await self._take(msg)
+
+    def _runs(self, msg: Msg) -> bool:
+        try:
+            return RequestAddress.model_validate_json(msg.data).request_id in self._messages
+        except ValidationError:
+            return False
+
+    @property
+    def num_routed_held(self) -> int:
+        """Routed messages among those taken (they stay in the routed stream until acknowledged)."""
+        return sum(self.routing.is_routed(msg) for msg in self._messages.values()) if self.routing else 0
 
     async def _take(self, msg: Msg) -> None:
         try:

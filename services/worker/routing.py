@@ -11,7 +11,7 @@
 - It adopts the routed subjects of workers that are gone: every SWEEP_PERIOD_S it counts the routed stream's messages
   per subject, and moves to the shared queue those of a worker whose state stopped coming DEAD_AFTER_S ago or that
   is draining (its messages in flight stay ack-pending while it heartbeats them, so only untaken ones move). The
-  durable consumer of a worker gone that long with nothing left is deleted.
+  durable consumer of a worker gone GONE_AFTER_S with nothing left is deleted.
 - Draining, it stops taking routed requests, says so, and moves its routed backlog to the shared queue.
 """
 
@@ -40,6 +40,10 @@ WORKER_STATE_PERIOD_S = 0.5
 # Silence after which a worker's routed requests are adopted: as long as JetStream waits for a request's heartbeat,
 # which the same event loop sends, so that a worker loses its routed requests when it loses its shared ones.
 DEAD_AFTER_S = REQUEST_ACK_WAIT_S
+# Silence after which a worker's empty routed consumer is deleted: far longer, so that a NATS outage, after which
+# every peer's state is old until it comes again, deletes no live worker's consumer (each also declares its own again
+# every sweep).
+GONE_AFTER_S = 60.0
 SWEEP_PERIOD_S = 0.5
 SNAPSHOT_NAMES = 16384  # names per snapshot event: 256 KiB, well inside NATS's max_payload
 MOVE_BATCH = 64
@@ -56,9 +60,11 @@ def routed_owner(subject: str) -> int | None:
 
 class Routing:
     def __init__(
-        self, nc, worker_id: int, config: EngineConfig, revision: str, in_flight, metrics: WorkerMetrics
+        self, nc, worker_id: int, config: EngineConfig, revision: str, in_flight, held_routed,
+        metrics: WorkerMetrics,
     ) -> None:
-        """in_flight: a callable giving the sequences the worker holds (QueueWorker.num_choices)."""
+        """in_flight: a callable giving the sequences the worker holds (QueueWorker.num_choices); held_routed: the
+        routed messages among them (they stay in the stream until acknowledged, and are not a backlog)."""
         self.nc = nc
         self.js = nc.jetstream()
         self.worker_id = worker_id
@@ -68,6 +74,7 @@ class Routing:
         self._config = config
         self._revision = revision
         self._in_flight = in_flight
+        self._held_routed = held_routed
         self._events_sent = 0
         self._names: set[bytes] = set()  # the block names its cache holds, as announced
         self._backlog = 0  # routed requests waiting in this worker's own queue, as last counted
@@ -137,14 +144,6 @@ class Routing:
     def is_routed(self, msg: Msg) -> bool:
         return routed_owner(msg.subject) is not None
 
-    async def take(self, msg: Msg, take) -> None:
-        """A message from this worker's own routed queue: `take` it (QueueWorker._take), unless it was delivered
-        before (see the module docstring)."""
-        if msg.metadata.num_delivered > 1:
-            await self.move(msg)
-        else:
-            await take(msg)
-
     async def move(self, msg: Msg) -> None:
         """Moves a routed message to the shared queue, marked when it was delivered before; then acknowledges it."""
         delivered_before = msg.metadata.num_delivered > 1
@@ -168,7 +167,8 @@ class Routing:
     async def _sweep(self) -> None:
         info = await self.js.stream_info(subjects.ROUTED_STREAM, subjects_filter=subjects.ROUTED_SUBJECTS)
         counts = {routed_owner(subject): count for subject, count in (info.state.subjects or {}).items()}
-        self._backlog = counts.get(self.worker_id, 0)
+        self._backlog = max(0, counts.get(self.worker_id, 0) - self._held_routed())
+        await ensure_routed_consumer(self.js, self.worker_id)  # in case a peer deleted it (see GONE_AFTER_S)
         if time.monotonic() - self._started < DEAD_AFTER_S:
             return  # too young to tell a silent worker from one not heard yet
         for owner, count in counts.items():
@@ -198,7 +198,7 @@ class Routing:
             await psub.unsubscribe()
 
     async def _delete_gone_consumers(self) -> None:
-        """Deletes the routed consumers of workers silent for DEAD_AFTER_S with nothing left in them, timing a
+        """Deletes the routed consumers of workers silent for GONE_AFTER_S with nothing left in them, timing a
         consumer first seen now from now, so that a worker just started is heard before it could be judged."""
         now = time.monotonic()
         for info in await self.js.consumers_info(subjects.ROUTED_STREAM):
@@ -207,7 +207,7 @@ class Routing:
                 continue
             first_seen = self._consumers_seen.setdefault(info.name, now)
             seen, _ = self._last_seen.get(owner, (first_seen, False))
-            silent = now - max(seen, first_seen) >= DEAD_AFTER_S
+            silent = now - max(seen, first_seen) >= GONE_AFTER_S
             if silent and not info.num_pending and not info.num_ack_pending:
                 await self.js.delete_consumer(subjects.ROUTED_STREAM, info.name)
                 self._consumers_seen.pop(info.name, None)

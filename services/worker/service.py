@@ -146,7 +146,10 @@ async def _serve(
     metrics = WorkerMetrics(Path(config.model).name, config.speculative.method, worker_id)
     metrics.observe_engine(engine.ready.kv_cache_bytes)
     worker = QueueWorker(engine, nc, worker_id, metrics)
-    routing = Routing(nc, worker_id, config, engine.ready.revision, lambda: worker.num_choices, metrics)
+    routing = Routing(
+        nc, worker_id, config, engine.ready.revision, lambda: worker.num_choices, lambda: worker.num_routed_held,
+        metrics,
+    )
     worker.routing = routing
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     await nc.subscribe(subjects.STOP, cb=worker.on_cancel)

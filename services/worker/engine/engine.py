@@ -142,7 +142,10 @@ class Engine:
         return blocks.num_used / blocks.num_blocks
 
     def abort(self, request_id: str, choice: int | None = None) -> list[Sequence]:
-        return self.scheduler.abort(request_id, choice)
+        aborted = self.scheduler.abort(request_id, choice)
+        for seq in aborted:  # a waiting one (preempted mid-prefill) is never released
+            self._prompt_scores.forget(seq)
+        return aborted
 
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -319,7 +319,7 @@ def attend_after_prefix(queries: Tensor, keys: Tensor, values: Tensor, scale: fl
     top = torch.maximum(before_lse, own_lse)
     before_weight, own_weight = (before_lse - top).exp_(), (own_lse - top).exp_()
     merged = (before * before_weight[..., None] + own * own_weight[..., None]) / (before_weight + own_weight)[..., None]
-    return merged[0].transpose(0, 1)
+    return merged[0].transpose(0, 1).to(queries.dtype)  # the log-sum-exps are float32 whatever q's dtype
 
 
 @dataclass(frozen=True)
