@@ -112,6 +112,24 @@ def test_requests_in_flight_together_share_a_prefix_cached_before_them(name, mod
         assert tokens_of(steps, request) == expected
 
 
+def test_an_echo_only_prompt_leaves_blocks_an_mtp_hit_drafts_from_exactly(
+    model_dirs, long_prompt  # noqa: F811
+) -> None:
+    """A prompt of whole blocks scored and not continued (max_tokens 0): its last block's trunk state never pairs with
+    a token, so that block is not cached, and a later request drafts from what is as a cold one does."""
+    method = METHODS["mtp"]
+    prompt = long_prompt[: 3 * BLOCK_SIZE]
+    longer = long_prompt[: 3 * BLOCK_SIZE + 5]
+    engine = make_engine(model_dirs(method), method, block_size=BLOCK_SIZE)
+    run(engine, {0: [make_request(prompt, max_tokens=0, **GREEDY)]})
+    hot = make_request(longer, max_tokens=NUM_TOKENS, **GREEDY)
+    hot_seq = _seq(run(engine, {0: [hot]}), hot)
+    cold = make_request(longer, max_tokens=NUM_TOKENS, **GREEDY)
+    cold_seq = _seq(run(make_engine(model_dirs(method), method, block_size=BLOCK_SIZE), {0: [cold]}), cold)
+    assert hot_seq.num_cached_tokens == 2 * BLOCK_SIZE
+    assert (hot_seq.output_ids, hot_seq.num_accepted_tokens) == (cold_seq.output_ids, cold_seq.num_accepted_tokens)
+
+
 def test_a_salt_keeps_its_requests_prefixes_to_themselves(tiny_model_dir: Path, long_prompt) -> None:  # noqa: F811
     engine = make_engine(tiny_model_dir, METHODS["naive"], block_size=BLOCK_SIZE)
 

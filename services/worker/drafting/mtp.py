@@ -159,8 +159,10 @@ class MtpDrafter:
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0], np.asarray(firsts), tokens, positions
 
     def computed_until(self, seq: Sequence) -> int:
-        """The sequence's module entries are written at every position below this (position 0 has none)."""
-        return self._end[seq.slot]
+        """Positions below this have the module's entries and, at a block's last one, the trunk's state kept beside
+        the block: the module's entries end where its last token is, whose trunk state came with no token to pair
+        (an echo-only prompt's last one), so the kept states stop one position earlier."""
+        return max(self._end[seq.slot] - 1, 0)
 
     def forget(self, slot: int) -> None:
         """A slot starts over (a prefill): what an earlier occupant left waiting there is dropped."""

@@ -196,8 +196,8 @@ class BlockManager:
         the least recently used idle one. Held once."""
         if wanted in self._free:
             self._free.remove(wanted)
-        elif self.has_regions and self.cache.is_idle(wanted):
-            self.cache.evict(wanted)  # its own region's stale cache: the run matters more
+        elif self.copy_hits and self.cache.is_idle(wanted):
+            self.cache.evict(wanted)  # its own region's stale cache: the CPU's one-call attention needs the run
         elif self._free:
             while self._lowest[0] not in self._free:
                 heapq.heappop(self._lowest)
