@@ -37,6 +37,13 @@ def root_hash(revision: str, cache_salt: str | None = None) -> BlockHash:
     return _digest(b"specmesh-prefix", revision.encode(), (cache_salt or "").encode(), bytes([cache_salt is not None]))
 
 
+def cacheable_blocks(num_to_compute: int, block_size: int) -> int:
+    """Leading full blocks of a sequence's `num_to_compute` positions it may take computed from elsewhere (the prefix
+    cache, or the choice of its request that shares them): all but the one holding the last position, which it
+    computes itself for that position's logits. Workers look up this many and gateways route on this many."""
+    return max(num_to_compute - 1, 0) // block_size
+
+
 def extend_hashes(hashes: list[BlockHash], root: BlockHash, token_ids: Seq[int], block_size: int) -> list[BlockHash]:
     """Appends to `hashes` (the names of the first len(hashes) blocks of token_ids) the names of the remaining full
     blocks of token_ids; returns it."""

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from shared import subjects
 from shared.cache_events import CacheEventError, CacheEvents
-from shared.prefix_hash import BlockHash, extend_hashes, root_hash
+from shared.prefix_hash import BlockHash, cacheable_blocks, extend_hashes, root_hash
 from shared.schemas import WorkerState
 
 log = logging.getLogger("specmesh.gateway")
@@ -149,7 +149,7 @@ class PrefixRouter:
             kind = (worker.state.revision, worker.state.block_size)
             if kind not in names_by_kind:
                 size = worker.state.block_size
-                cacheable = (len(prompt_ids) - 1) // size * size
+                cacheable = cacheable_blocks(len(prompt_ids), size) * size  # as the worker looks it up
                 names_by_kind[kind] = extend_hashes([], root_hash(kind[0], cache_salt), prompt_ids[:cacheable], size)
             names = names_by_kind[kind]
             depth = 0

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.frames import FinishReason
+from shared.prefix_hash import cacheable_blocks
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.sequence import Sequence, SeqState
 
@@ -84,25 +85,26 @@ class Scheduler:
             seq = self.waiting[0]
             leader = leaders.get(seq.request_id) if not seq.output_ids else None
             shared = self._shareable_blocks(seq) if leader is not None else 0
-            hits = self._cached_prefix(seq) if not shared else []
+            hits = self._cached_prefix(seq) if not shared else None  # None: not looked up
+            found = hits or []
             if self.blocks is not None:
-                slot = self.blocks.choose_slot(self._free_slots, hits)
+                slot = self.blocks.choose_slot(self._free_slots, found)
                 needed = self._tokens_needed(seq)
-                if hits and not self.blocks.can_reuse(slot, needed, hits):
-                    hits = []  # room for its own blocks may still be there
-                if not hits and not self.blocks.can_allocate(slot, needed, shared):
+                if found and not self.blocks.can_reuse(slot, needed, found):
+                    found = []  # room for its own blocks may still be there
+                if not found and not self.blocks.can_allocate(slot, needed, shared):
                     break
                 if shared:
                     self.blocks.share(slot, leader.slot, shared)
-                elif hits:
-                    self.blocks.reuse(slot, hits)
+                elif found:
+                    self.blocks.reuse(slot, found)
                 self.blocks.allocate(slot, needed)
                 # The leader computes shared blocks (in this step's pass or a later one); cached ones are computed.
-                seq.num_computed = (shared or len(hits)) * self.blocks.block_size
+                seq.num_computed = (shared or len(found)) * self.blocks.block_size
                 seq.leader = leader if shared else None
                 seq.num_published = 0  # its table's blocks are (re)named after its pass
-                if not shared:
-                    self._count_lookup(seq, hits)
+                if hits is not None:
+                    self._count_lookup(seq, len(found) * self.blocks.block_size)
             else:
                 slot = self._free_slots[-1]
             if self.share_prompts and not seq.output_ids:
@@ -117,20 +119,18 @@ class Scheduler:
             budget -= seq.prefill_target - seq.num_computed
         return admitted
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of the sequence's leading full blocks, leaving at least one token to compute: the
-        prompt's last (a fresh sequence samples from its logits) or the one before its last (a resumed one).
-        None for a sequence that scores its prompt: those scores come from its own prefill of every position."""
+    def _cached_prefix(self, seq: Sequence) -> list[int] | None:
+        """The cached blocks of the sequence's leading full blocks, leaving at least one token of its prefill to
+        compute (prefix_hash.cacheable_blocks); None when it does not look: no cache, or a sequence that scores its
+        prompt, whose scores come from its own prefill of every position."""
         if self.blocks is None or not self.blocks.caching or seq.cache_root is None or seq.scores_prompt:
-            return []
-        to_compute = len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
-        return self.blocks.lookup(seq.names((to_compute - 1) // self.blocks.block_size, self.blocks.block_size))
+            return None
+        size = self.blocks.block_size
+        return self.blocks.lookup(seq.names(cacheable_blocks(seq.prefill_target, size), size))
 
-    def _count_lookup(self, seq: Sequence, hits: list[int]) -> None:
-        if not self.blocks.caching or seq.cache_root is None or seq.scores_prompt:
-            return
-        cached = len(hits) * self.blocks.block_size
-        self.prefix_queries += len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
+    def _count_lookup(self, seq: Sequence, cached: int) -> None:
+        """Counts a lookup as vLLM does, in tokens: those the sequence had to compute, and those found cached."""
+        self.prefix_queries += seq.prefill_target
         self.prefix_hits += cached
         if not seq.output_ids:
             seq.num_cached_tokens = cached
@@ -140,7 +140,7 @@ class Scheduler:
         token, which the choice computes itself to get its own first logits."""
         if not self.share_prompts:
             return 0
-        return (len(seq.prompt_ids) - 1) // self.blocks.block_size
+        return cacheable_blocks(len(seq.prompt_ids), self.blocks.block_size)
 
     def reserve(self) -> list[Sequence]:
         """Gives every running sequence the blocks this step may write, oldest first, preempting the most

@@ -30,6 +30,7 @@ from services.worker.model.paged_attention import (
     attend_gathered,
     attend_home_pass,
     attend_per_sequence,
+    cutting_window,
     plan_cpu_attention,
 )
 from services.worker.model.rms_norm import rms_norm_torch
@@ -99,7 +100,7 @@ class FlatTrunk:
             return x
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
         # A window that cuts any context: the batched call, whose mask takes its lower bound (paged_attention_torch).
-        window = self.window if self.window is not None and self.window < batch.max_context_len else None
+        window = cutting_window(self.window, batch.max_context_len)
         plan = None if window is not None else plan_cpu_attention(
             batch.num_seqs, batch.max_query_len, batch.max_context_len, batch.attention_spans, self.group,
             self.region_len, self.layers[0].keys, input_ids.device,

@@ -78,8 +78,7 @@ def paged_attention(
     positions i - window + 1..i only.
     max_query_len and max_context_len are the host-side maxima, so no call reads the device to size its work.
     """
-    if window is not None and window >= max_context_len:
-        window = None  # every key is inside it
+    window = cutting_window(window, max_context_len)
     if use_kernel(q) and key_cache.dim() == BLOCK_MAJOR_DIMS:
         # Imported here: CPU callers never need triton.
         from kernels.paged_attention import paged_attention_launch
@@ -92,6 +91,12 @@ def paged_attention(
         q, key_cache, value_cache, block_tables, query_starts, context_lens, scale, max_query_len, max_context_len,
         first_position, block_size, spans, region_len, window,
     )
+
+
+def cutting_window(window: int | None, max_context_len: int) -> int | None:
+    """The window if it cuts some context of a pass whose longest is max_context_len; None when every key is inside
+    it, so that the pass takes the paths that have no window."""
+    return window if window is not None and window < max_context_len else None
 
 
 def paged_attention_torch(
