@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
+from nats.aio.client import Client
+from prometheus_client import REGISTRY
 
 from services.gateway.prefix_router import PrefixRouter
-from services.worker.routing import DEAD_AFTER_S, SWEEP_PERIOD_S
+from services.worker.metrics import WorkerMetrics
+from services.worker.routing import DEAD_AFTER_S, SWEEP_PERIOD_S, Routing
+from shared.config import EngineConfig
 from shared.cache_events import CacheEventError, CacheEvents
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from shared.prefix_hash import extend_hashes, root_hash
@@ -125,6 +130,33 @@ def test_a_worker_met_is_asked_for_a_snapshot_which_replaces_what_was_believed()
     router.observe_events(CacheEvents(2, 7, 1, tuple(_names(PROMPT[:4])), (), snapshot=True))
     router.observe_events(CacheEvents(1, 9, 0, tuple(_names(PROMPT[:8])), (), snapshot=True))
     assert router.choose(PROMPT, None) == 1
+
+
+async def test_forged_states_and_events_are_dropped_and_counted() -> None:
+    router = PrefixRouter(nc=None)
+    before = {kind: _bad(kind) for kind in ("state", "cache_event")}
+    await router._on_state(SimpleNamespace(data=b'{"worker_id": -1}'))
+    await router._on_events(SimpleNamespace(data=b"\x02\x00not an event"))
+    assert {kind: _bad(kind) - before[kind] for kind in before} == {"state": 1, "cache_event": 1}
+    assert router.choose(PROMPT, None) is None  # nothing was taken from them
+
+
+async def test_a_worker_drops_and_counts_a_forged_state_of_a_peer() -> None:
+    routing = Routing(Client(), 7, EngineConfig(), REVISION, lambda: 0, lambda: 0, WorkerMetrics("model", "naive", 7))
+    labels = {"model": "model", "method": "naive", "worker": "7"}
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("specmesh_worker_bad_worker_states_total", labels) or 0.0
+
+    before = dropped()
+    await routing._on_state(SimpleNamespace(data=b"not a state"))
+    await routing._on_state(SimpleNamespace(data=_state(3).to_bytes()))
+    assert dropped() == before + 1
+    assert set(routing._last_seen) == {3}
+
+
+def _bad(kind: str) -> float:
+    return REGISTRY.get_sample_value("specmesh_gateway_bad_routing_messages_total", {"kind": kind}) or 0.0
 
 
 def test_cache_events_round_trip_and_refuse_what_they_cannot_read() -> None:

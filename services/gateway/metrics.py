@@ -44,6 +44,10 @@ ROUTED_REQUESTS = Counter(
     "Requests sent to the worker holding the longest part of their prompt (target worker) or to the shared queue",
     ["target"],
 )
+BAD_ROUTING_MESSAGES = Counter(
+    "specmesh_gateway_bad_routing_messages",
+    "Worker states and cache events that could not be decoded and were dropped, by kind", ["kind"],
+)
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
 SEQUENCES_IN_FLIGHT = Gauge(
     "specmesh_gateway_admitted_sequences", "Sequences (prompts x n) of the requests admitted into the mesh (admission.py)"

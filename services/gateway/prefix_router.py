@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
+from services.gateway import metrics
 from shared import subjects
 from shared.cache_events import CacheEventError, CacheEvents
 from shared.prefix_hash import BlockHash, cacheable_blocks, extend_hashes, root_hash
@@ -71,6 +72,7 @@ class PrefixRouter:
             met = self.observe_state(WorkerState.from_bytes(msg.data))
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring a malformed worker state: %s", exc)
+            metrics.BAD_ROUTING_MESSAGES.labels(kind="state").inc()
             return
         if met is not None:
             await self.nc.publish(subjects.cache_sync(met), b"")
@@ -80,6 +82,7 @@ class PrefixRouter:
             events = CacheEvents.decode(msg.data)
         except CacheEventError as exc:
             log.warning("ignoring a malformed cache event: %s", exc)
+            metrics.BAD_ROUTING_MESSAGES.labels(kind="cache_event").inc()
             return
         if self.observe_events(events):
             await self.nc.publish(subjects.cache_sync(events.worker_id), b"")

@@ -41,6 +41,9 @@ PREFIX_QUERIES = Counter(
 PREFIX_HITS = Counter(
     "specmesh_worker_prefix_cache_hits", "Of the tokens looked up in the prefix cache, those found computed", _LABELS
 )
+BAD_WORKER_STATES = Counter(
+    "specmesh_worker_bad_worker_states", "Other workers' states that could not be decoded and were dropped", _LABELS
+)
 ROUTED_MOVED = Counter(
     "specmesh_worker_routed_requests_moved",
     "Routed requests moved to the shared queue: delivered before (a crash), adopted from a worker gone, or a drain's "

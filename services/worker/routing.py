@@ -32,7 +32,7 @@ from shared.cache_events import CacheEvents
 from shared.config import EngineConfig
 from shared.natsutil import REQUEST_ACK_WAIT_S, ensure_routed_consumer, ensure_routed_stream, routed_consumer
 from shared.schemas import WorkerState
-from services.worker.metrics import ROUTED_MOVED, WorkerMetrics
+from services.worker.metrics import BAD_WORKER_STATES, ROUTED_MOVED, WorkerMetrics
 
 log = logging.getLogger("specmesh.worker")
 
@@ -137,6 +137,7 @@ class Routing:
             state = WorkerState.from_bytes(msg.data)
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring a malformed worker state: %s", exc)
+            self.metrics.child(BAD_WORKER_STATES).inc()
             return
         if state.worker_id != self.worker_id:
             self._last_seen[state.worker_id] = (time.monotonic(), state.draining)
