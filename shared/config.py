@@ -76,6 +76,9 @@ class SpeculativeConfig(BaseModel):
         return cls() if not text else cls.model_validate(orjson.loads(text))
 
 
+WorkerRole = Literal["both", "prefill", "decode"]
+
+
 class EngineConfig(BaseModel):
     """Everything the worker's engine needs to load a model and schedule sequences."""
 
@@ -100,6 +103,9 @@ class EngineConfig(BaseModel):
     # prompt is prefilled over several steps instead of stalling every running stream for one long one
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=MIN_NUM_BATCHED_TOKENS)
+    # Prefill/decode disaggregation (services/worker/handoff/): "prefill" computes prompts and their first token and
+    # hands each request, with its KV blocks, to a "decode" worker; "both" does the whole request
+    role: WorkerRole = "both"
 
     @property
     def graph_query_lens(self) -> tuple[int, ...]:

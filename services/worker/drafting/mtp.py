@@ -42,7 +42,7 @@ LAG_LIMIT = 256  # tokens a sequence's MTP cache may fall behind before it is ca
 
 
 @dataclass
-class _Lag:
+class Lag:
     """Trunk states not yet run through the module: token j at position start + j, paired with hidden[j]."""
 
     start: int
@@ -54,6 +54,18 @@ class _Lag:
         return self.start + len(self.tokens)
 
 
+@dataclass
+class MtpSlotState:
+    """What the drafter keeps for one sequence between steps, as a prefill worker hands it to a decode worker
+    (services/worker/handoff/): where its module entries end, its pending drafts with their q, and its lag."""
+
+    end: int
+    draft_tokens: list[int]
+    draft_probs: Tensor  # [count, vocab] q of each pending draft
+    draft_report: Tensor  # [count, vocab] what its draft_logprobs report
+    lag: Lag | None = None
+
+
 class MtpDrafter:
     def __init__(self, runner: ModelRunner, num_steps: int, max_num_seqs: int) -> None:
         vocab_size, device = runner.model.config.vocab_size, runner.device
@@ -63,7 +75,7 @@ class MtpDrafter:
         self._probs = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._report = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._count = [0] * max_num_seqs
-        self._lag: dict[int, _Lag] = {}  # by cache slot
+        self._lag: dict[int, Lag] = {}  # by cache slot
         self._end = [0] * max_num_seqs  # by cache slot: the module's entries are written below this position
 
     def catch_up(
@@ -169,13 +181,37 @@ class MtpDrafter:
         self._lag.pop(slot, None)
         self._end[slot] = 0
 
-    def _with_lag(self, seq: Sequence, hidden: Tensor, tokens: list[int], start: int) -> _Lag:
+    def export_slot(self, slot: int) -> MtpSlotState:
+        """The slot's drafter state, copied to the host."""
+        count = self._count[slot]
+        lag = self._lag.get(slot)
+        return MtpSlotState(
+            self._end[slot], self._tokens[slot, :count].tolist(), self._probs[slot, :count].cpu(),
+            self._report[slot, :count].cpu(), None if lag is None else Lag(lag.start, lag.hidden.cpu(), lag.tokens),
+        )
+
+    def import_slot(self, slot: int, state: MtpSlotState) -> None:
+        """Puts a sequence's drafter state, exported on another worker, into this slot."""
+        count = len(state.draft_tokens)
+        if count > self.num_steps:
+            raise ValueError(f"{count} pending drafts exceed this drafter's {self.num_steps} steps")
+        device = self._probs.device
+        self._end[slot] = state.end
+        self._count[slot] = count
+        self._tokens[slot, :count] = torch.tensor(state.draft_tokens, dtype=torch.long)
+        self._probs[slot, :count] = state.draft_probs.to(device)
+        self._report[slot, :count] = state.draft_report.to(device)
+        self._lag.pop(slot, None)
+        if state.lag is not None:
+            self._lag[slot] = Lag(state.lag.start, state.lag.hidden.to(device), list(state.lag.tokens))
+
+    def _with_lag(self, seq: Sequence, hidden: Tensor, tokens: list[int], start: int) -> Lag:
         """This catch-up's tokens, preceded by the sequence's lag if it ends where they begin (otherwise the lag
         belonged to an earlier occupant of the slot, or to the sequence before a preemption, and is dropped)."""
         lag = self._lag.pop(seq.slot, None)
         if lag is None or lag.end != start:
-            return _Lag(start, hidden.clone(), list(tokens))
-        return _Lag(lag.start, torch.cat([lag.hidden, hidden]), lag.tokens + list(tokens))
+            return Lag(start, hidden.clone(), list(tokens))
+        return Lag(lag.start, torch.cat([lag.hidden, hidden]), lag.tokens + list(tokens))
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:

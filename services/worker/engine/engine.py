@@ -35,6 +35,7 @@ from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
 from services.worker.engine.accept import accept
 from services.worker.engine.block_manager import BlockManager, blocks_for
+from services.worker.engine.handoff import export_request, read_handoff, write_imported
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.mtp import MtpDrafter
@@ -97,7 +98,7 @@ class Engine:
         self.scheduler = Scheduler(
             config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None,
             max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
-            rows_per_decode=1 + spec.num_drafts,
+            rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill",
         )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = build_proposer(
@@ -110,11 +111,17 @@ class Engine:
         self._top_k = 0
         self._prompt_scores = PromptScores()  # of prompts prefilled in pieces, until their first token
         self.stats = EngineStats()
+        self.handoffs: list[tuple[Sequence, bytes]] = []  # a prefill worker's exports of its last step, one a request
 
-    def add_request(self, request: WorkRequest) -> list[Sequence]:
+    def add_request(self, request: WorkRequest, handoff: bytes | None = None) -> list[Sequence]:
         """Queues a sequence per choice to run (each choice's seed derived from the request's, shared/seeds.py);
-        refuses the whole request, queueing nothing, when a choice cannot run (OutOfLimits names why)."""
+        refuses the whole request, queueing nothing, when a choice cannot run (OutOfLimits names why). `handoff`:
+        the state a prefill worker exported for the request's choices (engine/handoff.py), checked against the
+        request's progress; HandoffMismatch when it does not fit, so that the caller recomputes the request."""
         check_work_request(request, self.limits)  # before any of its values reaches a tensor or a frame
+        imported = {}
+        if handoff is not None:
+            imported = read_handoff(handoff, request.progress, self.runner.cache, self.mtp, self.revision)
         sampling = request.sampling
         choices = request.choices()
         if sampling.seed is None:
@@ -132,6 +139,13 @@ class Engine:
             for choice in choices
         ]
         for seq in seqs:
+            seq.imported = imported.get(seq.choice)
+            if seq.imported is not None:
+                seq.num_cached_tokens = seq.imported.meta.num_cached_tokens
+                seq.draft_seq_no = seq.imported.meta.draft_seq_no
+                seq.num_drafts = seq.imported.meta.num_drafts
+                seq.num_draft_tokens = seq.imported.meta.num_draft_tokens
+                seq.num_accepted_tokens = seq.imported.meta.num_accepted_tokens
             self.scheduler.add(seq)
         return seqs
 
@@ -160,6 +174,9 @@ class Engine:
         for slot, table in blocks.take_changed().items():
             self.runner.cache.set_block_table(slot, table)
         self.runner.cache.copy_blocks(blocks.take_copies())
+        for seq in plan.imports:
+            write_imported(seq, seq.imported, self.runner.cache, self.mtp)
+            seq.imported = None
         # One frame holds one top-K for all its records: the most any running request asked for.
         self._top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
         outputs = self._prefill(plan.prefills, plan.chunks) if plan.prefills else []
@@ -170,6 +187,8 @@ class Engine:
             outputs += decoded
         self._publish(plan.prefills + plan.decodes)
         self._release_finished()
+        if self.config.role == "prefill":
+            self._hand_off()
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
 
@@ -189,6 +208,24 @@ class Engine:
             if full > seq.num_published and seq.cache_root is not None:
                 blocks.publish(seq.slot, seq.num_published, seq.names(full, size)[seq.num_published :])
                 seq.num_published = full
+
+    def _hand_off(self) -> None:
+        """A prefill worker exports every request whose unfinished choices all have their first token (handoffs),
+        and lets them go: a decode worker goes on from there."""
+        pending: dict[str, list[Sequence]] = {}
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            pending.setdefault(seq.request_id, []).append(seq)
+        for request_id, seqs in pending.items():
+            if any(s.state is not SeqState.RUNNING or s.is_prefilling or not s.output_ids for s in seqs):
+                continue
+            self.handoffs.append((seqs[0], export_request(seqs, self.runner.cache, self.mtp, self.revision)))
+            for seq in seqs:
+                if self.mtp is not None:
+                    self.mtp.forget(seq.slot)
+                self.scheduler.hand_off(seq)
+                self._prompt_scores.forget(seq)
+                self.proposer.on_finished(seq)
+                self.controller.forget(seq)
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():

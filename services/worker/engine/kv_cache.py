@@ -120,6 +120,49 @@ class KVCache:
         if self.boundary_hidden is not None:
             self.boundary_hidden.index_copy_(0, destinations, self.boundary_hidden.index_select(0, sources))
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Whole blocks out of the pool, in the layout a handoff carries them (services/worker/handoff/format.py):
+        [blocks, layers, 2 (keys, values), block_size, kv_heads, head_dim], block-major so that leading blocks the
+        receiver already holds are cut off by slicing."""
+        device = self.keys[0].device
+        ids = torch.tensor(blocks, device=device)
+        if self.head_major:
+            positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
+            heads, _, head_dim = self.keys[0].shape
+            per_layer = [
+                pool.index_select(1, positions).view(heads, len(blocks), self.block_size, head_dim).permute(1, 2, 0, 3)
+                for pool in self.keys + self.values
+            ]  # each [blocks, block_size, kv_heads, head_dim]
+        else:
+            per_layer = [pool.index_select(0, ids) for pool in self.keys + self.values]
+        num_layers = len(self.keys)
+        stacked = torch.stack(per_layer, dim=1)  # [blocks, 2 * layers, block_size, kv_heads, head_dim]
+        return stacked.view(len(blocks), 2, num_layers, *stacked.shape[2:]).transpose(1, 2).contiguous()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Writes blocks read by read_blocks (possibly on another worker) into these blocks of the pool."""
+        num_layers = len(self.keys)
+        expected = (len(blocks), num_layers, 2, self.block_size, *self._head_shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit this cache's {expected}")
+        device = self.keys[0].device
+        data = data.to(device=device, dtype=self.keys[0].dtype)
+        ids = torch.tensor(blocks, device=device)
+        for layer in range(num_layers):
+            for kind, pool in enumerate((self.keys[layer], self.values[layer])):
+                part = data[:, layer, kind]  # [blocks, block_size, kv_heads, head_dim]
+                if self.head_major:
+                    positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
+                    pool.index_copy_(1, positions, part.permute(2, 0, 1, 3).reshape(pool.shape[0], -1, pool.shape[2]))
+                else:
+                    pool.index_copy_(0, ids, part)
+
+    @property
+    def _head_shape(self) -> tuple[int, int]:
+        """(kv_heads, head_dim) of one position."""
+        pool = self.keys[0]
+        return (pool.shape[0], pool.shape[2]) if self.head_major else (pool.shape[2], pool.shape[3])
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slot_mapping [T] flat pool indices; k, v [T, kv_heads, head_dim] (views of a fused projection are fine)."""
         write_kv(self.keys[layer], self.values[layer], slot_mapping, k, v)

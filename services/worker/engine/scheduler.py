@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.frames import FinishReason
 from shared.prefix_hash import cacheable_blocks
@@ -36,6 +36,7 @@ class StepPlan:
     chunks: list[int]  # the tokens each of them computes this step
     decodes: list[Sequence]  # score their last token and drafts against the cache (resumed ones done prefilling too)
     preempted: list[Sequence]  # evicted to make room, newest first
+    imports: list[Sequence] = field(default_factory=list)  # admitted with a handoff's state, written before the step
 
     @property
     def empty(self) -> bool:
@@ -45,18 +46,20 @@ class StepPlan:
 class Scheduler:
     def __init__(
         self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0, share_prompts: bool = True,
-        max_num_batched_tokens: int | None = None, rows_per_decode: int = 1,
+        max_num_batched_tokens: int | None = None, rows_per_decode: int = 1, decode: bool = True,
     ) -> None:
         """blocks: the KV block pool; None leaves memory unlimited (a slot is all a sequence needs).
         lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries).
         share_prompts: whether choices admitted together share their prompt's full blocks (see above).
         max_num_batched_tokens: the rows a step may compute (chunked prefill, see schedule); None: every prefill
-        whole. rows_per_decode: the most a decoding sequence scores in a step (its last token and its drafts)."""
+        whole. rows_per_decode: the most a decoding sequence scores in a step (its last token and its drafts).
+        decode: False on a prefill worker, whose sequences stop after their prefill, to be handed off."""
         self.max_num_seqs = max_num_seqs
         self.blocks = blocks
         self.lookahead = lookahead
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rows_per_decode = rows_per_decode
+        self.decode = decode
         self.share_prompts = share_prompts and blocks is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -65,6 +68,7 @@ class Scheduler:
         # them it found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.handoffs_recomputed = 0  # handed-off sequences whose cached blocks were gone on admission
 
     @property
     def num_unfinished(self) -> int:
@@ -87,10 +91,14 @@ class Scheduler:
             shared = self._shareable_blocks(seq) if leader is not None else 0
             hits = self._cached_prefix(seq) if not shared else None  # None: not looked up
             found = hits or []
+            if seq.imported is not None:
+                found, hits = self._imported_prefix(seq, found), None
             if self.blocks is not None:
                 slot = self.blocks.choose_slot(self._free_slots, found)
                 needed = self._tokens_needed(seq)
                 if found and not self.blocks.can_reuse(slot, needed, found):
+                    if seq.imported is not None:
+                        break  # its handoff needs these cached blocks: it waits for room to keep them
                     found = []  # room for its own blocks may still be there
                 if not found and not self.blocks.can_allocate(slot, needed, shared):
                     break
@@ -101,6 +109,8 @@ class Scheduler:
                 self.blocks.allocate(slot, needed)
                 # The leader computes shared blocks (in this step's pass or a later one); cached ones are computed.
                 seq.num_computed = (shared or len(found)) * self.blocks.block_size
+                if seq.imported is not None:
+                    seq.num_computed = seq.imported.meta.num_computed  # the handoff brings the rest
                 seq.leader = leader if shared else None
                 seq.num_published = 0  # its table's blocks are (re)named after its pass
                 if hits is not None:
@@ -127,6 +137,18 @@ class Scheduler:
             return None
         size = self.blocks.block_size
         return self.blocks.lookup(seq.names(cacheable_blocks(seq.prefill_target, size), size))
+
+    def _imported_prefix(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """The cached blocks a handed-off sequence starts from: those its handoff left out because this worker
+        holds them. Without all of them the handoff is dropped and the sequence recomputed (counted)."""
+        first = seq.imported.meta.first_block
+        if first == 0:
+            return []
+        if self.blocks is None or len(hits) < first:
+            seq.imported = None
+            self.handoffs_recomputed += 1
+            return hits
+        return hits[:first]
 
     def _count_lookup(self, seq: Sequence, cached: int) -> None:
         """Counts a lookup as vLLM does, in tokens: those the sequence had to compute, and those found cached."""
@@ -179,15 +201,19 @@ class Scheduler:
         budget = math.inf
         if self.max_num_batched_tokens is not None:
             budget = max(self.max_num_batched_tokens - len(decoding) * self.rows_per_decode, MIN_PROMPT_TOKENS)
+        admitted = []
         if not preempted:
-            self.admit(budget - sum(s.prefill_target - s.num_computed for s in self.running if s.is_prefilling))
+            admitted = self.admit(
+                budget - sum(s.prefill_target - s.num_computed for s in self.running if s.is_prefilling)
+            )
         prefills, chunks = self._share_out(budget)
         completing = {id(s) for s, chunk in zip(prefills, chunks) if s.num_computed + chunk == s.prefill_target}
         decodes = [
             s for s in self.running
             if not s.is_finished and (not s.is_prefilling or (s.output_ids and id(s) in completing))
-        ]
-        return StepPlan(prefills=prefills, chunks=chunks, decodes=decodes, preempted=preempted)
+        ] if self.decode else []
+        imports = [s for s in admitted if s.imported is not None]
+        return StepPlan(prefills=prefills, chunks=chunks, decodes=decodes, preempted=preempted, imports=imports)
 
     def _orphans(self) -> list[Sequence]:
         """Choices whose leader left before computing the blocks they share: they start over. (The newest are
@@ -229,6 +255,13 @@ class Scheduler:
         seq.leader = None
         self.waiting.appendleft(seq)
         return seq
+
+    def hand_off(self, seq: Sequence) -> None:
+        """Takes a running sequence out, its state exported to another worker: its slot and blocks are freed (the
+        blocks it published stay in the prefix cache)."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.FINISHED
 
     def _free(self, seq: Sequence) -> None:
         if self.blocks is not None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.frames import FinishReason
 from shared.prefix_hash import BlockHash, extend_hashes
 from shared.schemas import SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.engine.handoff import ImportedChoice
 
 SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt (engine/prompt_logprobs.py)
 
@@ -45,6 +49,8 @@ class Sequence:
     # whose prefill computes the blocks it shares (scheduler.py), until those are computed
     prefill_start: int = 0
     leader: Sequence | None = field(default=None, repr=False, compare=False)
+    # Prefill/decode disaggregation: the state a prefill worker handed over (engine/handoff.py), until admitted
+    imported: ImportedChoice | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
