@@ -31,7 +31,7 @@ from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
-from services.startup_checks import check_tokenizer_dir, servable_max_model_len, speculative_config
+from services.startup_checks import UsageError, check_tokenizer_dir, servable_max_model_len, speculative_config
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
 )
@@ -55,7 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="worker processes sharing the request queue (default 1)"
+    )
+    parser.add_argument(
+        "--prefill-workers", type=int, default=0,
+        help="prefill/decode disaggregation: workers that compute prompts and first tokens, then hand each request "
+        "with its KV to a decode worker (with --decode-workers, instead of --workers)",
+    )
+    parser.add_argument(
+        "--decode-workers", type=int, default=0, help="workers that continue the requests prefill workers hand them"
+    )
     parser.add_argument(
         "--detokenizers", type=int, default=1, help="detokenizer processes; each request is owned by one of them"
     )
@@ -126,7 +136,23 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
+    args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
+    args.workers = len(args.worker_roles)
     args.cpu_plan = cpu_plan.plan_for(args, args.workers)
+
+
+def worker_roles(workers: int | None, prefill_workers: int, decode_workers: int) -> list[str]:
+    """Each worker's --role: `workers` doing whole requests, or prefill workers then decode workers."""
+    if not prefill_workers and not decode_workers:
+        return ["both"] * (1 if workers is None else workers)
+    if workers is not None:
+        raise UsageError("--workers does not go with --prefill-workers and --decode-workers: they count the workers")
+    if prefill_workers < 1 or decode_workers < 1:
+        raise UsageError(
+            f"--prefill-workers {prefill_workers} --decode-workers {decode_workers}: disaggregation needs at least one "
+            "of each"
+        )
+    return ["prefill"] * prefill_workers + ["decode"] * decode_workers
 
 
 def _spawn(
@@ -243,7 +269,8 @@ def run(args: argparse.Namespace) -> None:
             nats_args, env = nats_of[NatsRole.WORKER]
             engine_cpus = plan.engine_cpus[i]
             extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port), "--engine-cpus",
-                     cpu_plan.UNPINNED if engine_cpus is None else format_cpu_list(engine_cpus))
+                     cpu_plan.UNPINNED if engine_cpus is None else format_cpu_list(engine_cpus),
+                     "--role", args.worker_roles[i])
             children.append((f"worker-{i}", _spawn(
                 "worker", args.log_level, *worker_args, *extra, env=env, cpus=plan.worker_cpus(i)
             )))

@@ -76,6 +76,12 @@ def _declares_routed_stream() -> tuple[str, ...]:
     return (f"{JS_API}.STREAM.CREATE.{subjects.ROUTED_STREAM}", f"{JS_API}.STREAM.UPDATE.{subjects.ROUTED_STREAM}")
 
 
+def _hands_off() -> tuple[str, ...]:
+    """services/worker/handoff/: a prefill worker sends KV chunks to a decode worker, then the request to its routed
+    subject; it asks decode workers it meets for what they hold."""
+    return subjects.kv_transfer(ANY_TOKEN), subjects.routed(ANY_TOKEN), subjects.cache_sync(ANY_TOKEN)
+
+
 def _serves_routed_requests() -> tuple[str, ...]:
     """services/worker/routing.py: declare a worker's consumer of its routed subject (its own, or a gone worker's it
     adopts), pull and acknowledge from it, count the stream's messages per subject, list and delete the consumers
@@ -133,12 +139,13 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         publish=(
             subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.RESUMED_REQUESTS,
             *_declares_request_stream(), *_pulls_requests(),
-            *_moves_dead_letters(), *_serves_routed_requests(),
+            *_moves_dead_letters(), *_serves_routed_requests(), *_hands_off(),
         ),
         subscribe=(
             subjects.CANCEL, subjects.STOP, _inbox(NatsRole.WORKER), subjects.worker_state(ANY_TOKEN),
-            subjects.cache_sync(ANY_TOKEN),
+            subjects.cache_sync(ANY_TOKEN), subjects.cache_events(ANY_TOKEN), subjects.kv_transfer(ANY_TOKEN),
         ),
+        allow_responses=True,  # a decode worker answers each KV chunk it receives
     ),
     NatsRole.DETOKENIZER: Permissions(
         publish=(subjects.responses(ANY_TOKEN), subjects.STOP),

@@ -115,6 +115,16 @@ class ChoiceProgress(_Message):
     next_seq_no: int = Field(0, ge=0, le=MAX_RESUMED_SEQ_NO)  # seq_no of the choice's next TARGET record
 
 
+class HandoffTicket(BaseModel):
+    """On a request a prefill worker hands to a decode worker (services/worker/handoff/): the transfer that carried
+    its KV blocks there; none when the transfer failed, and the decode worker recomputes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transfer_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    from_worker: int = Field(ge=0, le=MAX_WORKER_ID)
+
+
 class WorkRequest(_Message):
     """gateway -> worker: one prompt and its `n` choices, run on one worker so that they share its prefill.
 
@@ -133,6 +143,7 @@ class WorkRequest(_Message):
     created: float
     # Names this request's cached blocks apart: only requests with the same salt share them (vLLM's cache_salt)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    handoff: HandoffTicket | None = None  # set by the prefill worker that hands it to a decode worker
 
     @model_validator(mode="after")
     def _progress_names_choices(self) -> "WorkRequest":
@@ -212,6 +223,7 @@ class WorkerState(_Message):
     in_flight: int = Field(ge=0)  # sequences it holds (running or waiting), one per choice
     routed_backlog: int = Field(ge=0)  # routed requests waiting in its own queue
     draining: bool = False  # takes no more requests; gone once its last state says so
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode disaggregation (services/worker/handoff/)
 
 
 class ProgressQuery(_Message):
@@ -219,6 +231,9 @@ class ProgressQuery(_Message):
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     worker_id: int = Field(ge=0, le=MAX_WORKER_ID)  # its frames' worker id: from now on the only one taken
+    # A decode worker taking a request its prefill worker handed it (services/worker/handoff/): planned, so not a
+    # migration, neither counted nor bounded by --max-migrations
+    handoff: bool = False
 
 
 class TakeOver(StrEnum):

@@ -45,6 +45,12 @@ def cache_sync(worker_id: int) -> str:
     return f"{PREFIX}.cache.sync.{worker_id}"
 
 
+def kv_transfer(worker_id: int) -> str:
+    """prefill worker -> one decode worker: a KV handoff's chunks, each a request answered by the receiver
+    (services/worker/handoff/nats_transport.py); body: a slice of handoff/format.py's bytes."""
+    return f"{PREFIX}.kv.{worker_id}"
+
+
 def worker_state(worker_id: int) -> str:
     """worker -> gateways and workers, every WORKER_STATE_PERIOD_S: alive, how busy, draining; schemas.WorkerState."""
     return f"{PREFIX}.worker.{worker_id}.state"

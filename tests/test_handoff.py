@@ -32,14 +32,14 @@ def prompt(tiny_model_dir) -> list[int]:  # noqa: F811
 
 def _prefill(engine, request):
     """Runs the request on a prefill engine until it is handed off: its outputs and its handoff's bytes."""
-    outputs = []
+    outputs, handoffs = [], []
     engine.add_request(request)
-    while not engine.handoffs:
+    while not handoffs:
         outputs += engine.step()
-    ((seq, payload),) = engine.handoffs
-    engine.handoffs.clear()
+        handoffs = engine.hand_off_ready()
+    ((seqs, payload),) = handoffs
     assert not engine.has_work()
-    return outputs, seq, payload
+    return outputs, seqs[0], payload
 
 
 def _continued(request, seq):

@@ -15,7 +15,8 @@ import pytest
 from nats.aio.client import Client
 from prometheus_client import REGISTRY
 
-from services.gateway.prefix_router import PrefixRouter
+from services.gateway.metrics import count_bad_routing_message
+from shared.prefix_router import PrefixRouter
 from services.worker.metrics import WorkerMetrics
 from services.worker.routing import DEAD_AFTER_S, SWEEP_PERIOD_S, Routing
 from shared.config import EngineConfig
@@ -133,7 +134,7 @@ def test_a_worker_met_is_asked_for_a_snapshot_which_replaces_what_was_believed()
 
 
 async def test_forged_states_and_events_are_dropped_and_counted() -> None:
-    router = PrefixRouter(nc=None)
+    router = PrefixRouter(nc=None, on_bad_message=count_bad_routing_message)
     before = {kind: _bad(kind) for kind in ("state", "cache_event")}
     await router._on_state(SimpleNamespace(data=b'{"worker_id": -1}'))
     await router._on_events(SimpleNamespace(data=b"\x02\x00not an event"))

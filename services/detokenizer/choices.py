@@ -67,10 +67,11 @@ class RequestChoices:
             self.owner = worker_id
         return worker_id == self.owner
 
-    def take_over(self, worker_id: int) -> tuple[ChoiceProgress, ...]:
-        """Makes `worker_id` the owner and returns where each unfinished choice stands, for it to continue from."""
+    def take_over(self, worker_id: int, migration: bool = True) -> tuple[ChoiceProgress, ...]:
+        """Makes `worker_id` the owner and returns where each unfinished choice stands, for it to continue from;
+        counts a migration unless the move was planned (a prefill worker's handoff)."""
         self.owner = worker_id
-        self.migrations += 1
+        self.migrations += migration
         return tuple(c.progress() for c in self._choices if not c.finished)
 
     def fail(self, error: str) -> Chunk:

@@ -31,6 +31,9 @@ MIGRATIONS = Counter(
 MIGRATIONS_REFUSED = Counter(
     "specmesh_detokenizer_migrations_refused", "Requests ended with an error for losing their worker too often"
 )
+HANDOFFS = Counter(
+    "specmesh_detokenizer_handoffs", "Requests a decode worker took from their prefill worker (not migrations)"
+)
 STALE_RECORDS = Counter(
     "specmesh_detokenizer_stale_records", "Frame records dropped because another worker had taken their request over"
 )
@@ -48,6 +51,12 @@ class Migrations:
         """The answer to the querying worker, and the error chunk to send when the request is given up on."""
         if request is None:
             return ProgressReport(outcome=TakeOver.CLOSED), None
+        if query.handoff:
+            HANDOFFS.inc()
+            progress = request.take_over(query.worker_id, migration=False)
+            log.debug("request %s handed to worker %d at %s tokens", query.request_id, query.worker_id,
+                      [len(p.output_token_ids) for p in progress])
+            return ProgressReport(outcome=TakeOver.CONTINUE, progress=progress, migrations=request.migrations), None
         if request.migrations >= self.max_migrations:
             MIGRATIONS_REFUSED.inc()
             error = (

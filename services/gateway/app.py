@@ -24,7 +24,7 @@ from services.gateway.disconnects import quiet_disconnects
 from services.gateway.errors import error_middleware, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.limits import GatewayLimits
-from services.gateway.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
+from shared.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
@@ -74,7 +74,9 @@ class Gateway:
         self.router = ChunkRouter(nc, self.gateway_id, config.request_timeout_s)
         limits = config.limits
         self.admission = Admission(limits.max_in_flight, limits.max_concurrent_per_key, config.request_timeout_s)
-        self.prefix_router = PrefixRouter(nc, config.routing_busy_margin) if config.prefix_routing else None
+        self.prefix_router = PrefixRouter(
+            nc, config.routing_busy_margin, on_bad_message=metrics.count_bad_routing_message
+        ) if config.prefix_routing else None
         self.generator = Generator(
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from services.gateway import metrics
 from services.gateway.admission import RETRY_AFTER_S, Admission
-from services.gateway.prefix_router import PrefixRouter
+from shared.prefix_router import PrefixRouter
 from services.gateway.aggregate import Api
 from services.gateway.answer import answer
 from services.gateway.chat_request import ChatCompletionRequest

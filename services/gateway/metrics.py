@@ -48,6 +48,12 @@ BAD_ROUTING_MESSAGES = Counter(
     "specmesh_gateway_bad_routing_messages",
     "Worker states and cache events that could not be decoded and were dropped, by kind", ["kind"],
 )
+
+
+def count_bad_routing_message(kind: str) -> None:
+    BAD_ROUTING_MESSAGES.labels(kind=kind).inc()
+
+
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
 SEQUENCES_IN_FLIGHT = Gauge(
     "specmesh_gateway_admitted_sequences", "Sequences (prompts x n) of the requests admitted into the mesh (admission.py)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.gateway.prefix_router import DEFAULT_BUSY_MARGIN
+from shared.prefix_router import DEFAULT_BUSY_MARGIN
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

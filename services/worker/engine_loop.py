@@ -64,11 +64,13 @@ def serve(
 
 
 def warm_up(engine: Engine) -> None:
-    """One short generation, so the first real request does not pay for lazy initialisation."""
+    """One short generation, so the first real request does not pay for lazy initialisation (a prefill worker's is
+    exported, as its requests will be, and dropped)."""
     sampling = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     engine.add_request(WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=WARMUP_PROMPT, sampling=sampling, created=0))
     while engine.has_work():
         engine.step()
+        engine.hand_off_ready()
 
 
 class EngineLoop:
@@ -80,6 +82,7 @@ class EngineLoop:
         self.stepper = StepRunner(engine, worker_id)
         self.new: list[WorkRequest] = []  # received, given to the engine at its next step
         self.cancels: list[Cancel] = []
+        self.handoffs: dict[str, bytes] = {}  # of new requests handed to this (decode) worker
         self.received = 0  # messages taken from the inbox
         self.sent = 0  # step results sent to the loop
 
@@ -97,7 +100,8 @@ class EngineLoop:
                 continue
             new, self.new = self.new, []
             cancels, self.cancels = self.cancels, []
-            self.outbox.send_bytes(encode(self.stepper.step(new, cancels)))
+            handoffs, self.handoffs = self.handoffs, {}
+            self.outbox.send_bytes(encode(self.stepper.step(new, cancels, handoffs)))
             self.sent += 1
 
     def _take(self, message: Work | Stop) -> bool:
@@ -108,5 +112,6 @@ class EngineLoop:
             self.outbox.send_bytes(encode(Stopped(unfinished(self.engine.scheduler), not_started)))
             return False
         self.new += message.new
+        self.handoffs |= message.handoffs
         self.cancels += message.cancels
         return True

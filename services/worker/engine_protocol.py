@@ -30,6 +30,7 @@ class Work:
 
     new: list[WorkRequest] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
+    handoffs: dict[str, bytes] = field(default_factory=dict)  # by request id: a prefill worker's export of it
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ class StepResult:
     # The prefix cache's block names stored and evicted by the step (cache events for prefix-aware routing)
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    # A prefill worker's requests handed off this step: (request id, each unfinished choice's (index, output token
+    # ids, next TARGET record number), the seed, the handoff's bytes); acknowledged once a decode worker has them
+    handed_off: list[tuple[str, list[tuple[int, list[int], int]], int, bytes]] = field(default_factory=list)
+    handoffs_recomputed: int = 0  # handoffs that did not fit here: their requests are recomputed
 
     def to_wire(self) -> tuple:
         """The result as nested tuples of builtins (decode() takes it back): encoded in a few microseconds, where
@@ -124,17 +129,19 @@ class StepResult:
                 stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
-            self.stored, self.removed,
+            self.stored, self.removed, self.handed_off, self.handoffs_recomputed,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepResult:
-        step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed = wire
+        step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed, handed_off, recomputed = (
+            wire
+        )
         if stats is not None:
             stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
-            [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed,
+            [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed, handed_off, recomputed,
         )
 
 

@@ -55,6 +55,20 @@ REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from 
 REQUESTS_HANDED_BACK = Counter(
     "specmesh_worker_requests_handed_back", "Unfinished requests re-queued with their progress at shutdown", _LABELS
 )
+HANDOFFS = Counter(
+    "specmesh_worker_handoffs",
+    "Prefill/decode handoffs, by outcome: sent (a prefill worker's, with its KV), sent_without_kv (the transfer "
+    "failed: recomputed there), imported and recomputed (a decode worker's)", _LABELS + ["outcome"],
+)
+HANDOFF_BYTES = Counter("specmesh_worker_handoff_bytes", "KV handoff bytes sent to decode workers", _LABELS)
+HANDOFF_SECONDS = Histogram(
+    "specmesh_worker_handoff_duration_seconds", "From a request's export to a decode worker holding it", _LABELS,
+    buckets=STEP_BUCKETS,
+)
+HANDOFF_FAILURES = Counter(
+    "specmesh_worker_handoff_transfer_failures", "KV transfers that failed, by reason (gone, busy, failed)",
+    _LABELS + ["reason"],
+)
 
 FAILED_REQUESTS = Counter(
     "specmesh_worker_failed_requests",

@@ -26,11 +26,15 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.frames import frame_kind
 from shared.natsutil import REQUEST_HEARTBEAT_S
-from shared.schemas import Cancel, RequestAddress, WorkRequest
+from shared.schemas import Cancel, ChoiceProgress, RequestAddress, WorkRequest
 from services.worker.engine_process import EngineProcess
 from services.worker.engine_protocol import StepResult, Work
 from services.worker.fail_reason import FailReason
-from services.worker.metrics import FAILED_REQUESTS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics
+from services.worker.handoff.sender import HandoffSender
+from services.worker.handoff.transport import KvTransport
+from services.worker.metrics import (
+    FAILED_REQUESTS, HANDOFFS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics,
+)
 from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
 from services.worker.routing import Routing
@@ -55,6 +59,11 @@ class QueueWorker:
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
+        self.role = engine.config.role
+        # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
+        self.sender: HandoffSender | None = None
+        self.transport: KvTransport | None = None
+        self._handing_off: set[asyncio.Task] = set()
 
     @property
     def num_choices(self) -> int:
@@ -65,7 +74,8 @@ class QueueWorker:
     def capacity(self) -> int:
         """Requests worth fetching now: free slots plus one batch of waiting sequences (one per choice) to keep
         steps full."""
-        return 2 * self.engine.config.max_num_seqs - self.num_choices
+        held = self.transport.num_held if self.transport is not None and self.role == "decode" else 0
+        return 2 * self.engine.config.max_num_seqs - self.num_choices - held
 
     @property
     def num_in_flight(self) -> int:
@@ -168,15 +178,29 @@ class QueueWorker:
         frame = end_wherever_frame(address.request_id, self.worker_id)
         await self.nc.publish(subjects.frames(address.detok_id), frame)
 
-    def _start(self, request: WorkRequest) -> None:
-        self.engine.send(Work(new=[request]))
+    def _start(self, request: WorkRequest, handoff: bytes | None = None) -> None:
+        self.engine.send(Work(new=[request], handoffs={request.request_id: handoff} if handoff else {}))
 
     async def _take_over(self, msg: Msg, request: WorkRequest) -> None:
-        """Continues a request another worker lost from where its output stands, or lets it go (takeover.py)."""
-        taken = await take_over(self.nc, request, self.worker_id)
-        self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
+        """Continues a request another worker lost from where its output stands, or lets it go (takeover.py). A
+        decode worker takes a request handed to it the same way, with the KV that came for it: it is imported when
+        the request's output stands where the handoff says, recomputed otherwise (counted)."""
+        handed = request.handoff is not None and self.role == "decode"
+        payload = None
+        if handed and request.handoff.transfer_id is not None and self.transport is not None:
+            payload = self.transport.take(request.handoff.transfer_id)
+        request = request.model_copy(update={"handoff": None})
+        taken = await take_over(self.nc, request, self.worker_id, handoff=handed)
+        if not handed:
+            self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
         if taken.request is not None and not cancelled:
+            if handed:
+                imported = payload is not None and taken.request.progress == request.progress
+                self.metrics.child(HANDOFFS, outcome="imported" if imported else "recomputed").inc()
+                self._requests[request.request_id] = taken.request
+                self._start(taken.request, payload if imported else None)
+                return
             log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
             self._requests[request.request_id] = taken.request
             self._start(taken.request)
@@ -241,6 +265,38 @@ class QueueWorker:
             self.metrics.observe_frame(frame_kind(frame).name.lower(), len(frame))
         if self.routing is not None:
             await self.routing.publish_events(result.stored, result.removed)
+        if result.handoffs_recomputed:
+            self.metrics.child(HANDOFFS, outcome="recomputed").inc(result.handoffs_recomputed)
+        for request_id, progress, seed, payload in result.handed_off:
+            task = asyncio.create_task(self._hand_off(request_id, progress, seed, payload))
+            self._handing_off.add(task)
+            task.add_done_callback(self._handing_off.discard)
+
+    async def _hand_off(
+        self, request_id: str, progress: list[tuple[int, list[int], int]], seed: int, payload: bytes
+    ) -> None:
+        """Hands a request this prefill worker exported to a decode worker (handoff/sender.py), then acknowledges its
+        message; a request cancelled meanwhile is just acknowledged."""
+        original, msg = self._requests.get(request_id), self._messages.get(request_id)
+        if original is None or msg is None:
+            return
+        request = original.model_copy(update={
+            "progress": tuple(
+                ChoiceProgress(index=index, output_token_ids=tuple(ids), next_seq_no=next_seq_no)
+                for index, ids, next_seq_no in progress
+            ),
+            "sampling": original.sampling.model_copy(update={"seed": seed}),
+            "handoff": None,
+        })
+        self._requests[request_id] = request  # with its progress, should this worker hand it back meanwhile
+        await self.sender.hand_off(request, payload, lambda: request_id in self._recent_cancels)
+        self._requests.pop(request_id, None)
+        self._messages.pop(request_id, None)
+        self._acked.set()
+        try:
+            await msg.ack()
+        except nats.errors.Error as exc:  # it comes back after ack_wait: its take-over finds it handed off
+            log.warning("could not acknowledge request %s after its handoff: %r", request_id, exc)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until every request taken has finished and been acknowledged; False if the timeout came first."""
@@ -261,9 +317,9 @@ class QueueWorker:
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
         as they came (nak), routed ones to the shared queue.
         """
-        for task in self._taking_over:  # a request still asking its detokenizer goes back as it came
+        for task in self._taking_over | self._handing_off:  # these go back as they stand
             task.cancel()
-        await asyncio.gather(*self._taking_over, return_exceptions=True)
+        await asyncio.gather(*self._taking_over, *self._handing_off, return_exceptions=True)
         js = self.nc.jetstream()
         stopped = self.engine.stopped
         unseen = set(stopped.not_started)
@@ -273,7 +329,9 @@ class QueueWorker:
                 # A routed one goes to the shared queue: its own queue is read by no one once this worker is gone.
                 await (self.routing.move(msg) if self.routing and self.routing.is_routed(msg) else msg.nak())
                 continue
-            resumed = resumed_request(self._requests[request_id], stopped.unfinished.get(request_id))
+            request = self._requests[request_id]
+            # One being handed off left the engine with its progress, which it carries now.
+            resumed = resumed_request(request, stopped.unfinished.get(request_id)) if not request.progress else request
             await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
             await msg.ack()
             handed += 1

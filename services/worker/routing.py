@@ -96,7 +96,7 @@ class Routing:
             worker_id=self.worker_id, epoch=self.epoch, revision=self._revision,
             block_size=self._config.block_size, caching=self._config.enable_prefix_caching,
             max_num_seqs=self._config.max_num_seqs, in_flight=self._in_flight(), routed_backlog=self._backlog,
-            draining=self.draining,
+            draining=self.draining, role=self._config.role,
         )
 
     async def publish_state(self) -> None:

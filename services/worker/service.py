@@ -25,12 +25,15 @@ from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.natsutil import connect, ensure_request_stream
 from shared.observability import Readiness, start_http
+from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import pin
 from services.startup_checks import servable_max_model_len, speculative_config
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
-from services.worker.metrics import WorkerMetrics
+from services.worker.handoff.nats_transport import NatsKvTransport
+from services.worker.handoff.sender import HandoffSender
+from services.worker.metrics import BAD_WORKER_STATES, WorkerMetrics
 from services.worker.queue_worker import QueueWorker
 from services.worker.routing import Routing
 
@@ -77,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine_flags.add_arguments(parser)
     parser.add_argument(
+        "--role", default=EngineConfig.model_fields["role"].default, choices=["both", "prefill", "decode"],
+        help="prefill/decode disaggregation: prefill computes prompts and first tokens and hands each request, with "
+        "its KV, to a decode worker; decode takes only those; both (the default) does whole requests",
+    )
+    parser.add_argument(
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /health and /ready")
@@ -102,8 +110,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         enforce_eager=args.enforce_eager,
+        role=args.role,
         **engine_flags.config_keys(args),
     )
+
+
+async def _start_handoffs(nc, worker: QueueWorker, worker_id: int, metrics: WorkerMetrics) -> None:
+    """Prefill/decode disaggregation (handoff/): a decode worker receives KV transfers; a prefill worker follows the
+    decode workers' states and cache events to choose where each request goes."""
+    role = worker.role
+    transport = NatsKvTransport(nc, worker_id, has_room=lambda: worker.capacity > 0)
+    if role == "decode":
+        await transport.start()
+        worker.transport = transport
+    elif role == "prefill":
+        router = PrefixRouter(
+            nc, roles=frozenset({"decode"}), min_choices=1,
+            on_bad_message=lambda kind: metrics.child(BAD_WORKER_STATES).inc(),
+        )
+        await router.start()
+        worker.sender = HandoffSender(nc, worker_id, transport, router, metrics)
 
 
 def _report_stop(what: str) -> Callable[[asyncio.Task], None]:
@@ -151,11 +177,15 @@ async def _serve(
         metrics,
     )
     worker.routing = routing
+    await _start_handoffs(nc, worker, worker_id, metrics)
     await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
     await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
-    psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
+    # A decode worker takes only the requests handed to it, on its routed subject.
+    psub = None if config.role == "decode" else await js.pull_subscribe_bind(
+        subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM
+    )
     routed_psub = await routing.start()
-    fetching = asyncio.create_task(worker.fetch_loop(psub))
+    fetching = asyncio.create_task(worker.fetch_loop(psub) if psub is not None else asyncio.Event().wait())
     fetching_routed = asyncio.create_task(worker.fetch_loop(routed_psub, routed=True))
     heartbeat = asyncio.create_task(worker.heartbeat_loop())
     stepping = asyncio.create_task(worker.publish_loop())
@@ -196,6 +226,7 @@ async def _serve(
         stating.cancel()
         sweeping.cancel()
         await asyncio.gather(heartbeat, burying, stating, sweeping, return_exceptions=True)
-        await psub.unsubscribe()  # a pull subscription with a fetch outstanding would stall the drain
+        if psub is not None:
+            await psub.unsubscribe()  # a pull subscription with a fetch outstanding would stall the drain
         await nc.drain()
         await http.cleanup()

@@ -56,9 +56,9 @@ class StepGuard(Generic[R]):
         self.engine = engine
         self._requests: dict[str, WorkRequest] = {}  # every request in the engine, as it was last admitted
 
-    def admit(self, request: WorkRequest) -> list[Sequence]:
+    def admit(self, request: WorkRequest, handoff: bytes | None = None) -> list[Sequence]:
         """engine.add_request, remembered so the request can be set back; raises what add_request raises."""
-        seqs = self.engine.add_request(request)
+        seqs = self.engine.add_request(request, handoff)
         self._requests[request.request_id] = request
         return seqs
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 from shared.request_limits import OutOfLimits
 from shared.schemas import Cancel, WorkRequest
 from services.worker.engine.engine import Engine, SeqOutput
+from services.worker.engine.handoff import HandoffMismatch
 from services.worker.engine_protocol import Gauges, StepResult, StepStats
 from services.worker.fail_reason import FailReason
 from services.worker.publisher import abort_frame, step_frames
@@ -40,11 +41,21 @@ class StepRunner:
         self._num_live: dict[str, int] = {}
         self._guard: StepGuard = StepGuard(engine)
         self._lookups = (0, 0)  # the scheduler's prefix cache counters at the last step
+        self._recomputed = 0  # handoffs of this step's new requests that did not fit
+        self._gone_on_admission = 0  # the scheduler's count of handoffs whose cached blocks were gone, at the last step
 
-    def step(self, new: list[WorkRequest], cancels: list[Cancel]) -> StepResult:
+    def step(
+        self, new: list[WorkRequest], cancels: list[Cancel], handoffs: dict[str, bytes] | None = None
+    ) -> StepResult:
         """Admits, cancels and steps; returns what the event loop must send. A request the engine refuses, or that
-        fails a step (StepGuard), ends with an error record and is terminated."""
-        failed = [(request, reason) for request in new if (reason := self._admit(request)) is not None]
+        fails a step (StepGuard), ends with an error record and is terminated. `handoffs`: the exported state of
+        new requests handed to this decode worker, by request id."""
+        handoffs = handoffs or {}
+        self._recomputed = 0
+        failed = [
+            (request, reason) for request in new
+            if (reason := self._admit(request, handoffs.get(request.request_id))) is not None
+        ]
         finished: list[str] = []
         for cancel in cancels:
             finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
@@ -80,7 +91,24 @@ class StepRunner:
         gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
         step = self.engine.step_no if seconds is not None else 0
         stored, removed = scheduler.blocks.cache.take_journal()
-        return StepResult(step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed)
+        recomputed = self._recomputed + scheduler.handoffs_recomputed - self._gone_on_admission
+        self._gone_on_admission = scheduler.handoffs_recomputed
+        return StepResult(
+            step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed,
+            self._take_handoffs(), recomputed,
+        )
+
+    def _take_handoffs(self) -> list[tuple[str, list[tuple[int, list[int], int]], int, bytes]]:
+        """The requests the engine (a prefill worker's) exported this step, which leave its bookkeeping here."""
+        handed = []
+        for seqs, payload in self.engine.hand_off_ready():
+            request_id = seqs[0].request_id
+            self._num_live.pop(request_id, None)
+            self._detok_ids.pop(request_id, None)
+            self._guard.forget(request_id)
+            progress = [(s.choice, list(s.output_ids), s.target_seq_no) for s in seqs]
+            handed.append((request_id, progress, seqs[0].sampling.seed, payload))
+        return handed
 
     def _lookups_since_last_step(self) -> tuple[int, int]:
         """The prefix cache's (queries, hits) in tokens since the last call."""
@@ -89,10 +117,16 @@ class StepRunner:
         self._lookups = (scheduler.prefix_queries, scheduler.prefix_hits)
         return queries, hits
 
-    def _admit(self, request: WorkRequest) -> FailReason | None:
-        """Gives the request to the engine; the reason it was refused, or None."""
+    def _admit(self, request: WorkRequest, handoff: bytes | None = None) -> FailReason | None:
+        """Gives the request to the engine; the reason it was refused, or None. A handoff that does not fit is
+        dropped and the request recomputed from its progress (counted)."""
         try:
-            seqs = self._guard.admit(request)
+            try:
+                seqs = self._guard.admit(request, handoff)
+            except HandoffMismatch as exc:
+                log.warning("recomputing request %s: its handoff does not fit: %s", request.request_id, exc)
+                self._recomputed += 1
+                seqs = self._guard.admit(request)
         except OutOfLimits as exc:
             log.warning("refusing request %s: %s is out of the model's limits: %s", request.request_id, exc.param, exc)
             return FailReason.OUT_OF_LIMITS

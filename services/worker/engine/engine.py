@@ -111,7 +111,6 @@ class Engine:
         self._top_k = 0
         self._prompt_scores = PromptScores()  # of prompts prefilled in pieces, until their first token
         self.stats = EngineStats()
-        self.handoffs: list[tuple[Sequence, bytes]] = []  # a prefill worker's exports of its last step, one a request
 
     def add_request(self, request: WorkRequest, handoff: bytes | None = None) -> list[Sequence]:
         """Queues a sequence per choice to run (each choice's seed derived from the request's, shared/seeds.py);
@@ -187,8 +186,6 @@ class Engine:
             outputs += decoded
         self._publish(plan.prefills + plan.decodes)
         self._release_finished()
-        if self.config.role == "prefill":
-            self._hand_off()
         self.stats.num_emitted_tokens += sum(len(o.tokens) for o in outputs)
         return outputs
 
@@ -209,16 +206,20 @@ class Engine:
                 blocks.publish(seq.slot, seq.num_published, seq.names(full, size)[seq.num_published :])
                 seq.num_published = full
 
-    def _hand_off(self) -> None:
-        """A prefill worker exports every request whose unfinished choices all have their first token (handoffs),
-        and lets them go: a decode worker goes on from there."""
+    def hand_off_ready(self) -> list[tuple[list[Sequence], bytes]]:
+        """A prefill worker's exports: every request whose unfinished choices all have their first token, with the
+        handoff's bytes, let go here (a decode worker goes on from there). Called after the step's frames are built,
+        so that the record numbers exported follow the records sent."""
+        handoffs = []
+        if self.config.role != "prefill":
+            return handoffs
         pending: dict[str, list[Sequence]] = {}
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             pending.setdefault(seq.request_id, []).append(seq)
         for request_id, seqs in pending.items():
             if any(s.state is not SeqState.RUNNING or s.is_prefilling or not s.output_ids for s in seqs):
                 continue
-            self.handoffs.append((seqs[0], export_request(seqs, self.runner.cache, self.mtp, self.revision)))
+            handoffs.append((seqs, export_request(seqs, self.runner.cache, self.mtp, self.revision)))
             for seq in seqs:
                 if self.mtp is not None:
                     self.mtp.forget(seq.slot)
@@ -226,6 +227,7 @@ class Engine:
                 self._prompt_scores.forget(seq)
                 self.proposer.on_finished(seq)
                 self.controller.forget(seq)
+        return handoffs
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():

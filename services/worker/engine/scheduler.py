@@ -261,7 +261,7 @@ class Scheduler:
         blocks it published stay in the prefix cache)."""
         self.running.remove(seq)
         self._free(seq)
-        seq.state = SeqState.FINISHED
+        seq.state = SeqState.HANDED_OFF
 
     def _free(self, seq: Sequence) -> None:
         if self.blocks is not None:

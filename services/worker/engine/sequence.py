@@ -20,6 +20,7 @@ class SeqState(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
+    HANDED_OFF = enum.auto()  # exported to a decode worker after its prefill (engine/handoff.py)
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Prefix-aware routing, the gateway's side (the worker's is services/worker/routing.py): which worker's prefix cache
-holds the longest part of a request's prompt, from what the workers announce.
+"""Prefix-aware routing, the choosing side (the announcing side is services/worker/routing.py): which worker's prefix
+cache holds the longest part of a request's prompt, from what the workers announce. Gateways choose among the
+workers that take prompts (roles both and prefill); a prefill worker chooses among decode workers where to hand a
+request off (services/worker/handoff/), and sends only the blocks its choice does not hold.
 
 Each gateway replica listens to every worker's cache events (the names of the blocks it stored and evicted,
 shared/cache_events.py) and state (alive, busy, draining, what its names are made of; schemas.WorkerState), and
@@ -29,7 +31,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from services.gateway import metrics
+from collections.abc import Callable
+
 from shared import subjects
 from shared.cache_events import CacheEventError, CacheEvents
 from shared.prefix_hash import BlockHash, cacheable_blocks, extend_hashes, root_hash
@@ -38,6 +41,7 @@ from shared.schemas import WorkerState
 log = logging.getLogger("specmesh.gateway")
 
 DEFAULT_BUSY_MARGIN = 1.0  # a whole batch
+PROMPT_ROLES = frozenset({"both", "prefill"})  # the workers a gateway sends prompts to
 STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
 FORGET_AFTER_S = 30.0  # a worker silent this long is forgotten, names and all (a pod replaced under a new id)
 
@@ -56,10 +60,24 @@ class _Worker:
         return held / self.state.max_num_seqs
 
 
+@dataclass(frozen=True)
+class Placement:
+    worker_id: int
+    depth: int  # leading cacheable blocks of the prompt the worker holds, as far as its announcements tell
+
+
 class PrefixRouter:
-    def __init__(self, nc: Client, busy_margin: float = DEFAULT_BUSY_MARGIN) -> None:
+    def __init__(
+        self, nc: Client, busy_margin: float = DEFAULT_BUSY_MARGIN, roles: frozenset[str] = PROMPT_ROLES,
+        min_choices: int = 2, on_bad_message: Callable[[str], None] | None = None,
+    ) -> None:
+        """roles: the workers chosen among; min_choices: fewer fresh ones than this and `choose` answers None (a
+        gateway then uses the shared queue); on_bad_message(kind) counts a malformed state or cache event."""
         self.nc = nc
         self.busy_margin = busy_margin
+        self.roles = roles
+        self.min_choices = min_choices
+        self._on_bad_message = on_bad_message or (lambda kind: None)
         self._workers: dict[int, _Worker] = {}
         self._holders: dict[BlockHash, set[int]] = {}  # block name -> the workers holding it
 
@@ -72,7 +90,7 @@ class PrefixRouter:
             met = self.observe_state(WorkerState.from_bytes(msg.data))
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring a malformed worker state: %s", exc)
-            metrics.BAD_ROUTING_MESSAGES.labels(kind="state").inc()
+            self._on_bad_message("state")
             return
         if met is not None:
             await self.nc.publish(subjects.cache_sync(met), b"")
@@ -82,7 +100,7 @@ class PrefixRouter:
             events = CacheEvents.decode(msg.data)
         except CacheEventError as exc:
             log.warning("ignoring a malformed cache event: %s", exc)
-            metrics.BAD_ROUTING_MESSAGES.labels(kind="cache_event").inc()
+            self._on_bad_message("cache_event")
             return
         if self.observe_events(events):
             await self.nc.publish(subjects.cache_sync(events.worker_id), b"")
@@ -137,14 +155,22 @@ class PrefixRouter:
     def choose(self, prompt_ids: list[int], cache_salt: str | None, num_seqs: int = 1) -> int | None:
         """The worker to send this prompt to, or None for the shared queue (see the module docstring); counts the
         request against the chosen worker's load until its next state."""
+        placement = self.place(prompt_ids, cache_salt, num_seqs)
+        return None if placement is None else placement.worker_id
+
+    def place(
+        self, prompt_ids: list[int], cache_salt: str | None, num_seqs: int = 1, exclude: frozenset[int] = frozenset()
+    ) -> Placement | None:
+        """The chosen worker (none of `exclude`) with how much of the prompt it holds, or None."""
         now = time.monotonic()
         for worker_id in [w for w, worker in self._workers.items() if now - worker.seen > FORGET_AFTER_S]:
             self._forget(worker_id)
         eligible = {
             worker_id: worker for worker_id, worker in self._workers.items()
-            if now - worker.seen <= STATE_FRESH_S and not worker.state.draining and worker.state.caching
+            if now - worker.seen <= STATE_FRESH_S and not worker.state.draining and worker.state.role in self.roles
+            and (worker.state.caching or self.min_choices < 2) and worker_id not in exclude
         }
-        if len(eligible) < 2:
+        if len(eligible) < max(self.min_choices, 1):
             return None
         matched: dict[int, int] = {}
         names_by_kind: dict[tuple[str, int], list[BlockHash]] = {}
@@ -166,4 +192,4 @@ class PrefixRouter:
             if eligible[chosen].load <= least_busy + self.busy_margin:
                 break
         eligible[chosen].routed_since_state += num_seqs
-        return chosen
+        return Placement(chosen, matched[chosen])
