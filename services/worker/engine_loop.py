@@ -9,6 +9,7 @@ import time
 import traceback
 import uuid
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -113,5 +114,9 @@ class EngineLoop:
             return False
         self.new += message.new
         self.handoffs |= message.handoffs
+        for request_id, name in message.handoff_files.items():
+            path = Path(name)
+            self.handoffs[request_id] = path.read_bytes()
+            path.unlink()
         self.cancels += message.cancels
         return True

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import tempfile
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from shared.config import EngineConfig
 from services.worker.engine_protocol import (
@@ -49,6 +51,7 @@ class EngineProcess:
         self._outbox = outbox  # our end: we read
         self._counters = counters
         self._stopping = False
+        self._spool = tempfile.TemporaryDirectory(prefix=f"specmesh-handoffs-{process.pid}-")
 
     @classmethod
     async def start(
@@ -84,11 +87,24 @@ class EngineProcess:
     def send(self, message: Work | Stop) -> None:
         if self.stopped is not None:
             return  # it has exited: a late Work has no one to reach (hand_back settles such requests)
+        if isinstance(message, Work) and message.handoffs:
+            message = self._spooled(message)
         try:
             self._inbox.send_bytes(encode(message))
         except OSError as exc:
             raise EngineError(f"the engine process is gone (exit code {self.process.exitcode})") from exc
         self._counters.ordered()  # after the message is in the pipe, so the engine never waits for it
+
+    def _spooled(self, work: Work) -> Work:
+        """The work with each handoff's bytes in a file of the spool, named in `handoff_files`. A handoff is larger
+        than the pipe's buffer, and the engine reads its inbox only between steps: written into the pipe, it would
+        hold the event loop (heartbeats, frames, KV chunks) for the rest of the engine's step."""
+        files = {}
+        for request_id, payload in work.handoffs.items():
+            path = Path(self._spool.name) / request_id
+            path.write_bytes(payload)
+            files[request_id] = str(path)
+        return Work(new=work.new, cancels=work.cancels, handoff_files=files)
 
     def published(self) -> None:
         """One more of the engine's step results was sent on: it may run one more step ahead."""
@@ -139,6 +155,7 @@ class EngineProcess:
             self.process.join()
         self._inbox.close()
         self._outbox.close()
+        self._spool.cleanup()
 
 
 def _failure(message: object, process: multiprocessing.process.BaseProcess) -> str:

@@ -31,6 +31,7 @@ class Work:
     new: list[WorkRequest] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
     handoffs: dict[str, bytes] = field(default_factory=dict)  # by request id: a prefill worker's export of it
+    handoff_files: dict[str, str] = field(default_factory=dict)  # the same, as the engine gets them: in spool files
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,13 @@ class QueueWorker:
     def capacity(self) -> int:
         """Requests worth fetching now: free slots plus one batch of waiting sequences (one per choice) to keep
         steps full."""
-        held = self.transport.num_held if self.transport is not None and self.role == "decode" else 0
-        return 2 * self.engine.config.max_num_seqs - self.num_choices - held
+        return 2 * self.engine.config.max_num_seqs - self.num_choices
+
+    def has_room_for_handoff(self) -> bool:
+        """Whether this decode worker accepts another KV transfer: room for its request beside those it runs and the
+        transfers it holds, whose requests are on their way."""
+        held = self.transport.num_held if self.transport is not None else 0
+        return self.capacity - held > 0
 
     @property
     def num_in_flight(self) -> int:

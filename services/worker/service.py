@@ -119,7 +119,7 @@ async def _start_handoffs(nc, worker: QueueWorker, worker_id: int, metrics: Work
     """Prefill/decode disaggregation (handoff/): a decode worker receives KV transfers; a prefill worker follows the
     decode workers' states and cache events to choose where each request goes."""
     role = worker.role
-    transport = NatsKvTransport(nc, worker_id, has_room=lambda: worker.capacity > 0)
+    transport = NatsKvTransport(nc, worker_id, has_room=worker.has_room_for_handoff)
     if role == "decode":
         await transport.start()
         worker.transport = transport
