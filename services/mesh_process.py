@@ -37,6 +37,16 @@ class Mesh:
         credentials = NatsCredentials.from_file(credentials_file(credentials_dir(self.nats_store_dir), role))
         return NatsSettings(url=self.nats_url, role=role, credentials=credentials)
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's /metrics, by the name `specmesh up` printed for it (worker-0, detokenizer, ...)."""
+        urls = {}
+        for line in self.log:
+            name, _, url = line.strip().removeprefix("metrics of ").partition(": ")
+            if line.strip().startswith("metrics of ") and url.startswith("http"):
+                urls[name] = url.strip()
+        return urls
+
     def children(self) -> dict[int, str]:
         """The processes `specmesh up` runs (and theirs), by pid, with their command lines."""
         return descendants(self.proc.pid)
