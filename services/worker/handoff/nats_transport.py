@@ -65,6 +65,7 @@ class NatsKvTransport:
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kv_transfer(self.worker_id), cb=self._on_chunk)
+        await self.nc.flush()  # the server knows of the subscription before anyone is told this worker is up
 
     @property
     def num_held(self) -> int:
