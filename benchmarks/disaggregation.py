@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 import orjson
 
 from benchmarks.heldout import PACKAGE, package_prompts
-from benchmarks.mesh_client import HTTP_TIMEOUT_S
+from benchmarks.mesh_client import HTTP_TIMEOUT_S, sse_events
 from benchmarks.plot import save_report
 from services.mesh_process import start_mesh
 from shared.config import DEFAULT_MODEL_DIR
@@ -49,14 +49,7 @@ async def timed_stream(session: aiohttp.ClientSession, url: str, body: dict) -> 
     sent = time.perf_counter()
     chunks = []
     async with session.post(url, json={**body, "stream": True, "logprobs": 0}) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            at = time.perf_counter()
-            event = orjson.loads(line[len(b"data: "):])
-            if "error" in event:
-                raise RuntimeError(f"the mesh failed a request: {event['error']}")
+        async for at, event in sse_events(response):
             tokens = len((event["choices"][0].get("logprobs") or {}).get("tokens") or [])
             if tokens:
                 chunks.append((at, tokens))
@@ -141,7 +134,8 @@ async def mixed_load(base_url: str, model: str, decode_prompts: list[list[int]],
 def markdown_table(report: dict) -> str:
     lines = ["| KV handoff | bytes per prompt token | handoff ms per 1k prompt tokens |", "|---|---|---|"]
     for tokens, row in report["handoff"].items():
-        lines.append(f"| {tokens}-token prompt | {row['bytes_per_token']:.0f} | {row['seconds_per_1k_tokens'] * 1000:.1f} |")
+        ms = row["seconds_per_1k_tokens"] * 1000
+        lines.append(f"| {tokens}-token prompt | {row['bytes_per_token']:.0f} | {ms:.1f} |")
     lines += ["", "| layout | decode ITL p50 (ms) | decode ITL p99 (ms) | long-prompt TTFT p50 (ms) | TTFT p99 (ms) |",
               "|---|---|---|---|---|"]
     for layout, row in report["load"].items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -28,19 +29,25 @@ class Stream:
     arrivals: list[tuple[float, int]]  # per SSE chunk: (perf_counter when it arrived, characters of text so far)
 
 
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, dict]]:
+    """Each SSE event of a streamed completion with when it arrived (perf_counter); an error event raises."""
+    response.raise_for_status()
+    async for line in response.content:
+        if not line.startswith(b"data: {"):
+            continue
+        at = time.perf_counter()
+        event = orjson.loads(line[len(b"data: "):])
+        if "error" in event:
+            raise RuntimeError(f"the mesh failed a request: {event['error']}")
+        yield at, event
+
+
 async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict) -> Stream:
     pieces: list[str] = []
     arrivals: list[tuple[float, int]] = []
     length = 0
     async with session.post(url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            at = time.perf_counter()
-            event = orjson.loads(line[len(b"data: "):])
-            if "error" in event:
-                raise RuntimeError(f"the mesh failed a request: {event['error']}")
+        async for at, event in sse_events(response):
             piece = event["choices"][0]["text"]
             pieces.append(piece)
             length += len(piece)

@@ -135,14 +135,14 @@ class StepResult:
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepResult:
-        step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed, handed_off, recomputed = (
-            wire
-        )
+        (step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed, handed_off,
+         recomputed) = wire
         if stats is not None:
             stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
-            [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed, handed_off, recomputed,
+            [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed, handed_off,
+            recomputed,
         )
 
 

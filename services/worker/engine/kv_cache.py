@@ -148,11 +148,11 @@ class KVCache:
         device = self.keys[0].device
         data = data.to(device=device, dtype=self.keys[0].dtype)
         ids = torch.tensor(blocks, device=device)
+        positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
         for layer in range(num_layers):
             for kind, pool in enumerate((self.keys[layer], self.values[layer])):
                 part = data[:, layer, kind]  # [blocks, block_size, kv_heads, head_dim]
                 if self.head_major:
-                    positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
                     pool.index_copy_(1, positions, part.permute(2, 0, 1, 3).reshape(pool.shape[0], -1, pool.shape[2]))
                 else:
                     pool.index_copy_(0, ids, part)
