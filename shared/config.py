@@ -12,6 +12,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 # Rows a step computes with chunked prefill: measured on a 2-core CPU with the demo model (README, "Chunked prefill")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 class SpeculativeConfig(BaseModel):
@@ -100,11 +101,15 @@ class EngineConfig(BaseModel):
     # prompt is prefilled over several steps instead of stalling every running stream for one long one
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=MIN_NUM_BATCHED_TOKENS)
+    # Ranks the model is split over (services/worker/tensor_parallel/): processes of one machine, one GPU each on
+    # CUDA; their passes run eagerly (no CUDA graphs)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
 
     @property
     def graph_query_lens(self) -> tuple[int, ...]:
         """Rows per sequence of the passes captured as CUDA graphs: decode (1) and every verify width up to
-        1 + num_drafts (adaptive speculation drafts fewer); none when the passes run eagerly."""
-        if self.enforce_eager or not self.device.startswith("cuda"):
+        1 + num_drafts (adaptive speculation drafts fewer); none when the passes run eagerly, as they do split over
+        tensor-parallel ranks (a captured graph would hold the collectives of one group's communicators)."""
+        if self.enforce_eager or not self.device.startswith("cuda") or self.tensor_parallel_size > 1:
             return ()
         return tuple(range(1, 2 + self.speculative.num_drafts))
