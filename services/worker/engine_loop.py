@@ -8,7 +8,7 @@ import signal
 import time
 import traceback
 import uuid
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
 
@@ -89,6 +89,7 @@ class EngineLoop:
             # The loop counts a message once it is in the pipe, so a message taken while idle may be counted later:
             # only a count ahead of ours says that one waits.
             if self.counters.orders > self.received or not (self.new or self.cancels or self.engine.has_work()):
+                self._wait_for_message()
                 if not self._take(decode(self.inbox.recv_bytes())):  # blocks only when idle: a message waits otherwise
                     return
                 continue
@@ -99,6 +100,14 @@ class EngineLoop:
             cancels, self.cancels = self.cancels, []
             self.outbox.send_bytes(encode(self.stepper.step(new, cancels)))
             self.sent += 1
+
+    def _wait_for_message(self) -> None:
+        """Returns once a message is in the inbox; raises if a process the runner needs (a tensor-parallel rank)
+        died meanwhile, so an idle engine fails as loudly as a stepping one."""
+        runner = self.engine.runner
+        if runner.sentinels:
+            wait([self.inbox, *runner.sentinels])
+            runner.check_alive()
 
     def _take(self, message: Work | Stop) -> bool:
         """Applies one message; False for Stop, which it answers."""

@@ -36,7 +36,7 @@ from services.worker.tensor_parallel.group import LEADER, TensorParallelGroup, r
 from services.worker.tensor_parallel.mirror import Op, RecordingKVCache
 from services.worker.tensor_parallel.model import ShardedCausalLM, load_shard
 from services.worker.tensor_parallel.placement import rank_cpus, rank_threads
-from services.worker.tensor_parallel.shard import check_shardable
+from services.worker.tensor_parallel.divisible import check_shardable
 
 # How long a follower that failed a collective may take to exit before the error names no exit code.
 DEATH_WAIT_S = 2.0

@@ -16,36 +16,13 @@ import torch
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.weights import ATTENTION_MERGED, MLP_MERGED
+from services.worker.tensor_parallel.divisible import check_shardable
 
 QKV = f".self_attn.{ATTENTION_MERGED}."
 GATE_UP = f".mlp.{MLP_MERGED}."
 O_WEIGHT = ".self_attn.o_proj.weight"
 DOWN_WEIGHT = ".mlp.down_proj.weight"
 VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-class ShardingError(ValueError):
-    pass
-
-
-def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """Refuses, naming the numbers, a model that `size` ranks cannot split evenly."""
-    if cfg.num_experts:
-        raise ShardingError(
-            f"tensor parallelism does not split routed experts ({cfg.architecture} has {cfg.num_experts}); "
-            "serve it with --tensor-parallel-size 1"
-        )
-    for name, count in (
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("num_key_value_heads", cfg.num_key_value_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
-        if count % size:
-            raise ShardingError(
-                f"--tensor-parallel-size {size} must divide the model's {name} ({count}): "
-                f"{cfg.num_attention_heads} attention heads, {cfg.num_key_value_heads} kv heads, "
-                f"intermediate size {cfg.intermediate_size}"
-            )
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
