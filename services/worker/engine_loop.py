@@ -105,7 +105,7 @@ class EngineLoop:
         """Returns once a message is in the inbox; raises if a process the runner needs (a tensor-parallel rank)
         died meanwhile, so an idle engine fails as loudly as a stepping one."""
         runner = self.engine.runner
-        if runner.sentinels:
+        while runner.sentinels and not self.inbox.poll():
             wait([self.inbox, *runner.sentinels])
             runner.check_alive()
 

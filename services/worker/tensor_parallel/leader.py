@@ -127,8 +127,13 @@ class Followers:
             pipe.send_bytes(message)
 
     def dead(self) -> list[str]:
-        """A description of each follower that has exited."""
-        return [self._death(rank) for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+        """A description of each follower that has exited or is exiting (its sentinel is ready before the kernel
+        lets it be reaped)."""
+        ending = set(wait(self.sentinels, timeout=0))
+        return [
+            self._death(rank) for rank, p in enumerate(self.processes, start=1)
+            if p.sentinel in ending or not p.is_alive()
+        ]
 
     def _death(self, rank: int) -> str:
         process = self.processes[rank - 1]
