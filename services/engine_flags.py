@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import MIN_NUM_BATCHED_TOKENS, EngineConfig
+from shared.config import MAX_TENSOR_PARALLEL_SIZE, MIN_NUM_BATCHED_TOKENS, EngineConfig
 
 
 def _batched_tokens(text: str) -> int:
@@ -17,8 +17,21 @@ def _batched_tokens(text: str) -> int:
     return value
 
 
+def _tensor_parallel_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_TENSOR_PARALLEL_SIZE:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_TENSOR_PARALLEL_SIZE}, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     fields = EngineConfig.model_fields
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=fields["tensor_parallel_size"].default,
+        help="split each worker's model over this many processes (Megatron-style tensor parallelism): gloo on the "
+        "CPU, sharing the worker's engine CPUs; NCCL on CUDA, rank r on GPU r (untested on a GPU). Passes run "
+        "eagerly, without CUDA graphs. It must divide the model's attention heads, kv heads and intermediate size",
+    )
     default = fields["enable_prefix_caching"].default
     parser.add_argument(
         "--enable-prefix-caching", dest="prefix_caching", action="store_true", default=default,
@@ -46,7 +59,7 @@ def config_keys(args: argparse.Namespace) -> dict:
     """The EngineConfig keys these options set."""
     return dict(
         enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -56,4 +69,5 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "--enable-prefix-caching" if args.prefix_caching else "--no-prefix-caching",
         "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]

@@ -31,7 +31,10 @@ from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
-from services.startup_checks import UsageError, check_tokenizer_dir, servable_max_model_len, speculative_config
+from services.startup_checks import (
+    UsageError, check_split_roles, check_tensor_parallel, check_tokenizer_dir, servable_max_model_len,
+    speculative_config,
+)
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
 )
@@ -135,8 +138,10 @@ def resolve_args(args: argparse.Namespace) -> None:
     gateway and the workers are then both given."""
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
+    check_tensor_parallel(args.model, args.tensor_parallel_size)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
     args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
+    check_split_roles(args.worker_roles, args.tensor_parallel_size)
     args.workers = len(args.worker_roles)
     args.cpu_plan = cpu_plan.plan_for(args, args.workers)
 

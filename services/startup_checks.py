@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from services.worker.model.config import ModelConfig, UnsupportedModelError
+from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
 from shared.config import SpeculativeConfig
 from shared.tokenizer import TOKENIZER_FILE
 
@@ -92,3 +93,20 @@ def servable_max_model_len(model: Path, requested: int | None) -> int:
     except UnsupportedModelError as exc:
         raise UsageError(f"{MAX_MODEL_LEN_FLAG} {max_model_len}: {exc}") from exc
     return max_model_len
+
+
+def check_tensor_parallel(model: Path, size: int) -> None:
+    """--tensor-parallel-size must split the model evenly (a servable model: servable_max_model_len first)."""
+    try:
+        check_shardable(ModelConfig.from_dir(model), size)
+    except ShardingError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def check_split_roles(roles: list[str], tensor_parallel_size: int) -> None:
+    """Prefill and decode workers run unsplit: a handoff carries one process's whole KV cache."""
+    if tensor_parallel_size > 1 and any(role != "both" for role in roles):
+        raise UsageError(
+            f"--tensor-parallel-size {tensor_parallel_size} does not go with --prefill-workers and --decode-workers: "
+            "a handoff carries one process's whole KV cache"
+        )

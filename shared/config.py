@@ -12,6 +12,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 # Rows a step computes with chunked prefill: measured on a 2-core CPU with the demo model (README, "Chunked prefill")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 class SpeculativeConfig(BaseModel):
@@ -106,11 +107,25 @@ class EngineConfig(BaseModel):
     # Prefill/decode disaggregation (services/worker/handoff/): "prefill" computes prompts and their first token and
     # hands each request, with its KV blocks, to a "decode" worker; "both" does the whole request
     role: WorkerRole = "both"
+    # Ranks the model is split over (services/worker/tensor_parallel/): processes of one machine, one GPU each on
+    # CUDA; their passes run eagerly (no CUDA graphs)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
+
+    @model_validator(mode="after")
+    def _handoffs_hold_whole_caches(self) -> "EngineConfig":
+        # A handoff is read from and written to one process's KV cache; a split worker holds a shard per rank.
+        if self.role != "both" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"role {self.role!r} with tensor_parallel_size {self.tensor_parallel_size}: prefill and decode "
+                "workers run unsplit (a handoff carries one rank's whole KV cache); use role \"both\""
+            )
+        return self
 
     @property
     def graph_query_lens(self) -> tuple[int, ...]:
         """Rows per sequence of the passes captured as CUDA graphs: decode (1) and every verify width up to
-        1 + num_drafts (adaptive speculation drafts fewer); none when the passes run eagerly."""
-        if self.enforce_eager or not self.device.startswith("cuda"):
+        1 + num_drafts (adaptive speculation drafts fewer); none when the passes run eagerly, as they do split over
+        tensor-parallel ranks (a captured graph would hold the collectives of one group's communicators)."""
+        if self.enforce_eager or not self.device.startswith("cuda") or self.tensor_parallel_size > 1:
             return ()
         return tuple(range(1, 2 + self.speculative.num_drafts))

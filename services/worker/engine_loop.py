@@ -8,7 +8,7 @@ import signal
 import time
 import traceback
 import uuid
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -93,6 +93,7 @@ class EngineLoop:
             # The loop counts a message once it is in the pipe, so a message taken while idle may be counted later:
             # only a count ahead of ours says that one waits.
             if self.counters.orders > self.received or not (self.new or self.cancels or self.engine.has_work()):
+                self._wait_for_message()
                 if not self._take(decode(self.inbox.recv_bytes())):  # blocks only when idle: a message waits otherwise
                     return
                 continue
@@ -104,6 +105,14 @@ class EngineLoop:
             handoffs, self.handoffs = self.handoffs, {}
             self.outbox.send_bytes(encode(self.stepper.step(new, cancels, handoffs)))
             self.sent += 1
+
+    def _wait_for_message(self) -> None:
+        """Returns once a message is in the inbox; raises if a process the runner needs (a tensor-parallel rank)
+        died meanwhile, so an idle engine fails as loudly as a stepping one."""
+        runner = self.engine.runner
+        while runner.sentinels and not self.inbox.poll():
+            wait([self.inbox, *runner.sentinels])
+            runner.check_alive()
 
     def _take(self, message: Work | Stop) -> bool:
         """Applies one message; False for Stop, which it answers."""

@@ -28,7 +28,9 @@ from shared.observability import Readiness, start_http
 from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import pin
-from services.startup_checks import servable_max_model_len, speculative_config
+from services.startup_checks import (
+    check_split_roles, check_tensor_parallel, servable_max_model_len, speculative_config,
+)
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
 from services.worker.handoff.nats_transport import NatsKvTransport
@@ -95,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_args(args: argparse.Namespace) -> None:
     """The engine must be able to serve the model; --max-model-len defaults to its context length."""
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
+    check_tensor_parallel(args.model, args.tensor_parallel_size)
+    check_split_roles([args.role], args.tensor_parallel_size)
     args.cpu_plan = cpu_plan.plan_for(args, 1)
 
 

@@ -22,6 +22,7 @@ from typing import Generic, NamedTuple, TypeVar
 from shared.schemas import ChoiceProgress, WorkRequest
 from services.worker.engine.engine import Engine
 from services.worker.engine.sequence import Sequence, SeqState
+from services.worker.tensor_parallel.errors import RankFailed
 
 log = logging.getLogger("specmesh.worker")
 R = TypeVar("R")
@@ -72,6 +73,8 @@ class StepGuard(Generic[R]):
         marks = self._marks()
         try:
             return step(), None
+        except RankFailed:
+            raise  # the engine itself is broken, not by any request: the worker must learn it
         # A step runs the model, sampling, drafting and frame building: whatever any of them raises is one request's
         # failure or the batch's, never the worker's.
         except Exception:
@@ -139,6 +142,8 @@ class StepGuard(Generic[R]):
             for _ in range(self._prefill_steps(request) - 1 + PROBE_STEPS_AFTER_PREFILL):
                 if self.engine.has_work():
                     step()
+        except RankFailed:
+            raise
         # The probe exists to catch the failure again: any exception names this request.
         except Exception:
             log.warning("request %s fails alone", request.request_id, exc_info=True)

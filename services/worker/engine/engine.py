@@ -41,10 +41,10 @@ from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
-from services.worker.model.loader import load_model, model_revision
+from services.worker.model.loader import model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.engine.prompt_logprobs import PromptScores
-from services.worker.engine.runner import ModelRunner
+from services.worker.tensor_parallel.leader import build_runner
 from services.worker.sampling.logprobs import token_logprobs
 from services.worker.sampling.penalties import LogitPenalties, apply_penalties
 from services.worker.sampling.sample import process_logits, sample
@@ -56,15 +56,15 @@ __all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model = load_model(
-            config.model, _DTYPES[config.dtype], config.device, config.load_format, config.max_model_len
-        )
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
+        self.runner = build_runner(config, num_blocks)  # the whole model, or rank 0 of a tensor-parallel group
+        model = self.runner.model
         spec = config.speculative
         if spec.method == "mtp" and model.config.num_mtp_layers == 0:
             raise ValueError(
@@ -73,12 +73,6 @@ class Engine:
             )
         self.vocab_size = model.config.vocab_size
         self.limits = ModelLimits(self.vocab_size, config.max_model_len)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
-        self.runner = ModelRunner(
-            model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
-        )
         # The MTP drafter writes its cache after every trunk pass, so it exists only when it will draft.
         self.mtp = (
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)

@@ -39,6 +39,12 @@ MTP_FIRST_POSITION = 1
 
 
 class ModelRunner:
+    # The leader of a tensor-parallel group records what the engine does to its cache, for its followers.
+    cache_type: type[KVCache] = KVCache
+    # Ready when a process that this runner's passes need dies (a tensor-parallel follower): the engine loop waits
+    # on them beside its inbox, so that the death ends an idle engine too (check_alive says which).
+    sentinels: tuple[int, ...] = ()
+
     def __init__(
         self,
         model: CausalLM,
@@ -56,8 +62,8 @@ class ModelRunner:
         self.device = param.device
         self.max_model_len = max_model_len
         self.buffers = InputBuffers(self.device)
-        self.cache = KVCache(
-            model.num_cache_layers, max_num_seqs, max_model_len, cfg.num_key_value_heads, cfg.head_dim,
+        self.cache = self.cache_type(
+            model.num_cache_layers, max_num_seqs, max_model_len, model.local_config.num_key_value_heads, cfg.head_dim,
             param.dtype, param.device, block_size, num_blocks,
             hidden_size=cfg.hidden_size if cfg.num_mtp_layers else None,
         )
@@ -69,6 +75,9 @@ class ModelRunner:
         # The CPU runs a dense trunk as one flat loop (model/flat_trunk.py); other devices, and routed experts, run
         # the modules.
         self.trunk = FlatTrunk(model, self.cache) if self.device.type == "cpu" and not cfg.num_experts else model
+
+    def check_alive(self) -> None:
+        """Raises when a process this runner needs has died (tensor_parallel/errors.py: RankFailed)."""
 
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
         return pack(self.cache, rows, starts, slots, self.buffers, first_position)

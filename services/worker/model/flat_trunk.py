@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from services.worker.engine.forward_batch import ForwardBatch
@@ -59,17 +58,19 @@ class LayerWeights:
 
 class FlatTrunk:
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
-        """model: loaded on the CPU in its CPU layout; cache: the KV cache its passes write and read."""
+        """model: loaded on the CPU in its CPU layout (whole, or a tensor-parallel shard); cache: the KV cache its
+        passes write and read."""
         if model.head_weight_t is None:
             raise ValueError("the flat trunk reads the CPU layout's transposed projections (model/transposed.py)")
-        cfg = model.config
+        cfg = model.local_config  # a tensor-parallel rank's heads, kv heads and intermediate rows
         self.eps = cfg.rms_norm_eps
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.window = cfg.attention_window
-        self.embed = model.model.embed_tokens.weight  # [vocab, hidden]
+        self.embed = model.embed  # vocab-parallel on a tensor-parallel rank
+        self.all_reduce = model.all_reduce  # after o and down on a tensor-parallel rank
         self.region_len = cache.region_len
         self.rotary = model.rotary
         self.layers = [
@@ -95,7 +96,7 @@ class FlatTrunk:
         """input_ids, positions [T] packed -> the last layer's hidden states [T, hidden], before the final norm:
         CausalLM.forward's result for the same batch."""
         num_tokens = input_ids.shape[0]
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         if num_tokens == 0:
             return x
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
@@ -108,6 +109,7 @@ class FlatTrunk:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rotated = heads + kv_heads
         residual = None
+        all_reduce = self.all_reduce
         for layer in self.layers:
             if residual is None:
                 residual = x
@@ -131,6 +133,11 @@ class FlatTrunk:
                     q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens,
                     self.scale, batch.max_query_len, batch.max_context_len, batch.first_position, window,
                 )
-            h, residual = rms_norm_torch(attended.view(num_tokens, -1) @ layer.o, layer.post_norm, self.eps, residual)
+            h = attended.view(num_tokens, -1) @ layer.o
+            if all_reduce is not None:
+                h = all_reduce(h)
+            h, residual = rms_norm_torch(h, layer.post_norm, self.eps, residual)
             x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down
+            if all_reduce is not None:
+                x = all_reduce(x)
         return x + residual

@@ -8,6 +8,8 @@ at position i and the embedding of token i+1 into a prediction of token i+2, sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,13 +47,20 @@ class DecoderStack(PlainModule):
 
 
 class CausalLM(PlainModule):
-    def __init__(self, cfg: ModelConfig) -> None:
+    # Sums a row-parallel projection's partial results over tensor-parallel ranks; None: this model is whole.
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, cfg: ModelConfig, local: ModelConfig | None = None) -> None:
+        """local: the config of this process's shard of a tensor-parallel model, whose modules are built from it
+        (its heads, kv heads, intermediate rows and vocabulary slice: worker/tensor_parallel/shard.py); None: the
+        whole model here. `config` stays the whole model's, what the engine sees."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderStack(cfg)
+        self.local_config = cfg if local is None else local
+        self.model = DecoderStack(self.local_config)
         self.rotary = Rotary(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.local_config.vocab_size, bias=False)
         self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
 
     @property
@@ -68,10 +77,14 @@ class CausalLM(PlainModule):
         """input_ids, positions [T] packed (serving, with a batch) or [B, L] (training) -> the last layer's hidden
         states [..., hidden], before the final norm."""
         cos_sin = self._rope(positions, batch)
-        x, residual = F.embedding(input_ids, self.model.embed_tokens.weight), None
+        x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, batch)
         return x + residual
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> their embeddings [..., hidden]."""
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Trunk hidden states [..., hidden] -> logits [..., vocab] in float32."""
@@ -87,7 +100,7 @@ class CausalLM(PlainModule):
     ) -> torch.Tensor:
         """MTP module `index` -> its hidden states [..., hidden]; its logits predict token i+2."""
         layer = self.model.mtp_layers[index]
-        x = layer.fuse(F.embedding(next_ids, self.model.embed_tokens.weight), prev_hidden)
+        x = layer.fuse(self.embed(next_ids), prev_hidden)
         x, residual = layer(x, None, self._rope(positions, batch), batch)
         return x + residual
 

@@ -78,28 +78,41 @@ def load_model(
     """Builds the model from config.json and fills every parameter from the checkpoint, refusing gaps, or with
     random weights made on `device` (load_format "dummy"). A max_model_len the config cannot serve as transformers
     would is refused before any weight is read."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
-    if max_model_len is not None:
-        cfg.check_served_length(max_model_len)
+    cfg = served_config(model_dir, load_format, max_model_len)
     with torch.device("meta"):
         model = CausalLM(cfg)
     if load_format == "dummy":
         state = dummy_state_dict(model, dtype, device)
     else:
-        state = _checkpoint_state(model_dir, cfg, set(model.state_dict()), dtype)
-    model.load_state_dict(state, assign=True)
-    model.rotary = type(model.rotary)(cfg, max_model_len, device)  # meta buffers are rebuilt for real
-    model = model.to(device).eval()
-    if model_device(model).type == "cpu":
-        use_cpu_layout(model)
+        state = checkpoint_state(model_dir, cfg, set(model.state_dict()), dtype)
+    model = place(model, state, device, max_model_len)
     model.freeze_lookups()
     return model
 
 
-def _checkpoint_state(
+def served_config(model_dir: Path, load_format: str, max_model_len: int | None) -> ModelConfig:
+    """config.json's model, refused when the load format is unknown or max_model_len cannot be served."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    cfg = ModelConfig.from_dir(Path(model_dir))
+    if max_model_len is not None:
+        cfg.check_served_length(max_model_len)
+    return cfg
+
+
+def place(model: CausalLM, state: dict[str, torch.Tensor], device: str, max_model_len: int | None) -> CausalLM:
+    """A model built on the meta device, filled with `state` on `device`, in the device's layout (lookups not
+    yet frozen: the caller may still swap modules)."""
+    model.load_state_dict(state, assign=True)
+    model.rotary = type(model.rotary)(model.config, max_model_len, device)  # meta buffers are rebuilt for real
+    model = model.to(device).eval()
+    if model_device(model).type == "cpu":
+        use_cpu_layout(model)
+    return model
+
+
+def checkpoint_state(
     model_dir: Path, cfg: ModelConfig, expected: set[str], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the model's parameter names, in dtype, refusing gaps and extras."""

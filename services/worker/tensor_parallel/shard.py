@@ -1,0 +1,81 @@
+"""How a checkpoint is cut into tensor-parallel shards (Megatron-style), and the shape of one shard.
+
+Column-parallel (outputs split, no communication): q/k/v by heads, gate/up by intermediate rows; each rank keeps
+its heads' queries, keys and values and their biases, and its slice of the gate and of the up projection.
+Row-parallel (inputs split, partial sums all-reduced): o by the heads it reads, down by the intermediate rows it
+reads. Vocab-parallel: the embedding and the LM head by vocabulary rows. Norms, the rotary table and the MTP
+module's fusion projection (eh_proj: two hidden states in, one out, a sliver of the module's work) are
+replicated. The MTP module's decoder block is cut as the trunk's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.worker.model.config import ModelConfig
+from services.worker.model.weights import ATTENTION_MERGED, MLP_MERGED
+from services.worker.tensor_parallel.divisible import check_shardable
+
+QKV = f".self_attn.{ATTENTION_MERGED}."
+GATE_UP = f".mlp.{MLP_MERGED}."
+O_WEIGHT = ".self_attn.o_proj.weight"
+DOWN_WEIGHT = ".mlp.down_proj.weight"
+VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config one rank's modules are built from: its heads, kv heads, intermediate rows and vocabulary slice
+    (the last slice padded, so all are vocab_per_rank long); head_dim and hidden_size as the model's."""
+    check_shardable(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=cfg.num_key_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+        vocab_size=-(-cfg.vocab_size // size),
+    )
+
+
+def _rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank's equal slice of dim 0."""
+    return tensor.chunk(size)[rank]
+
+
+def _qkv(tensor: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """[(heads + 2 kv_heads) * head_dim, ...] -> this rank's heads of q, then of k, then of v."""
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    q, k, v = tensor.split((q_size, kv_size, kv_size))
+    return torch.cat([_rows(part, rank, size) for part in (q, k, v)])
+
+
+def _vocab_rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """[vocab, hidden] -> rank's rows, the last slice padded with zero rows to the others' length."""
+    per_rank = -(-tensor.shape[0] // size)
+    piece = tensor[rank * per_rank : (rank + 1) * per_rank]
+    if piece.shape[0] == per_rank:
+        return piece
+    pad = piece.new_zeros(per_rank - piece.shape[0], *piece.shape[1:])
+    return torch.cat([piece, pad])
+
+
+def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """The merged-name state dict (model/weights.py) of the whole model -> rank's shard of it, each tensor a copy
+    (the whole model's can be freed)."""
+    check_shardable(cfg, size)
+    shard = {}
+    for name, tensor in state.items():
+        if QKV in name:
+            piece = _qkv(tensor, cfg, rank, size)
+        elif GATE_UP in name:
+            gate, up = tensor.chunk(2)
+            piece = torch.cat([_rows(gate, rank, size), _rows(up, rank, size)])
+        elif name.endswith((O_WEIGHT, DOWN_WEIGHT)):
+            piece = tensor.chunk(size, dim=1)[rank]
+        elif name in VOCAB_WEIGHTS:
+            piece = _vocab_rows(tensor, rank, size)
+        else:
+            piece = tensor
+        shard[name] = piece.clone()
+    return shard
