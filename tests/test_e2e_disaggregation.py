@@ -103,6 +103,24 @@ async def test_chat_and_several_choices_are_handed_off_too(meshes) -> None:
     assert handed.usage == alone.usage
 
 
+async def test_blocks_the_decode_worker_holds_do_not_travel_again(meshes) -> None:
+    """The same long prompt twice: the second handoff goes to the decode worker that holds its blocks, and only the
+    blocks past them travel."""
+    prompt = PROMPT * 6 + "# once more\n"
+
+    def sent() -> float:
+        return sum(w.metric("specmesh_worker_handoff_bytes_total") for w in meshes.prefill if w.proc.poll() is None)
+
+    sizes = []
+    for _ in range(2):
+        before = sent()
+        r = await meshes.pd.completions.create(model=E2E_MODEL.name, prompt=prompt, max_tokens=8, temperature=0)
+        assert r.choices[0].text
+        await asyncio.sleep(1.0)  # the handoff's metrics, and the decode worker's cache events
+        sizes.append(sent() - before)
+    assert 0 < sizes[1] < sizes[0] / 4, f"bytes sent for the first and second handoff: {sizes}"
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_a_worker_killed_mid_handoff_costs_seconds_and_no_token(meshes, role) -> None:
     """Long prompts keep the prefill workers handing off while the decode workers stream: one of a role is killed,
@@ -128,3 +146,4 @@ async def test_a_worker_killed_mid_handoff_costs_seconds_and_no_token(meshes, ro
     assert [s.error for s in streams] == [None] * len(streams)
     assert [s.text for s in streams] == expected
     assert max(stalls) <= MAX_STALL_S
+
