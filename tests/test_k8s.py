@@ -24,13 +24,14 @@ import pytest
 import yaml
 
 from services import cli
+from services.worker import metrics as worker_metrics
 from shared import subjects
 from shared.config import SpeculativeConfig
 from shared.nats_roles import NatsRole, authorization_config, password_variable
 from shared.nats_settings import NatsSettings
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
-KUSTOMIZATIONS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "cpu-dev": K8S / "overlays" / "cpu-dev"}
+KUSTOMIZATIONS = {"base": K8S / "base", **{name: K8S / "overlays" / name for name in ("gpu", "cpu-dev", "pd")}}
 KUBERNETES_VERSION = "1.32"
 CUSTOM_GROUPS = {"monitoring.coreos.com", "keda.sh"}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
@@ -39,6 +40,7 @@ VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 GPU = "nvidia.com/gpu"
 UNPROBED_SIDECARS = {"exporter"}  # prometheus-nats-exporter: restarts with the pod, nothing depends on its readiness
 POD_NAME = "specmesh-pod-0"  # stands in for fieldRef values when command lines are expanded
+DECODE_GAUGES = {gauge.describe()[0].name for gauge in (worker_metrics.RUNNING, worker_metrics.WAITING)}
 
 def kustomize(directory: Path) -> list[dict]:
     """The objects `kubectl kustomize` renders from a kustomization directory."""
@@ -133,6 +135,24 @@ def parse_command_line(argv: list[str]) -> tuple[str, argparse.Namespace, object
         return command, args, module
     except SystemExit:
         pytest.fail(f"specmesh rejects the command line {argv} (its message is in the captured stderr)")
+
+
+def worker_deployments(objects: list[dict]) -> list[dict]:
+    return [d for d in find(objects, "Deployment")
+            if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+
+
+def worker_role(objects: list[dict], deployment: dict) -> str:
+    """The --role its worker container runs with, as the worker's own parser reads it."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = container_env(objects, container)
+    _, args, _ = parse_command_line([expand(a, env) for a in container["args"]])
+    return args.role
+
+
+def selectors_overlap(a: dict, b: dict) -> bool:
+    """Whether a pod could carry both matchLabels selectors: they disagree on no key."""
+    return all(b.get(key, value) == value for key, value in a.items())
 
 
 def test_core_objects_match_the_kubernetes_schemas(rendered):
@@ -285,7 +305,11 @@ def test_monitors_scrape_named_ports_of_existing_pods(rendered):
 
 
 def test_workers_scale_on_the_request_queue(rendered):
-    _, objects = rendered
+    """Workers that read the request queue (--role both or prefill) scale on its backlog; decode workers, which never
+    read it, on the sequences they hold, from Prometheus. Either way one more worker per MAX_NUM_SEQS waiting."""
+    name, objects = rendered
+    max_num_seqs = config_data(objects)["MAX_NUM_SEQS"]
+    triggers = []
     for scaled in find(objects, "ScaledObject"):
         assert scaled["apiVersion"] == "keda.sh/v1alpha1"
         target = scaled["spec"]["scaleTargetRef"]
@@ -293,15 +317,35 @@ def test_workers_scale_on_the_request_queue(rendered):
         assert worker["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
         assert not find(objects, "HorizontalPodAutoscaler", target["name"]), "KEDA owns the worker's HPA"
         assert scaled["spec"]["minReplicaCount"] >= 1, "a worker must stay up to take the first request"
+        assert scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
         (trigger,) = scaled["spec"]["triggers"]
         meta = trigger["metadata"]
+        role = worker_role(objects, worker)
+        triggers.append((role, trigger["type"]))
+        if role == "decode":
+            assert trigger["type"] == "prometheus"
+            assert meta["threshold"] == max_num_seqs
+            assert urlsplit(meta["serverAddress"]).scheme in {"http", "https"}
+            # The decode pods' running and waiting sequences, of the pods this ScaledObject scales and no other.
+            query = meta["query"]
+            (metric_pattern,) = re.findall(r'__name__=~"([^"]+)"', query)
+            assert query.startswith("sum(") and all(re.fullmatch(metric_pattern, g) for g in DECODE_GAUGES)
+            (namespace,) = re.findall(r'namespace="([^"]+)"', query)
+            assert namespace == worker["metadata"]["namespace"]
+            (pods,) = re.findall(r'pod=~"([^"]+)"', query)
+            for deployment in find(objects, "Deployment"):
+                pod_name = f"{deployment['metadata']['name']}-7c9b5d8f4b-x2k4q"  # <deployment>-<template hash>-<id>
+                assert bool(re.fullmatch(pods, pod_name)) == (deployment is worker), deployment["metadata"]["name"]
+            continue
         assert trigger["type"] == "nats-jetstream"
         assert (meta["stream"], meta["consumer"]) == (subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)
-        assert meta["lagThreshold"] == config_data(objects)["MAX_NUM_SEQS"]
+        assert meta["lagThreshold"] == max_num_seqs
         nats = one(objects, "Service", "specmesh-nats")
         monitor_port = next(p["port"] for p in nats["spec"]["ports"] if p["name"] == "monitor")
         expected = f"specmesh-nats.{nats['metadata']['namespace']}.svc.cluster.local:{monitor_port}"
         assert meta["natsServerMonitoringEndpoint"] == expected
+    if name == "pd":
+        assert sorted(triggers) == [("decode", "prometheus"), ("prefill", "nats-jetstream")]
 
 
 def test_dashboards_are_provisioned_for_the_grafana_sidecar(rendered):
@@ -315,12 +359,14 @@ def test_dashboards_are_provisioned_for_the_grafana_sidecar(rendered):
 
 
 def test_overlays_fit_their_hardware():
-    gpu = kustomize(KUSTOMIZATIONS["gpu"])
-    worker = one(gpu, "Deployment", "specmesh-worker")
-    (container,) = worker["spec"]["template"]["spec"]["containers"]
-    assert container["resources"]["limits"][GPU] == 1 == container["resources"]["requests"][GPU]
-    assert container["image"].endswith("-cuda") and config_data(gpu)["DEVICE"] == "cuda"
-    assert worker["spec"]["template"]["spec"]["nodeSelector"] and worker["spec"]["template"]["spec"]["tolerations"]
+    for overlay in ("gpu", "pd"):
+        gpu = kustomize(KUSTOMIZATIONS[overlay])
+        for worker in worker_deployments(gpu):
+            (container,) = worker["spec"]["template"]["spec"]["containers"]
+            assert container["resources"]["limits"][GPU] == 1 == container["resources"]["requests"][GPU]
+            assert container["image"].endswith("-cuda") and config_data(gpu)["DEVICE"] == "cuda"
+            pod = worker["spec"]["template"]["spec"]
+            assert pod["nodeSelector"] and pod["tolerations"]
 
     dev = kustomize(KUSTOMIZATIONS["cpu-dev"])
     assert all(o["apiVersion"].split("/")[0] not in CUSTOM_GROUPS for o in dev), "cpu-dev needs no operator"
@@ -338,20 +384,84 @@ def test_images_fit_the_manifests(variant):
     assert 'ENTRYPOINT ["specmesh"]' in dockerfile and "COPY models models" in dockerfile
     (uid,) = re.findall(r"^ARG SPECMESH_UID=(\d+)$", dockerfile, re.M)
     (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.M)
-    objects = kustomize(KUSTOMIZATIONS["gpu" if variant == "cuda" else "cpu-dev"])
-    for workload, container in specmesh_containers(objects):
-        assert container["image"].endswith(f"-{variant}")
-        assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
-    for workload in workloads(objects):
-        for init in workload["spec"]["template"]["spec"].get("initContainers", []):
-            assert init["command"][2].startswith(f"{workdir}/models/"), "the demo model's place in the image"
+    for overlay in ("gpu", "pd") if variant == "cuda" else ("cpu-dev",):
+        objects = kustomize(KUSTOMIZATIONS[overlay])
+        for workload, container in specmesh_containers(objects):
+            assert container["image"].endswith(f"-{variant}")
+            assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+        for workload in workloads(objects):
+            for init in workload["spec"]["template"]["spec"].get("initContainers", []):
+                assert init["command"][2].startswith(f"{workdir}/models/"), "the demo model's place in the image"
 
 
 def test_the_worker_has_a_cpu_limit_to_size_its_threads_by(rendered):
     """services/cpu_plan.py sizes the engine's torch threads from the cgroup's CPU limit; without one a pod would
     see every core of its node."""
     _, objects = rendered
-    (container,) = one(objects, "Deployment", "specmesh-worker")["spec"]["template"]["spec"]["containers"]
-    resources = container["resources"]
-    assert resources["limits"]["cpu"] == resources["requests"]["cpu"]
-    assert not any(variable["name"] == "OMP_NUM_THREADS" for variable in container.get("env", []))
+    one(objects, "Deployment", "specmesh-worker")
+    for deployment in worker_deployments(objects):
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        resources = container["resources"]
+        assert resources["limits"]["cpu"] == resources["requests"]["cpu"], deployment["metadata"]["name"]
+        assert not any(variable["name"] == "OMP_NUM_THREADS" for variable in container.get("env", []))
+
+
+def test_no_pod_has_two_budgets_or_two_monitors(rendered):
+    """The eviction API refuses to evict a pod that two PodDisruptionBudgets cover, and Prometheus would count a pod
+    scraped by two monitors twice in every sum; two Deployments whose selectors overlap fight over their pods."""
+    _, objects = rendered
+
+    def names(matching: list[dict]) -> list[str]:
+        return [o["metadata"]["name"] for o in matching]
+
+    def selecting(kind: str, labels: dict) -> list[dict]:
+        """The objects of `kind` whose selector matches `labels`; a Service without a selector selects no pod."""
+        selectors = [(o, o["spec"].get("selector")) for o in find(objects, kind)]
+        selectors = [(o, s if kind == "Service" else s["matchLabels"]) for o, s in selectors if s is not None]
+        return [o for o, s in selectors if s.items() <= labels.items()]
+
+    for workload in workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        budgets = selecting("PodDisruptionBudget", labels)
+        assert len(budgets) <= 1, f"{workload['metadata']['name']}: {names(budgets)}"
+        monitors = selecting("PodMonitor", labels)
+        for service in selecting("Service", labels):
+            monitors += selecting("ServiceMonitor", service["metadata"]["labels"])
+        assert len(monitors) <= 1, f"{workload['metadata']['name']}: {names(monitors)}"
+    deployments = find(objects, "Deployment")
+    for i, a in enumerate(deployments):
+        for b in deployments[i + 1:]:
+            assert not selectors_overlap(a["spec"]["selector"]["matchLabels"], b["spec"]["selector"]["matchLabels"]), (
+                a["metadata"]["name"], b["metadata"]["name"])
+
+
+def test_pd_runs_one_prefill_and_one_decode_deployment():
+    objects = kustomize(KUSTOMIZATIONS["pd"])
+    roles = sorted(((worker_role(objects, d), d) for d in worker_deployments(objects)), key=lambda pair: pair[0])
+    assert [role for role, _ in roles] == ["decode", "prefill"], "exactly one Deployment of each role"
+    (_, decode), (_, prefill) = roles
+    # The gpu overlay's worker Deployment keeps its name and its ScaledObject: it is the prefill one.
+    assert prefill["metadata"]["name"] == "specmesh-worker"
+    assert not selectors_overlap(prefill["spec"]["selector"]["matchLabels"], decode["spec"]["selector"]["matchLabels"])
+    for kind in ("PodDisruptionBudget", "PodMonitor", "ScaledObject"):
+        covered = []
+        for obj in find(objects, kind):
+            if kind == "ScaledObject":
+                selected = [one(objects, "Deployment", obj["spec"]["scaleTargetRef"]["name"])]
+            else:
+                selected = pods_selected(objects, obj["spec"]["selector"]["matchLabels"])
+            assert len(selected) == 1, f"{kind}/{obj['metadata']['name']} selects {len(selected)} workloads"
+            covered += [w["metadata"]["name"] for w in selected if w in (prefill, decode)]
+        assert sorted(covered) == sorted([prefill["metadata"]["name"], decode["metadata"]["name"]]), kind
+    # Both roles are the gpu overlay's worker apart from the role: same GPU, nodes, image, probes and drain.
+    gpu_worker = one(kustomize(KUSTOMIZATIONS["gpu"]), "Deployment", "specmesh-worker")
+
+    def without_role(deployment: dict) -> dict:
+        spec = json.loads(json.dumps(deployment["spec"]))
+        for labels in (spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"]):
+            labels.pop("specmesh/worker-role")
+        (container,) = spec["template"]["spec"]["containers"]
+        container["args"] = [a for a in container["args"] if not a.startswith("--role")]
+        return spec
+
+    assert without_role(prefill) == gpu_worker["spec"] == without_role(decode)
