@@ -31,7 +31,9 @@ from shared.nats_roles import NatsRole, authorization_config, password_variable
 from shared.nats_settings import NatsSettings
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
-KUSTOMIZATIONS = {"base": K8S / "base", **{name: K8S / "overlays" / name for name in ("gpu", "cpu-dev", "pd")}}
+KUSTOMIZATIONS = {
+    "base": K8S / "base", **{name: K8S / "overlays" / name for name in ("gpu", "cpu-dev", "pd", "gpu-tp2")}
+}
 KUBERNETES_VERSION = "1.32"
 CUSTOM_GROUPS = {"monitoring.coreos.com", "keda.sh"}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
@@ -356,6 +358,13 @@ def test_dashboards_are_provisioned_for_the_grafana_sidecar(rendered):
     for text in dashboards["data"].values():
         dashboard = json.loads(text)
         assert dashboard["title"] and isinstance(dashboard["panels"], list)
+
+
+def test_a_tensor_parallel_worker_requests_a_gpu_per_rank():
+    objects = kustomize(KUSTOMIZATIONS["gpu-tp2"])
+    (container,) = one(objects, "Deployment", "specmesh-worker")["spec"]["template"]["spec"]["containers"]
+    (size,) = [int(arg.split("=")[1]) for arg in container["args"] if arg.startswith("--tensor-parallel-size=")]
+    assert size == 2 == container["resources"]["limits"][GPU] == container["resources"]["requests"][GPU]
 
 
 def test_overlays_fit_their_hardware():
