@@ -12,6 +12,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.frames import MAX_CHOICES, MAX_TOP_K
+from shared.structured import StructuredOutput
 
 # Choices one request may ask for, whoever sent it: the worker copies the prompt for each choice, so a forged request
 # with the wire format's limit (MAX_CHOICES) could take gigabytes. The gateway's --max-n may not exceed it.
@@ -77,6 +78,8 @@ class SamplingParams(_Message):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     logit_bias: dict[TokenId, float] = Field(default_factory=dict)  # token id -> added to its logit
     speculative: SpeculationParams = SpeculationParams()
+    # The output's constraint (response_format, guided_*, tool_choice): shared/structured.py
+    structured: StructuredOutput | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -31,6 +31,8 @@ from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_po
 from services.worker.drafting.draft import Draft
 from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
 from services.worker.engine.sequence import Sequence
+from services.worker.grammar.grammars import Grammars
+from services.worker.grammar.token_mask import apply_token_mask
 from services.worker.sampling.random import Purpose
 from services.worker.sampling.sample import process_logits, sample
 
@@ -77,6 +79,7 @@ class MtpDrafter:
         self._count = [0] * max_num_seqs
         self._lag: dict[int, Lag] = {}  # by cache slot
         self._end = [0] * max_num_seqs  # by cache slot: the module's entries are written below this position
+        self.grammars: Grammars | None = None  # set by the engine at its first constrained request
 
     def catch_up(
         self,
@@ -236,15 +239,21 @@ class MtpDrafter:
             self._count[seq.slot] = count
         rows = torch.arange(len(seqs), device=device)[steps > 0]
         hidden = hidden[steps > 0]
+        drafted: list[list[int]] = [[] for _ in seqs]  # each row's drafts so far, for its grammar
         for j in range(max(num_steps, default=0)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
+            if self.grammars is not None and self.grammars.active:
+                logits = self._grammar_masked(logits, seqs, rows.tolist(), drafted)
             q = process_logits(
                 logits, temperature[rows], top_k[rows], top_p[rows], None if min_p is None else min_p[rows]
             )
             chosen = sample(q, seeds[rows], out_positions[rows] + j, Purpose.DRAFT)
             # A greedy row's q is one-hot, which says nothing; its logprobs are the module's own distribution.
             report = torch.where(greedy[rows, None], logits, q.log())
-            self._tokens[slots[rows].cpu(), j] = chosen.cpu()
+            chosen_host = chosen.cpu()
+            self._tokens[slots[rows].cpu(), j] = chosen_host
+            for row, token in zip(rows.tolist(), chosen_host.tolist()):
+                drafted[row].append(token)
             self._probs[slots[rows], j] = q
             self._report[slots[rows], j] = report
             more = steps[rows] > j + 1
@@ -255,6 +264,16 @@ class MtpDrafter:
                 DRAFT_MODULE, hidden, [[t] for t in chosen.tolist()], (next_positions[rows] + j).tolist(),
                 slots[rows].tolist(),
             )
+
+    def _grammar_masked(
+        self, logits: Tensor, seqs: list[Sequence], rows: list[int], drafted: list[list[int]]
+    ) -> Tensor:
+        """logits [A, vocab] of the drafting rows with what each constrained sequence's grammar forbids after its
+        drafts so far set to -inf: q is then the masked draft distribution (grammar/grammars.py)."""
+        bitmask, masked_rows = self.grammars.mask_after([seqs[r] for r in rows], [drafted[r] for r in rows])
+        if not masked_rows.numel():
+            return logits
+        return apply_token_mask(logits, bitmask, masked_rows.to(logits.device))
 
     def pending(self, seq: Sequence, limit: int) -> Draft:
         """The sequence's drafts for this step, at most `limit` of them."""

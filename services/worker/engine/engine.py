@@ -36,6 +36,8 @@ from shared.tokenizer import model_eos_ids
 from services.worker.engine.accept import accept
 from services.worker.engine.block_manager import BlockManager, blocks_for
 from services.worker.engine.handoff import export_request, read_handoff, write_imported
+from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, constrain_drafts, masked_scores
+from services.worker.grammar.grammars import Grammars
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.mtp import MtpDrafter
@@ -79,7 +81,9 @@ class Engine:
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
-        lookahead = spec.num_drafts + (spec.num_model_steps if self.mtp is not None else 0)
+        # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
+        self._draft_room = max(spec.num_drafts, MAX_FORCED_DRAFTS)
+        lookahead = self._draft_room + (spec.num_model_steps if self.mtp is not None else 0)
         # The CPU's attention reads each slot's home region in one call: a cached block found elsewhere is copied
         # there (block_manager.py).
         blocks = BlockManager(
@@ -101,6 +105,7 @@ class Engine:
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
         self.eos_token_ids = model_eos_ids(config.model)
+        self._grammars: Grammars | None = None  # built at the first constrained request (grammar/grammars.py)
         self.step_no = 0
         self._top_k = 0
         self._prompt_scores = PromptScores()  # of prompts prefilled in pieces, until their first token
@@ -131,6 +136,9 @@ class Engine:
             )
             for choice in choices
         ]
+        if sampling.structured is not None:
+            for seq in seqs:
+                self.grammars.attach(seq)  # StructuredError refuses the request before anything is queued
         for seq in seqs:
             seq.imported = imported.get(seq.choice)
             if seq.imported is not None:
@@ -221,10 +229,26 @@ class Engine:
                 self._prompt_scores.forget(seq)
                 self.proposer.on_finished(seq)
                 self.controller.forget(seq)
+                if self._grammars is not None:
+                    self._grammars.forget(seq)
         return handoffs
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.config.model, self.vocab_size, self.eos_token_ids)
+            if self.mtp is not None:
+                self.mtp.grammars = self._grammars  # MTP's q is masked too
+        return self._grammars
+
+    def _constrained(self) -> Grammars | None:
+        """The grammars, when some sequence has one."""
+        return self._grammars if self._grammars is not None and self._grammars.active else None
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
+            if self._grammars is not None:
+                self._grammars.forget(seq)
             self._prompt_scores.forget(seq)
             self.proposer.on_finished(seq)
             self.controller.forget(seq)
@@ -278,11 +302,16 @@ class Engine:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
             logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
             fresh_seqs = [seqs[b] for b in fresh]
-            chosen = sample_tokens(self._penalised(logits, fresh_seqs, None, 1), fresh_seqs)
+            scores = self._penalised(logits, fresh_seqs, None, 1)
+            if (grammars := self._constrained()) is not None:
+                scores = masked_scores(grammars, scores, fresh_seqs, [[] for _ in fresh_seqs], 1)
+            chosen = sample_tokens(scores, fresh_seqs)
             outputs = accept(
                 fresh_seqs, logits[:, None], chosen[:, None], None, None, self._top_k, self.config.max_model_len,
                 self._count,
             )
+            if grammars is not None:
+                advance(grammars, outputs)
         outputs += [self._score_only(seqs[b]) for b in scored_only]
         for out in outputs:
             out.prompt = self._prompt_scores.take(out.seq)
@@ -303,9 +332,11 @@ class Engine:
     def _speculative_step(self, seqs: list[Sequence]) -> tuple[list[SeqOutput], int]:
         """Propose, score, verify, accept for the running sequences; returns their outputs and the tokens scored."""
         device = self.runner.device
-        drafts = DraftBatch.build(
-            self.proposer.propose_batch(seqs, [self._draft_budget(s) for s in seqs]), self.vocab_size, device
-        )
+        proposed = self.proposer.propose_batch(seqs, [self._draft_budget(s) for s in seqs])
+        grammars = self._constrained()
+        if grammars is not None:
+            proposed = constrain_drafts(grammars, seqs, proposed, self.config.max_model_len, self._draft_room)
+        drafts = DraftBatch.build(proposed, self.vocab_size, device)
         # Score: the last token and every draft in one pass; row j of a sequence holds p for its token after j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
         hidden, batch = self.runner.forward(
@@ -316,18 +347,26 @@ class Engine:
         if drafts.width == 0:
             # Nothing to verify: plain decoding, every row emits one token.
             target = logits[:, None]
-            output_tokens, num_accepted = sample_tokens(self._penalised(logits, seqs, None, 1), seqs)[:, None], None
+            scores = self._penalised(logits, seqs, None, 1)
+            if grammars is not None:
+                scores = masked_scores(grammars, scores, seqs, [[] for _ in seqs], 1)
+            output_tokens, num_accepted = sample_tokens(scores, seqs)[:, None], None
         else:
             # Row j of sequence b, or its last row past its drafts (those rows are never read as emitted).
             width = drafts.width + 1
             slots = np.minimum(np.arange(width), drafts.host_counts[:, None])
             target = logits[torch.from_numpy(batch.host_query_starts[:-1, None] + slots).to(device)]  # [B, K+1, V]
-            scores = self._penalised(target.view(-1, target.shape[-1]), seqs, drafts, width).view(target.shape)
+            scores = self._penalised(target.view(-1, target.shape[-1]), seqs, drafts, width)
+            if grammars is not None:
+                scores = masked_scores(grammars, scores, seqs, [d.tokens for d in drafts.drafts], width)
+            scores = scores.view(target.shape)
             spec = self.config.speculative
             output_tokens, num_accepted = verify_drafts(scores, drafts, seqs, spec.accept_policy, spec.verify_strategy)
         outputs = accept(
             seqs, target, output_tokens, num_accepted, drafts, self._top_k, self.config.max_model_len, self._count
         )
+        if grammars is not None:
+            advance(grammars, outputs)  # before MTP drafts from the new state
         self._catch_up(seqs, hidden, batch.host_query_starts, [o.tokens for o in outputs], starts)
         return outputs, len(seqs) + drafts.num_tokens
 

@@ -24,6 +24,10 @@ class TokenLogprobs:
     logprobs: np.ndarray
     ranks: np.ndarray
 
+    def head(self, n: int) -> "TokenLogprobs":
+        """The arrays of the first n tokens."""
+        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
     @classmethod
     def tokens_only(cls, tokens: list[int], top_k: int) -> "TokenLogprobs":
         """The arrays of a request that asked for no logprobs: the tokens in slot 0, nothing computed."""

@@ -1,0 +1,34 @@
+"""Applying a grammar's token bitmask to logits: bit t of row r's words says whether token t may come next.
+
+The bitmask is llguidance's layout, [rows, ceil(vocab / 32)] int32 words, bit t % 32 of word t // 32. Disallowed
+tokens get -inf, so that softmax, argmax, sampling and verification all read the grammar-masked distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = 32
+ALL_ALLOWED = -1  # every bit set: the row of a sequence without a grammar
+
+
+def words_for(vocab_size: int) -> int:
+    return (vocab_size + BITS - 1) // BITS
+
+
+def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bitmask [rows, words] unpacked: [rows, vocab] bool."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] with the tokens bitmask [len(rows), words] forbids at each of `rows` set to -inf; a new
+    tensor (the raw logits stay what logprobs report)."""
+    assert bitmask.dtype == torch.int32 and bitmask.shape[0] == rows.shape[0], (bitmask.shape, rows.shape)
+    assert bitmask.shape[1] == words_for(logits.shape[1]), (bitmask.shape, logits.shape)
+    masked = logits.clone()
+    forbid = ~allowed(bitmask.to(logits.device), logits.shape[1])
+    masked[rows] = masked[rows].masked_fill(forbid, float("-inf"))
+    return masked

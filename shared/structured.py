@@ -1,0 +1,83 @@
+"""Structured output: what a request constrains its output to (a JSON schema, any JSON object, a regex, one of some
+strings, a grammar), and the one compiler the gateway and the worker share, llguidance.
+
+llguidance (chosen over xgrammar): a Rust grammar engine with a small abi3 wheel and no torch or transformers
+dependency, which reads tokenizer.json directly, computes a token bitmask in tens of microseconds, rolls back
+consumed tokens, validates a draft's longest valid prefix in one call, and reports the tokens a grammar forces
+(`compute_ff_tokens`): what speculation needs from a grammar engine, in the gateway (to refuse a schema by name
+before queueing it) and in the worker. The gateway validates against the same tokenizer the worker masks with.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.tokenizer import TOKENIZER_FILE
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# Compact JSON, no free whitespace between tokens: what OpenAI's strict mode returns, and what lets the grammar
+# force every key and punctuation token (free drafts, see services/worker/grammar/).
+JSON_OPTIONS = {"whitespace_flexible": False}
+ANY_OBJECT = {"type": "object"}
+
+
+class StructuredError(ValueError):
+    """A constraint the grammar engine cannot compile: refused before it is queued."""
+
+
+class StructuredOutput(BaseModel):
+    """The output's constraint: `spec` is the JSON schema (json_schema), the regex, the choices as a JSON list, or
+    the grammar (Lark, or GBNF as vLLM's guided_grammar takes it); empty for json_object."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: StructuredKind
+    spec: str = Field("", max_length=1 << 20)
+
+    @property
+    def key(self) -> str:
+        """Names the compiled grammar in caches: a hash of the kind and spec."""
+        return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
+
+
+def grammar_of(structured: StructuredOutput) -> str:
+    """llguidance's grammar for the constraint (not yet checked against a tokenizer: see check)."""
+    kind, spec = structured.kind, structured.spec
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(orjson.dumps(ANY_OBJECT).decode(), defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = orjson.loads(spec)
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(orjson.dumps(str(choice)).decode() for choice in choices)
+            )
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
+    except (ValueError, orjson.JSONDecodeError, GbnfToLarkError) as exc:
+        raise StructuredError(str(exc)) from exc
+
+
+@functools.cache
+def ll_tokenizer(model_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """The model's tokenizer as llguidance reads it (built once per process: ~10 ms for a small vocabulary, more for
+    a large one); vocab_size: the model's logits, which may exceed the tokenizer's own tokens."""
+    text = (Path(model_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
+    """Raises StructuredError naming the problem if the grammar does not compile for this tokenizer."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise StructuredError(error)
