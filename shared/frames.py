@@ -90,6 +90,7 @@ class FinishReason(enum.IntEnum):
     STOP = 1  # EOS or a stop token id
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3  # cancelled (client left, stop string found) or refused
+    COMPLETE = 4  # the output's grammar is complete (structured output); the last token is content
 
 
 MAX_STATUS = max(SeqStatus)

@@ -69,6 +69,7 @@ class Tokenizer:
 
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
+        self.model_dir = model_dir
         path = model_dir / TOKENIZER_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")

@@ -82,7 +82,7 @@ def test_greedy_output_under_a_grammar_is_masked_step_by_step_decoding(
     assert tokens == _masked_greedy(reference_model, tiny_model_dir, prompt, JSON_SCHEMA, MAX_TOKENS)
     seq = outputs_of(steps, request)[-1].seq
     if len(tokens) < MAX_TOKENS:
-        assert seq.finish_reason.name == "STOP"  # the grammar completed: the object closed
+        assert seq.finish_reason.name == "COMPLETE"  # the grammar completed: the object closed
     json.loads(engine.grammars.tokenizer.decode_str(tokens))
 
 

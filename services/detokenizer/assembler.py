@@ -17,7 +17,7 @@ from services.detokenizer.stop import StopMatcher
 from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
 from shared.schemas import ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails, Usage
 
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.COMPLETE: "stop"}
 STOP_STRING_FINISH = "stop"
 # By value, for records whose fields decode() has already checked.
 _STATUSES = {int(s): s for s in SeqStatus}

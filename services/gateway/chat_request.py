@@ -70,7 +70,6 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     tools: list | None = None
-    response_format: dict | None = None
     # vLLM's extensions for rendering the conversation.
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the final message open, to be continued
@@ -81,13 +80,6 @@ class ChatCompletionRequest(GenerationRequest):
     def _tools(cls, value: list | None) -> list | None:
         if value:
             raise ValueError(f"tool calling is not supported; leave tools unset or empty, got {len(value)} tools")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict | None) -> dict | None:
-        if value not in (None, {"type": "text"}):
-            raise ValueError(f'only the response_format {{"type": "text"}} is supported, got {shown(value)}')
         return value
 
     @field_validator("continue_final_message")

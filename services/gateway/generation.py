@@ -41,6 +41,7 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
+from services.gateway.structured_request import compiled, structured_output
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
@@ -49,6 +50,7 @@ from services.gateway.protocol import DEFAULT_MAX_N, MAX_N_CONTEXT
 from services.gateway.router import ChunkRouter
 from shared import subjects
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
+from shared.structured import StructuredOutput
 from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
 from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
@@ -95,11 +97,13 @@ class Generator:
         check_logit_bias(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
         check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
+        tokenizer = self._tokenizer
+        structured = compiled(structured_output(body), tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
-            gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens), started))
+            gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens, structured), started))
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )
@@ -165,11 +169,13 @@ class Generator:
         except ValueError as exc:  # the model has no chat template
             raise bad_request(str(exc), param="messages") from exc
 
-    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+    def _sampling(
+        self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None
+    ) -> SamplingParams:
         """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
         worker checks again, so that a request the gateway queued is never one the worker refuses."""
         try:
-            sampling = body.sampling_params(max_tokens)
+            sampling = body.sampling_params(max_tokens, structured)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         try:

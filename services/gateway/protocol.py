@@ -16,11 +16,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from shared.frames import MAX_TOP_K
+from shared.structured import StructuredOutput
 from shared.seeds import MAX_API_SEED, MIN_API_SEED, worker_seed
 from shared.schemas import (
     MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams,
     SpeculationParams,
 )
+from services.gateway.structured_request import ResponseFormat, StructuredOutputsOptions, check_backend
 
 MAX_STOP_STRINGS = 16
 # A stream holds back as much text as its longest stop string could still match, and every request's stop strings
@@ -98,6 +100,16 @@ class GenerationRequest(Body):
     # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
+    # The output's constraint (structured_request.py): OpenAI's, and vLLM's spellings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+
+    _guided_backend = field_validator("guided_decoding_backend")(check_backend)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -226,7 +238,8 @@ class GenerationRequest(Body):
         """Choices per prompt: `n`."""
         return self.n or 1
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
+        """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway."""
         logprobs = self.num_logprobs
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -246,4 +259,5 @@ class GenerationRequest(Body):
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias_ids,
             speculative=SpeculationParams(**(self.speculative.model_dump() if self.speculative else {})),
+            structured=structured,
         )

@@ -61,7 +61,7 @@ def masked_scores(
 
 def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
     """Feeds each constrained sequence's emitted tokens to its grammar; one whose grammar is complete finishes
-    (STOP) there, as at a stop token: nothing but the end may follow, and the end itself is not emitted, so the
+    there (COMPLETE: "stop" to the client, its last token rendered), as at a stop token: nothing but the end may follow, and the end itself is not emitted, so the
     output does not depend on whether the grammar's last token came as a draft (an end then fills the bonus row) or
     as the step's last token."""
     for out in outputs:
@@ -77,4 +77,4 @@ def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
             continue
         if not seq.is_finished:
             seq.state = SeqState.FINISHED
-        seq.finish_reason = FinishReason.STOP
+        seq.finish_reason = FinishReason.COMPLETE

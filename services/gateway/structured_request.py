@@ -1,0 +1,133 @@
+"""What a request constrains its output to, in every spelling clients use: OpenAI's `response_format`
+(`json_object`, `json_schema` with `strict`), vLLM's `structured_outputs` object and its older `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar`. One constraint per request; each becomes a
+shared.structured.StructuredOutput, compiled by the gateway against the model's tokenizer before the request is
+queued, so a schema the grammar engine cannot compile is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
+from services.gateway.errors import bad_request
+
+# vLLM's per-request grammar engine choice: any that this server's engine (llguidance) stands in for is accepted.
+BACKENDS = {None, "auto", "guidance", "llguidance"}
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    # A JSON schema: OpenAI's `schema`; pydantic-ai and some clients send `json_schema` inside too (vLLM reads both).
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # honoured in both values: the output always follows the schema exactly
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_given(cls, value: JsonSchemaFormat | None) -> JsonSchemaFormat | None:
+        if value is not None and value.schema_ is None:
+            raise ValueError("response_format.json_schema needs a `schema`")
+        return value
+
+
+class StructuredOutputsOptions(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def check_backend(value: str | None) -> str | None:
+    """guided_decoding_backend: vLLM's per-request grammar engine choice."""
+    if value not in BACKENDS:
+        raise ValueError(
+            f"guided_decoding_backend {value!r} is not available: this server's grammar engine is llguidance "
+            f"(accepted: {sorted(b for b in BACKENDS if b)})"
+        )
+    return value
+
+
+def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
+    """The request's one output constraint with the parameter that set it, or None; a 400 when it sets several."""
+    found: list[tuple[str, StructuredOutput]] = []
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            found.append(("response_format", StructuredOutput(kind="json_object")))
+        elif response_format.json_schema is None:
+            raise bad_request('response_format of type "json_schema" needs a `json_schema` object',
+                              param="response_format")
+        else:
+            found.append(("response_format", _schema(response_format.json_schema.schema_)))
+    if body.structured_outputs is not None:
+        found += _options(body.structured_outputs)
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, _constraint(name, name.removeprefix("guided_"), value)))
+    if len(found) > 1:
+        raise bad_request(
+            f"a request takes one output constraint, got {len(found)}: {', '.join(name for name, _ in found)}",
+            param=found[1][0],
+        )
+    return found[0] if found else None
+
+
+def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOutput]]:
+    found = []
+    for name, value in (("json", options.json_), ("regex", options.regex), ("choice", options.choice),
+                        ("grammar", options.grammar)):
+        if value is not None:
+            found.append((f"structured_outputs.{name}", _constraint(f"structured_outputs.{name}", name, value)))
+    if options.json_object:
+        found.append(("structured_outputs.json_object", StructuredOutput(kind="json_object")))
+    return found
+
+
+def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
+    if kind == "json":
+        return _schema(value)
+    if kind == "choice":
+        if not value:
+            raise bad_request(f"{param} needs at least one string", param=param)
+        return StructuredOutput(kind="choice", spec=orjson.dumps(value).decode())
+    return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
+
+
+def _schema(schema: dict | str) -> StructuredOutput:
+    spec = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
+    return StructuredOutput(kind="json_schema", spec=spec)
+
+
+def compiled(
+    constraint: tuple[str, StructuredOutput] | None, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]
+) -> StructuredOutput | None:
+    """The constraint once compiled as the worker will compile it (shared/structured.py); a 400 naming the parameter
+    and what does not compile."""
+    if constraint is None:
+        return None
+    param, structured = constraint
+    try:
+        check(grammar_of(structured), ll_tokenizer(model_dir, vocab_size, tuple(sorted(eos_ids))))
+    except StructuredError as exc:
+        raise bad_request(f"{param} does not compile: {exc}", param=param) from exc
+    return structured
