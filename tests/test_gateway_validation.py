@@ -69,7 +69,7 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"top_k": -2}}, "top_k"),
     ],
