@@ -32,6 +32,7 @@ from services.gateway.answer import answer
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.choices import ResponseChoices
 from services.gateway.completion_request import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from services.gateway.extensions import Extensions
 from services.gateway.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     UNAVAILABLE,
@@ -44,11 +45,14 @@ from services.gateway.options import check_logit_bias, check_min_tokens, check_s
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
+from services.gateway.named_logprobs import check_logprob_token_ids
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.protocol import DEFAULT_MAX_N, MAX_N_CONTEXT
 from services.gateway.router import ChunkRouter
+from services.gateway.truncation import prompt_limit, truncated
+from services.gateway.unknown_fields import UnknownFields
 from shared import subjects
-from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
+from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
 from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
@@ -71,7 +75,7 @@ class Generator:
     def __init__(
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
-        prefix_router: PrefixRouter | None = None,
+        prefix_router: PrefixRouter | None = None, strict_params: bool = False,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -85,18 +89,28 @@ class Generator:
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._prefix_router = prefix_router  # None: every request goes to the shared queue
+        self._extensions = Extensions()
+        declared = {api: frozenset(model.model_fields) for api, model in REQUEST_MODELS.items()}
+        self._unknown_fields = UnknownFields(strict_params, declared)
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
-        body = await _parse(request, api, self._max_n)
+        raw, data = await _read(request)
+        self._extensions.check(data, api)
+        self._unknown_fields.check(data, api)
+        body = _validate(raw, api, self._max_n)
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
+        check_logprob_token_ids(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
-        check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
+        limit = prompt_limit(body, self._max_model_len)
+        if limit is None:  # a prompt to be truncated may be as long as the body allows
+            check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
+            prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens), started))
@@ -147,7 +161,7 @@ class Generator:
                 continue
             if bad := [t for t in prompt if not 0 <= t < vocab]:
                 where = "prompt" if len(body.prompt) == 1 else f"prompt.[{i}]"
-                raise bad_request(f"Token ids of '{where}' must lie in [0, {vocab}); got {bad[:8]}", param=where)
+                raise bad_request(f"Token id {bad[0]} is out of vocabulary (vocabulary size {vocab})", param=where)
             prompts.append(list(prompt))
         return prompts
 
@@ -185,7 +199,7 @@ class Generator:
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         vocab = self._tokenizer.vocab_size
         if bad := [t for t in body.stop_token_ids or () if not 0 <= t < vocab]:
-            raise bad_request(f"Token ids must lie in [0, {vocab}); got {bad[:8]}", param="stop_token_ids")
+            raise bad_request(out_of_vocab("stop_token_ids", bad, vocab), param="stop_token_ids")
 
     def _max_tokens(self, api: Api, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> int:
         """The generation budget; a prompt that leaves no room, or a budget that does not fit, is refused."""
@@ -234,6 +248,7 @@ class Generator:
             return_token_ids=gen.body.return_token_ids,
             tokens_as_token_ids=gen.body.return_tokens_as_token_ids,
             echo=gen.body.echoes_prompt,
+            echo_special_tokens=isinstance(gen.body, CompletionRequest) and gen.body.prompt_is_token_ids,
             prompt_logprobs=gen.body.shown_prompt_logprobs,
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
         )
@@ -305,7 +320,8 @@ class Generator:
             log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
 
 
-async def _parse(request: web.Request, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:
+async def _read(request: web.Request) -> tuple[bytes, dict]:
+    """The body as sent, and parsed: the request models validate the JSON itself (their strict mode is JSON's)."""
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
         data = orjson.loads(raw)
@@ -313,6 +329,10 @@ async def _parse(request: web.Request, api: Api, max_n: int) -> ChatCompletionRe
         raise bad_request(f"The request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object")
+    return raw, data
+
+
+def _validate(raw: bytes, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:
     try:
         return REQUEST_MODELS[api].model_validate_json(raw, context={MAX_N_CONTEXT: max_n})
     except ValidationError as exc:
