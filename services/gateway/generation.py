@@ -19,7 +19,6 @@ import time
 import jinja2
 import nats.errors
 import nats.js.errors
-import orjson
 from aiohttp import web
 from nats.aio.client import Client
 from pydantic import ValidationError
@@ -32,7 +31,6 @@ from services.gateway.answer import answer
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.choices import ResponseChoices
 from services.gateway.completion_request import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
-from services.gateway.extensions import Extensions
 from services.gateway.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     UNAVAILABLE,
@@ -47,10 +45,10 @@ from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
 from services.gateway.named_logprobs import check_logprob_token_ids
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
-from services.gateway.protocol import DEFAULT_MAX_N, MAX_N_CONTEXT
+from services.gateway.protocol import DEFAULT_MAX_N
+from services.gateway.request_body import RequestBodies
 from services.gateway.router import ChunkRouter
 from services.gateway.truncation import prompt_limit, truncated
-from services.gateway.unknown_fields import UnknownFields
 from shared import subjects
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
@@ -65,7 +63,6 @@ SERVICE_UNAVAILABLE = 503
 CLIENT_DISCONNECTED = "client_disconnected"
 FAILED = "error"
 
-REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
@@ -84,21 +81,15 @@ class Generator:
         self._model = served_model_name
         self._max_model_len = max_model_len
         self._server_drafts = server_drafts  # drafts per step the workers are configured for
-        self._max_n = max_n
         self._admission = admission
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._prefix_router = prefix_router  # None: every request goes to the shared queue
-        self._extensions = Extensions()
-        declared = {api: frozenset(model.model_fields) for api, model in REQUEST_MODELS.items()}
-        self._unknown_fields = UnknownFields(strict_params, declared)
+        self._bodies = RequestBodies(max_n, strict_params)
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
-        raw, data = await _read(request)
-        self._extensions.check(data, api)
-        self._unknown_fields.check(data, api)
-        body = _validate(raw, api, self._max_n)
+        body = await self._bodies.parse(request, api)
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
@@ -318,22 +309,3 @@ class Generator:
             await self._nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason).to_bytes())
         except nats.errors.Error as exc:
             log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
-
-
-async def _read(request: web.Request) -> tuple[bytes, dict]:
-    """The body as sent, and parsed: the request models validate the JSON itself (their strict mode is JSON's)."""
-    raw = await request.read()  # raises 413 past the app's client_max_size
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    return raw, data
-
-
-def _validate(raw: bytes, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:
-    try:
-        return REQUEST_MODELS[api].model_validate_json(raw, context={MAX_N_CONTEXT: max_n})
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
