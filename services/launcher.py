@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from shared import nats_settings
-from services.gateway import auth, limits, routing_options
+from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
@@ -131,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "robin between clients (default: workers x max-num-seqs, the workers' batch slots; 0: no bound)",
     )
     routing_options.add_arguments(parser)
+    unknown_fields.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -286,6 +287,7 @@ def run(args: argparse.Namespace) -> None:
             args.max_in_flight = args.workers * args.max_num_seqs
         gateway_args += GatewayLimits.from_args(args).command_line()
         gateway_args += routing_options.forwarded(args)
+        gateway_args += unknown_fields.forwarded(args)
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]

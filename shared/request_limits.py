@@ -46,6 +46,7 @@ def check_sampling(sampling: SamplingParams, limits: ModelLimits) -> None:
             raise OutOfLimits(param, f"{param} must be below the vocabulary size {vocab}, got {count}")
     _check_ids("stop_token_ids", sampling.stop_token_ids, vocab)
     _check_ids("logit_bias", sampling.logit_bias, vocab)
+    _check_ids("logprob_token_ids", sampling.logprob_token_ids, vocab)
 
 
 def check_work_request(request: WorkRequest, limits: ModelLimits) -> None:
@@ -69,6 +70,11 @@ def check_work_request(request: WorkRequest, limits: ModelLimits) -> None:
             )
 
 
+def out_of_vocab(param: str, bad: list[int], vocab_size: int) -> str:
+    """The message for token ids outside the vocabulary, worded as vLLM words it, so that clients read one kind."""
+    return f"token id(s) {bad[:SHOWN_BAD_IDS]} in {param} are out of vocabulary (vocabulary size {vocab_size})"
+
+
 def _check_ids(param: str, ids: Iterable[int], vocab_size: int) -> None:
     if bad := [t for t in ids if not 0 <= t < vocab_size]:
-        raise OutOfLimits(param, f"token ids of {param} must lie in [0, {vocab_size}); got {bad[:SHOWN_BAD_IDS]}")
+        raise OutOfLimits(param, out_of_vocab(param, bad, vocab_size))

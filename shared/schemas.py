@@ -66,6 +66,9 @@ class SamplingParams(_Message):
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # None: no logprobs; n: the chosen token + top-n
+    # vLLM's logprob_token_ids: a generated token's top-n slots hold these tokens instead, in this order (then
+    # `logprobs` is their count); draft and prompt logprobs keep their top-n
+    logprob_token_ids: tuple[TokenId, ...] = Field((), max_length=MAX_TOP_K)
     include_draft_logprobs: bool = False
     # None: none; n: each prompt token after the first with its logprob and the top-n at the position before it
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
@@ -92,6 +95,14 @@ class SamplingParams(_Message):
     def _min_tokens_fit(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _named_logprobs_counted(self) -> "SamplingParams":
+        if self.logprob_token_ids and self.logprobs != len(self.logprob_token_ids):
+            raise ValueError(
+                f"logprobs ({self.logprobs}) must equal the number of logprob_token_ids ({len(self.logprob_token_ids)})"
+            )
         return self
 
     @property
@@ -190,6 +201,9 @@ class DetokOpen(_Message):
     return_token_ids: bool = False  # each chunk's choice lists the token ids it covers (vLLM's `token_ids`)
     tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) comes first
+    # The echoed prompt shows its special tokens' text: a prompt sent as token ids is echoed as sent, special tokens
+    # included (a text prompt is echoed without those the tokenizer added).
+    echo_special_tokens: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # vLLM's prompt_logprobs: top-n per prompt token
     prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
 

@@ -71,8 +71,11 @@ class DecodedStep:
 class IncrementalDecoder:
     """Decodes one request's output; call `step` per engine step and `finish` once at the end."""
 
-    def __init__(self, table: TokenTable) -> None:
+    def __init__(self, table: TokenTable, shows_special: bool = False) -> None:
         self._table = table
+        # Special tokens have no bytes of their own: generated text leaves them out, a prompt echoed as sent shows
+        # their literal text.
+        self._special = {i: name.encode() for i, name in table.special_names.items()} if shows_special else {}
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.length = 0  # characters produced so far
 
@@ -86,7 +89,7 @@ class IncrementalDecoder:
         spans: list[tuple[int, int]] = []
         start = self.length
         for token_id in token_ids:
-            piece = self._decoder.decode(self._table.token_bytes[token_id])
+            piece = self._decoder.decode(self._special.get(token_id) or self._table.token_bytes[token_id])
             pieces.append(piece)
             spans.append((start, start + len(piece)))
             start += len(piece)

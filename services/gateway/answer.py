@@ -45,9 +45,7 @@ async def _stream(
     by_request = {g.request_id: g for g in gens}
     envelope = gen.envelope(model, stream=True)
     include_usage = gen.body.include_usage_in_stream
-    every_chunk = gen.body.usage_on_every_chunk
-    if include_usage or every_chunk:
-        envelope["usage"] = None
+    every_chunk = gen.body.usage_on_every_chunk  # otherwise chunks carry no usage key at all, as vLLM streams them
     # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
     usage_chunk = include_usage or gen.sampling.speculative.return_stats
     ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end

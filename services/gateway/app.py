@@ -53,6 +53,7 @@ class GatewayConfig(BaseModel):
     # Send each request to the worker holding the longest part of its prompt (prefix_router.py)
     prefix_routing: bool = True
     routing_busy_margin: float = Field(DEFAULT_BUSY_MARGIN, ge=0.0)
+    strict_params: bool = False  # unknown request fields: a 400, as OpenAI answers (unknown_fields.py)
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -80,7 +81,7 @@ class Gateway:
         self.generator = Generator(
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
-            keys_checked=bool(config.api_keys), prefix_router=self.prefix_router,
+            keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
         )
         self.readiness = Readiness(nc=nc)
 

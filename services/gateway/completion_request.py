@@ -14,7 +14,6 @@ from services.gateway.protocol import GenerationRequest, shown
 from shared.frames import MAX_TOP_K
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-NEUTRAL_BEST_OF = 1
 MAX_PROMPTS = 2048  # prompts in one completions request (a list), as OpenAI allows
 
 
@@ -72,8 +71,17 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        return _refuse_unless_neutral(value, (None, NEUTRAL_BEST_OF), f"best_of other than {NEUTRAL_BEST_OF}")
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """best_of equal to n asks for nothing more than n; more would need ranking candidates by likelihood."""
+        n = info.data.get("n") or 1
+        if value is not None and value < n:
+            raise ValueError(f"best_of must be at least n ({n}), got {value}")
+        if value is not None and value > n:
+            raise ValueError(
+                f"best_of greater than n is not supported (candidates are not ranked); set it to n ({n}) or leave it "
+                f"unset, got {value}"
+            )
+        return value
 
     @field_validator("suffix")
     @classmethod
@@ -91,3 +99,8 @@ class CompletionRequest(GenerationRequest):
     @property
     def echoes_prompt(self) -> bool:
         return bool(self.echo)
+
+    @property
+    def prompt_is_token_ids(self) -> bool:
+        """Whether the prompts came as token ids (a request's prompts are all of one kind)."""
+        return isinstance(self.prompt[0], tuple)

@@ -19,7 +19,6 @@ import time
 import jinja2
 import nats.errors
 import nats.js.errors
-import orjson
 from aiohttp import web
 from nats.aio.client import Client
 from pydantic import ValidationError
@@ -45,11 +44,14 @@ from services.gateway.structured_request import compiled, structured_output
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
+from services.gateway.named_logprobs import check_logprob_token_ids
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
-from services.gateway.protocol import DEFAULT_MAX_N, MAX_N_CONTEXT
+from services.gateway.protocol import DEFAULT_MAX_N
+from services.gateway.request_body import RequestBodies
 from services.gateway.router import ChunkRouter
+from services.gateway.truncation import prompt_limit, truncated
 from shared import subjects
-from shared.request_limits import ModelLimits, OutOfLimits, check_sampling
+from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.structured import StructuredOutput
 from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
 from shared.seeds import SEED_BITS
@@ -63,7 +65,6 @@ SERVICE_UNAVAILABLE = 503
 CLIENT_DISCONNECTED = "client_disconnected"
 FAILED = "error"
 
-REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
@@ -73,7 +74,7 @@ class Generator:
     def __init__(
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
-        prefix_router: PrefixRouter | None = None,
+        prefix_router: PrefixRouter | None = None, strict_params: bool = False,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -82,25 +83,29 @@ class Generator:
         self._model = served_model_name
         self._max_model_len = max_model_len
         self._server_drafts = server_drafts  # drafts per step the workers are configured for
-        self._max_n = max_n
         self._admission = admission
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._prefix_router = prefix_router  # None: every request goes to the shared queue
+        self._bodies = RequestBodies(max_n, strict_params)
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
-        body = await _parse(request, api, self._max_n)
+        body = await self._bodies.parse(request, api)
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
+        check_logprob_token_ids(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
-        check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
+        limit = prompt_limit(body, self._max_model_len)
+        if limit is None:  # a prompt to be truncated may be as long as the body allows
+            check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         tokenizer = self._tokenizer
         structured = compiled(structured_output(body), tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
+            prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens, structured), started))
@@ -151,7 +156,7 @@ class Generator:
                 continue
             if bad := [t for t in prompt if not 0 <= t < vocab]:
                 where = "prompt" if len(body.prompt) == 1 else f"prompt.[{i}]"
-                raise bad_request(f"Token ids of '{where}' must lie in [0, {vocab}); got {bad[:8]}", param=where)
+                raise bad_request(f"Token id {bad[0]} is out of vocabulary (vocabulary size {vocab})", param=where)
             prompts.append(list(prompt))
         return prompts
 
@@ -191,7 +196,7 @@ class Generator:
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         vocab = self._tokenizer.vocab_size
         if bad := [t for t in body.stop_token_ids or () if not 0 <= t < vocab]:
-            raise bad_request(f"Token ids must lie in [0, {vocab}); got {bad[:8]}", param="stop_token_ids")
+            raise bad_request(out_of_vocab("stop_token_ids", bad, vocab), param="stop_token_ids")
 
     def _max_tokens(self, api: Api, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> int:
         """The generation budget; a prompt that leaves no room, or a budget that does not fit, is refused."""
@@ -240,6 +245,7 @@ class Generator:
             return_token_ids=gen.body.return_token_ids,
             tokens_as_token_ids=gen.body.return_tokens_as_token_ids,
             echo=gen.body.echoes_prompt,
+            echo_special_tokens=isinstance(gen.body, CompletionRequest) and gen.body.prompt_is_token_ids,
             prompt_logprobs=gen.body.shown_prompt_logprobs,
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
         )
@@ -309,17 +315,3 @@ class Generator:
             await self._nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason).to_bytes())
         except nats.errors.Error as exc:
             log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)
-
-
-async def _parse(request: web.Request, api: Api, max_n: int) -> ChatCompletionRequest | CompletionRequest:
-    raw = await request.read()  # raises 413 past the app's client_max_size
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    try:
-        return REQUEST_MODELS[api].model_validate_json(raw, context={MAX_N_CONTEXT: max_n})
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc

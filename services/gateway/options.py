@@ -6,17 +6,15 @@ from __future__ import annotations
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import bad_request
+from shared.request_limits import out_of_vocab
 
 SPECULATIVE_DRAFTS_PARAM = "speculative.num_speculative_tokens"
 
 
 def check_logit_bias(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
-    """Every biased token id must lie inside the vocabulary; the first one that does not is named."""
-    for token in body.logit_bias_ids:
-        if token >= vocab_size:
-            raise bad_request(
-                f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})", param="logit_bias"
-            )
+    """Every biased token id must lie inside the vocabulary; those that do not are named."""
+    if bad := [token for token in body.logit_bias_ids if token >= vocab_size]:
+        raise bad_request(out_of_vocab("logit_bias", bad, vocab_size), param="logit_bias")
 
 
 def check_min_tokens(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> None:

@@ -5,13 +5,14 @@ completion_request.py and chat_request.py.
 Validation is strict about types (a JSON string is not a number) and names the offending field, so every
 bad request becomes a 400 that tells the client which parameter to fix. Fields of the OpenAI API that the
 mesh does not implement are accepted only with their neutral value; anything else is refused rather than
-silently ignored. Unknown fields are ignored, as the OpenAI API does.
+silently ignored. Unknown fields are accepted and logged once per name, as vLLM does, or refused under
+--strict-params (unknown_fields.py); vLLM extensions these models do not declare are in extensions.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -90,6 +91,7 @@ class GenerationRequest(Body):
     return_token_ids: bool = False  # vLLM extension: prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM extension: top alternatives per prompt token
+    logprob_token_ids: list[int] | None = None  # vLLM extension: these tokens' logprobs instead (named_logprobs.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM extension
@@ -99,6 +101,9 @@ class GenerationRequest(Body):
     speculative: SpeculativeOptions | None = None  # specmesh extension
     # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM extensions: keep only k prompt tokens (-1: as many as the context holds), cut from the left or the right
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     user: str | None = None
     # The output's constraint (structured_request.py): OpenAI's, and vLLM's spellings
     response_format: ResponseFormat | None = None
@@ -208,7 +213,13 @@ class GenerationRequest(Body):
     @property
     def echoed_logprobs(self) -> int | None:
         """Top alternatives per echoed prompt token; None: no echoed token has logprobs."""
-        return self.num_logprobs if self.echoes_prompt else None
+        return self.logprobs_count if self.echoes_prompt else None
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the response shows: as many as logprob_token_ids names, else the endpoint's own
+        count; None: no logprobs."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.num_logprobs
 
     @property
     def shown_prompt_logprobs(self) -> int | None:
@@ -240,7 +251,7 @@ class GenerationRequest(Body):
 
     def sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
         """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway."""
-        logprobs = self.num_logprobs
+        logprobs = self.logprobs_count
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -250,6 +261,7 @@ class GenerationRequest(Body):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logprob_token_ids=tuple(self.logprob_token_ids or ()),
             include_draft_logprobs=self.include_draft_logprobs and logprobs is not None,
             prompt_logprobs=self.prompt_top_k,
             presence_penalty=NO_PENALTY if self.presence_penalty is None else self.presence_penalty,

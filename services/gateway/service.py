@@ -10,7 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway import auth, limits, routing_options
+from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_arguments(parser)
     auth.add_arguments(parser)
     routing_options.add_arguments(parser)
+    unknown_fields.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -76,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=args.api_keys,
         prefix_routing=args.prefix_routing,
         routing_busy_margin=args.routing_busy_margin,
+        strict_params=args.strict_params,
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from services.worker.drafting.draft import DraftBatch
 from services.worker.engine.host_copy import fetch
 from services.worker.engine.outputs import SeqOutput, TokenLogprobs
-from services.worker.sampling.logprobs import token_logprobs
+from services.worker.sampling.logprobs import token_logprobs, with_named_tokens
 from services.worker.engine.sequence import Sequence
 
 # Called for every sequence a step drafted for: (sequence, drafts proposed, drafts accepted).
@@ -43,7 +43,13 @@ def accept(
     if asked:
         rows = torch.tensor(asked, device=target.device)
         chosen = output_tokens[rows].clamp(min=0).reshape(-1)
-        device_arrays += token_logprobs(target[rows].reshape(len(asked) * width, -1), chosen, top_k)
+        logits = target[rows].reshape(len(asked) * width, -1)
+        named = [
+            (slice(i * width, (i + 1) * width), seqs[b].sampling.logprob_token_ids)
+            for i, b in enumerate(asked)
+            if seqs[b].sampling.logprob_token_ids
+        ]
+        device_arrays += with_named_tokens(logits, token_logprobs(logits, chosen, top_k), named)
     modelled = drafts.modelled_rows(want_drafts) if want_drafts else None
     want_drafts_set = set(want_drafts)
     if modelled is not None:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from kernels import use_kernel
+from shared.frames import NO_TOKEN
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -34,4 +35,21 @@ def token_logprobs_torch(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Te
     ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1).to(torch.int32)
     values = torch.cat([chosen_logprob, logprobs.gather(1, top_ids)], dim=1)
     ranks = ((logits > logits.gather(1, chosen.unsqueeze(1))).sum(dim=-1) + 1).to(torch.int32)
+    return ids, values, ranks
+
+
+def with_named_tokens(
+    logits: Tensor, arrays: tuple[Tensor, Tensor, Tensor], named: list[tuple[slice, tuple[int, ...]]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`token_logprobs`' arrays where each (rows, tokens) pair has those tokens' logprobs in slots 1.. instead of
+    the top-K (vLLM's logprob_token_ids), in the order named, and its other slots empty. Slot 0 and the rank are
+    the chosen token's as before. The frames carry the named tokens like top-K ones: a frame's top_k is at least
+    each request's count."""
+    ids, values, ranks = arrays
+    for rows, tokens in named:
+        wanted = torch.tensor(tokens, device=logits.device)
+        ids[rows, 1:] = NO_TOKEN
+        values[rows, 1:] = -torch.inf
+        ids[rows, 1 : 1 + len(tokens)] = wanted.to(ids.dtype)
+        values[rows, 1 : 1 + len(tokens)] = torch.log_softmax(logits[rows].float(), dim=-1)[:, wanted]
     return ids, values, ranks

@@ -1,0 +1,113 @@
+"""vLLM's request extensions that specmesh does not declare in its request models: each is refused by name unless it
+holds its neutral value (the one that asks for nothing specmesh would fail to do), or accepted and logged once
+when it cannot change what is generated. docs/api.md lists every vLLM extension, these and the honoured ones.
+
+Checked on the raw JSON body, before the request models see it, so that a value specmesh would otherwise drop (a
+field its models do not declare) is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.aggregate import Api
+from services.gateway.errors import bad_request
+
+log = logging.getLogger(__name__)
+
+ANY_API: tuple[Api, ...] = ("chat", "completion")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field specmesh does not implement: any value but a neutral one is a 400 naming it."""
+
+    name: str
+    neutral: tuple[Any, ...]  # JSON values that ask for nothing (null is always neutral)
+    why: str  # what specmesh does instead, for the error message
+    apis: tuple[Api, ...] = ANY_API
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A field whose value cannot change the generated tokens or their text: accepted, logged once."""
+
+    name: str
+    why: str
+
+
+REFUSED: dict[tuple[str, Api], Refused] = {
+    (rule.name, api): rule
+    for rule in (
+        Refused("use_beam_search", (False,), "beam search is not implemented; sample several choices with n instead"),
+        Refused("length_penalty", (1, 1.0), "it weighs beam search's candidates, and beam search is not implemented"),
+        Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
+        Refused("include_stop_str_in_output", (False,), "a stop string found is always cut from the output"),
+        Refused("skip_special_tokens", (True,), "generated special tokens are always left out of the text"),
+        Refused("allowed_token_ids", (), "restricting sampling to a set of tokens is not implemented"),
+        Refused("bad_words", ([],), "banning words is not implemented; logit_bias can ban their token ids"),
+        Refused("logits_processors", ([],), "custom logits processors are not supported"),
+        Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),
+        Refused("thinking_token_budget", (), "a budget for reasoning tokens is not implemented"),
+        Refused("mm_processor_kwargs", ({},), "the model reads text only"),
+        Refused("kv_transfer_params", ({},), "KV cache transfer is the mesh's own (prefill/decode handoff)"),
+        Refused("vllm_xargs", ({},), "no plugin here reads extra arguments"),
+        Refused("prompt_embeds", (), "prompts are taken as text or token ids only", ("completion",)),
+        Refused(
+            "add_special_tokens", (True,), "a completions prompt always gets the tokenizer's special tokens",
+            ("completion",),
+        ),
+        Refused("add_special_tokens", (False,), "the chat template places the special tokens itself", ("chat",)),
+        Refused("chat_template", (), "the model's own chat template renders every chat", ("chat",)),
+        Refused("chat_template_kwargs", ({},), "the chat template is given no extra arguments", ("chat",)),
+        Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
+        Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
+    )
+    for api in rule.apis
+}
+
+IGNORED: dict[str, Ignored] = {
+    rule.name: rule
+    for rule in (
+        Ignored("spaces_between_special_tokens", "special tokens never reach the generated text"),
+        Ignored("request_id", "the response's id is the mesh's own"),
+    )
+}
+
+# Fields of structured output and tool calling (docs/api.md has their own section): handled there, never reported
+# here as unknown.
+STRUCTURED_OUTPUT = frozenset({
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs",
+})
+
+
+def known_names(api: Api) -> frozenset[str]:
+    """Field names this module, or the structured-output code, answers for on `api`."""
+    refused = {name for name, rule_api in REFUSED if rule_api == api}
+    return frozenset(refused) | IGNORED.keys() | STRUCTURED_OUTPUT
+
+
+def _neutral(value: Any, rule: Refused) -> bool:
+    """null, or one of the rule's neutral values (JSON true is not 1, nor false 0)."""
+    if value is None:
+        return True
+    return any(n == value and isinstance(value, bool) == isinstance(n, bool) for n in rule.neutral)
+
+
+class Extensions:
+    """Refuses a request's unsupported vLLM extensions and logs the ignored ones, each name once per process."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def check(self, data: dict[str, Any], api: Api) -> None:
+        for name, value in data.items():
+            if (rule := REFUSED.get((name, api))) is not None:
+                if not _neutral(value, rule):
+                    raise bad_request(f"'{name}' is not supported by this server: {rule.why}", param=name)
+            elif (ignored := IGNORED.get(name)) is not None and name not in self._logged:
+                self._logged.add(name)
+                log.warning("ignoring the request field %r: %s (logged once)", name, ignored.why)

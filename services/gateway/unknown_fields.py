@@ -1,0 +1,51 @@
+"""Request fields no part of the gateway knows: accepted and logged once per name, as vLLM does, or refused with
+OpenAI's 400 under `--strict-params` (an option `specmesh up` takes too and hands on).
+
+A field is known when a request model declares it, when extensions.py answers for it (a vLLM extension refused
+unless neutral, or ignored) or when it belongs to structured output and tool calling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from services.gateway.aggregate import Api
+from services.gateway.errors import bad_request
+from services.gateway.extensions import known_names
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--strict-params", action="store_true", default=False,
+        help="refuse a request that carries a field the API does not know, with a 400 naming it, as OpenAI does "
+        "(default: accept it and log each unknown field name once, as vLLM does)",
+    )
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    """The option as the gateway's command line takes it."""
+    return ["--strict-params"] if args.strict_params else []
+
+
+class UnknownFields:
+    """Finds the fields of a request body that nothing reads; refuses them when strict, else logs each name once."""
+
+    def __init__(self, strict: bool, declared: dict[Api, frozenset[str]]) -> None:
+        self._strict = strict
+        self._known = {api: names | known_names(api) for api, names in declared.items()}
+        self._logged: set[str] = set()
+
+    def check(self, data: dict[str, Any], api: Api) -> None:
+        unknown = [name for name in data if name not in self._known[api]]
+        if not unknown:
+            return
+        if self._strict:
+            raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        for name in unknown:
+            if name not in self._logged:
+                self._logged.add(name)
+                log.warning("ignoring the unknown request field %r (logged once per field name)", name)

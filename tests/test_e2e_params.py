@@ -1,0 +1,154 @@
+"""No vLLM parameter silently ignored, through the whole mesh (real processes, real NATS, the demo model) with the
+openai client: what specmesh does not do is refused by name, unknown fields are logged once (or refused under
+--strict-params), and truncate_prompt_tokens, logprob_token_ids, prompt_logprobs, stream usage and echo of a
+token-id prompt behave as a vLLM client expects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.mesh_process import Mesh, start_mesh
+from tests.demomeshfixture import CLIENT_TIMEOUT_S, MESH_OPTIONS, client, mesh, tokenizer  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+LONG_PROMPT = "one two three four five six seven eight nine ten"
+AS_IDS = "token_id:"
+
+
+def _refused(call, param: str) -> str:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    assert info.value.status_code == 400 and info.value.body["param"] == param
+    return info.value.body["message"]
+
+
+def _completion(client, mesh, **body):
+    body = {"max_tokens": 2, "temperature": 0, "extra_body": {}} | body
+    return client.completions.create(model=mesh.model, **body)
+
+
+def _chat(client, mesh, **body):
+    body = {"max_tokens": 2, "temperature": 0, "extra_body": {}} | body
+    return client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": LONG_PROMPT}], **body)
+
+
+def test_unsupported_extensions_are_refused_by_name(client, mesh) -> None:
+    message = _refused(lambda: _completion(client, mesh, prompt="hi", extra_body={"use_beam_search": True}),
+                       "use_beam_search")
+    assert "beam search" in message
+    _refused(lambda: _chat(client, mesh, extra_body={"include_stop_str_in_output": True}), "include_stop_str_in_output")
+    _refused(lambda: _completion(client, mesh, prompt="hi", n=1, best_of=2), "best_of")
+    # Neutral values ask for nothing specmesh lacks: accepted.
+    both = _completion(client, mesh, prompt="hi", n=2, best_of=2, extra_body={"use_beam_search": False})
+    assert len(both.choices) == 2
+
+
+def test_unknown_fields_are_accepted_and_logged_once(client, mesh) -> None:
+    for _ in range(2):
+        assert _completion(client, mesh, prompt="hi", extra_body={"not_a_field_xyz": 1}).choices[0].text
+    assert sum("not_a_field_xyz" in line for line in mesh.log) == 1
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, mesh, tokenizer) -> None:
+    ids = tokenizer.encode(LONG_PROMPT)
+    left = _completion(client, mesh, prompt=LONG_PROMPT, echo=True, extra_body={"truncate_prompt_tokens": 3})
+    assert left.usage.prompt_tokens == 3
+    assert left.choices[0].text.startswith(tokenizer.decode(ids[-3:]))
+    right = _completion(
+        client, mesh, prompt=LONG_PROMPT, echo=True,
+        extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"},
+    )
+    assert right.usage.prompt_tokens == 3 and right.choices[0].text.startswith(tokenizer.decode(ids[:3]))
+    assert _chat(client, mesh, extra_body={"truncate_prompt_tokens": 4}).usage.prompt_tokens == 4
+    # A prompt longer than the context is answered once truncated to it.
+    whole = _completion(client, mesh, prompt=LONG_PROMPT * 40, extra_body={"truncate_prompt_tokens": 100})
+    assert whole.usage.prompt_tokens == 100
+    assert "context" in _refused(
+        lambda: _completion(client, mesh, prompt="hi", extra_body={"truncate_prompt_tokens": 10_000}),
+        "truncate_prompt_tokens",
+    )
+
+
+def _top_ids(top: dict[str, float]) -> dict[int, float]:
+    return {int(name.removeprefix(AS_IDS)): logprob for name, logprob in top.items()}
+
+
+def test_logprob_token_ids_score_the_named_tokens(client, mesh) -> None:
+    plain = _completion(client, mesh, prompt="hi", logprobs=3, extra_body={"return_tokens_as_token_ids": True})
+    tops = [_top_ids(top) for top in plain.choices[0].logprobs.top_logprobs]
+    named = list(reversed(tops[0]))  # the first position's top 3, in another order
+    scored = _completion(
+        client, mesh, prompt="hi", extra_body={"logprob_token_ids": named, "return_tokens_as_token_ids": True}
+    )
+    assert scored.choices[0].text == plain.choices[0].text
+    first = _top_ids(scored.choices[0].logprobs.top_logprobs[0])
+    assert list(first) == named and first == pytest.approx(tops[0], abs=1e-4)
+    assert all(list(_top_ids(top)) == named for top in scored.choices[0].logprobs.top_logprobs)
+
+    chat = _chat(client, mesh, logprobs=True, extra_body={"logprob_token_ids": [5, 6]})
+    for entry in chat.choices[0].logprobs.content:
+        assert [top.token for top in entry.top_logprobs] == ["%", "&"]  # ids 5 and 6 of the demo vocabulary
+    assert "equal" in _refused(
+        lambda: _completion(client, mesh, prompt="hi", logprobs=1, extra_body={"logprob_token_ids": [5, 6]}),
+        "logprob_token_ids",
+    )
+    assert "out of vocabulary" in _refused(
+        lambda: _completion(client, mesh, prompt="hi", extra_body={"logprob_token_ids": [10**7]}), "logprob_token_ids"
+    )
+
+
+def test_prompt_logprobs_sit_where_vllm_puts_them(client, mesh) -> None:
+    completion = _completion(client, mesh, prompt=["hi there", "abc"], n=2, extra_body={"prompt_logprobs": 1})
+    assert len(completion.choices) == 4
+    assert all(choice.prompt_logprobs[0] is None and len(choice.prompt_logprobs) > 1 for choice in completion.choices)
+    chat = _chat(client, mesh, n=2, extra_body={"prompt_logprobs": 1})
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(not hasattr(choice, "prompt_logprobs") for choice in chat.choices)
+
+
+def test_streamed_usage_only_where_asked(client, mesh) -> None:
+    chunks = list(_completion(client, mesh, prompt="hi", stream=True, stream_options={"include_usage": True}))
+    assert all("usage" not in chunk.model_fields_set for chunk in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 2 and chunks[-1].choices == []
+    every = list(_completion(
+        client, mesh, prompt="hi", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    ))
+    assert all(chunk.usage is not None for chunk in every)
+
+
+def test_echoed_token_ids_show_their_special_tokens(client, mesh, tokenizer) -> None:
+    ids = tokenizer.encode("hi")  # the tokenizer puts its special BOS first
+    special = tokenizer.decode(ids[:1], skip_special_tokens=False)
+    as_ids = _completion(client, mesh, prompt=ids + ids[:1], echo=True, max_tokens=1)
+    assert as_ids.choices[0].text.startswith(f"{special}hi{special}")
+    as_text = _completion(client, mesh, prompt="hi", echo=True, max_tokens=1)
+    assert as_text.choices[0].text.startswith("hi")  # the text as sent, without the token the tokenizer added
+
+
+def test_out_of_vocabulary_ids_are_worded_as_vllm_words_them(client, mesh) -> None:
+    assert "Token id 9999999 is out of vocabulary" in _refused(
+        lambda: _completion(client, mesh, prompt=[1, 9999999]), "prompt"
+    )
+    assert "out of vocabulary" in _refused(
+        lambda: _completion(client, mesh, prompt="hi", logit_bias={"9999999": 1}), "logit_bias"
+    )
+
+
+@pytest.fixture(scope="module")
+def strict_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = start_mesh(tmp_path_factory.mktemp("strict"), *MESH_OPTIONS, "--strict-params")
+    yield m
+    assert m.stop() == 0, "".join(m.log[-30:])
+
+
+def test_strict_params_refuse_unknown_fields(strict_mesh) -> None:
+    strict = openai.OpenAI(base_url=strict_mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    message = _refused(lambda: _completion(strict, strict_mesh, prompt="hi", extra_body={"foo": 1}), "foo")
+    assert message == "Unrecognized request argument supplied: foo"
+    # vLLM's extensions, honoured or neutral, are known fields.
+    known = _chat(strict, strict_mesh, extra_body={"top_k": 2, "use_beam_search": False, "request_id": "r"})
+    assert known.choices[0].message.content is not None
