@@ -27,6 +27,7 @@ from pydantic import SecretStr
 
 from shared import nats_settings
 from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway.tools import tool_options
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
@@ -132,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
+    tool_options.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -288,6 +290,7 @@ def run(args: argparse.Namespace) -> None:
         gateway_args += GatewayLimits.from_args(args).command_line()
         gateway_args += routing_options.forwarded(args)
         gateway_args += unknown_fields.forwarded(args)
+        gateway_args += tool_options.forwarded(args)
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         nats_args, env = nats_of[NatsRole.GATEWAY]

@@ -99,7 +99,8 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Renders the chat and encodes it; the template places special tokens itself. With continue_final_message
         the text ends right after the final message's content (no end-of-turn marks), as Hugging Face cuts it.
@@ -110,6 +111,7 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         text = env.from_string(self.chat_template).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

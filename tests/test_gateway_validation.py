@@ -68,7 +68,7 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"messages": [{"role": "", "content": "hi"}]}, "messages.[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.[0].content"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.[0].function"),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"top_k": -2}}, "top_k"),

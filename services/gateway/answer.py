@@ -18,6 +18,8 @@ from services.gateway.choices import ResponseChoices
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
 from services.gateway.router import ResponseStream
+from services.gateway.tools.formats import ToolFormat
+from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
 from shared.schemas import Usage
 
 log = logging.getLogger(__name__)
@@ -27,18 +29,20 @@ INTERNAL_ERROR = 500
 
 async def answer(
     request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
-    model: str,
+    model: str, tool_format: ToolFormat,
 ) -> web.StreamResponse:
     """The request's answer under `model`'s name: server-sent events as its chunks arrive, or one JSON response
-    once its last chunk is in."""
-    if gens[0].body.stream:
-        return await _stream(request, gens, choices, chunks, model)
-    return await _respond(gens, choices, chunks, model)
+    once its last chunk is in. A chat answer to a request with tools is read for calls in `tool_format`."""
+    body = gens[0].body
+    tools = tool_format if gens[0].api == "chat" and body.tool_fields.parses_calls else None
+    if body.stream:
+        return await _stream(request, gens, choices, chunks, model, tools)
+    return await _respond(gens, choices, chunks, model, tools)
 
 
 async def _stream(
     request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
-    model: str,
+    model: str, tools: ToolFormat | None,
 ) -> web.StreamResponse:
     response = await sse.open_stream(request)
     gen = gens[0]  # the body, the api and the envelope are every prompt's
@@ -49,6 +53,7 @@ async def _stream(
     # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
     usage_chunk = include_usage or gen.sampling.speculative.return_stats
     ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
+    calls = StreamedToolCalls(tools) if tools is not None else None
     try:
         if gen.api == "chat":
             for opening in _chat_openings(gen, choices.num_choices):
@@ -58,7 +63,8 @@ async def _stream(
         async for chunk in chunks:
             by_request[chunk.request_id].observe(chunk)
             choices.observe(chunk)
-            data = {**envelope, "choices": [choices.streamed(chunk)]}
+            streamed = choices.streamed(chunk)
+            data = {**envelope, "choices": [calls.choice(streamed) if calls is not None else streamed]}
             if every_chunk:
                 data["usage"] = usage_body(choices.running_usage())
             event = sse.event(data)
@@ -102,7 +108,7 @@ def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:
 
 
 async def _respond(
-    gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str
+    gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str, tools: ToolFormat | None
 ) -> web.Response:
     gen = gens[0]  # the body, the api and the envelope are every prompt's
     by_request = {g.request_id: g for g in gens}
@@ -117,6 +123,8 @@ async def _respond(
     if gen.api == "chat":
         for choice in merged:
             choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
+            if tools is not None:
+                choice["finish_reason"] = message_with_calls(choice["message"], choice["finish_reason"], tools)
             prompt_logprobs = choice.pop("prompt_logprobs", None)
         if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
             body["prompt_logprobs"] = prompt_logprobs

@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
+from services.gateway.tools.formats import format_for
 from services.gateway.admission import Admission
 from services.gateway.auth import require_api_key
 from services.gateway.body import body_limits
@@ -54,6 +55,7 @@ class GatewayConfig(BaseModel):
     prefix_routing: bool = True
     routing_busy_margin: float = Field(DEFAULT_BUSY_MARGIN, ge=0.0)
     strict_params: bool = False  # unknown request fields: a 400, as OpenAI answers (unknown_fields.py)
+    tool_call_parser: str = "auto"  # how the model writes tool calls (tools/formats.py)
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -82,6 +84,7 @@ class Gateway:
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
             keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
+            tool_format=format_for(tokenizer.chat_template, config.tool_call_parser),
         )
         self.readiness = Readiness(nc=nc)
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from functools import cached_property
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.gateway.protocol import Body, GenerationRequest, shown
+from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
 from shared.frames import MAX_TOP_K
 
 DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
@@ -27,6 +30,7 @@ class ChatMessage(Body):
     content: Any = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # on `tool` messages: the call they answer
+    tool_calls: list[dict] | None = None  # on an assistant message: the calls it made, rendered by the template
 
     @field_validator("content", mode="before")
     @classmethod
@@ -60,6 +64,8 @@ class ChatMessage(Body):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
         return message
 
 
@@ -69,7 +75,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
-    tools: list | None = None
+    # Tool calling (tools/)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extensions for rendering the conversation.
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the final message open, to be continued
@@ -77,10 +86,22 @@ class ChatCompletionRequest(GenerationRequest):
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError(f"tool calling is not supported; leave tools unset or empty, got {len(value)} tools")
-        return value
+    def _tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        return check_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        return check_tool_choice(value, info.data.get("tools"))
+
+    @cached_property
+    def tool_fields(self) -> ToolFields:
+        return ToolFields(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template shows them to the model (none under tool_choice "none")."""
+        fields = self.tool_fields
+        return [tool.for_template() for tool in fields.tools] if fields.tools and fields.parses_calls else None
 
     @field_validator("continue_final_message")
     @classmethod

@@ -41,6 +41,7 @@ from services.gateway.errors import (
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
 from services.gateway.structured_request import compiled, structured_output
+from services.gateway.tools.formats import FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
 from services.gateway.message_size import check_message_size
@@ -75,6 +76,7 @@ class Generator:
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
         prefix_router: PrefixRouter | None = None, strict_params: bool = False,
+        tool_format: ToolFormat = FORMATS["hermes"],
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -88,6 +90,7 @@ class Generator:
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._prefix_router = prefix_router  # None: every request goes to the shared queue
         self._bodies = RequestBodies(max_n, strict_params)
+        self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py)
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -102,7 +105,15 @@ class Generator:
         if limit is None:  # a prompt to be truncated may be as long as the body allows
             check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         tokenizer = self._tokenizer
-        structured = compiled(structured_output(body), tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        constraint = tool_constraint(body, self.tool_format) if api == "chat" else None
+        if constraint is None:
+            constraint = structured_output(body)
+        elif structured_output(body) is not None:
+            raise bad_request(
+                f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another output "
+                "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
+            )
+        structured = compiled(constraint, tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
             prompt_ids = truncated(prompt_ids, body, limit)
@@ -122,7 +133,7 @@ class Generator:
                         await self._submit_all(gens)
                         for gen in gens:
                             chunks.liveness.owned_by(gen.request_id, gen.detok_id)
-                        return await answer(request, gens, choices, chunks, self._model)
+                        return await answer(request, gens, choices, chunks, self._model, self.tool_format)
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED
                         metrics.CLIENT_DISCONNECTS.inc()
@@ -163,7 +174,7 @@ class Generator:
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         try:
             return self._tokenizer.apply_chat_template(
-                body.chat(), body.add_generation_prompt, body.continue_final_message
+                body.chat(), body.add_generation_prompt, body.continue_final_message, body.template_tools()
             )
         except jinja2.TemplateError as exc:
             raise bad_request(

@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway.tools import tool_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_arguments(parser)
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
+    tool_options.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -78,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         prefix_routing=args.prefix_routing,
         routing_busy_margin=args.routing_busy_margin,
         strict_params=args.strict_params,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

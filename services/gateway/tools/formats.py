@@ -1,0 +1,151 @@
+"""How a model writes tool calls, by family: the grammar that forces calls (tool_choice `required` or named) and the
+parsing of calls out of its text.
+
+- Hermes (Qwen2.5, Qwen3, the demo model): each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  several in a row for parallel calls, possibly after some text.
+- Llama 3.x JSON: the answer is one call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>`.
+
+The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every
+token up to the first argument value is forced and drafted for free (services/worker/grammar/).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.structured import StructuredOutput
+from services.gateway.tools.tool_request import FunctionDefinition
+
+COMPACT = {"whitespace_flexible": False}
+NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's tool_calls carry it
+
+
+def _call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict[str, Any]:
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, arguments_key: f.schema},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": COMPACT}
+
+
+def _call(obj: Any, arguments_key: str) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
+
+
+class Hermes:
+    name = "hermes"
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+    arguments_key = "arguments"
+
+    def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        schema = json.dumps(_call_schema(functions, self.arguments_key))
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return f'start: {calls}\ncall: "{self.open_tag}\\n" %json {schema} "\\n{self.close_tag}"\n'
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(the text outside the calls, the calls); a block that is not a call stays in the text."""
+        content, calls, rest = [], [], text
+        while (start := rest.find(self.open_tag)) >= 0:
+            end = rest.find(self.close_tag, start)
+            if end < 0:  # cut short (max_tokens): a call whose name is written keeps the arguments written so far
+                truncated = self.partial_call(rest[start + len(self.open_tag) :])
+                if truncated is not None:
+                    content.append(rest[:start])
+                    calls.append(truncated)
+                    rest = ""
+                break
+            call = self.parse_block(rest[start + len(self.open_tag) : end])
+            if call is None:
+                content.append(rest[: end + len(self.close_tag)])
+            else:
+                content.append(rest[:start])
+                calls.append(call)
+            rest = rest[end + len(self.close_tag) :]
+        content.append(rest)
+        return "".join(content).strip() if calls else text, calls
+
+    def partial_call(self, block: str) -> ParsedCall | None:
+        """The call an unclosed block began: its name and the arguments' text so far."""
+        name = NAME.search(block)
+        if name is None:
+            return None
+        arguments = ARGUMENTS.search(block, name.end())
+        return ParsedCall(name.group(1), arguments.group(1).rstrip() if arguments else "")
+
+    def parse_block(self, block: str) -> ParsedCall | None:
+        try:
+            return _call(json.loads(block), self.arguments_key)
+        except json.JSONDecodeError:
+            return None
+
+
+class Llama3Json:
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+    arguments_key = "parameters"
+
+    def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        # Llama 3.x calls one function per answer: parallel calls do not exist in this format.
+        return f"start: %json {json.dumps(_call_schema(functions, self.arguments_key))}\n"
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip().removeprefix(self.python_tag).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in re.split(r"\}\s*;\s*\{", body):  # some answers chain calls with ";"
+            candidate = part if part.startswith("{") else "{" + part
+            candidate = candidate if candidate.endswith("}") else candidate + "}"
+            try:
+                call = _call(json.loads(candidate), self.arguments_key)
+            except json.JSONDecodeError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+
+ToolFormat = Hermes | Llama3Json
+FORMATS: dict[str, ToolFormat] = {format.name: format for format in (Hermes(), Llama3Json())}
+
+
+def tool_constraint(body: Any, format: ToolFormat) -> tuple[str, StructuredOutput] | None:
+    """The grammar a chat request's tool_choice imposes: `required` or a named function make the answer calls of
+    the callable functions and nothing else; `auto` and `none` impose none."""
+    fields = body.tool_fields
+    if not fields.forces_calls:
+        return None
+    grammar = format.grammar(fields.callable, fields.parallel_tool_calls)
+    return "tool_choice", StructuredOutput(kind="grammar", spec=grammar)
+
+
+def format_for(chat_template: str | None, configured: str = "auto") -> ToolFormat:
+    """The configured format (--tool-call-parser), or the one the chat template writes calls in."""
+    if configured != "auto":
+        return FORMATS[configured]
+    template = chat_template or ""
+    if Hermes.open_tag in template:
+        return FORMATS["hermes"]
+    if Llama3Json.python_tag in template or '"parameters"' in template:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]

@@ -1,0 +1,166 @@
+"""Tool calls out of a chat answer, in OpenAI's shapes: a whole message's `tool_calls`, or a stream's deltas.
+
+Streamed, each call goes out as soon as its parts are known, whatever the chunking: its index, id and name once its
+name is written, then its arguments when the call closes; text outside calls streams as content, holding back only
+what could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
+accepts many tokens a step): each call gets its own entry, by index, in order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from services.gateway.tools.formats import NAME, Hermes, Llama3Json
+
+TOOL_CALLS_FINISH = "tool_calls"
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message_with_calls(message: dict, finish_reason: str | None, format: Hermes | Llama3Json) -> str | None:
+    """Moves the calls in a whole answer's content into message["tool_calls"]; returns the finish reason
+    (`tool_calls` when the answer called tools and stopped on its own)."""
+    content, calls = format.split(message.get("content") or "")
+    if not calls:
+        return finish_reason
+    message["content"] = content or None
+    message["tool_calls"] = [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]
+    return TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
+
+
+class ToolCallStream:
+    """One streamed choice's text, split into content and tool-call deltas."""
+
+    def __init__(self, format: Hermes | Llama3Json) -> None:
+        self.format = format
+        self._buffer = ""
+        self._inside = False  # within a call's block
+        self._named = False  # the open call's name went out
+        self._calls = 0  # calls started
+        self._ids: list[str] = []
+        self._whole = None if isinstance(format, Hermes) else ""  # Llama 3 JSON: the answer, if it is a call
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(content to stream, tool_calls delta entries) for the next piece of the answer's text."""
+        if isinstance(self.format, Llama3Json):
+            return self._feed_whole(text, final)
+        return self._feed_blocks(text, final)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return TOOL_CALLS_FINISH if finish_reason == "stop" and self.called else finish_reason
+
+    def _feed_blocks(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        fmt = self.format
+        self._buffer += text
+        content, deltas = [], []
+        while True:
+            if not self._inside:
+                start = self._buffer.find(fmt.open_tag)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self._buffer, fmt.open_tag)
+                    content.append(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    break
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(fmt.open_tag) :]
+                self._inside, self._named = True, False
+                continue
+            end = self._buffer.find(fmt.close_tag)
+            if end < 0:
+                if not self._named and (match := NAME.search(self._buffer)):
+                    deltas.append(self._open_call(match.group(1)))
+                if final:  # cut short (max_tokens): a named call keeps the arguments written so far
+                    partial = fmt.partial_call(self._buffer)
+                    if partial is None:
+                        content.append(fmt.open_tag + self._buffer)
+                    else:
+                        if not self._named:
+                            deltas.append(self._open_call(partial.name))
+                        deltas.append({"index": self._calls - 1, "function": {"arguments": partial.arguments}})
+                    self._buffer, self._inside = "", False
+                break
+            block, self._buffer = self._buffer[:end], self._buffer[end + len(fmt.close_tag) :]
+            self._inside = False
+            call = fmt.parse_block(block)
+            if call is None:
+                content.append(fmt.open_tag + block + fmt.close_tag)
+                continue
+            if not self._named:
+                deltas.append(self._open_call(call.name))
+            deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
+        streamed = "".join(content)
+        if self.called and not streamed.strip():
+            streamed = ""  # the line breaks between calls
+        return streamed, deltas
+
+    def _open_call(self, name: str) -> dict:
+        self._calls += 1
+        self._named = True
+        self._ids.append(call_id())
+        return {"index": self._calls - 1, "id": self._ids[-1], "type": "function",
+                "function": {"name": name, "arguments": ""}}
+
+    def _feed_whole(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if self._whole is None:
+            return text, []
+        self._whole += text
+        head, tag = self._whole.lstrip(), Llama3Json.python_tag
+        if head and not (head.startswith("{") or head.startswith(tag) or tag.startswith(head)):
+            whole, self._whole = self._whole, None  # plain text: stream it
+            return whole, []
+        if not final:
+            return "", []
+        whole, self._whole = self._whole, None
+        content, calls = self.format.split(whole)
+        if not calls:
+            return whole, []
+        deltas = []
+        for call in calls:
+            deltas += [self._open_call(call.name), {"index": self._calls - 1, "function": {"arguments": call.arguments}}]
+        return content, deltas
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that `tag` starts with (what may become a tag with the next piece)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict[str, Any]:
+    """A chat chunk's delta with its content replaced by what is not a call, and its tool_calls entries."""
+    delta = dict(delta)
+    if content or not calls:
+        delta["content"] = content
+    else:
+        delta.pop("content", None)
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+
+class StreamedToolCalls:
+    """Every choice of a streamed chat answer read for tool calls: each chunk's choice with its delta split."""
+
+    def __init__(self, format: Hermes | Llama3Json) -> None:
+        self.format = format
+        self._streams: dict[int, ToolCallStream] = {}
+
+    def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        stream = self._streams.setdefault(choice["index"], ToolCallStream(self.format))
+        finish_reason = choice.get("finish_reason")
+        delta = choice.get("delta") or {}
+        content, calls = stream.feed(delta.get("content") or "", final=finish_reason is not None)
+        return {**choice, "delta": stream_delta(delta, content, calls),
+                "finish_reason": stream.finish_reason(finish_reason)}

@@ -1,0 +1,22 @@
+"""--tool-call-parser, on `specmesh gateway` and `specmesh up` (which hands it on): the format the model writes tool
+calls in (tools/formats.py), vLLM's option name; auto reads it off the chat template."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.gateway.tools.formats import FORMATS
+
+AUTO = "auto"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tool-call-parser", choices=[AUTO, *FORMATS], default=AUTO,
+        help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, the demo model) or "
+        "llama3_json (one JSON call with parameters: Llama 3.x); auto reads it off the chat template",
+    )
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    return ["--tool-call-parser", args.tool_call_parser]

@@ -1,0 +1,110 @@
+"""The tool fields of a chat request, validated: `tools`, `tool_choice` and `parallel_tool_calls`, as the OpenAI
+API defines them (a function's `parameters` is a JSON schema; `strict` is honoured by construction: a forced call
+follows the schema exactly)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+ANY_ARGUMENTS = {"type": "object"}  # a function without `parameters` takes any object
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or ANY_ARGUMENTS
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read it (Qwen2.5's and Llama 3.x's take OpenAI's shape)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def check_tools(tools: list[Tool] | None) -> list[Tool] | None:
+    names = [tool.function.name for tool in tools or ()]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tools must have distinct function names, got {names}")
+    return tools
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> ToolChoice | None:
+    names = [tool.function.name for tool in tools or ()]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools {names}")
+    if choice == "required" and not names:
+        raise ValueError('tool_choice "required" needs at least one tool')
+    return choice
+
+
+class ToolFields(BaseModel):
+    """What a chat request says about tools; `tool_choice` defaults as OpenAI's does: auto with tools, else none."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> "ToolFields":
+        check_tools(self.tools)
+        check_tool_choice(self.tool_choice, self.tools)
+        return self
+
+    @property
+    def mode(self) -> Literal["none", "auto", "required", "named"]:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def callable(self) -> list[FunctionDefinition]:
+        """The functions the output may call: the named one, or every tool."""
+        functions = [tool.function for tool in self.tools or ()]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in functions if f.name == self.tool_choice.function.name]
+        return functions
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return self.mode != "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        """Whether a grammar makes the output calls and nothing else."""
+        return self.mode in ("required", "named")

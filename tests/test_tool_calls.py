@@ -1,0 +1,129 @@
+"""Tool calls read out of chat answers, whole and streamed: however the text is cut into chunks (one character each,
+or several whole calls in one, as multi-token acceptance produces), the stream's deltas add up to the whole answer's
+calls, each announced once by index, id and name before its arguments; content outside calls streams as content; a
+call cut short keeps its name and the arguments written; the grammars tool_choice imposes compile and force what
+the schema fixes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
+from services.gateway.tools.formats import FORMATS, format_for
+from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
+from services.gateway.tools.tool_request import ToolFields
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "specmesh-demo"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+HERMES_ANSWER = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+)
+EXPECTED = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def _streamed(text: str, pieces: list[int], finish: str = "stop", format_name: str = "hermes"):
+    """The chunks' choices for `text` cut at `pieces` (lengths), the last one finishing."""
+    calls = StreamedToolCalls(FORMATS[format_name])
+    out, at = [], 0
+    cuts = [*pieces, len(text)]
+    for i, size in enumerate(cuts):
+        piece = text[at : at + size] if i < len(pieces) else text[at:]
+        at += len(piece)
+        last = i == len(cuts) - 1
+        out.append(calls.choice({"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                 "finish_reason": finish if last else None}))
+    return out
+
+
+def _assembled(choices) -> tuple[str, list[tuple[str, dict]], str | None, list[dict]]:
+    content, calls, entries = "", {}, []
+    for choice in choices:
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for entry in delta.get("tool_calls", []):
+            entries.append(entry)
+            call = calls.setdefault(entry["index"], {"name": None, "arguments": "", "id": None})
+            if "id" in entry:
+                assert call["id"] is None, "a call is announced once"
+                call["id"], call["name"] = entry["id"], entry["function"]["name"]
+            else:
+                assert call["id"] is not None, "the name comes before the arguments"
+            call["arguments"] += entry["function"].get("arguments", "")
+    ordered = [calls[i] for i in sorted(calls)]
+    return content, [(c["name"], json.loads(c["arguments"])) for c in ordered], choices[-1]["finish_reason"], entries
+
+
+@pytest.mark.parametrize("cut", ["whole", "characters", "several_calls_in_one_chunk", "tags_split"])
+def test_streamed_calls_add_up_to_the_whole_answers(cut) -> None:
+    pieces = {
+        "whole": [],
+        "characters": [1] * (len(HERMES_ANSWER) - 1),
+        "several_calls_in_one_chunk": [5],
+        "tags_split": [16, 3, 40, 9, 30],
+    }[cut]
+    content, calls, finish, _ = _assembled(_streamed(HERMES_ANSWER, pieces))
+    assert (content.strip(), calls, finish) == ("Let me check.", EXPECTED, "tool_calls")
+    message = {"role": "assistant", "content": HERMES_ANSWER}
+    assert message_with_calls(message, "stop", FORMATS["hermes"]) == "tool_calls"
+    assert message["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
+
+
+def test_text_without_calls_streams_unchanged_and_keeps_its_finish() -> None:
+    text = "No tools needed: <tool is a word here> and <tool_c too."
+    content, calls, finish, _ = _assembled(_streamed(text, [1] * (len(text) - 1)))
+    assert (content, calls, finish) == (text, [], "stop")
+
+
+def test_a_call_cut_short_keeps_its_name_and_the_arguments_written() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    choices = _streamed(text, [20, 20], finish="length")
+    entries = [e for c in choices for e in c["delta"].get("tool_calls", [])]
+    assert entries[0]["function"]["name"] == "get_weather"
+    assert "".join(e["function"].get("arguments", "") for e in entries) == '{"city": "Pa'
+    assert choices[-1]["finish_reason"] == "length"
+    message = {"role": "assistant", "content": text}
+    assert message_with_calls(message, "length", FORMATS["hermes"]) == "length"
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
+
+
+def test_llama3_json_calls_whole_and_streamed() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    content, calls, finish, _ = _assembled(_streamed(text, [3, 7, 11], format_name="llama3_json"))
+    assert (content, calls, finish) == ("", [EXPECTED[0]], "tool_calls")
+    plain = "It is sunny."
+    assert _assembled(_streamed(plain, [2], format_name="llama3_json"))[:3] == (plain, [], "stop")
+
+
+def test_the_format_follows_the_chat_template() -> None:
+    assert format_for("... <tool_call> ...").name == "hermes"
+    assert format_for("... <|python_tag|> ...").name == "llama3_json"
+    assert format_for(None, "llama3_json").name == "llama3_json"
+
+
+def test_forced_calls_follow_the_tools_schemas() -> None:
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice="required")
+    tokenizer = ll_tokenizer(DEMO, 4096, (0,))
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMATS["hermes"].grammar(fields.callable, True)))
+    check(grammar, tokenizer)
+    named = ToolFields(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [f.name for f in named.callable] == ["get_weather"]
+    one = grammar_of(StructuredOutput(kind="grammar", spec=FORMATS["hermes"].grammar(named.callable, False)))
+    matcher = llguidance.LLMatcher(tokenizer, one)
+    forced = tokenizer.decode_str(matcher.compute_ff_tokens())
+    assert forced == '<tool_call>\n{"name":"get_weather","arguments":{"city":'
+
+
+def test_tool_choice_must_name_an_offered_tool() -> None:
+    with pytest.raises(ValueError, match="not among the tools"):
+        ToolFields(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        ToolFields(tools=[], tool_choice="required")
+    assert ToolFields(tools=[WEATHER]).mode == "auto" and ToolFields().mode == "none"
