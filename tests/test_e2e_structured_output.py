@@ -1,0 +1,184 @@
+"""Structured output and tool calling through the whole mesh with the real openai client and LangChain: a
+json_schema answer parses into the client's pydantic model, guided choices and regexes hold, a schema that does not
+compile is a 400 naming its parameter, forced tool calls follow the tools' schemas whole and streamed, a tool's
+result goes back into the conversation, and LangChain's with_structured_output and bind_tools work on the demo
+model."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from services.mesh_process import Mesh, start_mesh
+from tests.demomeshfixture import CLIENT_TIMEOUT_S
+
+# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context than the shared
+# demo mesh's.
+MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), *MESH_OPTIONS)
+    yield m
+    assert m.stop() == 0, "".join(m.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+
+
+MESSAGES = [{"role": "user", "content": "Describe the weather in Paris as a record."}]
+
+
+class Report(BaseModel):
+    city: str = Field(max_length=12)
+    sky: Literal["clear", "cloudy", "rain"]
+    windy: bool
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False},
+}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"], "additionalProperties": False},
+}}
+
+
+def test_a_json_schema_answer_parses_into_the_clients_model(mesh: Mesh, client: openai.OpenAI) -> None:
+    parsed = client.chat.completions.parse(
+        model=mesh.model, messages=MESSAGES, response_format=Report, max_tokens=64, temperature=0
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Report)
+    streamed = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, max_tokens=64, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "report", "schema": Report.model_json_schema(),
+                                                                "strict": True}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert Report.model_validate_json(text) == choice.message.parsed
+
+
+def test_json_object_choices_and_regexes_hold(mesh: Mesh, client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, max_tokens=48, temperature=0.7, seed=1,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for _ in range(3):
+        choice = client.completions.create(
+            model=mesh.model, prompt="Is the sky blue? Answer: ", max_tokens=8, temperature=1.0,
+            extra_body={"guided_choice": ["yes", "no", "maybe"]},
+        ).choices[0]
+        assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
+    text = client.completions.create(
+        model=mesh.model, prompt="A phone number: ", max_tokens=16, temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    ).choices[0].text
+    assert re.fullmatch(r"\d{3}-\d{4}", text)
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_naming_it(mesh: Mesh, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=mesh.model, prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
+    assert bad.value.body["param"] == "guided_regex" and "does not compile" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as both:
+        client.completions.create(model=mesh.model, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert both.value.body["param"] == "guided_choice"
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
+
+
+def test_required_and_named_tool_calls_follow_the_schemas(mesh: Mesh, client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    r = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=64, temperature=0,
+    )
+    choice = r.choices[0]
+    ((name, arguments),) = _calls(choice.message)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert name in ("get_weather", "get_time")
+    expected_keys = {"get_weather": {"city", "unit"}, "get_time": {"zone"}}[name]
+    assert set(arguments) == expected_keys
+    named = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, tools=tools, max_tokens=64, temperature=0, parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    ((name, arguments),) = _calls(named.choices[0].message)
+    assert name == "get_time" and arguments["zone"] in ("utc", "cet")
+    # Streamed: the deltas (index, id and name, then the arguments) add up to the same call.
+    stream = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, tools=tools, max_tokens=64, temperature=0, parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+            if delta.function.name:
+                assert delta.id and call["name"] is None
+                call["name"] = delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [(name, arguments)]
+
+
+def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=64,
+        temperature=0, parallel_tool_calls=False,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages = MESSAGES + [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    second = client.chat.completions.create(
+        model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=12, temperature=0
+    )
+    # The same tools, then the call and its result: a longer prompt than the first turn's.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 4
+    without_tools = client.chat.completions.create(
+        model=mesh.model, messages=messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=12, temperature=0
+    )
+    assert without_tools.choices[0].message.content and not without_tools.choices[0].message.tool_calls
+
+
+def test_langchain_structured_output_and_bound_tools(mesh: Mesh) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(
+        base_url=mesh.base_url, api_key="unused", model=mesh.model, max_tokens=64, temperature=0, max_retries=0,
+    )
+    report = chat.with_structured_output(Report).invoke("Describe the weather in Paris as a record.")
+    assert isinstance(report, Report)
+
+    def get_weather(city: str, unit: Literal["c", "f"]) -> str:
+        """The weather of a city."""
+        return "sunny"
+
+    message = chat.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    # LangChain's schema of a function leaves additionalProperties open: the required ones must be there.
+    assert {"city", "unit"} <= set(message.tool_calls[0]["args"])
+    strict = chat.bind_tools([get_weather], tool_choice="required", strict=True).invoke("The weather in Paris?")
+    assert set(strict.tool_calls[0]["args"]) == {"city", "unit"}
