@@ -46,6 +46,9 @@ class SpeculativeConfig(BaseModel):
     # load generators send) fixed ngram drafts cost 25-28% of plain decoding's throughput at batch 8 on this CPU,
     # adaptive 4-13%; at temperature 0 it matches fixed drafts at batch 1 and 8 on held-out code.
     adaptive: bool | None = None
+    # Structured output: draft the tokens a request's grammar forces (a schema's keys and punctuation) on top of the
+    # method's drafts, with q = 1 (services/worker/grammar/constrain.py); off only to measure what it gains
+    grammar_drafts: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

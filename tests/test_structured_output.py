@@ -195,3 +195,14 @@ def test_a_resumed_request_continues_its_grammar(model_dirs, prompt) -> None:  #
     tokens = _tokens(run(whole_engine, {0: [whole]}), whole)
     resumed = make_request(prompt, tokens[:7], max_tokens=MAX_TOKENS, temperature=0.0, structured=JSON_SCHEMA)
     assert _tokens(run(resumed_engine, {0: [resumed]}), resumed) == tokens[7:]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [1, 4]])
+def test_a_bitmask_forbids_exactly_its_cleared_bits(rows) -> None:
+    vocab = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(6, vocab)
+    index = torch.tensor(rows)
+    expected = logits.clone()
+    expected[index] = expected[index].masked_fill(~allowed(bitmask, vocab), float("-inf"))
+    assert torch.equal(apply_token_mask(logits, bitmask, index), expected)

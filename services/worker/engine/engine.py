@@ -36,7 +36,7 @@ from shared.tokenizer import model_eos_ids
 from services.worker.engine.accept import accept
 from services.worker.engine.block_manager import BlockManager, blocks_for
 from services.worker.engine.handoff import export_request, read_handoff, write_imported
-from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, constrain_drafts, masked_scores
+from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, apply_masks, constrain_drafts
 from services.worker.grammar.grammars import Grammars
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
@@ -82,7 +82,8 @@ class Engine:
         )
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
-        self._draft_room = max(spec.num_drafts, MAX_FORCED_DRAFTS)
+        self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
+        self._draft_room = max(spec.num_drafts, self._max_forced)
         lookahead = self._draft_room + (spec.num_model_steps if self.mtp is not None else 0)
         # The CPU's attention reads each slot's home region in one call: a cached block found elsewhere is copied
         # there (block_manager.py).
@@ -300,11 +301,13 @@ class Engine:
         outputs = []
         if fresh:
             last_rows = torch.from_numpy(batch.last_rows[fresh]).to(self.runner.device)
-            logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
             fresh_seqs = [seqs[b] for b in fresh]
-            scores = self._penalised(logits, fresh_seqs, None, 1)
             if (grammars := self._constrained()) is not None:
-                scores = masked_scores(grammars, scores, fresh_seqs, [[] for _ in fresh_seqs], 1)
+                masks = grammars.masks(fresh_seqs, [[] for _ in fresh_seqs], 1)  # on the host, while the pass runs
+            logits = self.runner.logits(hidden[last_rows])  # [F, vocab]
+            scores = self._penalised(logits, fresh_seqs, None, 1)
+            if grammars is not None:
+                scores = apply_masks(scores, masks)
             chosen = sample_tokens(scores, fresh_seqs)
             outputs = accept(
                 fresh_seqs, logits[:, None], chosen[:, None], None, None, self._top_k, self.config.max_model_len,
@@ -335,7 +338,7 @@ class Engine:
         proposed = self.proposer.propose_batch(seqs, [self._draft_budget(s) for s in seqs])
         grammars = self._constrained()
         if grammars is not None:
-            proposed = constrain_drafts(grammars, seqs, proposed, self.config.max_model_len, self._draft_room)
+            proposed = constrain_drafts(grammars, seqs, proposed, self.config.max_model_len, self._max_forced)
         drafts = DraftBatch.build(proposed, self.vocab_size, device)
         # Score: the last token and every draft in one pass; row j of a sequence holds p for its token after j.
         starts = [s.num_tokens for s in seqs]  # where this step's first emitted token goes
@@ -343,13 +346,15 @@ class Engine:
             [[s.output_ids[-1], *d.tokens] for s, d in zip(seqs, drafts.drafts)], [s.num_computed for s in seqs],
             [s.slot for s in seqs],
         )
+        if grammars is not None:  # on the host, while the device runs the pass
+            masks = grammars.masks(seqs, [d.tokens for d in drafts.drafts], drafts.width + 1)
         logits = self.runner.logits(hidden)  # [T, vocab]
         if drafts.width == 0:
             # Nothing to verify: plain decoding, every row emits one token.
             target = logits[:, None]
             scores = self._penalised(logits, seqs, None, 1)
             if grammars is not None:
-                scores = masked_scores(grammars, scores, seqs, [[] for _ in seqs], 1)
+                scores = apply_masks(scores, masks)
             output_tokens, num_accepted = sample_tokens(scores, seqs)[:, None], None
         else:
             # Row j of sequence b, or its last row past its drafts (those rows are never read as emitted).
@@ -358,7 +363,7 @@ class Engine:
             target = logits[torch.from_numpy(batch.host_query_starts[:-1, None] + slots).to(device)]  # [B, K+1, V]
             scores = self._penalised(target.view(-1, target.shape[-1]), seqs, drafts, width)
             if grammars is not None:
-                scores = masked_scores(grammars, scores, seqs, [d.tokens for d in drafts.drafts], width)
+                scores = apply_masks(scores, masks)
             scores = scores.view(target.shape)
             spec = self.config.speculative
             output_tokens, num_accepted = verify_drafts(scores, drafts, seqs, spec.accept_policy, spec.verify_strategy)

@@ -48,12 +48,14 @@ def constrain_drafts(
     return constrained
 
 
-def masked_scores(
-    grammars: Grammars, scores: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], width: int
-) -> torch.Tensor:
+RowMasks = tuple[torch.Tensor, torch.Tensor]  # (bitmask [R, words], rows [R]), from Grammars.masks
+
+
+def apply_masks(scores: torch.Tensor, masks: RowMasks) -> torch.Tensor:
     """scores [B * width, vocab] (`width` rows per sequence: its last token's, then one per draft) with the tokens
-    each constrained sequence's grammar forbids at each row set to -inf."""
-    bitmask, rows = grammars.masks(seqs, drafts, width)
+    each constrained sequence's grammar forbids at each row set to -inf. The masks need only the drafts, so the engine
+    computes them on the host while the device runs the step's pass, and applies them here in one go."""
+    bitmask, rows = masks
     if not rows.numel():
         return scores
     return apply_token_mask(scores, bitmask, rows.to(scores.device))
