@@ -7,6 +7,7 @@ queued, so a schema the grammar engine cannot compile is a 400 naming the proble
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.errors import bad_request
 
+COMPILED_KEPT = 256  # constraints whose compilation the gateway remembers
 # vLLM's per-request grammar engine choice: any that this server's engine (llguidance) stands in for is accepted.
 BACKENDS = {None, "auto", "guidance", "llguidance"}
 
@@ -126,8 +128,18 @@ def compiled(
     if constraint is None:
         return None
     param, structured = constraint
-    try:
-        check(grammar_of(structured), ll_tokenizer(model_dir, vocab_size, tuple(sorted(eos_ids))))
-    except StructuredError as exc:
-        raise bad_request(f"{param} does not compile: {exc}", param=param) from exc
+    problem = _problem(structured, Path(model_dir), vocab_size, tuple(sorted(eos_ids)))
+    if problem is not None:
+        raise bad_request(f"{param} does not compile: {problem}", param=param)
     return structured
+
+
+@functools.lru_cache(maxsize=COMPILED_KEPT)
+def _problem(structured: StructuredOutput, model_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> str | None:
+    """What keeps the constraint from compiling, or None; kept by the constraint (an agent framework sends the same
+    few schemas again and again)."""
+    try:
+        check(grammar_of(structured), ll_tokenizer(model_dir, vocab_size, eos_ids))
+    except StructuredError as exc:
+        return str(exc)
+    return None
