@@ -28,12 +28,11 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-import matplotlib.pyplot as plt
 import orjson
 
 from benchmarks.heldout import PACKAGE, package_prompts
 from benchmarks.mesh_client import HTTP_TIMEOUT_S, sse_events
-from benchmarks.plot import save_report
+from benchmarks.plot import drawing, grouped_bars, plt, save_figure, save_report
 from services.mesh_process import start_mesh
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import Tokenizer
@@ -148,24 +147,19 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+@drawing
 def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     layouts = list(report["load"])
     for ax, (metric, title) in zip(axes, (("itl", "decode inter-token latency (ms)"),
                                           ("ttft", "long-prompt time to first token (ms)"))):
-        p50 = [report["load"][name][f"{metric}_p50_ms"] for name in layouts]
-        p99 = [report["load"][name][f"{metric}_p99_ms"] for name in layouts]
-        x = range(len(layouts))
-        ax.bar([i - 0.2 for i in x], p50, width=0.4, label="p50")
-        ax.bar([i + 0.2 for i in x], p99, width=0.4, label="p99")
-        ax.set_xticks(list(x), layouts, fontsize=8)
+        grouped_bars(ax, layouts, {q: [report["load"][name][f"{metric}_{q}_ms"] for name in layouts]
+                                   for q in ("p50", "p99")})
         ax.set_title(title)
         ax.legend()
     fig.suptitle(f"{report['decode_streams']} decoding streams, a {report['long_prompt_tokens']}-token prompt every "
                  f"{report['interval']} s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -53,13 +53,13 @@ def save_report(out: Path, stem: str, report: dict, table: str, draw: Callable[[
     print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.png'}, {out / 'table.md'}")
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def save_figure(fig: plt.Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
-def _grouped_bars(ax: plt.Axes, groups: list[str], series: dict[str, list[float]]) -> None:
+def grouped_bars(ax: plt.Axes, groups: list[str], series: dict[str, list[float]]) -> None:
     """One bar per series in each group, side by side, series[label][g] the height in group g (nan: no bar),
     the groups named on the x axis."""
     width = BAR_GROUP_WIDTH / len(series)
@@ -128,7 +128,7 @@ def plot(report: dict, path: Path) -> None:
         _tokens_per_s(axes[0][col], runs, temperature)
         _per_position(axes[1][col], runs, temperature, colors)
     fig.suptitle(f"specmesh drafting methods on {Path(report['model']).name}, {report['max_tokens']} tokens per request")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _by_streams(ax: plt.Axes, runs: list[dict], lines: dict[str, tuple[str, str]], colors: dict[str, str]) -> None:
@@ -172,7 +172,7 @@ def plot_mesh(report: dict, path: Path) -> None:
         bottom.set_title(f"latency, {prompts} prompts")
     fig.suptitle(f"engine in-process vs through the mesh on {Path(report['model']).name} ({report['device']}), "
                  f"{report['max_tokens']} tokens per request, greedy")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -205,13 +205,13 @@ def plot_gpu(report: dict, path: Path) -> None:
         bars = {system: [next((r["ms_per_step"] for r in mine if (r["shape"], r["system"], r["batch"]) ==
                                (name, system, 1)), float("nan")) for name in names] for system in systems}
         bars["weight-read floor"] = [floors[name]["ms_per_step"] for name in names]
-        _grouped_bars(bottom, names, bars)
+        grouped_bars(bottom, names, bars)
         bottom.set(yscale="log", ylabel="ms per decode step, batch 1 (lower is better)",
                    title=f"batch 1, context {context}")
         bottom.legend(fontsize="small")
     fig.suptitle(f"plain greedy decoding, {report['dtype']} on {report['device_name']}; transformers: "
                  f"{report['transformers_mode']}", fontsize="medium")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -226,7 +226,7 @@ def plot_defaults(report: dict, path: Path) -> None:
     for col, busy in enumerate((False, True)):
         for ax, figure, label in ((axes[0][col], "output_tokens_per_s", "output tokens/s (higher is better)"),
                                   (axes[1][col], "itl_ms", "inter-token latency avg, ms (lower is better)")):
-            _grouped_bars(ax, configs, {
+            grouped_bars(ax, configs, {
                 f"concurrency {level}": [next((r[figure] for r in rows if (r["config"], r["busy"], r["concurrency"])
                                                == (name, busy, level)), float("nan")) for name in configs]
                 for level in levels
@@ -235,7 +235,7 @@ def plot_defaults(report: dict, path: Path) -> None:
             ax.legend(fontsize="small")
     fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
                  f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -245,12 +245,12 @@ def plot_heldout(report: dict, path: Path) -> None:
     systems = list(dict.fromkeys(system for row in rows for system in row["decode_tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
     rates = {system: [row["decode_tokens_per_s"].get(system, float("nan")) for row in rows] for system in systems}
-    _grouped_bars(ax, [row["case"] for row in rows], rates)
+    grouped_bars(ax, [row["case"] for row in rows], rates)
     ax.set(ylabel="decode tokens/s after the first token (higher is better)")
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['mesh']} ({report['mesh_cpu_plan']}) against transformers ({report['transformers_threads']} "
                  f"threads) on {report['package']}'s code, greedy", fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -259,14 +259,14 @@ def plot_prefix_cache(report: dict, path: Path) -> None:
     token cold and with its prompt cached."""
     rows = report["methods"]
     fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0] / 2, FIGURE_SIZE[1] / 2))
-    _grouped_bars(ax, [row["method"] for row in rows], {
+    grouped_bars(ax, [row["method"] for row in rows], {
         "cold": [row["cold_ttft_ms"] for row in rows], "prompt cached": [row["hot_ttft_ms"] for row in rows],
     })
     ax.set(ylabel="time to first token, ms (lower is better)")
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['prompt_tokens']}-token prompts from {report['package']}, through the mesh, median of "
                  f"{report['rounds']}", fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -276,20 +276,20 @@ def plot_chunked_prefill(report: dict, path: Path) -> None:
     rows = report["rows"]
     names = [row["config"] for row in rows]
     fig, (gaps, rates) = plt.subplots(1, 2, figsize=(FIGURE_SIZE[0], FIGURE_SIZE[1] / 2))
-    _grouped_bars(gaps, names, {
+    grouped_bars(gaps, names, {
         "worst gap": [row["worst_gap_ms"] for row in rows], "p99 gap": [row["p99_gap_ms"] for row in rows],
         "long prompt TTFT": [row["long_ttft_ms"] for row in rows],
     })
     gaps.set(ylabel="ms (lower is better)")
     gaps.legend(fontsize="small")
-    _grouped_bars(rates, names, {"running streams": [row["tokens_per_s"] for row in rows]})
+    grouped_bars(rates, names, {"running streams": [row["tokens_per_s"] for row in rows]})
     rates.set(ylabel="tokens/s of the running streams")
     for ax in (gaps, rates):
         ax.tick_params(axis="x", labelsize="small", rotation=20)
     fig.suptitle(f"{report['streams']} streams decoding while {report['arrivals']} prompts of "
                  f"{report['long_prompt_tokens']} tokens arrive, through the mesh, median of {report['rounds']}",
                  fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @drawing
@@ -298,14 +298,14 @@ def plot_prefix_routing(report: dict, path: Path) -> None:
     rate with the shared queue and with prefix-aware routing."""
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0] / 2, FIGURE_SIZE[1] / 2))
-    _grouped_bars(ax, [f"{row['workers']} workers" for row in rows], {
+    grouped_bars(ax, [f"{row['workers']} workers" for row in rows], {
         name: [row[name] for row in rows] for name in ("shared queue", "prefix-aware")
     })
     ax.set(ylabel="prompt tokens found cached, turns 2.. (higher is better)", ylim=(0, 1))
     ax.legend(fontsize="small")
     fig.suptitle(f"{report['conversations']} chats at once, {report['turns']} turns each, median of "
                  f"{report['rounds']}", fontsize="small")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -21,9 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-
-from benchmarks.plot import save_report
+from benchmarks.plot import drawing, grouped_bars, plt, save_figure, save_report
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.structured import StructuredOutput
@@ -85,7 +83,8 @@ def measure(method: str, width: int, args: argparse.Namespace, tokenizer: Tokeni
         run(engine, requests(tokenizer, min(width, 2), 8, constrained), width)  # warm-up, grammar compiled
         rates, per_step = [], []
         for _ in range(args.rounds):
-            tokens, seconds, steps = run(engine, requests(tokenizer, args.requests, args.max_tokens, constrained), width)
+            batch = requests(tokenizer, args.requests, args.max_tokens, constrained)
+            tokens, seconds, steps = run(engine, batch, width)
             rates.append(tokens / seconds)
             per_step.append(tokens / steps)
         row[f"{name}_tokens_per_s"] = statistics.median(rates)
@@ -107,25 +106,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@drawing
 def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     labels = [f"{r['method']}\nbatch {r['batch']}" for r in rows]
-    x = range(len(rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar([i - 0.2 for i in x], [r["plain_tokens_per_s"] for r in rows], 0.4, label="unconstrained")
-    left.bar([i + 0.2 for i in x], [r["schema_tokens_per_s"] for r in rows], 0.4, label="JSON schema")
-    left.set_xticks(list(x), labels)
+    grouped_bars(left, labels, {"unconstrained": [r["plain_tokens_per_s"] for r in rows],
+                                "JSON schema": [r["schema_tokens_per_s"] for r in rows]})
     left.set_title("tokens/s")
     left.legend()
-    right.bar([i - 0.2 for i in x], [r["schema_no_forced_tokens_per_step"] for r in rows], 0.4,
-              label="schema, no forced drafts")
-    right.bar([i + 0.2 for i in x], [r["schema_tokens_per_step"] for r in rows], 0.4, label="schema, forced drafts")
-    right.set_xticks(list(x), labels)
+    grouped_bars(right, labels, {"schema, no forced drafts": [r["schema_no_forced_tokens_per_step"] for r in rows],
+                                 "schema, forced drafts": [r["schema_tokens_per_step"] for r in rows]})
     right.set_title("tokens per step")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -3,6 +3,8 @@ server options, with an openai client and the demo tokenizer: import the fixture
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 
@@ -14,16 +16,25 @@ MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "256")
 CLIENT_TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="session")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), *MESH_OPTIONS)
+def running_mesh(tmp_path_factory: pytest.TempPathFactory, *options: str) -> Iterator[Mesh]:
+    """A fixture's body: `specmesh up` with `options`, stopped cleanly after the tests that use it."""
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), *options)
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
 
 
+def client_of(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
+
+
 @pytest.fixture(scope="session")
 def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return client_of(mesh)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from services.mesh_process import Mesh, start_mesh
-from tests.demomeshfixture import CLIENT_TIMEOUT_S
+from services.mesh_process import Mesh
+from tests.demomeshfixture import client_of, running_mesh
 
 # Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context than the shared
 # demo mesh's.
@@ -24,14 +24,12 @@ MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), *MESH_OPTIONS)
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
+    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
 
 
 @pytest.fixture(scope="module")
 def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    return client_of(mesh)
 
 
 MESSAGES = [{"role": "user", "content": "Describe the weather in Paris as a record."}]

@@ -110,8 +110,8 @@ class Generator:
             constraint = structured_output(body)
         elif structured_output(body) is not None:
             raise bad_request(
-                f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another output "
-                "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
+                f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
+                "output constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
             )
         structured = compiled(constraint, tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []

@@ -1,8 +1,9 @@
 """How a model writes tool calls, by family: the grammar that forces calls (tool_choice `required` or named) and the
 parsing of calls out of its text.
 
-- Hermes (Qwen2.5, Qwen3, the demo model): each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-  several in a row for parallel calls, possibly after some text.
+- Hermes (Qwen2.5, Qwen3, the demo model): each call is
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several in a row for parallel calls, possibly
+  after some text.
 - Llama 3.x JSON: the answer is one call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>`.
 
 The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every

@@ -125,7 +125,8 @@ class ToolCallStream:
             return whole, []
         deltas = []
         for call in calls:
-            deltas += [self._open_call(call.name), {"index": self._calls - 1, "function": {"arguments": call.arguments}}]
+            deltas.append(self._open_call(call.name))
+            deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
         return content, deltas
 
 

@@ -62,10 +62,10 @@ def apply_masks(scores: torch.Tensor, masks: RowMasks) -> torch.Tensor:
 
 
 def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
-    """Feeds each constrained sequence's emitted tokens to its grammar; one whose grammar is complete finishes
-    there (COMPLETE: "stop" to the client, its last token rendered), as at a stop token: nothing but the end may follow, and the end itself is not emitted, so the
-    output does not depend on whether the grammar's last token came as a draft (an end then fills the bonus row) or
-    as the step's last token."""
+    """Feeds each constrained sequence's emitted tokens to its grammar; one whose grammar is complete finishes there
+    (COMPLETE: "stop" to the client, its last token rendered), as at a stop token: nothing but the end may follow.
+    The end itself is not emitted, so the output does not depend on whether the grammar's last token came as a draft
+    (an end then fills the bonus row) or as the step's last token."""
     for out in outputs:
         seq = out.seq
         if not out.tokens or not grammars.has(seq):

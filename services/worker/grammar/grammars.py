@@ -91,8 +91,8 @@ class Grammars:
         return matcher.is_stopped()
 
     def masks(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bitmask [R, words], rows [R]): for each constrained sequence b, its rows b * width + j, j = 0..len(drafts[b]),
-        the mask after its output and its first j drafts (which must be valid, see valid_prefix)."""
+        """(bitmask [R, words], rows [R]): for each constrained sequence b, its rows b * width + j for
+        j = 0..len(drafts[b]), the mask after its output and its first j drafts (all valid: see valid_prefix)."""
         constrained = [b for b, s in enumerate(seqs) if s.key in self._matchers]
         rows = [b * width + j for b in constrained for j in range(len(drafts[b]) + 1)]
         buffer = torch.full((len(seqs) * width, self.words), ALL_ALLOWED, dtype=torch.int32)
