@@ -20,7 +20,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["naive", "ngram", "suffix", "mtp"] = "ngram"
+    method: Literal["naive", "ngram", "suffix", "mtp", "draft_model"] = "ngram"
     num_speculative_tokens: int = Field(3, ge=0, le=8)
     # ngram (prompt lookup), also the filler of mtp_strategy "with_ngram"
     max_ngram_size: int = Field(5, ge=1)
@@ -28,6 +28,9 @@ class SpeculativeConfig(BaseModel):
     # mtp: how many tokens the MTP module drafts by feeding itself; "with_ngram" fills the rest with ngram
     num_model_steps: int = Field(1, ge=1)
     mtp_strategy: Literal["default", "with_ngram"] = "default"
+    # draft_model: the draft checkpoint (the target's tokenizer); None: the one shipped beside the target,
+    # `<model>-draft` (services/worker/drafting/draft_model.py)
+    model: Path | None = None
     # suffix decoding over this request's tokens and recent requests' outputs. Depth 24, not 64: every token a
     # request appends (and every token of a finished output, inserted at once) walks up to depth open suffixes;
     # suffix k=8, greedy, one engine thread: +4% tok/s at batch 8 and +8% at 32 (held-out standard-library
@@ -61,6 +64,8 @@ class SpeculativeConfig(BaseModel):
                 f"num_model_steps ({self.num_model_steps}) must not exceed "
                 f"num_speculative_tokens ({self.num_speculative_tokens})"
             )
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError('"model" names a draft checkpoint: it applies to method "draft_model" only')
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError('mtp_strategy applies to method "mtp" only')
         return self

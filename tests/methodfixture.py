@@ -74,6 +74,7 @@ METHODS = {
         Method("suffix", "suffix", 3),
         Method("mtp", "mtp", 2, dict(num_model_steps=2)),
         Method("mtp+with_ngram", "mtp", 3, dict(num_model_steps=1, mtp_strategy="with_ngram")),
+        Method("draft_model", "draft_model", 3),  # the tiny model's draft beside it (modelfixture.py)
     )
 }
 METHOD_NAMES = tuple(METHODS)

@@ -7,6 +7,7 @@ Use the fixture by importing it into a test module (`from tests.modelfixture imp
 from __future__ import annotations
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from services.worker.demo_model.tokenizer import END_OF_TEXT, train_tokenizer
+from services.worker.drafting.draft_model import DRAFT_SUFFIX
 
 TOKENIZER_VOCAB_SIZE = 512
 # A few stdlib modules of different styles: enough text for the BPE merges, read in well under a second.
@@ -85,5 +87,28 @@ def make_tiny_model_dir(path: Path, kind: str = "llama") -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama checkpoint with a trained byte-level BPE tokenizer, shared by the whole session."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    """A tiny random Llama checkpoint with a trained byte-level BPE tokenizer, shared by the whole session, and beside
+    it its draft model (method draft_model's default, `<dir>-draft`): a copy, so that its drafts are accepted as a
+    trained draft model's would be (test_draft_model.py drafts with a different one too)."""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    shutil.copytree(path, Path(f"{path}{DRAFT_SUFFIX}"))
+    return path
+
+
+def make_draft_model_dir(target: Path, path: Path) -> Path:
+    """A random Llama of one layer with the target's tokenizer files and vocabulary: a draft model that disagrees
+    with the target."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED + 1)
+        model = random_causal_lm(
+            "llama", **dict(MODEL_SHAPE, num_hidden_layers=1), vocab_size=config["vocab_size"],
+            bos_token_id=config["eos_token_id"], eos_token_id=config["eos_token_id"],
+            pad_token_id=config["eos_token_id"], torch_dtype=torch.float32,
+        )
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, path / name)
+    return path

@@ -48,6 +48,7 @@ class TrainConfig:
     mtp_loss_weight: float = 0.5  # DeepSeek-V3 weights its MTP loss 0.1-0.3; a small model needs a stronger drafter
     eval_windows: int = 64
     seed: int = 0
+    mtp_layers: int = 1  # MTP modules (num_nextn_predict_layers); the draft model has none
 
     def hf_config(self) -> dict:
         return {
@@ -71,7 +72,7 @@ class TrainConfig:
             "eos_token_id": 0,
             "pad_token_id": 0,
             "torch_dtype": "bfloat16",
-            "num_nextn_predict_layers": 1,
+            "num_nextn_predict_layers": self.mtp_layers,
         }
 
 
@@ -177,10 +178,20 @@ def train(cfg: TrainConfig, out_dir: Path) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory to write")
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: each model's own)")
+    parser.add_argument(
+        "--draft", action="store_true",
+        help="train only the draft model (method draft_model), by distillation from the model in --out, into the "
+        "directory beside it (<out>-draft); without it the demo model is trained, then its draft model",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    metrics = train(TrainConfig(steps=args.steps), args.out)
-    print(json.dumps(metrics, indent=2))
+    from services.worker.demo_model import draft  # distillation loads the trained model: imported when wanted
+
+    if not args.draft:
+        args.out.mkdir(parents=True, exist_ok=True)
+        metrics = train(TrainConfig(steps=args.steps or TrainConfig.steps), args.out)
+        print(json.dumps(metrics, indent=2))
+    draft_steps = args.steps if args.draft and args.steps else draft.DRAFT_SHAPE.steps
+    print(json.dumps(draft.run(argparse.Namespace(target=args.out, steps=draft_steps)), indent=2))

@@ -27,14 +27,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_positions
 from services.worker.drafting.draft import Draft
+from services.worker.drafting.draft_sampling import DraftSampler
 from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
-from services.worker.grammar.token_mask import apply_token_mask
-from services.worker.sampling.random import Purpose
-from services.worker.sampling.sample import process_logits, sample
 
 # Every draft step runs module 0. A further module would attend to cache entries that only it could write,
 # and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
@@ -219,41 +216,22 @@ class MtpDrafter:
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:
         """Drafts min(num_steps, budgets[b]) tokens from the module's hidden state at each sequence's last token
-        [B, hidden]: step j's draft and hidden state are the module's input at the position after it.
-
-        Draft j is drawn from q (the module's logits under the request's temperature, min-p, top-k and top-p) with
-        the noise of (seed, output position of that draft, DRAFT); greedy rows take the argmax. Penalties,
-        logit_bias and min_tokens are left out of q: verification applies them to the target, which keeps the output
-        exact whatever q is, and leaving them out spares the drafter a count of every self-fed draft; a request whose
-        penalties move the target far from the raw model has fewer drafts accepted.
-        """
+        [B, hidden]: step j's draft and hidden state are the module's input at the position after it. q and the noise
+        are draft_sampling.py's."""
         device = self.runner.device
         num_steps = [min(self.num_steps, b) for b in budgets]
         steps = torch.tensor(num_steps, device=device)
-        seeds, out_positions = seeds_positions(seqs, device)
-        temperature, top_k, top_p, min_p = sampling_tensors(seqs, device)
-        greedy = greedy_mask(seqs, device)
+        sampler = DraftSampler(seqs, device, self.grammars)
         slots = torch.tensor([s.slot for s in seqs], device=device)
         next_positions = torch.tensor([s.num_tokens for s in seqs], device=device)
         for seq, count in zip(seqs, num_steps):
             self._count[seq.slot] = count
         rows = torch.arange(len(seqs), device=device)[steps > 0]
         hidden = hidden[steps > 0]
-        drafted: list[list[int]] = [[] for _ in seqs]  # each row's drafts so far, for its grammar
         for j in range(max(num_steps, default=0)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
-            if self.grammars is not None and self.grammars.active:
-                logits = self._grammar_masked(logits, seqs, rows.tolist(), drafted)
-            q = process_logits(
-                logits, temperature[rows], top_k[rows], top_p[rows], None if min_p is None else min_p[rows]
-            )
-            chosen = sample(q, seeds[rows], out_positions[rows] + j, Purpose.DRAFT)
-            # A greedy row's q is one-hot, which says nothing; its logprobs are the module's own distribution.
-            report = torch.where(greedy[rows, None], logits, q.log())
-            chosen_host = chosen.cpu()
-            self._tokens[slots[rows].cpu(), j] = chosen_host
-            for row, token in zip(rows.tolist(), chosen_host.tolist()):
-                drafted[row].append(token)
+            chosen, q, report = sampler.step(logits, rows, j)
+            self._tokens[slots[rows].cpu(), j] = chosen.cpu()
             self._probs[slots[rows], j] = q
             self._report[slots[rows], j] = report
             more = steps[rows] > j + 1
@@ -264,16 +242,6 @@ class MtpDrafter:
                 DRAFT_MODULE, hidden, [[t] for t in chosen.tolist()], (next_positions[rows] + j).tolist(),
                 slots[rows].tolist(),
             )
-
-    def _grammar_masked(
-        self, logits: Tensor, seqs: list[Sequence], rows: list[int], drafted: list[list[int]]
-    ) -> Tensor:
-        """logits [A, vocab] of the drafting rows with what each constrained sequence's grammar forbids after its
-        drafts so far set to -inf: q is then the masked draft distribution (grammar/grammars.py)."""
-        bitmask, masked_rows = self.grammars.mask_after([seqs[r] for r in rows], [drafted[r] for r in rows])
-        if not masked_rows.numel():
-            return logits
-        return apply_token_mask(logits, bitmask, masked_rows.to(logits.device))
 
     def pending(self, seq: Sequence, limit: int) -> Draft:
         """The sequence's drafts for this step, at most `limit` of them."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,10 +41,11 @@ from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, apply_
 from services.worker.grammar.grammars import Grammars
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
+from services.worker.drafting.draft_model import DraftModelDrafter, default_draft_dir
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
-from services.worker.model.loader import model_revision
+from services.worker.model.loader import load_model, model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.engine.prompt_logprobs import PromptScores
 from services.worker.tensor_parallel.leader import build_runner
@@ -80,6 +82,7 @@ class Engine:
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
+        self.draft = self._draft_model(config, num_blocks) if spec.method == "draft_model" else None
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
@@ -100,7 +103,7 @@ class Engine:
             rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill",
         )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
-        self.proposer: Proposer = build_proposer(
+        self.proposer: Proposer = self.draft if self.draft is not None else build_proposer(
             spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
         )
         self.controller = SpeculationController(spec, config.max_model_len)
@@ -151,6 +154,19 @@ class Engine:
             self.scheduler.add(seq)
         return seqs
 
+    def _draft_model(self, config: EngineConfig, num_blocks: int) -> DraftModelDrafter:
+        """The draft model of method draft_model, with a cache of the target's blocks."""
+        path = config.speculative.model or default_draft_dir(config.model)
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(
+                f'speculative method "draft_model" needs a draft checkpoint: {path} has none (name one with "model" '
+                "in --speculative-config)"
+            )
+        model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
+        return DraftModelDrafter(
+            model, self.vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
+        )
+
     @property
     def kv_usage(self) -> float:
         """Share of the KV cache's blocks held by running sequences."""
@@ -173,11 +189,16 @@ class Engine:
         plan = self.scheduler.schedule()
         self.last_preempted = plan.preempted
         blocks = self.scheduler.blocks
-        for slot, table in blocks.take_changed().items():
+        changed, copies = blocks.take_changed(), blocks.take_copies()
+        for slot, table in changed.items():
             self.runner.cache.set_block_table(slot, table)
-        self.runner.cache.copy_blocks(blocks.take_copies())
+        self.runner.cache.copy_blocks(copies)
+        if self.draft is not None:
+            self.draft.mirror(changed, copies)
         for seq in plan.imports:
             write_imported(seq, seq.imported, self.runner.cache, self.mtp)
+            if self.draft is not None:  # the handoff brings the target's cache alone
+                self.draft.reset(seq, seq.imported.meta.first_block * blocks.block_size)
             seq.imported = None
         # One frame holds one top-K for all its records: the most any running request asked for.
         self._top_k = max((s.sampling.logprobs or 0 for s in self.scheduler.running), default=0)
@@ -204,6 +225,8 @@ class Engine:
             computed = min(seq.num_computed, seq.num_tokens)
             if self.mtp is not None:
                 computed = min(computed, self.mtp.computed_until(seq))
+            if self.draft is not None:
+                computed = min(computed, self.draft.computed_until(seq))
             full = computed // size
             if full > seq.num_published and seq.cache_root is not None:
                 blocks.publish(seq.slot, seq.num_published, seq.names(full, size)[seq.num_published :])
@@ -238,8 +261,9 @@ class Engine:
     def grammars(self) -> Grammars:
         if self._grammars is None:
             self._grammars = Grammars(self.config.model, self.vocab_size, self.eos_token_ids)
-            if self.mtp is not None:
-                self.mtp.grammars = self._grammars  # MTP's q is masked too
+            for drafter in (self.mtp, self.draft):
+                if drafter is not None:
+                    drafter.grammars = self._grammars  # a model drafter's q is masked too
         return self._grammars
 
     def _constrained(self) -> Grammars | None:

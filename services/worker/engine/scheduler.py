@@ -124,6 +124,7 @@ class Scheduler:
             seq.slot = slot
             seq.state = SeqState.RUNNING
             seq.prefill_start = seq.num_computed
+            seq.admission += 1
             self.running.append(seq)
             admitted.append(seq)
             budget -= seq.prefill_target - seq.num_computed

@@ -49,6 +49,7 @@ class Sequence:
     # Chunked prefill: where its prefill started (past a cached or shared prefix), and the choice of its request
     # whose prefill computes the blocks it shares (scheduler.py), until those are computed
     prefill_start: int = 0
+    admission: int = 0  # times the scheduler admitted it (a preempted sequence comes back as a new admission)
     leader: Sequence | None = field(default=None, repr=False, compare=False)
     # Prefill/decode disaggregation: the state a prefill worker handed over (engine/handoff.py), until admitted
     imported: ImportedChoice | None = field(default=None, repr=False, compare=False)

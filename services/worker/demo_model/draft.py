@@ -1,0 +1,109 @@
+"""`specmesh demo-model --draft`: trains the demo model's draft model (method draft_model's default, shipped beside
+it as specmesh-demo-draft) by distillation: a Llama a fraction of the demo model's size, with its tokenizer, learns
+the demo model's next-token distributions on the same corpus (KL to the teacher, plus a little cross-entropy).
+Deterministic; CPU."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import TOKENIZER_FILE, Tokenizer
+from services.worker.demo_model.data import encode_documents, load_corpus
+from services.worker.demo_model.train import TrainConfig, _lr, _windows, save_checkpoint
+from services.worker.drafting.draft_model import default_draft_dir
+from services.worker.model.config import ModelConfig
+from services.worker.model.llama import CausalLM
+from services.worker.model.loader import load_model
+
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json")
+# A quarter of the demo model's width, half its depth: about a fifth of its parameters, most of them the embedding.
+DRAFT_SHAPE = TrainConfig(
+    hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2, steps=1200, mtp_layers=0,
+)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    shape: TrainConfig = DRAFT_SHAPE
+    kl_weight: float = 1.0
+    ce_weight: float = 0.1  # the corpus' own tokens keep the student honest where the teacher is unsure
+
+
+@torch.no_grad()
+def agreement(student: CausalLM, teacher: CausalLM, tokens: torch.Tensor) -> dict[str, float]:
+    """How often the student's greedy next token is the teacher's, and the mean KL between them, on held-out text."""
+    inputs = tokens[:, :-1]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    t_logits = teacher.logits(teacher(inputs, positions))
+    s_logits = student.logits(student(inputs, positions))
+    kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="batchmean")
+    return {
+        "greedy_agreement": round((s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item(), 4),
+        "held_out_kl": round(kl.item() / inputs.shape[1], 4),
+    }
+
+
+def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
+    torch.manual_seed(cfg.shape.seed)
+    teacher = load_model(target_dir, torch.float32, "cpu", "auto", 2048).eval()
+    tokenizer = Tokenizer(target_dir)
+    corpus = load_corpus()
+    train_stream = encode_documents(tokenizer, corpus.train)
+    held_out_stream = encode_documents(tokenizer, corpus.held_out)
+    shape = replace(cfg.shape, vocab_size=teacher.config.vocab_size)
+    student = CausalLM(ModelConfig.from_dict(shape.hf_config()))
+    with torch.no_grad():
+        for p in student.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+    opt = torch.optim.AdamW(student.parameters(), lr=shape.lr, betas=(0.9, 0.95), weight_decay=shape.weight_decay)
+    rng = np.random.default_rng(shape.seed)
+    started = time.time()
+    for step in (bar := tqdm(range(shape.steps), desc="distilling the draft model", unit="step")):
+        for group in opt.param_groups:
+            group["lr"] = _lr(shape, step)
+        tokens = _windows(train_stream, rng.integers(0, len(train_stream) - shape.seq_len - 1, shape.batch_size),
+                          shape.seq_len)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            teacher_logp = F.log_softmax(teacher.logits(teacher(inputs, positions)).float(), -1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = student.logits(student(inputs, positions)).float()
+        logp = F.log_softmax(logits, -1)
+        kl = F.kl_div(logp.flatten(0, 1), teacher_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+        ce = F.nll_loss(logp.flatten(0, 1), targets.flatten())
+        loss = cfg.kl_weight * kl + cfg.ce_weight * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(kl=f"{kl.item():.3f}", ce=f"{ce.item():.3f}")
+    starts = np.linspace(0, len(held_out_stream) - shape.seq_len - 2, shape.eval_windows).astype(np.int64)
+    metrics = agreement(student.eval(), teacher, _windows(held_out_stream, starts, shape.seq_len))
+    metrics["train_seconds"] = round(time.time() - started)
+    metrics["num_parameters"] = sum(p.numel() for p in student.parameters())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(student, shape, out_dir, metrics)
+    for name in TOKENIZER_FILES:
+        shutil.copy(target_dir / name, out_dir / name)
+    return metrics
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", type=Path, default=DEFAULT_MODEL_DIR, help="the model the draft learns from")
+    parser.add_argument("--steps", type=int, default=DRAFT_SHAPE.steps, help="optimizer steps")
+
+
+def run(args: argparse.Namespace) -> dict:
+    return distill(DistillConfig(replace(DRAFT_SHAPE, steps=args.steps)), args.target, default_draft_dir(args.target))

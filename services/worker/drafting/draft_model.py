@@ -1,0 +1,121 @@
+"""draft_model: a second, smaller checkpoint with the target's tokenizer drafts the next tokens, each drawn from its
+own distribution q under the request's sampling (draft_sampling.py), so that verification keeps its real q and
+`draft_logprobs` report it.
+
+The draft model has its own paged KV cache with the target's block ids: the engine hands it the same block tables
+and block copies (`mirror`), so admission, prefix caching, preemption and freeing need no bookkeeping of its own.
+What it does keep, per cache slot, is how far its cache holds the sequence's tokens (`computed_until`): a step first
+catches it up with the tokens accepted since the last one (a new sequence's whole prompt, past its cached blocks) in
+the same pass that drafts the first token, then drafts the rest one token per pass. Its entries at drafted
+positions are overwritten by the next catch-up. A block goes to the prefix cache only once the draft model's cache
+holds it too (Engine._publish), so a prefix cache hit drafts exactly as a cold prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.worker.drafting.draft import Draft
+from services.worker.drafting.draft_sampling import DraftSampler
+from services.worker.engine.runner import ModelRunner
+from services.worker.engine.sequence import Sequence
+from services.worker.grammar.grammars import Grammars
+from services.worker.model.llama import CausalLM
+
+DRAFT_SUFFIX = "-draft"  # a checkpoint's shipped draft model: the directory beside it with this suffix
+
+
+def default_draft_dir(model_dir: Path) -> Path:
+    return Path(f"{Path(model_dir)}{DRAFT_SUFFIX}")
+
+
+class DraftModelDrafter:
+    def __init__(
+        self, model: CausalLM, target_vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
+        num_blocks: int,
+    ) -> None:
+        if model.config.vocab_size > target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the target's "
+                f"({target_vocab_size}): it must share the target's tokenizer"
+            )
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len, block_size, num_blocks)
+        self.vocab_size = target_vocab_size
+        self.grammars: Grammars | None = None  # set by the engine at its first constrained request
+        self._computed = [0] * max_num_seqs  # by slot: positions below this hold the sequence's tokens
+        self._owner: list[tuple[str, int] | None] = [None] * max_num_seqs  # by slot: (sequence, its admission)
+
+    def mirror(self, tables: dict[int, list[int]], copies: list[tuple[int, int]]) -> None:
+        """The target cache's block-table changes and block copies of this step, applied to the draft cache."""
+        for slot, table in tables.items():
+            self.runner.cache.set_block_table(slot, table)
+        self.runner.cache.copy_blocks(copies)
+
+    def computed_until(self, seq: Sequence) -> int:
+        """Positions below this hold the sequence's tokens in the draft cache."""
+        return self._computed[seq.slot] if self._owner[seq.slot] == (seq.key, seq.admission) else seq.prefill_start
+
+    def reset(self, seq: Sequence, valid_until: int) -> None:
+        """The draft cache holds the sequence's tokens below `valid_until` only (a handoff brought the target's
+        cache alone)."""
+        self._owner[seq.slot] = (seq.key, seq.admission)
+        self._computed[seq.slot] = valid_until
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass  # the next occupant of its slot starts from its own admission
+
+    @torch.inference_mode()
+    def propose_batch(self, seqs: Seq[Sequence], budgets: Seq[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        active = [b for b, budget in enumerate(budgets) if budget > 0]
+        if not active:
+            return drafts
+        chosen_seqs = [seqs[b] for b in active]
+        steps = [budgets[b] for b in active]
+        starts = [min(self.computed_until(s), s.num_tokens - 1) for s in chosen_seqs]
+        # Catch-up and the first draft in one pass: every token the draft cache lacks, the last one included.
+        hidden, batch = self.runner.forward(
+            [s.token_ids[start:] for s, start in zip(chosen_seqs, starts)], starts, [s.slot for s in chosen_seqs]
+        )
+        for seq in chosen_seqs:
+            self.reset(seq, seq.num_tokens)
+        device = self.runner.device
+        last = torch.from_numpy(np.asarray(batch.last_rows)).to(device)
+        logits = self._logits(hidden[last])  # [A, vocab]
+        sampler = DraftSampler(chosen_seqs, device, self.grammars)
+        rows = torch.arange(len(chosen_seqs), device=device)
+        tokens: list[list[int]] = [[] for _ in chosen_seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in chosen_seqs]
+        reports: list[list[torch.Tensor]] = [[] for _ in chosen_seqs]
+        remaining = torch.tensor(steps, device=device)
+        for j in range(max(steps)):
+            chosen, q, report = sampler.step(logits, rows, j)
+            for i, row in enumerate(rows.tolist()):
+                tokens[row].append(int(chosen[i]))
+                probs[row].append(q[i])
+                reports[row].append(report[i])
+            more = remaining[rows] > j + 1
+            if not bool(more.any()):
+                break
+            rows, chosen = rows[more], chosen[more]
+            hidden, _ = self.runner.forward(
+                [[t] for t in chosen.tolist()], [chosen_seqs[r].num_tokens + j for r in rows.tolist()],
+                [chosen_seqs[r].slot for r in rows.tolist()],
+            )
+            logits = self._logits(hidden)
+        for row, b in enumerate(active):
+            drafts[b] = Draft(tokens[row], torch.stack(probs[row]), torch.stack(reports[row]))
+        return drafts
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft model's logits over the target's vocabulary (ids past its own get -inf)."""
+        logits = self.runner.logits(hidden)  # [A, draft vocab]
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        padded = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        padded[:, : logits.shape[-1]] = logits
+        return padded

@@ -1,0 +1,53 @@
+"""One drafting step of a model drafter (the MTP module, a draft model): its logits become the draft tokens and
+the q they were drawn from, under each request's own sampling.
+
+q is the drafter's distribution under the request's temperature, min-p, top-k and top-p, masked by the request's
+grammar when it has one; draft j of a sequence is drawn from it with the noise of (seed, output position of the
+draft, DRAFT), so drafts are reproducible whatever the batch; a greedy row takes the argmax (its q is one-hot, so
+its reported logprobs are the drafter's own distribution instead). Penalties, logit_bias and min_tokens are left
+out of q: verification applies them to the target, which keeps the output exact whatever q is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.worker.engine.batch import greedy_mask, sampling_tensors, seeds_positions
+from services.worker.engine.sequence import Sequence
+from services.worker.grammar.grammars import Grammars
+from services.worker.grammar.token_mask import apply_token_mask
+from services.worker.sampling.random import Purpose
+from services.worker.sampling.sample import process_logits, sample
+
+
+class DraftSampler:
+    """Draws the drafts of `seqs`, step after step; rows name sequences by their index in `seqs`."""
+
+    def __init__(self, seqs: list[Sequence], device: torch.device, grammars: Grammars | None = None) -> None:
+        self.seqs = seqs
+        self.seeds, self.out_positions = seeds_positions(seqs, device)
+        self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(seqs, device)
+        self.greedy = greedy_mask(seqs, device)
+        self.grammars = grammars if grammars is not None and grammars.active else None
+        self.drafted: list[list[int]] = [[] for _ in seqs]  # each sequence's drafts so far
+
+    def step(self, logits: Tensor, rows: Tensor, j: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft j of each row from the drafter's logits [A, vocab]: (tokens [A], q [A, vocab], reported logprob
+        rows [A, vocab])."""
+        if self.grammars is not None:
+            logits = self._masked(logits, rows.tolist())
+        min_p = None if self.min_p is None else self.min_p[rows]
+        q = process_logits(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
+        chosen = sample(q, self.seeds[rows], self.out_positions[rows] + j, Purpose.DRAFT)
+        report = torch.where(self.greedy[rows, None], logits, q.log())
+        for row, token in zip(rows.tolist(), chosen.tolist()):
+            self.drafted[row].append(token)
+        return chosen, q, report
+
+    def _masked(self, logits: Tensor, rows: list[int]) -> Tensor:
+        """logits with what each constrained sequence's grammar forbids after its drafts so far set to -inf."""
+        bitmask, masked_rows = self.grammars.mask_after([self.seqs[r] for r in rows], [self.drafted[r] for r in rows])
+        if not masked_rows.numel():
+            return logits
+        return apply_token_mask(logits, bitmask, masked_rows.to(logits.device))

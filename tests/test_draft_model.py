@@ -1,0 +1,74 @@
+"""method draft_model with a draft that disagrees with the target (a different random Llama with the same
+tokenizer): verification with its real q samples exactly the target's distribution (chi-square), the drafts'
+reported logprobs are q's, not point masses, and a missing draft checkpoint is refused by name. The generic method
+tests (METHODS in methodfixture.py) run draft_model too, with the shipped-beside copy of the target as its draft."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.config import EngineConfig
+from services.worker.engine.engine import Engine
+from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
+    METHODS, MAX_MODEL_LEN, encode_prompts, make_request, outputs_of, reference_model, run, single_thread,
+    tiny_model_dir,
+)
+from tests.modelfixture import make_draft_model_dir
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    return make_draft_model_dir(tiny_model_dir, tmp_path_factory.mktemp("other-draft"))
+
+
+def _engine(target, draft, max_num_seqs: int = 8) -> Engine:
+    """An engine drafting with the draft checkpoint `draft` (the speculative config's "model")."""
+    return Engine(EngineConfig(
+        model=target, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+        speculative=METHODS["draft_model"].config(model=draft),
+    ))
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model_dir) -> list[int]:  # noqa: F811
+    return encode_prompts(tiny_model_dir, ["The cache holds "])[0]
+
+
+def test_verified_drafts_of_a_disagreeing_draft_model_sample_the_target(
+    tiny_model_dir, other_draft, prompt, reference_model  # noqa: F811
+) -> None:
+    """A request resumed after one token decodes its next one by verifying the draft model's drafts: over many
+    seeds that token follows the target's softmax, whatever q was."""
+    engine = _engine(tiny_model_dir, other_draft, max_num_seqs=32)
+    first = int(reference_model(torch.tensor([prompt])).logits[0, -1].argmax())
+    num_samples = 600
+    requests = [make_request(prompt, [first], max_tokens=5, temperature=1.0, seed=s) for s in range(num_samples)]
+    steps = run(engine, {0: requests})
+    seconds = [outputs_of(steps, r)[0].tokens[0] for r in requests]
+    assert engine.stats.num_draft_tokens > 0
+    with torch.no_grad():
+        p = torch.softmax(reference_model(torch.tensor([prompt + [first]])).logits[0, -1], -1).numpy()
+    top = np.argsort(-p)[:12]
+    observed = np.array([seconds.count(int(t)) for t in top] + [sum(s not in top for s in seconds)], dtype=float)
+    expected = np.append(p[top], 1 - p[top].sum()) * num_samples
+    keep = expected >= 5
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert statistic < 3 * keep.sum() + 15, statistic  # a point-mass or wrong q would be far off
+
+
+def test_draft_logprobs_are_the_draft_models_q(tiny_model_dir, other_draft, prompt) -> None:  # noqa: F811
+    engine = _engine(tiny_model_dir, other_draft)
+    request = make_request(prompt, max_tokens=12, temperature=1.0, seed=1, logprobs=1, include_draft_logprobs=True)
+    drafted = [o for o in outputs_of(run(engine, {0: [request]}), request) if o.draft_tokens]
+    assert drafted
+    logprobs = np.concatenate([o.draft.logprobs[:, 0] for o in drafted])
+    assert (logprobs < 0).all() and (logprobs > -30).all()  # a distribution's, not a point mass's 0.0
+
+
+def test_a_missing_draft_checkpoint_is_refused_by_name(tiny_model_dir, tmp_path) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="needs a draft checkpoint"):
+        _engine(tiny_model_dir, tmp_path / "nothing")
