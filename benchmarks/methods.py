@@ -43,6 +43,7 @@ from services.worker.demo_model.data import load_corpus
 from services.worker.engine.engine import Engine, EngineStats
 from services.worker.model.config import ModelConfig
 from benchmarks.plot import plot
+from services.worker.drafting.draft_model import default_draft_dir
 
 METHODS: dict[str, dict] = {
     "naive": {"method": "naive"},
@@ -52,6 +53,8 @@ METHODS: dict[str, dict] = {
     # The demo model has one MTP module: three model steps feed it its own hidden state twice.
     "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
     "mtp+ngram k=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 1, "mtp_strategy": "with_ngram"},
+    # The draft model shipped beside the demo model (models/specmesh-demo-draft)
+    "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},
 }
 # Adaptive speculation matters when the worker is busy, so by default it runs at the largest batch only.
 ADAPTIVE_METHODS: dict[str, dict] = {
@@ -290,6 +293,8 @@ def main() -> None:
             for name, spec in methods.items():
                 if name not in args.methods or (spec["method"] == "mtp" and not has_mtp):
                     continue
+                if spec["method"] == "draft_model" and not default_draft_dir(model_dir).is_dir():
+                    continue  # no draft model beside this one
                 run = run_engine(
                     model_dir, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, **engine_args
                 )

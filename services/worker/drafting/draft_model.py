@@ -25,12 +25,28 @@ from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
 from services.worker.model.llama import CausalLM
+from services.worker.model.loader import load_model
+from shared.config import EngineConfig
 
 DRAFT_SUFFIX = "-draft"  # a checkpoint's shipped draft model: the directory beside it with this suffix
 
 
 def default_draft_dir(model_dir: Path) -> Path:
     return Path(f"{Path(model_dir)}{DRAFT_SUFFIX}")
+
+
+def load_draft_model(config: EngineConfig, target_vocab_size: int, num_blocks: int) -> "DraftModelDrafter":
+    """Method draft_model's drafter: the speculative config's `model`, or the one shipped beside the target."""
+    path = config.speculative.model or default_draft_dir(config.model)
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f'speculative method "draft_model" needs a draft checkpoint: {path} has none (name one with "model" in '
+            "--speculative-config)"
+        )
+    model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
+    return DraftModelDrafter(
+        model, target_vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
+    )
 
 
 class DraftModelDrafter:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,16 +35,16 @@ from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
 from services.worker.engine.accept import accept
 from services.worker.engine.block_manager import BlockManager, blocks_for
-from services.worker.engine.handoff import export_request, read_handoff, write_imported
+from services.worker.engine.handoff import export_request, read_handoff, ready_to_hand_off, write_imported
 from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, apply_masks, constrain_drafts
 from services.worker.grammar.grammars import Grammars
 from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
-from services.worker.drafting.draft_model import DraftModelDrafter, default_draft_dir
+from services.worker.drafting.draft_model import load_draft_model
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
-from services.worker.model.loader import load_model, model_revision
+from services.worker.model.loader import model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.engine.prompt_logprobs import PromptScores
 from services.worker.tensor_parallel.leader import build_runner
@@ -82,7 +81,7 @@ class Engine:
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
-        self.draft = self._draft_model(config, num_blocks) if spec.method == "draft_model" else None
+        self.draft = load_draft_model(config, self.vocab_size, num_blocks) if spec.method == "draft_model" else None
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
@@ -153,19 +152,6 @@ class Engine:
                 seq.num_accepted_tokens = seq.imported.meta.num_accepted_tokens
             self.scheduler.add(seq)
         return seqs
-
-    def _draft_model(self, config: EngineConfig, num_blocks: int) -> DraftModelDrafter:
-        """The draft model of method draft_model, with a cache of the target's blocks."""
-        path = config.speculative.model or default_draft_dir(config.model)
-        if not (Path(path) / "config.json").is_file():
-            raise ValueError(
-                f'speculative method "draft_model" needs a draft checkpoint: {path} has none (name one with "model" '
-                "in --speculative-config)"
-            )
-        model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
-        return DraftModelDrafter(
-            model, self.vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
-        )
 
     @property
     def kv_usage(self) -> float:
@@ -239,22 +225,13 @@ class Engine:
         handoffs = []
         if self.config.role != "prefill":
             return handoffs
-        pending: dict[str, list[Sequence]] = {}
-        for seq in self.scheduler.running + list(self.scheduler.waiting):
-            pending.setdefault(seq.request_id, []).append(seq)
-        for request_id, seqs in pending.items():
-            if any(s.state is not SeqState.RUNNING or s.is_prefilling or not s.output_ids for s in seqs):
-                continue
+        for seqs in ready_to_hand_off(self.scheduler.running + list(self.scheduler.waiting)):
             handoffs.append((seqs, export_request(seqs, self.runner.cache, self.mtp, self.revision)))
             for seq in seqs:
                 if self.mtp is not None:
                     self.mtp.forget(seq.slot)
                 self.scheduler.hand_off(seq)
-                self._prompt_scores.forget(seq)
-                self.proposer.on_finished(seq)
-                self.controller.forget(seq)
-                if self._grammars is not None:
-                    self._grammars.forget(seq)
+                self._let_go(seq)
         return handoffs
 
     @property
@@ -272,11 +249,15 @@ class Engine:
 
     def _release_finished(self) -> None:
         for seq in self.scheduler.release_finished():
-            if self._grammars is not None:
-                self._grammars.forget(seq)
-            self._prompt_scores.forget(seq)
-            self.proposer.on_finished(seq)
-            self.controller.forget(seq)
+            self._let_go(seq)
+
+    def _let_go(self, seq: Sequence) -> None:
+        """Drops what the engine's parts keep for a sequence that left (finished, aborted or handed off)."""
+        if self._grammars is not None:
+            self._grammars.forget(seq)
+        self._prompt_scores.forget(seq)
+        self.proposer.on_finished(seq)
+        self.controller.forget(seq)
 
     def _draft_budget(self, seq: Sequence, next_step: bool = False) -> int:
         return self.controller.budget(seq, next_step)

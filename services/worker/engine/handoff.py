@@ -19,7 +19,7 @@ import torch
 from services.worker.drafting.mtp import MtpDrafter, MtpSlotState, Lag
 from services.worker.engine.block_manager import blocks_for
 from services.worker.engine.kv_cache import KVCache
-from services.worker.engine.sequence import Sequence
+from services.worker.engine.sequence import Sequence, SeqState
 from services.worker.handoff.format import (
     ChoiceMeta, Handoff, HandoffFormatError, HandoffMeta, MtpMeta, SectionMeta, decode, encode,
 )
@@ -51,6 +51,18 @@ def _tensor(section: SectionMeta, raw: memoryview) -> torch.Tensor:
     if section.dtype not in _DTYPES:
         raise HandoffFormatError(f"section {section.name} has dtype {section.dtype}, not a tensor dtype")
     return torch.frombuffer(bytearray(raw), dtype=_DTYPES[section.dtype]).view(section.shape)
+
+
+def ready_to_hand_off(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """The requests among these sequences (running or waiting) whose unfinished choices all have their first token,
+    each as its choices: a prefill worker exports them."""
+    by_request: dict[str, list[Sequence]] = {}
+    for seq in seqs:
+        by_request.setdefault(seq.request_id, []).append(seq)
+    return [
+        choices for choices in by_request.values()
+        if all(s.state is SeqState.RUNNING and not s.is_prefilling and s.output_ids for s in choices)
+    ]
 
 
 def export_request(
