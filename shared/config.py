@@ -52,6 +52,9 @@ class SpeculativeConfig(BaseModel):
     # Structured output: draft the tokens a request's grammar forces (a schema's keys and punctuation) on top of the
     # method's drafts, with q = 1 (services/worker/grammar/constrain.py); off only to measure what it gains
     grammar_drafts: bool = True
+    # How a model drafter's (mtp, draft_model) drafts are verified: against their real q (the default), or as point
+    # masses (q(x) = 1), as most servers do; lossless either way, the real q accepts more when sampling (seed 003)
+    draft_q: Literal["model", "point_mass"] = "model"
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
@@ -64,6 +67,8 @@ class SpeculativeConfig(BaseModel):
                 f"num_model_steps ({self.num_model_steps}) must not exceed "
                 f"num_speculative_tokens ({self.num_speculative_tokens})"
             )
+        if self.draft_q != "model" and self.method not in ("mtp", "draft_model"):
+            raise ValueError('draft_q applies to the model drafters only (method "mtp" or "draft_model")')
         if self.model is not None and self.method != "draft_model":
             raise ValueError('"model" names a draft checkpoint: it applies to method "draft_model" only')
         if self.mtp_strategy != "default" and self.method != "mtp":

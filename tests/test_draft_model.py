@@ -25,11 +25,11 @@ def other_draft(tiny_model_dir, tmp_path_factory):  # noqa: F811
     return make_draft_model_dir(tiny_model_dir, tmp_path_factory.mktemp("other-draft"))
 
 
-def _engine(target, draft, max_num_seqs: int = 8) -> Engine:
+def _engine(target, draft, max_num_seqs: int = 8, draft_q: str = "model") -> Engine:
     """An engine drafting with the draft checkpoint `draft` (the speculative config's "model")."""
     return Engine(EngineConfig(
         model=target, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-        speculative=METHODS["draft_model"].config(model=draft),
+        speculative=METHODS["draft_model"].config(model=draft, draft_q=draft_q),
     ))
 
 
@@ -38,12 +38,13 @@ def prompt(tiny_model_dir) -> list[int]:  # noqa: F811
     return encode_prompts(tiny_model_dir, ["The cache holds "])[0]
 
 
+@pytest.mark.parametrize("draft_q", ["model", "point_mass"])
 def test_verified_drafts_of_a_disagreeing_draft_model_sample_the_target(
-    tiny_model_dir, other_draft, prompt, reference_model  # noqa: F811
+    draft_q, tiny_model_dir, other_draft, prompt, reference_model  # noqa: F811
 ) -> None:
     """A request resumed after one token decodes its next one by verifying the draft model's drafts: over many
-    seeds that token follows the target's softmax, whatever q was."""
-    engine = _engine(tiny_model_dir, other_draft, max_num_seqs=32)
+    seeds that token follows the target's softmax, whatever q was, verified against q or as a point mass."""
+    engine = _engine(tiny_model_dir, other_draft, max_num_seqs=32, draft_q=draft_q)
     first = int(reference_model(torch.tensor([prompt])).logits[0, -1].argmax())
     num_samples = 600
     requests = [make_request(prompt, [first], max_tokens=5, temperature=1.0, seed=s) for s in range(num_samples)]

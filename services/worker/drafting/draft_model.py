@@ -44,9 +44,11 @@ def load_draft_model(config: EngineConfig, target_vocab_size: int, num_blocks: i
             "--speculative-config)"
         )
     model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
-    return DraftModelDrafter(
+    drafter = DraftModelDrafter(
         model, target_vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
     )
+    drafter.real_q = config.speculative.draft_q == "model"
+    return drafter
 
 
 class DraftModelDrafter:
@@ -61,6 +63,7 @@ class DraftModelDrafter:
             )
         self.runner = ModelRunner(model, max_num_seqs, max_model_len, block_size, num_blocks)
         self.vocab_size = target_vocab_size
+        self.real_q = True  # False: drafts are verified as point masses (SpeculativeConfig.draft_q)
         self.grammars: Grammars | None = None  # set by the engine at its first constrained request
         self._computed = [0] * max_num_seqs  # by slot: positions below this hold the sequence's tokens
         self._owner: list[tuple[str, int] | None] = [None] * max_num_seqs  # by slot: (sequence, its admission)
@@ -124,7 +127,8 @@ class DraftModelDrafter:
             )
             logits = self._logits(hidden)
         for row, b in enumerate(active):
-            drafts[b] = Draft(tokens[row], torch.stack(probs[row]), torch.stack(reports[row]))
+            q = torch.stack(probs[row]) if self.real_q else None  # None: verified as point masses
+            drafts[b] = Draft(tokens[row], q, torch.stack(reports[row]))
         return drafts
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -76,11 +76,14 @@ class MtpProposer(PerSequence):
 
     def __init__(self, drafter: MtpDrafter, config: SpeculativeConfig) -> None:
         self._drafter = drafter
+        self._real_q = config.draft_q == "model"
         with_ngram = config.mtp_strategy == "with_ngram"
         self._filler = NgramProposer(config.max_ngram_size, config.min_ngram_size) if with_ngram else None
 
     def propose(self, seq: Sequence, num_drafts: int) -> Draft:
         draft = self._drafter.pending(seq, num_drafts)
+        if not self._real_q:
+            draft = Draft(draft.tokens, None, draft.report_logits)  # verified as point masses
         room = num_drafts - len(draft.tokens)
         if self._filler is None or room <= 0 or draft.probs is None:
             return draft
