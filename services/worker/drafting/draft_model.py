@@ -108,14 +108,14 @@ class DraftModelDrafter:
         sampler = DraftSampler(chosen_seqs, device, self.grammars)
         rows = torch.arange(len(chosen_seqs), device=device)
         tokens: list[list[int]] = [[] for _ in chosen_seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in chosen_seqs]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in chosen_seqs]
         reports: list[list[torch.Tensor]] = [[] for _ in chosen_seqs]
         remaining = torch.tensor(steps, device=device)
         for j in range(max(steps)):
             chosen, q, report = sampler.step(logits, rows, j)
-            for i, row in enumerate(rows.tolist()):
-                tokens[row].append(int(chosen[i]))
-                probs[row].append(q[i])
+            for i, (row, token) in enumerate(zip(rows.tolist(), chosen.tolist())):
+                tokens[row].append(token)
+                probs[row].append(None if q is None else q[i])
                 reports[row].append(report[i])
             more = remaining[rows] > j + 1
             if not bool(more.any()):
@@ -127,7 +127,8 @@ class DraftModelDrafter:
             )
             logits = self._logits(hidden)
         for row, b in enumerate(active):
-            q = torch.stack(probs[row]) if self.real_q else None  # None: verified as point masses
+            # None: verified as point masses (greedy drafts are; draft_q "point_mass" makes every draft one)
+            q = torch.stack(probs[row]) if self.real_q and probs[row][0] is not None else None
             drafts[b] = Draft(tokens[row], q, torch.stack(reports[row]))
         return drafts
 

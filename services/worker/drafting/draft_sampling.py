@@ -29,21 +29,31 @@ class DraftSampler:
         self.seeds, self.out_positions = seeds_positions(seqs, device)
         self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(seqs, device)
         self.greedy = greedy_mask(seqs, device)
+        self.all_greedy = all(s.sampling.greedy for s in seqs)
         self.grammars = grammars if grammars is not None and grammars.active else None
         self.drafted: list[list[int]] = [[] for _ in seqs]  # each sequence's drafts so far
 
-    def step(self, logits: Tensor, rows: Tensor, j: int) -> tuple[Tensor, Tensor, Tensor]:
+    def step(self, logits: Tensor, rows: Tensor, j: int) -> tuple[Tensor, Tensor | None, Tensor]:
         """Draft j of each row from the drafter's logits [A, vocab]: (tokens [A], q [A, vocab], reported logprob
-        rows [A, vocab])."""
+        rows [A, vocab]). q is None when every sequence is greedy: each draft is then the argmax, a point mass,
+        and nothing is sampled."""
         if self.grammars is not None:
             logits = self._masked(logits, rows.tolist())
+        if self.all_greedy:
+            chosen = logits.argmax(dim=-1)
+            self._record(rows, chosen)
+            return chosen, None, logits
         min_p = None if self.min_p is None else self.min_p[rows]
         q = process_logits(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
         chosen = sample(q, self.seeds[rows], self.out_positions[rows] + j, Purpose.DRAFT)
         report = torch.where(self.greedy[rows, None], logits, q.log())
-        for row, token in zip(rows.tolist(), chosen.tolist()):
-            self.drafted[row].append(token)
+        self._record(rows, chosen)
         return chosen, q, report
+
+    def _record(self, rows: Tensor, chosen: Tensor) -> None:
+        if self.grammars is not None:  # only a grammar reads the drafts so far
+            for row, token in zip(rows.tolist(), chosen.tolist()):
+                self.drafted[row].append(token)
 
     def _masked(self, logits: Tensor, rows: list[int]) -> Tensor:
         """logits with what each constrained sequence's grammar forbids after its drafts so far set to -inf."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from services.worker.drafting.draft import Draft
@@ -231,6 +232,8 @@ class MtpDrafter:
         for j in range(max(num_steps, default=0)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
             chosen, q, report = sampler.step(logits, rows, j)
+            if q is None:  # greedy drafts: point masses
+                q = F.one_hot(chosen, logits.shape[-1]).to(self._probs.dtype)
             self._tokens[slots[rows].cpu(), j] = chosen.cpu()
             self._probs[slots[rows], j] = q
             self._report[slots[rows], j] = report
