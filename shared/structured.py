@@ -55,7 +55,8 @@ def grammar_of(structured: StructuredOutput) -> str:
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(orjson.dumps(ANY_OBJECT).decode(), defaults=JSON_OPTIONS)
+            any_object = orjson.dumps(ANY_OBJECT).decode()
+            return llguidance.LLMatcher.grammar_from_json_schema(any_object, defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
