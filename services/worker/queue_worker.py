@@ -63,7 +63,7 @@ class QueueWorker:
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
         self.sender: HandoffSender | None = None
         self.transport: KvTransport | None = None
-        self._handing_off: set[asyncio.Task] = set()
+        self._handing_off: dict[asyncio.Task, str] = {}  # a prefill worker's handoffs in progress: their request ids
 
     @property
     def num_choices(self) -> int:
@@ -190,10 +190,8 @@ class QueueWorker:
         """Continues a request another worker lost from where its output stands, or lets it go (takeover.py). A
         decode worker takes a request handed to it the same way, with the KV that came for it: it is imported when
         the request's output stands where the handoff says, recomputed otherwise (counted)."""
-        handed = request.handoff is not None and self.role == "decode"
-        payload = None
-        if handed and request.handoff.transfer_id is not None and self.transport is not None:
-            payload = self.transport.take(request.handoff.transfer_id)
+        ticket = request.handoff if self.role == "decode" else None
+        handed = ticket is not None
         request = request.model_copy(update={"handoff": None})
         taken = await take_over(self.nc, request, self.worker_id, handoff=handed)
         if not handed:
@@ -201,6 +199,8 @@ class QueueWorker:
         cancelled = request.request_id in self._recent_cancels
         if taken.request is not None and not cancelled:
             if handed:
+                # Taken only now: a request that comes back later (its detokenizer did not answer) still finds it.
+                payload = self.transport.take(ticket.transfer_id) if ticket.transfer_id and self.transport else None
                 imported = payload is not None and taken.request.progress == request.progress
                 self.metrics.child(HANDOFFS, outcome="imported" if imported else "recomputed").inc()
                 self._requests[request.request_id] = taken.request
@@ -274,8 +274,18 @@ class QueueWorker:
             self.metrics.child(HANDOFFS, outcome="recomputed").inc(result.handoffs_recomputed)
         for request_id, progress, seed, payload in result.handed_off:
             task = asyncio.create_task(self._hand_off(request_id, progress, seed, payload))
-            self._handing_off.add(task)
-            task.add_done_callback(self._handing_off.discard)
+            self._handing_off[task] = request_id
+            task.add_done_callback(self._handed_off)
+
+    def _handed_off(self, task: asyncio.Task) -> None:
+        """A handoff that raised leaves its request's message unacknowledged: heartbeated no more, it comes back
+        after ack_wait and its take-over continues it from where its detokenizer says."""
+        request_id = self._handing_off.pop(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("handoff of request %s failed", request_id, exc_info=task.exception())
+            self._requests.pop(request_id, None)
+            self._messages.pop(request_id, None)
+            self._acked.set()
 
     async def _hand_off(
         self, request_id: str, progress: list[tuple[int, list[int], int]], seed: int, payload: bytes
@@ -322,9 +332,10 @@ class QueueWorker:
         stored, so the request is never lost and never doubled. Requests the engine never saw are handed back
         as they came (nak), routed ones to the shared queue.
         """
-        for task in self._taking_over | self._handing_off:  # these go back as they stand
+        handing_off = list(self._handing_off)
+        for task in [*self._taking_over, *handing_off]:  # these go back as they stand
             task.cancel()
-        await asyncio.gather(*self._taking_over, *self._handing_off, return_exceptions=True)
+        await asyncio.gather(*self._taking_over, *handing_off, return_exceptions=True)
         js = self.nc.jetstream()
         stopped = self.engine.stopped
         unseen = set(stopped.not_started)
