@@ -248,9 +248,9 @@ class ProgressQuery(_Message):
 
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     worker_id: int = Field(ge=0, le=MAX_WORKER_ID)  # its frames' worker id: from now on the only one taken
-    # A decode worker taking a request its prefill worker handed it (services/worker/handoff/): planned, so not a
-    # migration, neither counted nor bounded by --max-migrations
-    handoff: bool = False
+    # A decode worker taking a request its prefill worker (this id) handed it (services/worker/handoff/): planned, so
+    # not a migration, neither counted nor bounded by --max-migrations, when that worker still owns the request
+    handoff_from: int | None = Field(None, ge=0, le=MAX_WORKER_ID)
 
 
 class TakeOver(StrEnum):

@@ -29,8 +29,10 @@ async def publish_target(nc: Client, worker_id: int, step: int, request_id: str,
     await nc.publish(subjects.frames(DETOK_ID), target.encode())
 
 
-async def ask_progress(nc: Client, request_id: str, worker_id: int) -> ProgressReport:
-    query = ProgressQuery(request_id=request_id, worker_id=worker_id)
+async def ask_progress(
+    nc: Client, request_id: str, worker_id: int, handoff_from: int | None = None
+) -> ProgressReport:
+    query = ProgressQuery(request_id=request_id, worker_id=worker_id, handoff_from=handoff_from)
     reply = await nc.request(subjects.progress(DETOK_ID), query.to_bytes(), timeout=RECEIVE_TIMEOUT_S)
     return ProgressReport.from_bytes(reply.data)
 
@@ -75,6 +77,22 @@ async def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(nc: Cli
     assert "--max-migrations" in chunk.error
     assert counter("specmesh_detokenizer_migrations_refused_total") == refused_before + 1
     assert request_id.encode() in (await asyncio.wait_for(stops.get(), RECEIVE_TIMEOUT_S)).data
+
+
+async def test_a_handoff_from_the_owner_is_no_migration_and_one_from_another_is(
+    nc: Client, tokenizer: Tokenizer
+) -> None:
+    """A prefill worker hands its request to a decode worker: not counted. A stale handoff (the prefill worker no
+    longer owns the request) is an ordinary take-over, counted and bounded."""
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    first = tokenizer.encode("def f(x", add_special_tokens=False)
+    await publish_target(nc, WORKER_ID, 1, request_id, first, seq_no=0, offset=0)
+    await next_chunk(chunks)
+    handed = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID)
+    assert handed.outcome is TakeOver.CONTINUE and handed.migrations == 0
+    stale = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, handoff_from=WORKER_ID)
+    assert stale.outcome is TakeOver.CONTINUE and stale.migrations == 1
 
 
 async def test_a_gateway_learns_which_requests_are_held(nc: Client) -> None:

@@ -18,7 +18,8 @@ from shared.structured import StructuredError, StructuredOutput, grammar_of, ll_
 from shared.tokenizer import model_eos_ids
 from services.worker.drafting.draft import Draft
 from services.worker.engine.sequence import Sequence
-from services.worker.grammar.constrain import constrain_drafts
+from services.worker.engine.outputs import SeqOutput, TokenLogprobs
+from services.worker.grammar.constrain import advance, constrain_drafts
 from services.worker.grammar.grammars import Grammars
 from services.worker.grammar.token_mask import allowed, apply_token_mask
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
@@ -206,3 +207,29 @@ def test_a_bitmask_forbids_exactly_its_cleared_bits(rows) -> None:
     expected = logits.clone()
     expected[index] = expected[index].masked_fill(~allowed(bitmask, vocab), float("-inf"))
     assert torch.equal(apply_token_mask(logits, bitmask, index), expected)
+
+
+def test_an_end_the_grammar_allows_mid_way_ends_the_output_once(tiny_model_dir, prompt) -> None:  # noqa: F811
+    """"yes" may end or go on to "yes please": a step that emits "yes" and the end token feeds each token to the
+    grammar once and ends STOP; one that completes "yes please" and then the end ends COMPLETE without it."""
+    grammars = Grammars(tiny_model_dir, _vocab(tiny_model_dir), model_eos_ids(tiny_model_dir))
+    structured = StructuredOutput(kind="choice", spec='["yes", "yes please"]')
+    (eos,) = model_eos_ids(tiny_model_dir)
+    for text, reason, emitted in (("yes", "STOP", True), ("yes please", "COMPLETE", False)):
+        seq = Sequence("0" * 32, prompt, make_request(prompt, structured=structured).sampling, 0, frozenset({eos}))
+        grammars.attach(seq)
+        tokens = grammars.tokenizer.tokenize_str(text) + [eos]
+        seq.append(tokens, 256)  # as accept() does: the end token finishes it, STOP
+        out = SeqOutput(seq, 0, list(tokens), TokenLogprobs.tokens_only(tokens, 0))
+        advance(grammars, [out])
+        assert seq.finish_reason.name == reason
+        assert (out.tokens[-1] == eos) == emitted and (seq.output_ids[-1] == eos) == emitted
+
+
+def test_an_aborted_waiting_request_lets_its_grammar_go(model_dirs, prompt) -> None:  # noqa: F811
+    engine = make_engine(model_dirs(METHODS["naive"]), METHODS["naive"])
+    request = _constrained(prompt)
+    engine.add_request(request)
+    assert engine.grammars.active
+    engine.abort(request.request_id)
+    assert not engine.grammars.active

@@ -127,3 +127,22 @@ def test_tool_choice_must_name_an_offered_tool() -> None:
     with pytest.raises(ValueError, match="needs at least one tool"):
         ToolFields(tools=[], tool_choice="required")
     assert ToolFields(tools=[WEATHER]).mode == "auto" and ToolFields().mode == "none"
+
+
+def test_a_call_is_named_by_its_first_key_and_its_name_is_decoded() -> None:
+    text = '<tool_call>\n{"name": "caf\\u00e9", "arguments": {"name": "Bob"}}\n</tool_call>'
+    entries = _assembled(_streamed(text, [1] * (len(text) - 1)))[3]
+    assert entries[0]["function"]["name"] == "café"
+    late = '<tool_call>\n{"arguments": {"name": "Bob"}, "name": "greet"}\n</tool_call>'
+    content, calls, finish, _ = _assembled(_streamed(late, [1] * (len(late) - 1)))
+    assert calls == [("greet", {"name": "Bob"})] and finish == "tool_calls"
+
+
+def test_a_malformed_call_reads_the_same_whole_and_streamed() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'  # a brace short
+    message = {"role": "assistant", "content": text}
+    message_with_calls(message, "stop", FORMATS["hermes"])
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    entries = [e for c in _streamed(text, [7] * 10) for e in c["delta"].get("tool_calls", [])]
+    streamed = [(entries[0]["function"]["name"], "".join(e["function"].get("arguments", "") for e in entries))]
+    assert whole == streamed == [("get_weather", '{"city": "Paris"}')]

@@ -51,7 +51,7 @@ class Migrations:
         """The answer to the querying worker, and the error chunk to send when the request is given up on."""
         if request is None:
             return ProgressReport(outcome=TakeOver.CLOSED), None
-        if query.handoff:
+        if query.handoff_from is not None and request.owner in (None, query.handoff_from):
             HANDOFFS.inc()
             progress = request.take_over(query.worker_id, migration=False)
             log.debug("request %s handed to worker %d at %s tokens", query.request_id, query.worker_id,

@@ -193,7 +193,7 @@ class QueueWorker:
         ticket = request.handoff if self.role == "decode" else None
         handed = ticket is not None
         request = request.model_copy(update={"handoff": None})
-        taken = await take_over(self.nc, request, self.worker_id, handoff=handed)
+        taken = await take_over(self.nc, request, self.worker_id, handoff_from=ticket.from_worker if handed else None)
         if not handed:
             self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
@@ -273,7 +273,8 @@ class QueueWorker:
         if result.handoffs_recomputed:
             self.metrics.child(HANDOFFS, outcome="recomputed").inc(result.handoffs_recomputed)
         for request_id, progress, seed, payload in result.handed_off:
-            task = asyncio.create_task(self._hand_off(request_id, progress, seed, payload))
+            self._with_progress(request_id, progress, seed)  # at once: a hand-back meanwhile carries it
+            task = asyncio.create_task(self._hand_off(request_id, payload))
             self._handing_off[task] = request_id
             task.add_done_callback(self._handed_off)
 
@@ -287,15 +288,12 @@ class QueueWorker:
             self._messages.pop(request_id, None)
             self._acked.set()
 
-    async def _hand_off(
-        self, request_id: str, progress: list[tuple[int, list[int], int]], seed: int, payload: bytes
-    ) -> None:
-        """Hands a request this prefill worker exported to a decode worker (handoff/sender.py), then acknowledges its
-        message; a request cancelled meanwhile is just acknowledged."""
-        original, msg = self._requests.get(request_id), self._messages.get(request_id)
-        if original is None or msg is None:
+    def _with_progress(self, request_id: str, progress: list[tuple[int, list[int], int]], seed: int) -> None:
+        """The request as its engine exported it: with each choice's progress and the seed the engine drew."""
+        original = self._requests.get(request_id)
+        if original is None:
             return
-        request = original.model_copy(update={
+        self._requests[request_id] = original.model_copy(update={
             "progress": tuple(
                 ChoiceProgress(index=index, output_token_ids=tuple(ids), next_seq_no=next_seq_no)
                 for index, ids, next_seq_no in progress
@@ -303,7 +301,13 @@ class QueueWorker:
             "sampling": original.sampling.model_copy(update={"seed": seed}),
             "handoff": None,
         })
-        self._requests[request_id] = request  # with its progress, should this worker hand it back meanwhile
+
+    async def _hand_off(self, request_id: str, payload: bytes) -> None:
+        """Hands a request this prefill worker exported to a decode worker (handoff/sender.py), then acknowledges its
+        message; a request cancelled meanwhile is just acknowledged."""
+        request, msg = self._requests.get(request_id), self._messages.get(request_id)
+        if request is None or msg is None:
+            return
         await self.sender.hand_off(request, payload, lambda: request_id in self._recent_cancels)
         self._requests.pop(request_id, None)
         self._messages.pop(request_id, None)

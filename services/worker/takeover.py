@@ -55,9 +55,9 @@ def came_back(msg: Msg, request: WorkRequest) -> bool:
     return msg.metadata.num_delivered > 1 or bool(request.progress) or delivered_before
 
 
-async def take_over(nc: Client, request: WorkRequest, worker_id: int, handoff: bool = False) -> TakenOver:
+async def take_over(nc: Client, request: WorkRequest, worker_id: int, handoff_from: int | None = None) -> TakenOver:
     """Asks the request's detokenizer where its output stands and makes this worker the one it takes frames from."""
-    query = ProgressQuery(request_id=request.request_id, worker_id=worker_id, handoff=handoff)
+    query = ProgressQuery(request_id=request.request_id, worker_id=worker_id, handoff_from=handoff_from)
     try:
         reply = await nc.request(subjects.progress(request.detok_id), query.to_bytes(), timeout=PROGRESS_TIMEOUT_S)
     except nats.errors.NoRespondersError:

@@ -21,7 +21,8 @@ from shared.structured import StructuredOutput
 from services.gateway.tools.tool_request import FunctionDefinition
 
 COMPACT = {"whitespace_flexible": False}
-NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
+NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
 
 
@@ -74,7 +75,8 @@ class Hermes:
                     calls.append(truncated)
                     rest = ""
                 break
-            call = self.parse_block(rest[start + len(self.open_tag) : end])
+            block = rest[start + len(self.open_tag) : end]
+            call = self.parse_block(block) or self.partial_call(block)
             if call is None:
                 content.append(rest[: end + len(self.close_tag)])
             else:
@@ -85,12 +87,12 @@ class Hermes:
         return "".join(content).strip() if calls else text, calls
 
     def partial_call(self, block: str) -> ParsedCall | None:
-        """The call an unclosed block began: its name and the arguments' text so far."""
-        name = NAME.search(block)
-        if name is None:
+        """The call a block that does not parse (unclosed, or not JSON) began: its name and the arguments' text."""
+        match = NAME.match(block)
+        if match is None:
             return None
-        arguments = ARGUMENTS.search(block, name.end())
-        return ParsedCall(name.group(1), arguments.group(1).rstrip() if arguments else "")
+        arguments = ARGUMENTS.search(block, match.end())
+        return ParsedCall(json.loads(match.group(1)), arguments.group(1).rstrip() if arguments else "")
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:

@@ -8,6 +8,7 @@ accepts many tokens a step): each call gets its own entry, by index, in order.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -76,8 +77,8 @@ class ToolCallStream:
                 continue
             end = self._buffer.find(fmt.close_tag)
             if end < 0:
-                if not self._named and (match := NAME.search(self._buffer)):
-                    deltas.append(self._open_call(match.group(1)))
+                if not self._named and (match := NAME.match(self._buffer)):
+                    deltas.append(self._open_call(json.loads(match.group(1))))
                 if final:  # cut short (max_tokens): a named call keeps the arguments written so far
                     partial = fmt.partial_call(self._buffer)
                     if partial is None:
@@ -90,7 +91,7 @@ class ToolCallStream:
                 break
             block, self._buffer = self._buffer[:end], self._buffer[end + len(fmt.close_tag) :]
             self._inside = False
-            call = fmt.parse_block(block)
+            call = fmt.parse_block(block) or fmt.partial_call(block)  # as a whole answer reads it
             if call is None:
                 content.append(fmt.open_tag + block + fmt.close_tag)
                 continue

@@ -81,7 +81,9 @@ class Engine:
             MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
             if spec.method == "mtp" and spec.num_drafts > 0 else None
         )
-        self.draft = load_draft_model(config, self.vocab_size, num_blocks) if spec.method == "draft_model" else None
+        # A prefill worker never drafts: it loads no draft model (the decode worker's catches up on its own).
+        drafting_model = spec.method == "draft_model" and config.role != "prefill"
+        self.draft = load_draft_model(config, self.vocab_size, num_blocks) if drafting_model else None
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
@@ -94,16 +96,17 @@ class Engine:
             caching=config.enable_prefix_caching, copy_hits=self.runner.device.type == "cpu",
         )
         self.revision = model_revision(config.model, config.dtype, config.load_format)
-        # MTP's cache entries of a prompt are written per sequence and may lag (drafting/mtp.py): choices of a
-        # request share prompt blocks only without it.
+        # MTP's and a draft model's cache entries of a prompt are written per sequence and may lag (drafting/): choices
+        # of a request share prompt blocks only without them.
         self.scheduler = Scheduler(
-            config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None,
+            config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None and self.draft is None,
             max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
             rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill",
         )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer = self.draft if self.draft is not None else build_proposer(
-            spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
+            spec if spec.method != "draft_model" else spec.model_copy(update={"method": "naive", "model": None}),
+            self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len,
         )
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
@@ -161,8 +164,11 @@ class Engine:
 
     def abort(self, request_id: str, choice: int | None = None) -> list[Sequence]:
         aborted = self.scheduler.abort(request_id, choice)
-        for seq in aborted:  # a waiting one (preempted mid-prefill) is never released
-            self._prompt_scores.forget(seq)
+        for seq in aborted:  # a waiting one (never admitted, or preempted) is never released
+            if seq.slot is None:
+                self._let_go(seq)
+            else:
+                self._prompt_scores.forget(seq)
         return aborted
 
     def has_work(self) -> bool:

@@ -132,8 +132,24 @@ def read_handoff(
             raise HandoffMismatch(f"choice {choice.choice}'s handoff is not where its output stands")
         if (choice.mtp is not None) != (mtp is not None):
             raise HandoffMismatch("the handoff's drafter state does not fit this worker's speculative method")
+        if choice.mtp is not None and len(choice.mtp.draft_tokens) > mtp.num_steps:
+            raise HandoffMismatch(
+                f"{len(choice.mtp.draft_tokens)} pending drafts exceed this worker's {mtp.num_steps} MTP steps"
+            )
         imported[choice.choice] = _imported(handoff, choice)
+        _check_shapes(imported[choice.choice], cache)
     return imported
+
+
+def _check_shapes(choice: ImportedChoice, cache: KVCache) -> None:
+    """The handoff's blocks and states must fit this cache (checked here, not mid-step)."""
+    blocks = choice.blocks.shape
+    expected = (len(cache.keys), 2, cache.block_size, *cache.position_shape)
+    if tuple(blocks[1:]) != expected:
+        raise HandoffMismatch(f"KV blocks of shape {tuple(blocks[1:])}; this worker's are {expected}")
+    if choice.boundary is not None and (cache.boundary_hidden is None or
+                                        choice.boundary.shape[1:] != cache.boundary_hidden.shape[1:]):
+        raise HandoffMismatch("the handoff's boundary states do not fit this worker's cache")
 
 
 def _imported(handoff: Handoff, choice: ChoiceMeta) -> ImportedChoice:

@@ -142,7 +142,7 @@ class KVCache:
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Writes blocks read by read_blocks (possibly on another worker) into these blocks of the pool."""
         num_layers = len(self.keys)
-        expected = (len(blocks), num_layers, 2, self.block_size, *self._head_shape)
+        expected = (len(blocks), num_layers, 2, self.block_size, *self.position_shape)
         if tuple(data.shape) != expected:
             raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit this cache's {expected}")
         device = self.keys[0].device
@@ -158,7 +158,7 @@ class KVCache:
                     pool.index_copy_(0, ids, part)
 
     @property
-    def _head_shape(self) -> tuple[int, int]:
+    def position_shape(self) -> tuple[int, int]:
         """(kv_heads, head_dim) of one position."""
         pool = self.keys[0]
         return (pool.shape[0], pool.shape[2]) if self.head_major else (pool.shape[2], pool.shape[3])

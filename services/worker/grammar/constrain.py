@@ -71,12 +71,14 @@ def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
         if not out.tokens or not grammars.has(seq):
             continue
         body, last = out.tokens[:-1], out.tokens[-1]
-        if last in grammars.eos_ids and body and grammars.advance(seq, body):
-            out.tokens = body
+        if last in grammars.eos_ids and body:
+            if not grammars.advance(seq, body):
+                grammars.advance(seq, [last])
+                continue  # ended by the end token the grammar allowed there: accept() made it STOP
+            out.tokens = body  # the end came after the grammar's last token: it is not emitted
             out.target = out.target.head(len(body))
             seq.output_ids.pop()
-        elif not grammars.advance(seq, out.tokens):
-            continue
-        if not seq.is_finished:
-            seq.state = SeqState.FINISHED
+        elif not grammars.advance(seq, out.tokens) or seq.is_finished:
+            continue  # not complete, or ended by a stop token already (keeping STOP)
+        seq.state = SeqState.FINISHED
         seq.finish_reason = FinishReason.COMPLETE

@@ -34,14 +34,16 @@ class Grammars:
         self.words = words_for(vocab_size)
         self.tokenizer = ll_tokenizer(Path(model_dir), vocab_size, tuple(sorted(eos_ids)))
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._matchers: dict[str, llguidance.LLMatcher] = {}  # by Sequence.key
+        # By Sequence.key, with the sequence that owns it: a request set back and admitted again (StepGuard) has new
+        # sequences under the same keys, and the old ones' release must not take the new ones' matchers.
+        self._owned: dict[str, tuple[Sequence, llguidance.LLMatcher]] = {}
         self._executor = llguidance.LLExecutor(num_threads=threads)
 
     def attach(self, seq: Sequence) -> None:
         """Gives a constrained sequence its matcher, advanced over the output it already has (a resumed or handed-off
         sequence); StructuredError when the grammar does not compile or that output breaks it."""
         structured = seq.sampling.structured
-        if structured is None or seq.key in self._matchers:
+        if structured is None:
             return
         template = self._compiled.get(structured.key)
         if template is None:
@@ -56,22 +58,28 @@ class Grammars:
         matcher = template.deep_copy()
         if seq.output_ids and not matcher.consume_tokens(seq.output_ids):
             raise StructuredError(f"the output so far breaks its grammar: {matcher.get_error()}")
-        self._matchers[seq.key] = matcher
+        self._owned[seq.key] = (seq, matcher)
 
     @property
     def active(self) -> bool:
         """Whether some sequence has a grammar."""
-        return bool(self._matchers)
+        return bool(self._owned)
 
     def has(self, seq: Sequence) -> bool:
-        return seq.key in self._matchers
+        return self._matcher(seq) is not None
 
     def forget(self, seq: Sequence) -> None:
-        self._matchers.pop(seq.key, None)
+        owned = self._owned.get(seq.key)
+        if owned is not None and owned[0] is seq:
+            del self._owned[seq.key]
+
+    def _matcher(self, seq: Sequence) -> llguidance.LLMatcher | None:
+        owned = self._owned.get(seq.key)
+        return owned[1] if owned is not None and owned[0] is seq else None
 
     def forced(self, seq: Sequence) -> list[int]:
         """The tokens the grammar forces next (none when it admits a choice)."""
-        matcher = self._matchers[seq.key]
+        matcher = self._matcher(seq)
         if matcher.is_stopped():
             return []
         forced = matcher.compute_ff_tokens()
@@ -81,11 +89,11 @@ class Grammars:
 
     def valid_prefix(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens` the grammar accepts in a row from where the sequence stands."""
-        return self._matchers[seq.key].validate_tokens(tokens) if tokens else 0
+        return self._matcher(seq).validate_tokens(tokens) if tokens else 0
 
     def advance(self, seq: Sequence, tokens: list[int]) -> bool:
         """Consumes emitted tokens; True when the grammar is complete (nothing may follow but the end)."""
-        matcher = self._matchers[seq.key]
+        matcher = self._matcher(seq)
         if not matcher.consume_tokens(tokens):
             raise StructuredError(f"emitted tokens break the grammar: {matcher.get_error()}")
         return matcher.is_stopped()
@@ -93,12 +101,12 @@ class Grammars:
     def masks(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(bitmask [R, words], rows [R]): for each constrained sequence b, its rows b * width + j for
         j = 0..len(drafts[b]), the mask after its output and its first j drafts (all valid: see valid_prefix)."""
-        constrained = [b for b, s in enumerate(seqs) if s.key in self._matchers]
+        constrained = [b for b, s in enumerate(seqs) if self._matcher(s) is not None]
         rows = [b * width + j for b in constrained for j in range(len(drafts[b]) + 1)]
         buffer = torch.full((len(seqs) * width, self.words), ALL_ALLOWED, dtype=torch.int32)
         pointer, row_bytes = buffer.data_ptr(), self.words * buffer.element_size()
-        plain = [(self._matchers[seqs[b].key], b * width) for b in constrained if not drafts[b]]
-        drafted = [(self._matchers[seqs[b].key], b * width, list(drafts[b])) for b in constrained if drafts[b]]
+        plain = [(self._matcher(seqs[b]), b * width) for b in constrained if not drafts[b]]
+        drafted = [(self._matcher(seqs[b]), b * width, list(drafts[b])) for b in constrained if drafts[b]]
         if plain:
             self._executor.unsafe_compute_mask_ptr(plain, pointer, row_bytes, buffer.shape[0])
         if drafted:
@@ -111,7 +119,7 @@ class Grammars:
         its output (an MTP draft's earlier drafts); the matchers are rolled back after."""
         rows, masks = [], []
         for b, seq in enumerate(seqs):
-            matcher = self._matchers.get(seq.key)
+            matcher = self._matcher(seq)
             if matcher is None:
                 continue
             consumed = matcher.try_consume_tokens(tentative[b]) if tentative[b] else 0

@@ -69,6 +69,7 @@ class NatsKvTransport:
 
     @property
     def num_held(self) -> int:
+        self._expire()  # what no request came for stops holding room even while no chunk arrives
         return len(self._incoming) + len(self._complete)
 
     async def send(self, worker_id: int, transfer_id: str, payload: bytes) -> None:
