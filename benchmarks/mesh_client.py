@@ -55,21 +55,26 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     return Stream("".join(pieces), arrivals)
 
 
-async def mesh_streams(base_url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int):
-    """Every prompt streamed, `streams` at a time; returns the streams and the wall time."""
+async def mesh_streams(
+    base_url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int, temperature: float = 0.0
+):
+    """Every prompt streamed, `streams` at a time; returns the streams and the wall time. Sampled requests get seed
+    i, the i-th prompt's, so that an in-process engine can draw the same tokens (shared/seeds.py)."""
     limit = asyncio.Semaphore(streams)
     url = f"{base_url}/completions"
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def one(ids: list[int]) -> Stream:
+        async def one(i: int, ids: list[int]) -> Stream:
             async with limit:
-                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                        "ignore_eos": True}
+                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
+                        "stream": True, "ignore_eos": True}
+                if temperature > 0:
+                    body["seed"] = i
                 return await stream_completion(session, url, body)
 
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(ids) for ids in prompts))
+        results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
         return results, time.perf_counter() - started
 
 

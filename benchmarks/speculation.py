@@ -74,6 +74,7 @@ from benchmarks import shape
 from benchmarks.decode import LOOKUP_TOKENS, SELF_REPEATING_TEXT, hf_decode
 from benchmarks.mesh_client import Stream, first_chunk_tokens, inter_token_gaps, mesh_streams, token_ends
 from benchmarks.methods import GREEDY, load_prompts
+from shared.seeds import worker_seed
 from benchmarks.plot import plot_mesh, save_report
 from services import cpu_plan
 from services.cpu_affinity import format_cpu_list, pin
@@ -90,6 +91,7 @@ METHODS = {
     "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},  # models/specmesh-demo-draft
 }
+MODEL_DRAFTERS = ("mtp", "draft_model")  # drafts with a real q
 STREAMS = (1, 8, 32)
 PROMPT_TOKENS = 96
 HELD_OUT = "held-out"
@@ -153,11 +155,11 @@ class EnginePass:
     outputs: list[list[int]]
 
 
-def engine_pass(engine: Engine, prompts: list[list[int]], max_tokens: int) -> EnginePass:
+def engine_pass(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> EnginePass:
     engine.stats = EngineStats()
     started = time.perf_counter()
     with torch.inference_mode():
-        outputs = _serve(engine, prompts, max_tokens)
+        outputs = _serve(engine, prompts, max_tokens, temperature)
     seconds = time.perf_counter() - started
     return EnginePass(sum(map(len, outputs)) / seconds, 1e3 * seconds / engine.stats.num_steps, engine.stats, outputs)
 
@@ -186,11 +188,13 @@ def busy_core(cpus: frozenset[int] | None) -> Iterator[None]:
         spinner.wait()
 
 
-def _serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Every prompt added at once, stepped until done; each prompt's tokens."""
-    sampling = SamplingParams(temperature=GREEDY, max_tokens=max_tokens, ignore_eos=True)
+def _serve(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+    """Every prompt added at once, stepped until done; each prompt's tokens. A sampled prompt i gets the seed the
+    gateway makes of the API seed i (mesh_client.mesh_streams), so engine and mesh draw the same tokens."""
     outputs: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):
+        sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                                  seed=worker_seed(i) if temperature > GREEDY else None)
         engine.add_request(WorkRequest(request_id=f"{i:032x}", prompt_token_ids=ids, sampling=sampling, created=0))
     while engine.has_work():
         for out in engine.step():
@@ -226,12 +230,13 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
 
                     def in_process() -> EnginePass:
                         with running_on(engine_cpus):
-                            return engine_pass(engine, prompts, args.max_tokens)
+                            return engine_pass(engine, prompts, args.max_tokens, args.temperature)
 
                     def mesh_pass() -> tuple[list[Stream], float]:
                         with running_on(rest_cpus):
                             return asyncio.run(
-                                mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens))
+                                mesh_streams(mesh.base_url, mesh.model, prompts, streams, args.max_tokens,
+                                             args.temperature))
 
                     for _ in range(UNTIMED_PASSES):
                         in_process()
@@ -246,7 +251,7 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
                     for _ in range(args.rounds):
                         with busy_core(rest_cpus):
                             busy_passes.append(in_process())
-                        if streams == 1:
+                        if streams == 1 and args.temperature == GREEDY:  # transformers' greedy reference
                             with running_on(engine_cpus):
                                 rate, hf_outputs = transformers_decode(hf_model, prompts, args.max_tokens, lookup)
                             hf_rates.append(rate)
@@ -345,6 +350,10 @@ def main() -> None:
                         help="the methods to run (default: naive and ngram)")
     parser.add_argument("--prompt-sets", nargs="+", choices=[HELD_OUT, SELF_REPEATING],
                         default=[HELD_OUT, SELF_REPEATING], help="the prompt sets to run (default: both)")
+    parser.add_argument(
+        "--temperature", type=float, default=GREEDY,
+        help="0: greedy, checked against transformers; above: seeded samples, the mesh's checked against the engine's",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/speculation"))
     args = parser.parse_args()
     args.cpu_plan = cpu_plan.plan_for(args, 1)
@@ -367,14 +376,18 @@ def main() -> None:
     first = rows[: len(rows) // len(methods)]  # the first method's rows, in the order every method ran them
     for i, reference in enumerate(first):
         for other in rows[i :: len(first)][1:]:
-            if other.outputs != reference.outputs:
+            # A seeded sample is plain decoding's under point-mass drafts; a model drafter's real q (rejection)
+            # decides which draws are accepted, so its samples are its own (equally distributed, not the same).
+            model_q = METHODS[other.method]["method"] in MODEL_DRAFTERS
+            if other.outputs != reference.outputs and (args.temperature == GREEDY or not model_q):
                 mismatches.append(f"engine {other.method}, {other.prompts}, {other.streams} streams")
     rows.sort(key=lambda r: (list(sets).index(r.prompts), r.streams, methods.index(r.method)))
     text = markdown_table(rows)
     print("\n" + text + "\n")
-    print("greedy check: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
+    check = "greedy check" if args.temperature == GREEDY else "seeded check (mesh against engine)"
+    print(f"{check}: " + ("OK" if not mismatches else "MISMATCH in " + "; ".join(mismatches)))
     report = {
-        "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens,
+        "model": str(args.model), "device": args.device, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "prompt_tokens": args.prompt_tokens, "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
         "cpu_options": _cpu_options(args), "cpu_plan": args.cpu_plan.describe(),
         "rows": [r.figures() for r in rows], "greedy_mismatches": mismatches,
