@@ -21,7 +21,7 @@ from services.worker.engine.sequence import Sequence
 from services.worker.engine.outputs import SeqOutput, TokenLogprobs
 from services.worker.grammar.constrain import advance, constrain_drafts
 from services.worker.grammar.grammars import Grammars
-from services.worker.grammar.token_mask import allowed, apply_token_mask
+from services.worker.grammar.token_mask import BITS, apply_token_mask
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES, METHODS, encode_prompts, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,
     outputs_of, reference_model, run, single_thread, tiny_model_dir,
@@ -37,6 +37,14 @@ SCHEMA = {
 }
 JSON_SCHEMA = StructuredOutput(kind="json_schema", spec=json.dumps(SCHEMA))
 MAX_TOKENS = 40
+
+
+def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bitmask [rows, words] unpacked bit by bit, [rows, vocab] bool: the reference the engine's byte-table
+    masking is checked against."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _constrained(prompt, structured=JSON_SCHEMA, **sampling):

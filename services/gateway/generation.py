@@ -105,15 +105,15 @@ class Generator:
         if limit is None:  # a prompt to be truncated may be as long as the body allows
             check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         tokenizer = self._tokenizer
-        constraint = tool_constraint(body, self.tool_format) if api == "chat" else None
-        if constraint is None:
-            constraint = structured_output(body)
-        elif structured_output(body) is not None:
+        constraint = structured_output(body)
+        tool_calls = tool_constraint(body, self.tool_format) if api == "chat" else None
+        if tool_calls is not None and constraint is not None:
             raise bad_request(
                 f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
                 "output constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
             )
-        structured = compiled(constraint, tokenizer.model_dir, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        structured = compiled(tool_calls or constraint, tokenizer.model_dir, tokenizer.vocab_size,
+                              tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
             prompt_ids = truncated(prompt_ids, body, limit)

@@ -198,17 +198,16 @@ class QueueWorker:
             self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
         if taken.request is not None and not cancelled:
+            payload = None
             if handed:
                 # Taken only now: a request that comes back later (its detokenizer did not answer) still finds it.
-                payload = self.transport.take(ticket.transfer_id) if ticket.transfer_id and self.transport else None
-                imported = payload is not None and taken.request.progress == request.progress
-                self.metrics.child(HANDOFFS, outcome="imported" if imported else "recomputed").inc()
-                self._requests[request.request_id] = taken.request
-                self._start(taken.request, payload if imported else None)
-                return
-            log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
+                kv = self.transport.take(ticket.transfer_id) if ticket.transfer_id and self.transport else None
+                payload = kv if taken.request.progress == request.progress else None
+                self.metrics.child(HANDOFFS, outcome="imported" if payload is not None else "recomputed").inc()
+            else:
+                log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
             self._requests[request.request_id] = taken.request
-            self._start(taken.request)
+            self._start(taken.request, payload)
             return
         del self._messages[request.request_id], self._requests[request.request_id]
         self._acked.set()

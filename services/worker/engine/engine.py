@@ -42,7 +42,7 @@ from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.draft_model import load_draft_model
 from services.worker.drafting.mtp import MtpDrafter
-from services.worker.drafting.proposer import Proposer, build_proposer
+from services.worker.drafting.proposer import NaiveProposer, Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
 from services.worker.model.loader import model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
@@ -104,10 +104,15 @@ class Engine:
             rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill",
         )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
-        self.proposer: Proposer = self.draft if self.draft is not None else build_proposer(
-            spec if spec.method != "draft_model" else spec.model_copy(update={"method": "naive", "model": None}),
-            self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len,
-        )
+        self.proposer: Proposer
+        if self.draft is not None:
+            self.proposer = self.draft
+        elif spec.method == "draft_model":  # a prefill worker: it never drafts
+            self.proposer = NaiveProposer()
+        else:
+            self.proposer = build_proposer(
+                spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
+            )
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
         self.eos_token_ids = model_eos_ids(config.model)

@@ -110,8 +110,7 @@ class KVCache:
         device = self.keys[0].device
         sources, destinations = (torch.tensor(ids, device=device) for ids in zip(*copies))
         if self.head_major:
-            offsets = torch.arange(self.block_size, device=device)
-            from_pos, to_pos = ((ids[:, None] * self.block_size + offsets).flatten() for ids in (sources, destinations))
+            from_pos, to_pos = self._positions(sources), self._positions(destinations)
             for pool in self.keys + self.values:  # [kv_heads, positions, head_dim]
                 pool.index_copy_(1, to_pos, pool.index_select(1, from_pos))
         else:
@@ -127,7 +126,7 @@ class KVCache:
         device = self.keys[0].device
         ids = torch.tensor(blocks, device=device)
         if self.head_major:
-            positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
+            positions = self._positions(ids)
             heads, _, head_dim = self.keys[0].shape
             per_layer = [
                 pool.index_select(1, positions).view(heads, len(blocks), self.block_size, head_dim).permute(1, 2, 0, 3)
@@ -148,7 +147,7 @@ class KVCache:
         device = self.keys[0].device
         data = data.to(device=device, dtype=self.keys[0].dtype)
         ids = torch.tensor(blocks, device=device)
-        positions = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
+        positions = self._positions(ids) if self.head_major else None
         for layer in range(num_layers):
             for kind, pool in enumerate((self.keys[layer], self.values[layer])):
                 part = data[:, layer, kind]  # [blocks, block_size, kv_heads, head_dim]
@@ -156,6 +155,11 @@ class KVCache:
                     pool.index_copy_(1, positions, part.permute(2, 0, 1, 3).reshape(pool.shape[0], -1, pool.shape[2]))
                 else:
                     pool.index_copy_(0, ids, part)
+
+    def _positions(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Every position of these blocks in the head-major pool, block after block: [blocks * block_size]."""
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        return (blocks[:, None] * self.block_size + offsets).flatten()
 
     @property
     def position_shape(self) -> tuple[int, int]:

@@ -16,13 +16,6 @@ def words_for(vocab_size: int) -> int:
     return (vocab_size + BITS - 1) // BITS
 
 
-def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bitmask [rows, words] unpacked: [rows, vocab] bool."""
-    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
 def _byte_bias() -> torch.Tensor:
     """[256, 8]: a bitmask byte's value -> the additive bias of its 8 tokens (0 allowed, -inf forbidden)."""
     bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
