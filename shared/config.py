@@ -13,6 +13,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
 MAX_TENSOR_PARALLEL_SIZE = 64
+MODEL_DRAFTERS = ("mtp", "draft_model", "eagle3")  # methods whose drafts are drawn from a model's q
+HIDDEN_STATE_DRAFTERS = ("mtp", "eagle3")  # drafters that read the target's hidden states (drafting/mtp.py)
 
 
 class SpeculativeConfig(BaseModel):
@@ -20,7 +22,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["naive", "ngram", "suffix", "mtp", "draft_model"] = "ngram"
+    method: Literal["naive", "ngram", "suffix", "mtp", "draft_model", "eagle3"] = "ngram"
     num_speculative_tokens: int = Field(3, ge=0, le=8)
     # ngram (prompt lookup), also the filler of mtp_strategy "with_ngram"
     max_ngram_size: int = Field(5, ge=1)
@@ -29,7 +31,8 @@ class SpeculativeConfig(BaseModel):
     num_model_steps: int = Field(1, ge=1)
     mtp_strategy: Literal["default", "with_ngram"] = "default"
     # draft_model: the draft checkpoint (the target's tokenizer); None: the one shipped beside the target,
-    # `<model>-draft` (services/worker/drafting/draft_model.py)
+    # `<model>-draft` (services/worker/drafting/draft_model.py). eagle3: the EAGLE-3 head's directory; None:
+    # `<model>-eagle3` (services/worker/drafting/eagle3.py). eagle3 drafts num_speculative_tokens by feeding itself.
     model: Path | None = None
     # suffix decoding over this request's tokens and recent requests' outputs. Depth 24, not 64: every token a
     # request appends (and every token of a finished output, inserted at once) walks up to depth open suffixes;
@@ -67,10 +70,15 @@ class SpeculativeConfig(BaseModel):
                 f"num_model_steps ({self.num_model_steps}) must not exceed "
                 f"num_speculative_tokens ({self.num_speculative_tokens})"
             )
-        if self.draft_q != "model" and self.method not in ("mtp", "draft_model"):
-            raise ValueError('draft_q applies to the model drafters only (method "mtp" or "draft_model")')
-        if self.model is not None and self.method != "draft_model":
-            raise ValueError('"model" names a draft checkpoint: it applies to method "draft_model" only')
+        if self.draft_q != "model" and self.method not in MODEL_DRAFTERS:
+            raise ValueError(f"draft_q applies to the model drafters only (method {', '.join(MODEL_DRAFTERS)})")
+        if self.model is not None and self.method not in ("draft_model", "eagle3"):
+            raise ValueError('"model" names a draft checkpoint: it applies to methods "draft_model" and "eagle3" only')
+        if "num_model_steps" in self.model_fields_set and self.method != "mtp":
+            raise ValueError(
+                'num_model_steps applies to method "mtp" only (draft_model and eagle3 draft num_speculative_tokens '
+                "by feeding themselves)"
+            )
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError('mtp_strategy applies to method "mtp" only')
         return self
@@ -79,6 +87,11 @@ class SpeculativeConfig(BaseModel):
     def adaptive_drafts(self) -> bool:
         """Whether the number of drafts adapts (`adaptive`, or by default whether the drafter proposes point masses)."""
         return self.method in ("ngram", "suffix") if self.adaptive is None else self.adaptive
+
+    @property
+    def num_drafter_steps(self) -> int:
+        """Drafts a hidden-state drafter (the MTP module, an EAGLE-3 head) makes per step by feeding itself."""
+        return self.num_model_steps if self.method == "mtp" else self.num_speculative_tokens
 
     @property
     def num_drafts(self) -> int:
@@ -131,6 +144,11 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"role {self.role!r} with tensor_parallel_size {self.tensor_parallel_size}: prefill and decode "
                 "workers run unsplit (a handoff carries one rank's whole KV cache); use role \"both\""
+            )
+        if self.speculative.method == "eagle3" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f'speculative method "eagle3" with tensor_parallel_size {self.tensor_parallel_size}: the EAGLE-3 '
+                "head is not split over ranks; use tensor_parallel_size 1"
             )
         return self
 

@@ -1,7 +1,8 @@
 """The engine tests' shared helpers: every drafting method on the tiny test checkpoints (the method table), an
 engine builder, requests, a step loop and its outputs, and transformers' greedy continuation to compare with.
 
-Methods that need no MTP module run on tests/modelfixture.py's tiny Llama; "mtp" and "mtp+with_ngram" run on
+Methods that need no MTP module run on tests/modelfixture.py's tiny Llama (draft_model and eagle3 with the drafters
+beside it); "mtp" and "mtp+with_ngram" run on
 tests/mtpfixture.py's copy of the same trunk with a fitted MTP module, so one reference serves all of them.
 Import the fixtures by name into a test module (`from tests.methodfixture import ...`).
 """
@@ -20,7 +21,8 @@ from services.worker.engine.engine import Engine, SeqOutput
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
-from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
+from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (fixtures are used by name)
+from tests.modelfixture import tiny_model_dir  # noqa: F401
 from tests.mtpfixture import mtp_model_dirs  # noqa: F401
 from tests.threadfixture import single_thread  # noqa: F401
 
@@ -75,6 +77,7 @@ METHODS = {
         Method("mtp", "mtp", 2, dict(num_model_steps=2)),
         Method("mtp+with_ngram", "mtp", 3, dict(num_model_steps=1, mtp_strategy="with_ngram")),
         Method("draft_model", "draft_model", 3),  # the tiny model's draft beside it (modelfixture.py)
+        Method("eagle3", "eagle3", 3),  # the tiny model's fitted EAGLE-3 head beside it (eagle3fixture.py)
     )
 }
 METHOD_NAMES = tuple(METHODS)
@@ -88,8 +91,10 @@ def mtp_model_dir(mtp_model_dirs: dict[str, Path]) -> Path:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir: Path, mtp_model_dir: Path) -> Callable[[Method], Path]:  # noqa: F811
-    """The checkpoint a method runs on."""
+def model_dirs(
+    tiny_model_dir: Path, mtp_model_dir: Path, eagle3_head_dir: Path  # noqa: F811
+) -> Callable[[Method], Path]:
+    """The checkpoint a method runs on (eagle3's head lies beside the tiny Llama)."""
     return lambda method: mtp_model_dir if method.needs_mtp else tiny_model_dir
 
 

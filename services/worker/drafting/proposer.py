@@ -101,7 +101,7 @@ def build_proposer(
     config: SpeculativeConfig, mtp: MtpDrafter | None = None, device: torch.device | str = "cpu",
     max_num_seqs: int = 0, max_model_len: int = 0,
 ) -> Proposer:
-    """mtp: the engine's MTP drafter, required for method "mtp". On CUDA, prompt lookup drafts for the whole batch
+    """mtp: the engine's MTP drafter, required for methods "mtp" and "eagle3". On CUDA, prompt lookup drafts for the whole batch
     in one kernel launch (max_num_seqs and max_model_len size its token matrix); elsewhere on the host."""
     if config.method == "naive" or config.num_speculative_tokens == 0:
         return NaiveProposer()
@@ -111,8 +111,8 @@ def build_proposer(
         return PromptLookupProposer(config)
     if config.method == "suffix":
         return TokenListProposer(SuffixProposer(config))
-    if config.method == "mtp":
+    if config.method in ("mtp", "eagle3"):
         if mtp is None:
-            raise ValueError('method "mtp" needs the MTP drafter of a checkpoint with MTP modules')
+            raise ValueError(f'method "{config.method}" needs the drafter of its MTP modules or EAGLE-3 head')
         return MtpProposer(mtp, config)
     raise ValueError(f"unknown speculative method {config.method!r}")

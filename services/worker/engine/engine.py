@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from shared.config import EngineConfig
+from shared.config import HIDDEN_STATE_DRAFTERS, EngineConfig
 from shared.frames import FinishReason
 from shared.prefix_hash import root_hash
 from shared.request_limits import ModelLimits, check_work_request
@@ -76,10 +76,11 @@ class Engine:
             )
         self.vocab_size = model.config.vocab_size
         self.limits = ModelLimits(self.vocab_size, config.max_model_len)
-        # The MTP drafter writes its cache after every trunk pass, so it exists only when it will draft.
+        # The MTP drafter (which drives an EAGLE-3 head too) writes its cache after every trunk pass, so it exists only
+        # when it will draft.
         self.mtp = (
-            MtpDrafter(self.runner, spec.num_model_steps, config.max_num_seqs)
-            if spec.method == "mtp" and spec.num_drafts > 0 else None
+            MtpDrafter(self.runner, spec.num_drafter_steps, config.max_num_seqs)
+            if spec.method in HIDDEN_STATE_DRAFTERS and spec.num_drafts > 0 else None
         )
         # A prefill worker never drafts: it loads no draft model (the decode worker's catches up on its own).
         drafting_model = spec.method == "draft_model" and config.role != "prefill"
@@ -88,7 +89,7 @@ class Engine:
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
         self._draft_room = max(spec.num_drafts, self._max_forced)
-        lookahead = self._draft_room + (spec.num_model_steps if self.mtp is not None else 0)
+        lookahead = self._draft_room + (self.mtp.num_steps if self.mtp is not None else 0)
         # The CPU's attention reads each slot's home region in one call: a cached block found elsewhere is copied
         # there (block_manager.py).
         blocks = BlockManager(
@@ -336,8 +337,9 @@ class Engine:
             out.prompt = self._prompt_scores.take(out.seq)
         if self.mtp is not None:
             # The module's entries of every piece; only a last piece drafts (drafting/mtp.py, prefill_inputs).
+            features = self.runner.draft_features(hidden)
             self._catch_up(
-                seqs, *self.mtp.prefill_inputs(seqs, hidden, batch.host_query_starts, starts, rows),
+                seqs, *self.mtp.prefill_inputs(seqs, features, batch.host_query_starts, starts, rows),
                 [b in completing for b in range(len(seqs))],
             )
         return outputs
@@ -388,7 +390,9 @@ class Engine:
         )
         if grammars is not None:
             advance(grammars, outputs)  # before MTP drafts from the new state
-        self._catch_up(seqs, hidden, batch.host_query_starts, [o.tokens for o in outputs], starts)
+        if self.mtp is not None:
+            features = self.runner.draft_features(hidden)
+            self._catch_up(seqs, features, batch.host_query_starts, [o.tokens for o in outputs], starts)
         return outputs, len(seqs) + drafts.num_tokens
 
     def _penalised(

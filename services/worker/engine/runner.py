@@ -65,7 +65,7 @@ class ModelRunner:
         self.cache = self.cache_type(
             model.num_cache_layers, max_num_seqs, max_model_len, model.local_config.num_key_value_heads, cfg.head_dim,
             param.dtype, param.device, block_size, num_blocks,
-            hidden_size=cfg.hidden_size if cfg.num_mtp_layers else None,
+            hidden_size=model.draft_feature_size,
         )
         # Routed experts are grouped by counts read on the host (model/moe.py), which a captured graph cannot do.
         self.graphs = (
@@ -98,12 +98,17 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     @inference
+    def draft_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A trunk pass's rows -> what the MTP module or EAGLE-3 head pairs with the next token [T, feature]."""
+        return self.model.draft_features(hidden)
+
+    @inference
     def mtp_forward(
         self, index: int, prev_hidden: torch.Tensor, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]
     ) -> torch.Tensor:
-        """MTP module `index` over rows[b] at positions starts[b].., each token paired with its row of prev_hidden
-        [T, hidden] (the hidden state at the position before it, packed like the tokens); returns the module's
-        hidden states [T, hidden]."""
+        """MTP module `index` (or the EAGLE-3 head) over rows[b] at positions starts[b].., each token paired with its
+        row of prev_hidden [T, feature] (the drafter's feature at the position before it, packed like the tokens);
+        returns the module's hidden states [T, feature]."""
         batch = self.pack(rows, starts, slots, first_position=MTP_FIRST_POSITION)
         return self.model.mtp_forward(index, prev_hidden, batch.input_ids, batch.positions, batch)
 

@@ -73,6 +73,7 @@ class FlatTrunk:
         self.all_reduce = model.all_reduce  # after o and down on a tensor-parallel rank
         self.region_len = cache.region_len
         self.rotary = model.rotary
+        self.feature_layers = model.feature_layers  # an EAGLE-3 head's (CausalLM.forward)
         self.layers = [
             LayerWeights(
                 input_norm=layer.input_layernorm.weight,
@@ -93,12 +94,13 @@ class FlatTrunk:
         ]
 
     def __call__(self, input_ids: Tensor, positions: Tensor, batch: ForwardBatch) -> Tensor:
-        """input_ids, positions [T] packed -> the last layer's hidden states [T, hidden], before the final norm:
-        CausalLM.forward's result for the same batch."""
+        """input_ids, positions [T] packed -> the last layer's hidden states [T, hidden], before the final norm, and
+        an EAGLE-3 head's layer inputs after them when one is attached: CausalLM.forward's result for the same
+        batch."""
         num_tokens = input_ids.shape[0]
         x = self.embed(input_ids)  # [T, hidden]
         if num_tokens == 0:
-            return x
+            return x.new_zeros(0, x.shape[1] * (1 + len(self.feature_layers)))
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
         # A window that cuts any context: the batched call, whose mask takes its lower bound (paged_attention_torch).
         window = cutting_window(self.window, batch.max_context_len)
@@ -110,7 +112,10 @@ class FlatTrunk:
         rotated = heads + kv_heads
         residual = None
         all_reduce = self.all_reduce
-        for layer in self.layers:
+        feature_layers, layer_inputs = self.feature_layers, {}
+        for index, layer in enumerate(self.layers):
+            if index in feature_layers:
+                layer_inputs[index] = x if residual is None else x + residual
             if residual is None:
                 residual = x
                 h = rms_norm_torch(x, layer.input_norm, self.eps)
@@ -140,4 +145,6 @@ class FlatTrunk:
             x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down
             if all_reduce is not None:
                 x = all_reduce(x)
-        return x + residual
+        if not feature_layers:
+            return x + residual
+        return torch.cat([x + residual, *(layer_inputs[i] for i in feature_layers)], dim=-1)

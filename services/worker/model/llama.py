@@ -1,9 +1,11 @@
-"""A Llama-family causal LM (Llama, Qwen2) with optional multi-token-prediction (MTP) modules.
+"""A Llama-family causal LM (Llama, Qwen2) with optional multi-token-prediction (MTP) modules or an EAGLE-3 head.
 
 Parameter names follow Hugging Face's so checkpoints load as they are. MTP modules (DeepSeek-V3 style) live
 under `model.mtp_layers.{i}.*`; DeepSeek- and MiMo-style checkpoints are renamed to that at load time
 (model/mtp_layout.py); see docs/model.md. One module turns the trunk's hidden state
 at position i and the embedding of token i+1 into a prediction of token i+2, sharing embedding and LM head.
+An EAGLE-3 head (model/eagle3.py), attached after loading, drafts the same way from features the trunk's pass
+collects at three depths: with one attached, the pass returns them beside its last hidden state.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from services.worker.model.config import ModelConfig
 from services.worker.engine.forward_batch import ForwardBatch
+from services.worker.model.eagle3 import Eagle3Head
 from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary
 from services.worker.model.plain_module import PlainModule
 
@@ -62,10 +65,31 @@ class CausalLM(PlainModule):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.local_config.vocab_size, bias=False)
         self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
+        # The EAGLE-3 head drafting for this model, and the layers whose inputs its features are made of, in order.
+        self.eagle3: Eagle3Head | None = None
+        self.feature_layers: tuple[int, ...] = ()
 
     @property
     def num_cache_layers(self) -> int:
+        """The trunk's layers, then the MTP modules', then an EAGLE-3 head's."""
+        return self.config.num_hidden_layers + self.config.num_mtp_layers + (self.eagle3 is not None)
+
+    @property
+    def eagle3_cache_layer(self) -> int:
         return self.config.num_hidden_layers + self.config.num_mtp_layers
+
+    def attach_eagle3(self, head: Eagle3Head) -> None:
+        """From now on every trunk pass also returns the head's input features (forward)."""
+        self.eagle3 = head
+        self.feature_layers = head.config.feature_layers
+        self.freeze_lookups()
+
+    @property
+    def draft_feature_size(self) -> int | None:
+        """The width of what a hidden-state drafter reads of the trunk (None: this model has no such drafter)."""
+        if self.eagle3 is not None:
+            return self.eagle3.config.layer.hidden_size
+        return self.config.hidden_size if self.config.num_mtp_layers else None
 
     def _rope(self, positions: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         num_positions = batch.max_context_len if batch is not None else int(positions.max()) + 1
@@ -75,20 +99,36 @@ class CausalLM(PlainModule):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None
     ) -> torch.Tensor:
         """input_ids, positions [T] packed (serving, with a batch) or [B, L] (training) -> the last layer's hidden
-        states [..., hidden], before the final norm."""
+        states [..., hidden], before the final norm; with an EAGLE-3 head attached, followed by the inputs of its
+        feature layers: [..., 4 * hidden] (logits and draft_features read their parts)."""
         cos_sin = self._rope(positions, batch)
         x, residual = self.embed(input_ids), None
-        for layer in self.model.layers:
+        layer_inputs = {}
+        for index, layer in enumerate(self.model.layers):
+            if index in self.feature_layers:
+                layer_inputs[index] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos_sin, batch)
-        return x + residual
+        if not self.feature_layers:
+            return x + residual
+        return torch.cat([x + residual, *(layer_inputs[i] for i in self.feature_layers)], dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> their embeddings [..., hidden]."""
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Trunk hidden states [..., hidden] -> logits [..., vocab] in float32."""
+        """Trunk hidden states [..., hidden] (or forward's wider rows) -> logits [..., vocab] in float32."""
+        width = self.config.hidden_size
+        if hidden.shape[-1] != width:
+            hidden = hidden[..., :width].contiguous()
         return self._head(self.model.norm(hidden))
+
+    def draft_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Trunk rows as forward returns them -> what a hidden-state drafter pairs with the next token: the last
+        hidden state for MTP, the EAGLE-3 head's features g [..., head hidden]."""
+        if self.eagle3 is None:
+            return hidden
+        return self.eagle3.features(hidden[..., self.config.hidden_size :])
 
     def mtp_forward(
         self,
@@ -98,13 +138,19 @@ class CausalLM(PlainModule):
         positions: torch.Tensor,  # [...] position of token i+1
         batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
-        """MTP module `index` -> its hidden states [..., hidden]; its logits predict token i+2."""
+        """MTP module `index` (or the EAGLE-3 head) -> its hidden states [..., hidden]; its logits predict token i+2."""
+        if self.eagle3 is not None:
+            own = self.eagle3.embed_tokens
+            embeds = F.embedding(next_ids, own.weight) if own is not None else self.embed(next_ids)
+            return self.eagle3(prev_hidden, embeds, positions, batch)
         layer = self.model.mtp_layers[index]
         x = layer.fuse(self.embed(next_ids), prev_hidden)
         x, residual = layer(x, None, self._rope(positions, batch), batch)
         return x + residual
 
     def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self.eagle3 is not None:
+            return self.eagle3.logits(hidden)
         return self._head(self.model.mtp_layers[index].final_layernorm(hidden))
 
     @property

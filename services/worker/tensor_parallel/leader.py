@@ -27,6 +27,7 @@ import torch
 from shared.config import EngineConfig
 from services.cpu_affinity import pin
 from services.worker.engine.forward_batch import ForwardBatch
+from services.worker.drafting.eagle3 import attach_eagle3
 from services.worker.engine.runner import ModelRunner, inference
 from services.worker.model.config import ModelConfig
 from services.worker.model.loader import load_model
@@ -48,6 +49,8 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
     dtype = getattr(torch, config.dtype)
     if config.tensor_parallel_size == 1:
         model = load_model(config.model, dtype, config.device, config.load_format, config.max_model_len)
+        if config.speculative.method == "eagle3":
+            attach_eagle3(config, model)
         return ModelRunner(
             model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
         )
