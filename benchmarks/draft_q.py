@@ -1,5 +1,5 @@
 """Real q against point-mass q (the user's seed 003): the acceptance length and tokens/s of the model drafters (MTP,
-the draft model shipped beside the demo model) when verification reads their drafts' real q, against the same
+the draft model and the EAGLE-3 head shipped beside the demo model) when verification reads their drafts' real q, against the same
 drafts verified as point masses (q(x) = 1, as most servers do), at temperatures 0.5, 1.0 and 1.5.
 
     python -m benchmarks.draft_q [--batches 1 8] [--temperatures 0.5 1.0 1.5] [--max-tokens 96] [--prompts 8]
@@ -29,6 +29,7 @@ from services.worker.engine.engine import Engine
 DRAFTERS = {
     "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},
+    "eagle3 k=3": {"method": "eagle3", "num_speculative_tokens": 3},  # models/specmesh-demo-eagle3
 }
 Q_MODES = ("model", "point_mass")
 PROMPT_TOKENS = 64

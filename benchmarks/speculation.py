@@ -89,9 +89,11 @@ METHODS = {
     "naive": {"method": "naive"},
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
     "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
+    "suffix k=3": {"method": "suffix", "num_speculative_tokens": 3},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},  # models/specmesh-demo-draft
+    "eagle3 k=3": {"method": "eagle3", "num_speculative_tokens": 3},  # models/specmesh-demo-eagle3
 }
-MODEL_DRAFTERS = ("mtp", "draft_model")  # drafts with a real q
+MODEL_DRAFTERS = ("mtp", "draft_model", "eagle3")  # drafts with a real q
 STREAMS = (1, 8, 32)
 PROMPT_TOKENS = 96
 HELD_OUT = "held-out"

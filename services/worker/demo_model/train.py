@@ -179,19 +179,31 @@ def train(cfg: TrainConfig, out_dir: Path) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory to write")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: each model's own)")
-    parser.add_argument(
+    drafters = parser.add_mutually_exclusive_group()
+    drafters.add_argument(
         "--draft", action="store_true",
         help="train only the draft model (method draft_model), by distillation from the model in --out, into the "
-        "directory beside it (<out>-draft); without it the demo model is trained, then its draft model",
+        "directory beside it (<out>-draft)",
+    )
+    drafters.add_argument(
+        "--eagle3", action="store_true",
+        help="train only the EAGLE-3 head (method eagle3) of the model in --out, into the directory beside it "
+        "(<out>-eagle3); without --draft or --eagle3 the demo model is trained, then its draft model and its head",
     )
 
 
 def run(args: argparse.Namespace) -> None:
-    from services.worker.demo_model import draft  # distillation loads the trained model: imported when wanted
+    # The drafters' trainers load the trained model: imported when wanted.
+    from services.worker.demo_model import draft, eagle3_head
 
-    if not args.draft:
+    only = args.draft or args.eagle3
+    if not only:
         args.out.mkdir(parents=True, exist_ok=True)
         metrics = train(TrainConfig(steps=args.steps or TrainConfig.steps), args.out)
         print(json.dumps(metrics, indent=2))
-    draft_steps = args.steps if args.draft and args.steps else draft.DRAFT_SHAPE.steps
-    print(json.dumps(draft.run(argparse.Namespace(target=args.out, steps=draft_steps)), indent=2))
+    if args.draft or not only:
+        steps = args.steps if args.draft and args.steps else draft.DRAFT_SHAPE.steps
+        print(json.dumps(draft.run(argparse.Namespace(target=args.out, steps=steps)), indent=2))
+    if args.eagle3 or not only:
+        steps = args.steps if args.eagle3 and args.steps else eagle3_head.HEAD_TRAINING.steps
+        print(json.dumps(eagle3_head.run(argparse.Namespace(target=args.out, steps=steps)), indent=2))
