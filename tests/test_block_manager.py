@@ -1,5 +1,6 @@
-"""KV block bookkeeping without a model: allocation, freeing, can_allocate, tables, exhaustion; and the
-scheduler's use of it (admission needs the whole prefill, preemption of the newest sequences)."""
+"""KV block bookkeeping without a model: allocation, freeing, can_allocate, tables, exhaustion, the blocks a sliding
+window leaves behind; and the scheduler's use of it (admission needs the whole prefill, preemption of the newest
+sequences, blocks out of a window's reach let go before a step grows the tables)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine.block_manager import BlockManager, blocks_for
+from services.worker.engine.block_manager import DROPPED, BlockManager, blocks_for
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import SeqState, Sequence
+from services.worker.tensor_parallel.mirror import RecordingKVCache, replay
 from shared.schemas import SamplingParams
 
 BLOCK_SIZE = 4
@@ -220,3 +222,81 @@ def test_choices_admitted_together_share_all_but_the_block_of_the_last_prompt_to
     assert all(table[:2] == tables[0][:2] for table in tables) and len({t[2] for t in tables}) == 3
     assert [seq.num_computed for seq in choices] == [0, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE]
     assert scheduler.blocks.num_used == 5  # 3 blocks, and 1 more for each other choice
+
+
+def test_dropping_lets_go_of_whole_leading_blocks_and_keeps_every_position_at_its_index() -> None:
+    blocks = _manager(6)  # no home regions: freed blocks go to whoever asks next
+    blocks.allocate(0, 16)
+    blocks.take_changed()
+    blocks.drop_before(0, 9)  # positions 0..8: block 2 holds 8, but 9..11 too
+    assert blocks.table(0) == [DROPPED, DROPPED, 2, 3]
+    assert blocks.take_changed() == {0: [DROPPED, DROPPED, 2, 3]}
+    assert blocks.num_used == 2 and blocks.num_missing(0, 16) == 0
+    blocks.drop_before(0, 5)  # behind what it let go: nothing changes
+    assert blocks.take_changed() == {} and blocks.num_used == 2
+    blocks.allocate(1, 8)
+    assert blocks.table(1) == [0, 1]  # the dropped blocks, handed out again
+    blocks.free(0)
+    assert blocks.table(0) == [] and blocks.num_used == 2  # only the blocks it still held went back
+    blocks.free(1)
+    assert blocks.num_used == 0
+
+
+def test_a_dropped_shared_block_stays_with_its_other_holder() -> None:
+    blocks = _manager(4)
+    blocks.allocate(0, 10)
+    blocks.share(1, 0, 2)
+    blocks.drop_before(0, 8)
+    assert blocks.table(0) == [DROPPED, DROPPED, 2] and blocks.table(1) == [0, 1]
+    assert blocks.num_used == 3
+    blocks.free(1)
+    assert blocks.num_used == 1
+
+
+def test_dropped_table_entries_read_the_padding_block_on_every_tensor_parallel_rank() -> None:
+    shape = (1, 2, MAX_MODEL_LEN, 1, 4, torch.float32, "cpu")
+    leader = RecordingKVCache(*shape, block_size=BLOCK_SIZE, num_blocks=8)
+    follower = KVCache(*shape, block_size=BLOCK_SIZE, num_blocks=8)
+    leader.set_block_table(0, [DROPPED, DROPPED, 5])
+    replay(follower, leader.take_changes())
+    padding = leader.padding_block
+    assert leader.block_tables[0].tolist() == follower.block_tables[0].tolist() == [padding, padding, 5, padding]
+
+
+WINDOW = 4  # a sliding window for the scheduler tests: a sequence's next pass reaches num_computed - 3 at the lowest
+
+
+def _window_reach(seq: Sequence) -> int:
+    return seq.num_computed - WINDOW + 1
+
+
+def test_reserve_drops_what_the_window_left_behind_before_growing_the_tables() -> None:
+    for reach, preempted in ((None, 1), (_window_reach, 0)):
+        scheduler = Scheduler(2, _manager(4), reach=reach)  # one sequence's worth of blocks
+        long, short = _seq("a", 10), _seq("b", 3)
+        scheduler.add(long)
+        scheduler.add(short)
+        assert scheduler.admit() == [long, short]  # 3 blocks and 1: the pool is full
+        long.num_computed = 12
+        long.append([1] * 3, MAX_MODEL_LEN)  # 13 tokens: a fourth block; positions before 9 are out of reach
+        assert len(scheduler.reserve()) == preempted
+    assert scheduler.blocks.table(long.slot) == [DROPPED, DROPPED, 2, 0]
+    assert scheduler.running == [long, short]
+
+
+def test_a_block_still_to_be_named_in_the_prefix_cache_is_not_dropped() -> None:
+    blocks = BlockManager(8, BLOCK_SIZE, MAX_MODEL_LEN, caching=True)
+    scheduler = Scheduler(2, blocks, reach=_window_reach)
+    seq = _seq("a", 14)
+    seq.cache_root = b"root"
+    scheduler.add(seq)
+    scheduler.admit()
+    first, second = blocks.table(seq.slot)[:2]
+    seq.num_computed = 14  # positions before 11 are out of reach: its first two blocks
+    scheduler.reserve()
+    assert blocks.table(seq.slot)[:2] == [first, second]  # neither is named yet
+    seq.num_published = 1
+    scheduler.reserve()
+    assert blocks.table(seq.slot)[:2] == [DROPPED, second]
+    with pytest.raises(RuntimeError, match="before naming"):
+        blocks.publish(seq.slot, 0, [b"name"])

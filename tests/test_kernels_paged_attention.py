@@ -5,7 +5,8 @@ queries at its own context length (float32 and bfloat16, every GQA ratio); conte
 tables are contiguous runs or shuffled; GQA ratios 1, 2 and 4; first_position 0 and 1; float32 and bfloat16. The
 twin reads both cache layouts (block-major, the kernel's; head-major, the CPU's) to the same result. A sliding window
 (Mistral) shorter than the contexts: the twin against the naive softmax over each query's window, the kernel against
-the twin.
+the twin; blocks wholly below every query's window, which a sequence lets go of, never loaded by the kernel and masked
+out by the twin.
 """
 
 from __future__ import annotations
@@ -293,3 +294,33 @@ def test_kernel_honours_a_sliding_window(window: int, cases) -> None:
     batch = Batch(cases, 8, 2, "shuffled", seed=window + 1)
     args = batch.args(0)
     _close(paged_attention_launch(*args, window=window), batch.naive(0, window), FLOAT32_TOLERANCE)
+
+
+def _drop_out_of_window(batch: Batch, window: int, content: float) -> None:
+    """Points each sequence's table entries wholly below its earliest query's window at one more block of the pool,
+    filled with `content`, as the engine does with the blocks a sliding window's sequence let go of
+    (engine/block_manager.py: they read the padding block)."""
+    dropped = batch.key_cache.shape[0]
+    extra = torch.full((1, *batch.key_cache.shape[1:]), content, dtype=batch.key_cache.dtype)
+    batch.key_cache, batch.value_cache = torch.cat([batch.key_cache, extra]), torch.cat([batch.value_cache, extra])
+    for b, (count, context) in enumerate(zip(batch.counts, batch.contexts)):
+        reach = context - count - window + 1  # the lowest key any of its queries sees
+        batch.block_tables[b, : max(reach, 0) // BLOCK_SIZE] = dropped
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_blocks_below_every_window_are_never_read_by_the_kernel(window: int) -> None:
+    """Its walk starts at the first block the tile's earliest query reaches: a dropped block of NaNs never reaches
+    the output."""
+    batch = Batch(VERIFY, 8, 2, "shuffled", seed=window + 2)
+    _drop_out_of_window(batch, window, float("nan"))
+    _close(paged_attention_launch(*batch.args(0), window=window), batch.naive(0, window), FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
+def test_blocks_below_every_window_are_masked_out_by_the_twin(window: int, head_major: bool) -> None:
+    """The twin gathers them and masks them out: the padding block they read holds finite keys and values."""
+    batch = Batch(VERIFY, 8, 2, "shuffled", seed=window + 3)
+    _drop_out_of_window(batch, window, 1e4)
+    _close(paged_attention(*batch.args(0, head_major), window=window), batch.naive(0, window), FLOAT32_TOLERANCE)

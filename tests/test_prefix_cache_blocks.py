@@ -89,6 +89,20 @@ def test_freed_blocks_stay_cached_and_are_evicted_tail_first() -> None:
     assert blocks.lookup(names) == [0, 1, 2]
 
 
+def test_named_blocks_a_sliding_window_drops_stay_cached_for_a_later_sequence() -> None:
+    blocks = BlockManager(8, BLOCK_SIZE, MAX_MODEL_LEN, max_num_seqs=4, caching=True)
+    names = _names(list(range(12)))
+    blocks.allocate(0, 16)
+    blocks.publish(0, 0, names)
+    blocks.drop_before(0, 8)
+    assert blocks.num_free == 6 and blocks.cache.num_idle == 2  # idle, still named
+    hits = blocks.lookup(names)
+    assert hits == [0, 1, 2]  # the running sequence still holds block 2
+    blocks.reuse(1, hits)
+    blocks.free(0)
+    assert blocks.table(1) == [0, 1, 2] and blocks.num_used == 3
+
+
 def test_a_hit_in_place_is_shared_and_one_elsewhere_is_copied_to_the_home_region() -> None:
     names = _names(list(range(12)))
     cases = ((False, [0, 1, 2, 7], []), (True, [4, 5, 6, 7], [(0, 4), (1, 5), (2, 6)]))

@@ -74,6 +74,11 @@ class DraftModelDrafter:
             self.runner.cache.set_block_table(slot, table)
         self.runner.cache.copy_blocks(copies)
 
+    @property
+    def window(self) -> int | None:
+        """The draft model's sliding window (model/config.py, attention_window); None: it attends to every position."""
+        return self.runner.model.config.attention_window
+
     def computed_until(self, seq: Sequence) -> int:
         """Positions below this hold the sequence's tokens in the draft cache."""
         return self._computed[seq.slot] if self._owner[seq.slot] == (seq.key, seq.admission) else seq.prefill_start

@@ -2,8 +2,10 @@
 
 The cache is divided into blocks of `block_size` token positions. A running sequence holds a table of blocks,
 keyed by its cache slot: position p lives in block table[p // block_size] at offset p % block_size. Tables
-only grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are
-let go whole when it finishes or is preempted.
+grow while a sequence runs (positions past a rejected draft are overwritten later, not returned) and are let go
+whole when it finishes or is preempted. Under a sliding window (Mistral) a running sequence also lets go of its
+leading blocks that no later pass will read or write (`drop_before`, the scheduler says where): their entries
+become DROPPED, so a table keeps its length and a position its index.
 
 A block may have several holders, counted: the choices of one request share their prompt's full blocks (`share`),
 and with prefix caching a sequence starts from the cached blocks of its prompt's prefix (`reuse`). Shared blocks
@@ -30,6 +32,7 @@ from shared.prefix_hash import BlockHash
 from services.worker.engine.prefix_cache import PrefixCache
 
 NO_BLOCK = -1  # no block wanted in particular
+DROPPED = -2  # a table entry whose block a sliding window left behind and the sequence let go (never read)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -63,6 +66,7 @@ class BlockManager:
         self._free = set(range(num_blocks))  # free and holding nothing worth keeping
         self._lowest = list(range(num_blocks))  # a heap over free ids; entries of taken blocks are skipped lazily
         self._tables: dict[int, list[int]] = {}
+        self._num_dropped: dict[int, int] = {}  # by slot: its table's leading DROPPED entries
         self._holders: dict[int, int] = {}  # blocks in use: how many tables (or pending copies) hold each
         self._changed: set[int] = set()
         self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next pass
@@ -84,7 +88,7 @@ class BlockManager:
         return min(blocks_for(num_tokens, self.block_size), self.max_blocks_per_seq)
 
     def table(self, slot: int) -> list[int]:
-        """The slot's blocks in position order (empty when it holds none)."""
+        """The slot's blocks in position order, DROPPED where it let one go (empty when it holds none)."""
         return list(self._tables.get(slot, ()))
 
     def num_missing(self, slot: int, num_tokens: int) -> int:
@@ -158,6 +162,8 @@ class BlockManager:
         """Names the slot's blocks first, first + 1, .. (full blocks of accepted tokens) in the prefix cache."""
         if not self.caching:
             return
+        if first < self._num_dropped.get(slot, 0):
+            raise RuntimeError(f"slot {slot} let go of block {first} before naming it")
         table = self._tables[slot]
         for index, name in enumerate(names, first):
             displaced = self.cache.register(table[index], name)
@@ -234,14 +240,32 @@ class BlockManager:
         else:
             heapq.heappush(self._lowest, block)
 
+    def drop_before(self, slot: int, position: int) -> None:
+        """Lets go of the slot's blocks that hold only positions before `position`, which its sequence will never
+        read or write again (they fell out of a sliding window): each returns to the pool, or idles in the cache when
+        it is named, once no one else holds it. Their table entries become DROPPED."""
+        table = self._tables.get(slot)
+        if not table:
+            return
+        start = self._num_dropped.get(slot, 0)
+        stop = min(position // self.block_size, len(table))
+        if stop <= start:
+            return
+        for index in range(stop - 1, start - 1, -1):  # tail first, as `free` lets a prefix go
+            self._release(table[index])
+            table[index] = DROPPED
+        self._num_dropped[slot] = stop
+        self._changed.add(slot)
+
     def free(self, slot: int) -> None:
         """Lets go of the slot's blocks: each returns to the pool (or idles in the cache) once no one holds it."""
         table = self._tables.pop(slot, [])
+        dropped = self._num_dropped.pop(slot, 0)
         if table:
             self._changed.add(slot)
             self._freed_at[slot] = next(self._clock)
-        for block in reversed(table):  # tail first: the cache evicts a prefix's tail before its head
-            self._release(block)
+        for index in range(len(table) - 1, dropped - 1, -1):  # tail first: the cache evicts a prefix's tail first
+            self._release(table[index])
 
     def take_changed(self) -> dict[int, list[int]]:
         """The tables changed since the last call (an empty list for a slot that was freed), for the cache's copy."""

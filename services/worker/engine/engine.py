@@ -54,6 +54,7 @@ from services.worker.sampling.sample import process_logits, sample
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import Sequence, SeqState
 from services.worker.engine.token_choice import sample_tokens, verify_drafts
+from services.worker.engine.window import window_reach
 
 __all__ = ["Engine", "EngineStats", "SeqOutput", "TokenLogprobs"]
 
@@ -98,11 +99,13 @@ class Engine:
         )
         self.revision = model_revision(config.model, config.dtype, config.load_format)
         # MTP's and a draft model's cache entries of a prompt are written per sequence and may lag (drafting/): choices
-        # of a request share prompt blocks only without them.
+        # of a request share prompt blocks only without them. Under a sliding window, blocks out of every cache
+        # layer's reach are let go; a prefill worker keeps them all, for its handoff carries every block.
+        reach = window_reach(model.config.attention_window, self.mtp, self.draft) if config.role != "prefill" else None
         self.scheduler = Scheduler(
             config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None and self.draft is None,
             max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
-            rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill",
+            rows_per_decode=1 + spec.num_drafts, decode=config.role != "prefill", reach=reach,
         )
         self.last_preempted: list[Sequence] = []  # sequences the last step preempted, newest first
         self.proposer: Proposer

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.engine.block_manager import blocks_for
+from services.worker.engine.block_manager import DROPPED, blocks_for
 from services.worker.engine.kv_write import write_kv
 
 DEFAULT_BLOCK_SIZE = 16
@@ -90,12 +90,16 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def set_block_table(self, slot: int, blocks: list[int]) -> None:
-        """The slot's blocks in position order; the rest of its row goes back to the padding block."""
+        """The slot's blocks in position order; the rest of its row goes back to the padding block, and so do the
+        leading DROPPED entries of a sliding window's sequence (block_manager.py): attention never reads them, and
+        a reader that gathers them and masks them out reads the padding block rather than another sequence's."""
         if len(blocks) > self.max_blocks_per_seq:
             raise ValueError(f"{len(blocks)} blocks exceed the {self.max_blocks_per_seq} a sequence may hold")
         row = self.block_tables[slot]
         row[:] = self.padding_block
         row[: len(blocks)] = blocks
+        if blocks and blocks[0] == DROPPED:
+            row[row == DROPPED] = self.padding_block
 
     def slot_mapping(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Flat pool index (block * block_size + offset) of each (slot, position) pair, on the host."""

@@ -11,12 +11,17 @@ after another. Those admitted in the same step as the request's first fresh choi
 leader's full prompt blocks instead of computing them: each computes only the rest of its prompt, at least its
 last token, in the same prefill pass, whose layers write every key before any query reads them. A choice
 admitted later, or resumed, starts from what the prefix cache holds of it.
+
+Under a sliding window (Mistral), before each step every running sequence lets go of its leading blocks that no
+later pass reaches (`reach`, worked out by the engine over every cache layer, window.py), so a long sequence holds
+about a window's worth of blocks rather than its whole context.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.frames import FinishReason
@@ -47,19 +52,23 @@ class Scheduler:
     def __init__(
         self, max_num_seqs: int, blocks: BlockManager | None = None, lookahead: int = 0, share_prompts: bool = True,
         max_num_batched_tokens: int | None = None, rows_per_decode: int = 1, decode: bool = True,
+        reach: Callable[[Sequence], int] | None = None,
     ) -> None:
         """blocks: the KV block pool; None leaves memory unlimited (a slot is all a sequence needs).
         lookahead: positions a step may write past a sequence's tokens (drafts, and MTP's self-fed entries).
         share_prompts: whether choices admitted together share their prompt's full blocks (see above).
         max_num_batched_tokens: the rows a step may compute (chunked prefill, see schedule); None: every prefill
         whole. rows_per_decode: the most a decoding sequence scores in a step (its last token and its drafts).
-        decode: False on a prefill worker, whose sequences stop after their prefill, to be handed off."""
+        decode: False on a prefill worker, whose sequences stop after their prefill, to be handed off.
+        reach: the lowest position a running sequence's later passes may still read or write (a sliding window's);
+        its blocks wholly before it are let go before each step. None: a sequence keeps all its blocks."""
         self.max_num_seqs = max_num_seqs
         self.blocks = blocks
         self.lookahead = lookahead
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rows_per_decode = rows_per_decode
         self.decode = decode
+        self.reach = reach
         self.share_prompts = share_prompts and blocks is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -171,6 +180,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         if self.blocks is None:
             return preempted
+        if self.reach is not None:
+            self._drop_out_of_reach()
         index = 0
         while index < len(self.running):
             seq = self.running[index]
@@ -183,6 +194,17 @@ class Scheduler:
             else:
                 preempted.append(self._preempt(seq))  # the newest left: nothing after it is running
         return preempted
+
+    def _drop_out_of_reach(self) -> None:
+        """Lets go of the running sequences' blocks that no later pass reaches. A block that is still to be named in
+        the prefix cache stays until it is (after its pass, Engine._publish), so that it idles there named."""
+        size = self.blocks.block_size
+        caching = self.blocks.caching
+        for seq in self.running:
+            position = self.reach(seq)
+            if caching and seq.cache_root is not None:
+                position = min(position, seq.num_published * size)
+            self.blocks.drop_before(seq.slot, position)
 
     def schedule(self) -> StepPlan:
         """Reserves this step's blocks (preempting when short), admits waiting sequences and shares out the step's
