@@ -24,7 +24,9 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     tokens_of,
 )
 from tests.modelfixture import MISTRAL_WINDOW, make_tiny_model_dir
+from tests.eagle3fixture import write_eagle3_head
 from tests.mtpfixture import fit_mtp_module, write_mtp_checkpoint
+from services.worker.drafting.eagle3 import default_eagle3_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,10 +73,11 @@ def mistral_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     by the method that runs on each."""
     trunk = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
     shutil.copytree(trunk, Path(f"{trunk}{DRAFT_SUFFIX}"))
+    write_eagle3_head(trunk, default_eagle3_dir(trunk))
     with_mtp = write_mtp_checkpoint(
         trunk, tmp_path_factory.mktemp("tiny-mistral-mtp") / "specmesh", fit_mtp_module(trunk), "specmesh"
     )
-    return {name: with_mtp if METHODS[name].needs_mtp else trunk for name in WINDOW_METHODS}
+    return {name: with_mtp if METHODS[name].needs_mtp else trunk for name in (*WINDOW_METHODS, "eagle3")}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +143,23 @@ def test_long_generations_side_by_side_hold_a_window_of_blocks_and_yield_transfo
     steps = _checked_run(engine, name, requests)
     for request, tokens in zip(requests, expected):
         assert tokens_of(steps, request) == tokens
+
+
+def test_an_eagle3_head_without_a_window_keeps_every_block_and_yields_transformers_tokens(
+    mistral_dirs, prompts, expected
+) -> None:
+    """The head's layer is a Llama's: it attends to every position, so a sequence drafting with it drops nothing."""
+    engine = make_engine(mistral_dirs["eagle3"], METHODS["eagle3"], max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    requests = [make_request(prompt, max_tokens=NUM_TOKENS, **GREEDY) for prompt in prompts]
+
+    def check(outputs: list[SeqOutput]) -> None:
+        for seq in engine.scheduler.running:
+            assert DROPPED not in engine.scheduler.blocks.table(seq.slot)
+
+    steps = run(engine, {0: requests}, on_step=check)
+    for request, tokens in zip(requests, expected):
+        assert tokens_of(steps, request) == tokens
+    assert engine.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("name", WINDOW_METHODS)

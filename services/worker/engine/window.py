@@ -11,7 +11,7 @@ writes below where each of its caches stands:
 The lowest of these, less its window, is the reach. A sequence that has computed nothing since its admission keeps
 every block: its drafters may still hold an earlier occupant's state for its slot, and MTP's first piece reads the
 trunk state kept beside the block before its start. Where some cache layer attends to every position (a draft model
-without a window), nothing is out of reach.
+without a window, an EAGLE-3 head), nothing is out of reach.
 """
 
 from __future__ import annotations
