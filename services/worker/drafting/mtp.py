@@ -25,19 +25,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.drafting.draft import Draft
+from services.worker.drafting.draft import Draft, point_mass_rows
 from services.worker.drafting.draft_sampling import DraftSampler
 from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
+from services.worker.model.flat_drafter import DRAFT_MODULE
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
 
-# Every draft step runs module 0. A further module would attend to cache entries that only it could write,
-# and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
+# Every draft step runs module 0 (DRAFT_MODULE). A further module would attend to cache entries that only it could
+# write, and catch-up would have to chain every module over the accepted tokens each step; checkpoints in use carry
 # one module, and verification keeps the output exact whichever module drafts.
-DRAFT_MODULE = 0
 LAG_LIMIT = 256  # tokens a sequence's MTP cache may fall behind before it is caught up anyway
 
 
@@ -71,8 +70,11 @@ class MtpDrafter:
         vocab_size, device = runner.model.config.vocab_size, runner.device
         self.runner = runner
         self.num_steps = num_steps
-        self._tokens = torch.zeros(max_num_seqs, num_steps, dtype=torch.long)
+        self.vocab_size = vocab_size
+        self._tokens = [[0] * num_steps for _ in range(max_num_seqs)]  # by slot: the pending drafts
         self._probs = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
+        # by slot: whether the pending drafts are point masses (greedy), whose _probs rows are left unwritten
+        self._point_mass = [False] * max_num_seqs
         self._report = torch.zeros(max_num_seqs, num_steps, vocab_size, device=device)
         self._count = [0] * max_num_seqs
         self._lag: dict[int, Lag] = {}  # by cache slot
@@ -184,11 +186,12 @@ class MtpDrafter:
 
     def export_slot(self, slot: int) -> MtpSlotState:
         """The slot's drafter state, copied to the host."""
-        count = self._count[slot]
+        draft = self.pending_in(slot, self._count[slot])
+        probs = draft.probs if draft.probs is not None else point_mass_rows(draft.tokens, self.vocab_size, "cpu")
         lag = self._lag.get(slot)
         return MtpSlotState(
-            self._end[slot], self._tokens[slot, :count].tolist(), self._probs[slot, :count].cpu(),
-            self._report[slot, :count].cpu(), None if lag is None else Lag(lag.start, lag.hidden.cpu(), lag.tokens),
+            self._end[slot], draft.tokens, probs.cpu(), self._report[slot, : len(draft.tokens)].cpu(),
+            None if lag is None else Lag(lag.start, lag.hidden.cpu(), lag.tokens),
         )
 
     def import_slot(self, slot: int, state: MtpSlotState) -> None:
@@ -199,8 +202,9 @@ class MtpDrafter:
         device = self._probs.device
         self._end[slot] = state.end
         self._count[slot] = count
-        self._tokens[slot, :count] = torch.tensor(state.draft_tokens, dtype=torch.long)
+        self._tokens[slot][:count] = state.draft_tokens
         self._probs[slot, :count] = state.draft_probs.to(device)
+        self._point_mass[slot] = False
         self._report[slot, :count] = state.draft_report.to(device)
         self._lag.pop(slot, None)
         if state.lag is not None:
@@ -218,42 +222,47 @@ class MtpDrafter:
     def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:
         """Drafts min(num_steps, budgets[b]) tokens from the module's hidden state at each sequence's last token
         [B, hidden]: step j's draft and hidden state are the module's input at the position after it. q and the noise
-        are draft_sampling.py's."""
-        device = self.runner.device
+        are draft_sampling.py's. The bookkeeping stays on the host, in lists: on a small CPU every tensor op of a
+        drafting pass costs about as much as the module's arithmetic."""
         num_steps = [min(self.num_steps, b) for b in budgets]
-        steps = torch.tensor(num_steps, device=device)
-        sampler = DraftSampler(seqs, device, self.grammars)
-        slots = torch.tensor([s.slot for s in seqs], device=device)
-        next_positions = torch.tensor([s.num_tokens for s in seqs], device=device)
         for seq, count in zip(seqs, num_steps):
             self._count[seq.slot] = count
-        rows = torch.arange(len(seqs), device=device)[steps > 0]
-        hidden = hidden[steps > 0]
-        for j in range(max(num_steps, default=0)):
+        rows = [b for b, count in enumerate(num_steps) if count > 0]
+        if not rows:
+            return
+        device = self.runner.device
+        sampler = DraftSampler(seqs, device, self.grammars)
+        if len(rows) < len(seqs):
+            hidden = hidden[torch.tensor(rows, device=device)]
+        for j in range(max(num_steps)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
-            chosen, q, report = sampler.step(logits, rows, j)
-            if q is None:  # greedy drafts: point masses
-                q = F.one_hot(chosen, logits.shape[-1]).to(self._probs.dtype)
-            self._tokens[slots[rows].cpu(), j] = chosen.cpu()
-            self._probs[slots[rows], j] = q
-            self._report[slots[rows], j] = report
-            more = steps[rows] > j + 1
-            if not bool(more.any()):
+            chosen, q, report = sampler.step(logits, torch.tensor(rows, device=device), j)
+            tokens = chosen.tolist()
+            slots = [seqs[r].slot for r in rows]
+            for slot, token in zip(slots, tokens):
+                self._tokens[slot][j] = token
+                self._point_mass[slot] = q is None  # greedy drafts: point masses, whose q needs no rows
+            slot_ids = torch.tensor(slots, device=device)
+            if q is not None:
+                self._probs[slot_ids, j] = q
+            self._report[slot_ids, j] = report
+            going = [i for i, r in enumerate(rows) if num_steps[r] > j + 1]
+            if not going:
                 break
-            rows, chosen, hidden = rows[more], chosen[more], hidden[more]
+            if len(going) < len(rows):
+                hidden = hidden[torch.tensor(going, device=device)]
+                rows, tokens = [rows[i] for i in going], [tokens[i] for i in going]
             hidden = self.runner.mtp_forward(
-                DRAFT_MODULE, hidden, [[t] for t in chosen.tolist()], (next_positions[rows] + j).tolist(),
-                slots[rows].tolist(),
+                DRAFT_MODULE, hidden, [[t] for t in tokens], [seqs[r].num_tokens + j for r in rows],
+                [seqs[r].slot for r in rows],
             )
 
     def pending(self, seq: Sequence, limit: int) -> Draft:
         """The sequence's drafts for this step, at most `limit` of them."""
-        count = min(self._count[seq.slot], limit)
+        return self.pending_in(seq.slot, min(self._count[seq.slot], limit))
+
+    def pending_in(self, slot: int, count: int) -> Draft:
         if count <= 0:
             return Draft([])
-        slot = seq.slot
-        return Draft(
-            self._tokens[slot, :count].tolist(),
-            self._probs[slot, :count].clone(),
-            self._report[slot, :count].clone(),
-        )
+        probs = None if self._point_mass[slot] else self._probs[slot, :count].clone()
+        return Draft(self._tokens[slot][:count], probs, self._report[slot, :count].clone())

@@ -85,11 +85,14 @@ class MtpProposer(PerSequence):
         if not self._real_q:
             draft = Draft(draft.tokens, None, draft.report_logits)  # verified as point masses
         room = num_drafts - len(draft.tokens)
-        if self._filler is None or room <= 0 or draft.probs is None:
+        # The filler follows the module's own drafts only, verified against their real q.
+        if self._filler is None or room <= 0 or not draft.tokens or not self._real_q:
             return draft
         extra = self._filler.propose(seq.token_ids + draft.tokens, room)
         if not extra:
             return draft
+        if draft.probs is None:  # every draft a point mass already
+            return Draft(draft.tokens + extra, None, draft.report_logits)
         one_hot = point_mass_rows(extra, draft.probs.shape[1], draft.probs.device)
         return Draft(draft.tokens + extra, torch.cat([draft.probs, one_hot]), draft.report_logits)
 

@@ -13,6 +13,7 @@ import torch
 from services.worker.engine.cuda_graph import GraphRunner
 from services.worker.engine.forward_batch import ForwardBatch, InputBuffers, pack, pack_host, to_device
 from services.worker.engine.kv_cache import KVCache
+from services.worker.model.flat_drafter import DRAFT_MODULE, FlatDrafter
 from services.worker.model.flat_trunk import FlatTrunk
 from services.worker.model.llama import CausalLM
 
@@ -74,7 +75,11 @@ class ModelRunner:
         )
         # The CPU runs a dense trunk as one flat loop (model/flat_trunk.py); other devices, and routed experts, run
         # the modules.
-        self.trunk = FlatTrunk(model, self.cache) if self.device.type == "cpu" and not cfg.num_experts else model
+        flat = self.device.type == "cpu" and not cfg.num_experts
+        self.trunk = FlatTrunk(model, self.cache) if flat else model
+        # The drafting layer (MTP module 0, or the EAGLE-3 head's) flattened the same way.
+        drafts = cfg.num_mtp_layers or model.eagle3 is not None
+        self.drafter = FlatDrafter(model, self.cache) if flat and drafts else None
 
     def check_alive(self) -> None:
         """Raises when a process this runner needs has died (tensor_parallel/errors.py: RankFailed)."""
@@ -110,6 +115,8 @@ class ModelRunner:
         row of prev_hidden [T, feature] (the drafter's feature at the position before it, packed like the tokens);
         returns the module's hidden states [T, feature]."""
         batch = self.pack(rows, starts, slots, first_position=MTP_FIRST_POSITION)
+        if self.drafter is not None and index == DRAFT_MODULE:
+            return self.drafter(prev_hidden, batch.input_ids, batch.positions, batch)
         return self.model.mtp_forward(index, prev_hidden, batch.input_ids, batch.positions, batch)
 
     @inference

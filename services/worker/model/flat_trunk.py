@@ -13,6 +13,7 @@ on one thread (1.72 -> 1.55 ms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.llama import CausalLM
-from services.worker.model.layers import normed_heads
+from services.worker.model.layers import DecoderLayer, normed_heads
 from services.worker.model.paged_attention import (
     HomePass,
     Pool,
@@ -56,6 +57,95 @@ class LayerWeights:
     values: Pool
 
 
+@dataclass(frozen=True)
+class FlatShape:
+    """What a flat layer pass needs besides its weights: its heads (a tensor-parallel rank's), norm epsilon and the
+    sum over ranks after o and down (None: the model is whole here)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    all_reduce: Callable[[Tensor], Tensor] | None = None
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
+    """A decoder layer's tensors in the CPU layout, and its KV-cache layer."""
+    index = layer.self_attn.layer_index
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=layer.self_attn.qkv_proj.weight_t,
+        qkv_bias=layer.self_attn.qkv_proj.bias,
+        q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
+        k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
+        o=layer.self_attn.o_proj.weight_t,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=layer.mlp.gate_up_proj.weight_t,
+        down=layer.mlp.down_proj.weight_t,
+        key_cache=cache.keys[index],
+        value_cache=cache.values[index],
+        keys=Pool(cache.keys[index], cache.block_size),
+        values=Pool(cache.values[index], cache.block_size),
+    )
+
+
+def attention_plan(
+    shape: FlatShape, window: int | None, region_len: int | None, pool: Pool, batch: ForwardBatch, device: torch.device
+) -> tuple[int | None, HomePass | list | None]:
+    """A pass's attention plan, made once for all its layers: (the window when it cuts a context, the plan)."""
+    # A window that cuts any context: the batched call, whose mask takes its lower bound (paged_attention_torch).
+    window = cutting_window(window, batch.max_context_len)
+    plan = None if window is not None else plan_cpu_attention(
+        batch.num_seqs, batch.max_query_len, batch.max_context_len, batch.attention_spans, shape.group, region_len,
+        pool, device,
+    )
+    return window, plan
+
+
+def layer_pass(
+    h: Tensor, residual: Tensor, layer: LayerWeights, shape: FlatShape, cos_sin: Tensor, window: int | None,
+    plan: HomePass | list | None, batch: ForwardBatch,
+) -> tuple[Tensor, Tensor]:
+    """One decoder layer from its normed input h [T, in] and the residual stream [T, hidden]: (the MLP's output,
+    the residual), whose sum is the layer's hidden state."""
+    num_tokens = h.shape[0]
+    heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    rotated = heads + kv_heads
+    qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
+    qkv = qkv.view(num_tokens, rotated + kv_heads, head_dim)
+    qk = qkv.narrow(1, 0, rotated)
+    if layer.q_norm is not None:
+        qk = normed_heads(qk, heads, layer.q_norm, layer.k_norm, shape.eps, norm=rms_norm_torch)
+    qk = apply_rotary_full(qk, cos_sin)
+    q, k, v = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), qkv.narrow(1, rotated, kv_heads)
+    write_kv_torch(layer.key_cache, layer.value_cache, batch.slot_mapping, k, v)
+    if isinstance(plan, HomePass):
+        attended = attend_home_pass(q, layer.keys, layer.values, plan, shape.scale)
+    elif plan is not None:
+        attended = attend_per_sequence(q, layer.keys, layer.values, plan, shape.scale)
+    else:
+        attended = attend_gathered(
+            q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens, shape.scale,
+            batch.max_query_len, batch.max_context_len, batch.first_position, window,
+        )
+    h = attended.view(num_tokens, -1) @ layer.o
+    if shape.all_reduce is not None:
+        h = shape.all_reduce(h)
+    h, residual = rms_norm_torch(h, layer.post_norm, shape.eps, residual)
+    x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down
+    if shape.all_reduce is not None:
+        x = shape.all_reduce(x)
+    return x, residual
+
+
 class FlatTrunk:
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         """model: loaded on the CPU in its CPU layout (whole, or a tensor-parallel shard); cache: the KV cache its
@@ -63,88 +153,38 @@ class FlatTrunk:
         if model.head_weight_t is None:
             raise ValueError("the flat trunk reads the CPU layout's transposed projections (model/transposed.py)")
         cfg = model.local_config  # a tensor-parallel rank's heads, kv heads and intermediate rows
-        self.eps = cfg.rms_norm_eps
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.group = self.num_heads // self.num_kv_heads
-        self.scale = self.head_dim**-0.5
+        # o and down sum over a tensor-parallel group's ranks
+        self.shape = FlatShape(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, model.all_reduce
+        )
         self.window = cfg.attention_window
         self.embed = model.embed  # vocab-parallel on a tensor-parallel rank
-        self.all_reduce = model.all_reduce  # after o and down on a tensor-parallel rank
         self.region_len = cache.region_len
         self.rotary = model.rotary
         self.feature_layers = model.feature_layers  # an EAGLE-3 head's (CausalLM.forward)
-        self.layers = [
-            LayerWeights(
-                input_norm=layer.input_layernorm.weight,
-                qkv=layer.self_attn.qkv_proj.weight_t,
-                qkv_bias=layer.self_attn.qkv_proj.bias,
-                q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
-                k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
-                o=layer.self_attn.o_proj.weight_t,
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up=layer.mlp.gate_up_proj.weight_t,
-                down=layer.mlp.down_proj.weight_t,
-                key_cache=cache.keys[layer.self_attn.layer_index],
-                value_cache=cache.values[layer.self_attn.layer_index],
-                keys=Pool(cache.keys[layer.self_attn.layer_index], cache.block_size),
-                values=Pool(cache.values[layer.self_attn.layer_index], cache.block_size),
-            )
-            for layer in model.model.layers
-        ]
+        self.layers = [layer_weights(layer, cache) for layer in model.model.layers]
 
     def __call__(self, input_ids: Tensor, positions: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids, positions [T] packed -> the last layer's hidden states [T, hidden], before the final norm, and
         an EAGLE-3 head's layer inputs after them when one is attached: CausalLM.forward's result for the same
         batch."""
-        num_tokens = input_ids.shape[0]
         x = self.embed(input_ids)  # [T, hidden]
-        if num_tokens == 0:
+        if input_ids.shape[0] == 0:
             return x.new_zeros(0, x.shape[1] * (1 + len(self.feature_layers)))
         cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
-        # A window that cuts any context: the batched call, whose mask takes its lower bound (paged_attention_torch).
-        window = cutting_window(self.window, batch.max_context_len)
-        plan = None if window is not None else plan_cpu_attention(
-            batch.num_seqs, batch.max_query_len, batch.max_context_len, batch.attention_spans, self.group,
-            self.region_len, self.layers[0].keys, input_ids.device,
-        )
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        rotated = heads + kv_heads
+        shape, eps = self.shape, self.shape.eps
+        window, plan = attention_plan(shape, self.window, self.region_len, self.layers[0].keys, batch, x.device)
         residual = None
-        all_reduce = self.all_reduce
         feature_layers, layer_inputs = self.feature_layers, {}
         for index, layer in enumerate(self.layers):
             if index in feature_layers:
                 layer_inputs[index] = x if residual is None else x + residual
             if residual is None:
                 residual = x
-                h = rms_norm_torch(x, layer.input_norm, self.eps)
+                h = rms_norm_torch(x, layer.input_norm, eps)
             else:
-                h, residual = rms_norm_torch(x, layer.input_norm, self.eps, residual)
-            qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
-            qkv = qkv.view(num_tokens, rotated + kv_heads, head_dim)
-            qk = qkv.narrow(1, 0, rotated)
-            if layer.q_norm is not None:
-                qk = normed_heads(qk, heads, layer.q_norm, layer.k_norm, self.eps, norm=rms_norm_torch)
-            qk = apply_rotary_full(qk, cos_sin)
-            q, k, v = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), qkv.narrow(1, rotated, kv_heads)
-            write_kv_torch(layer.key_cache, layer.value_cache, batch.slot_mapping, k, v)
-            if isinstance(plan, HomePass):
-                attended = attend_home_pass(q, layer.keys, layer.values, plan, self.scale)
-            elif plan is not None:
-                attended = attend_per_sequence(q, layer.keys, layer.values, plan, self.scale)
-            else:
-                attended = attend_gathered(
-                    q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens,
-                    self.scale, batch.max_query_len, batch.max_context_len, batch.first_position, window,
-                )
-            h = attended.view(num_tokens, -1) @ layer.o
-            if all_reduce is not None:
-                h = all_reduce(h)
-            h, residual = rms_norm_torch(h, layer.post_norm, self.eps, residual)
-            x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down
-            if all_reduce is not None:
-                x = all_reduce(x)
+                h, residual = rms_norm_torch(x, layer.input_norm, eps, residual)
+            x, residual = layer_pass(h, residual, layer, shape, cos_sin, window, plan, batch)
         if not feature_layers:
             return x + residual
         return torch.cat([x + residual, *(layer_inputs[i] for i in feature_layers)], dim=-1)
