@@ -13,6 +13,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
 MAX_TENSOR_PARALLEL_SIZE = 64
+DEFAULT_MODEL_STEPS = 1
 MODEL_DRAFTERS = ("mtp", "draft_model", "eagle3")  # methods whose drafts are drawn from a model's q
 HIDDEN_STATE_DRAFTERS = ("mtp", "eagle3")  # drafters that read the target's hidden states (drafting/mtp.py)
 
@@ -28,7 +29,7 @@ class SpeculativeConfig(BaseModel):
     max_ngram_size: int = Field(5, ge=1)
     min_ngram_size: int = Field(2, ge=1)
     # mtp: how many tokens the MTP module drafts by feeding itself; "with_ngram" fills the rest with ngram
-    num_model_steps: int = Field(1, ge=1)
+    num_model_steps: int = Field(DEFAULT_MODEL_STEPS, ge=1)
     mtp_strategy: Literal["default", "with_ngram"] = "default"
     # draft_model: the draft checkpoint (the target's tokenizer); None: the one shipped beside the target,
     # `<model>-draft` (services/worker/drafting/draft_model.py). eagle3: the EAGLE-3 head's directory; None:
@@ -74,7 +75,8 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"draft_q applies to the model drafters only (method {', '.join(MODEL_DRAFTERS)})")
         if self.model is not None and self.method not in ("draft_model", "eagle3"):
             raise ValueError('"model" names a draft checkpoint: it applies to methods "draft_model" and "eagle3" only')
-        if "num_model_steps" in self.model_fields_set and self.method != "mtp":
+        # Checked by value, not by whether the key was given: a whole config, dumped and read back, carries it.
+        if self.num_model_steps != DEFAULT_MODEL_STEPS and self.method != "mtp":
             raise ValueError(
                 'num_model_steps applies to method "mtp" only (draft_model and eagle3 draft num_speculative_tokens '
                 "by feeding themselves)"
