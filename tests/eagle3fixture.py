@@ -11,6 +11,7 @@ the inputs of layers 0, 1 and 1.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,11 @@ FIT = HeadTrainConfig(
     steps=300, batch_size=16, lr=3e-3, warmup_steps=10, ttt_steps=2, seed=FIT_SEED, bfloat16=False,
     label_temperature=0.05,
 )
+# For tests that check tokens only, where a head accepted now and then is enough
+QUICK_FIT = replace(FIT, steps=60)
 
 
-def write_eagle3_head(target_dir: Path, out_dir: Path) -> Path:
+def write_eagle3_head(target_dir: Path, out_dir: Path, fit: HeadTrainConfig = FIT) -> Path:
     """Fits the head to the trunk in target_dir and writes it to out_dir (float32)."""
     with one_torch_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(FIT_SEED)
@@ -43,7 +46,7 @@ def write_eagle3_head(target_dir: Path, out_dir: Path) -> Path:
         d2t, t2d = draft_vocabulary(torch.bincount(generated.flatten(), minlength=target.config.vocab_size),
                                     DRAFT_VOCAB_SIZE)
         config = head_config(target.config, FEATURE_LAYERS, DRAFT_VOCAB_SIZE)
-        head = train_head(target, config, d2t, lambda step: batches[step % FIT_BATCHES], FIT)
+        head = train_head(target, config, d2t, lambda step: batches[step % FIT_BATCHES], fit)
         save_head(head, config, t2d, out_dir, torch.float32)
     return out_dir
 

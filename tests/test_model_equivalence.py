@@ -1,6 +1,7 @@
 """Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2, Qwen3 and Qwen3-MoE),
 and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import load_model
+from services.worker.drafting.draft_model import default_draft_dir
+from services.worker.drafting.eagle3 import default_eagle3_dir
+from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
 from tests.methodfixture import GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, tokens_alone
 from tests.modelfixture import MODEL_SHAPE, make_tiny_model_dir, random_causal_lm
 
@@ -89,15 +93,21 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    kinds = ("qwen3", "qwen3_moe", "mistral")
-    return {kind: make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind) for kind in kinds}
+    """Each family's tiny checkpoint, with beside it a copy as its draft model and a fitted EAGLE-3 head."""
+    dirs = {}
+    for kind in ("qwen3", "qwen3_moe", "mistral"):
+        dirs[kind] = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind)
+        shutil.copytree(dirs[kind], default_draft_dir(dirs[kind]))
+        write_eagle3_head(dirs[kind], default_eagle3_dir(dirs[kind]), QUICK_FIT)
+    return dirs
 
 
-@pytest.mark.parametrize("name", ["naive", "ngram", "suffix"])
+@pytest.mark.parametrize("name", ["naive", "ngram", "suffix", "draft_model", "eagle3"])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mistral"])
 def test_greedy_tokens_equal_transformers_under_every_method(family_dirs, kind: str, name: str) -> None:
     """Every drafting method but MTP, which needs a checkpoint with MTP modules (these families ship none); the
-    Mistral's window (8 positions) is shorter than every prompt and output, in prefill, decode and verify."""
+    Mistral's window (8 positions) is shorter than every prompt and output, in prefill, decode and verify (the
+    EAGLE-3 head's own layer, a Llama's, attends to every position)."""
     model_dir = family_dirs[kind]
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = make_engine(model_dir, METHODS[name])

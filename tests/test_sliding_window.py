@@ -24,7 +24,7 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     tokens_of,
 )
 from tests.modelfixture import MISTRAL_WINDOW, make_tiny_model_dir
-from tests.eagle3fixture import write_eagle3_head
+from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
 from tests.mtpfixture import fit_mtp_module, write_mtp_checkpoint
 from services.worker.drafting.eagle3 import default_eagle3_dir
 
@@ -73,7 +73,7 @@ def mistral_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     by the method that runs on each."""
     trunk = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
     shutil.copytree(trunk, Path(f"{trunk}{DRAFT_SUFFIX}"))
-    write_eagle3_head(trunk, default_eagle3_dir(trunk))
+    write_eagle3_head(trunk, default_eagle3_dir(trunk), QUICK_FIT)
     with_mtp = write_mtp_checkpoint(
         trunk, tmp_path_factory.mktemp("tiny-mistral-mtp") / "specmesh", fit_mtp_module(trunk), "specmesh"
     )
