@@ -1,5 +1,6 @@
 """Real q against point-mass q (the user's seed 003): the acceptance length and tokens/s of the model drafters (MTP,
-the draft model and the EAGLE-3 head shipped beside the demo model) when verification reads their drafts' real q, against the same
+the draft model and the EAGLE-3 head shipped beside the demo model) when verification reads their drafts' real q,
+against the same
 drafts verified as point masses (q(x) = 1, as most servers do), at temperatures 0.5, 1.0 and 1.5.
 
     python -m benchmarks.draft_q [--batches 1 8] [--temperatures 0.5 1.0 1.5] [--max-tokens 96] [--prompts 8]

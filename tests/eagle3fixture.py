@@ -4,8 +4,9 @@ default) in the published layout.
 A random head would almost never agree with the trunk, so the fixture fits one briefly, with the same trainer as
 the demo model's (services/worker/demo_model/eagle3_training.py), to the trunk's greedy continuations of random
 prompts (a fresh batch for each of FIT_BATCHES steps in turn, so that it generalises to the tests' prompts: about
-45% of its greedy drafts match the trunk's choice on unseen continuations). Its draft vocabulary is the DRAFT_VOCAB_SIZE tokens most frequent in those continuations (fewer than the
-target's, so that d2t maps draft ids to target ids as published heads do). The trunk has two layers: the head reads
+45% of its greedy drafts match the trunk's choice on unseen continuations). Its draft vocabulary is the
+DRAFT_VOCAB_SIZE tokens most frequent in those continuations (fewer than the target's, so that d2t maps draft ids to
+target ids as published heads do). The trunk has two layers: the head reads
 the inputs of layers 0, 1 and 1.
 """
 

@@ -42,10 +42,9 @@ def agreement(head: Eagle3Head, target: CausalLM, tokens: torch.Tensor, num_step
     logits = unrolled_logits(head, target.embed(tokens[:, 1:-1]), features, num_steps)
     draft_ids = torch.arange(head.config.draft_vocab_size) + head.d2t
     choice = target_logits[:, 1:-1].argmax(-1)
-    return {
-        f"greedy_agreement_step_{k}": round((draft_ids[step.argmax(-1)][:, k:] == choice[:, k:]).float().mean().item(), 4)
-        for k, step in enumerate(logits)
-    }
+    agreement = [(draft_ids[step.argmax(-1)][:, k:] == choice[:, k:]).float().mean().item() for k, step in
+                 enumerate(logits)]
+    return {f"greedy_agreement_step_{k}": round(value, 4) for k, value in enumerate(agreement)}
 
 
 def train(cfg: HeadTrainConfig, target_dir: Path, out_dir: Path) -> dict:

@@ -104,8 +104,8 @@ def build_proposer(
     config: SpeculativeConfig, mtp: MtpDrafter | None = None, device: torch.device | str = "cpu",
     max_num_seqs: int = 0, max_model_len: int = 0,
 ) -> Proposer:
-    """mtp: the engine's MTP drafter, required for methods "mtp" and "eagle3". On CUDA, prompt lookup drafts for the whole batch
-    in one kernel launch (max_num_seqs and max_model_len size its token matrix); elsewhere on the host."""
+    """mtp: the engine's MTP drafter, required for methods "mtp" and "eagle3". On CUDA, prompt lookup drafts for the
+    whole batch in one kernel launch (max_num_seqs and max_model_len size its token matrix); elsewhere on the host."""
     if config.method == "naive" or config.num_speculative_tokens == 0:
         return NaiveProposer()
     if config.method == "ngram":

@@ -158,7 +158,8 @@ class Eagle3Head(PlainModule):
         self.target_ids = None if identity else target_ids
 
     def features(self, layer_inputs: torch.Tensor) -> torch.Tensor:
-        """The target's layer inputs [..., 3 * target hidden], concatenated in feature_layers order -> g [..., hidden]."""
+        """The target's layer inputs [..., 3 * target hidden], concatenated in feature_layers order -> g
+        [..., hidden]."""
         return self.fc(layer_inputs)
 
     def forward(
