@@ -59,7 +59,7 @@ def _long_prompt(prompts: list[list[int]]) -> list[int]:
     return prompts[0] + prompts[2] + prompts[3]
 
 
-@pytest.mark.parametrize("method", ["naive", "ngram", "mtp"])
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp", "eagle3"])
 def test_each_choice_yields_what_its_derived_seed_yields_alone(model_dirs, prompts, method) -> None:
     model_dir = model_dirs(METHODS[method])
     prompt = _long_prompt(prompts)

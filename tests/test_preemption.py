@@ -30,7 +30,7 @@ MAX_TOKENS = 36
 WORKER_ID = 5
 SAMPLED = dict(temperature=0.8, top_p=0.95, ignore_eos=True, max_tokens=MAX_TOKENS)
 GREEDY_ROW = GREEDY | dict(max_tokens=MAX_TOKENS)
-PREEMPTION_METHODS = ("naive", "ngram", "mtp")
+PREEMPTION_METHODS = ("naive", "ngram", "mtp", "eagle3")
 
 
 def _requests(prompts: list[list[int]]) -> list[WorkRequest]:
