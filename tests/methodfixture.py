@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,7 @@ MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 4
 MAX_STEPS = 500  # far more than any test needs: a scheduler that stalls fails instead of hanging
 REFERENCE_TOKENS = 40  # the longest greedy continuation a test compares
+SAMPLED_SEEDS = 600  # samples of a distribution a chi-square test compares
 PROMPT_TEXTS = (
     "def wrap(text, width=70):\n    return text",
     "import os\n",
@@ -189,6 +191,26 @@ def tokens_of(steps: Steps, request: WorkRequest) -> list[int]:
         offset += len(out.tokens)
         tokens += out.tokens
     return tokens
+
+
+def assert_second_tokens_follow_the_target(engine: Engine, reference_model, prompt: list[int]) -> None:
+    """Requests resumed after the target's greedy first token decode their second one through the engine's drafts,
+    over SAMPLED_SEEDS seeds at temperature 1: a chi-square test over the target's 12 likeliest tokens and the rest
+    checks that it follows the target's softmax, whatever the drafts' q (a wrong q or a point mass taken for a
+    distribution would be far off)."""
+    first = int(reference_model(torch.tensor([prompt])).logits[0, -1].argmax())
+    requests = [make_request(prompt, [first], max_tokens=5, temperature=1.0, seed=s) for s in range(SAMPLED_SEEDS)]
+    steps = run(engine, {0: requests})
+    seconds = [outputs_of(steps, r)[0].tokens[0] for r in requests]
+    assert engine.stats.num_draft_tokens > 0
+    with torch.no_grad():
+        p = torch.softmax(reference_model(torch.tensor([prompt + [first]])).logits[0, -1], -1).numpy()
+    top = np.argsort(-p)[:12]
+    observed = np.array([seconds.count(int(t)) for t in top] + [sum(s not in top for s in seconds)], dtype=float)
+    expected = np.append(p[top], 1 - p[top].sum()) * SAMPLED_SEEDS
+    keep = expected >= 5
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert statistic < 3 * keep.sum() + 15, statistic
 
 
 def tokens_alone(engine: Engine, request: WorkRequest) -> list[int]:

@@ -12,7 +12,8 @@ import torch
 from shared.config import EngineConfig
 from services.worker.engine.engine import Engine
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    METHODS, MAX_MODEL_LEN, encode_prompts, make_request, outputs_of, reference_model, run, single_thread,
+    METHODS, MAX_MODEL_LEN, assert_second_tokens_follow_the_target, encode_prompts, make_request, outputs_of,
+    reference_model, run, single_thread,
     tiny_model_dir,
 )
 from tests.modelfixture import make_draft_model_dir
@@ -45,20 +46,7 @@ def test_verified_drafts_of_a_disagreeing_draft_model_sample_the_target(
     """A request resumed after one token decodes its next one by verifying the draft model's drafts: over many
     seeds that token follows the target's softmax, whatever q was, verified against q or as a point mass."""
     engine = _engine(tiny_model_dir, other_draft, max_num_seqs=32, draft_q=draft_q)
-    first = int(reference_model(torch.tensor([prompt])).logits[0, -1].argmax())
-    num_samples = 600
-    requests = [make_request(prompt, [first], max_tokens=5, temperature=1.0, seed=s) for s in range(num_samples)]
-    steps = run(engine, {0: requests})
-    seconds = [outputs_of(steps, r)[0].tokens[0] for r in requests]
-    assert engine.stats.num_draft_tokens > 0
-    with torch.no_grad():
-        p = torch.softmax(reference_model(torch.tensor([prompt + [first]])).logits[0, -1], -1).numpy()
-    top = np.argsort(-p)[:12]
-    observed = np.array([seconds.count(int(t)) for t in top] + [sum(s not in top for s in seconds)], dtype=float)
-    expected = np.append(p[top], 1 - p[top].sum()) * num_samples
-    keep = expected >= 5
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    assert statistic < 3 * keep.sum() + 15, statistic  # a point-mass or wrong q would be far off
+    assert_second_tokens_follow_the_target(engine, reference_model, prompt)
 
 
 def test_draft_logprobs_are_the_draft_models_q(tiny_model_dir, other_draft, prompt) -> None:  # noqa: F811

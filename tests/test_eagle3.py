@@ -24,7 +24,8 @@ from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import CheckpointError, load_model
 from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (fixtures are used by name)
 from tests.methodfixture import (  # noqa: F401
-    MAX_MODEL_LEN, METHODS, encode_prompts, make_request, outputs_of, reference_model, run, single_thread,
+    MAX_MODEL_LEN, METHODS, assert_second_tokens_follow_the_target, encode_prompts, make_request, outputs_of,
+    reference_model, run, single_thread,
     tiny_model_dir,
 )
 
@@ -135,7 +136,9 @@ def _renamed(head_dir: Path, out: Path, rename) -> Path:
     return out
 
 
-def test_the_layer_named_as_a_models_first_loads_the_same(tiny_model_dir, eagle3_head_dir, tmp_path) -> None:  # noqa: F811
+def test_the_layer_named_as_a_models_first_loads_the_same(
+    tiny_model_dir, eagle3_head_dir, tmp_path  # noqa: F811
+) -> None:
     target = load_model(tiny_model_dir)
     vllm_style = _renamed(eagle3_head_dir, tmp_path / "head", lambda k: k.replace("midlayer.", "model.layers.0."))
     ours = load_eagle3_head(eagle3_head_dir, target, torch.float32, "auto", MAX_MODEL_LEN).state_dict()
@@ -168,7 +171,9 @@ def test_a_head_that_does_not_fit_its_target_is_refused_by_key(
         load_eagle3_head(head, load_model(tiny_model_dir), torch.float32, "auto", MAX_MODEL_LEN)
 
 
-def test_a_broken_vocabulary_map_or_a_missing_tensor_is_refused(tiny_model_dir, eagle3_head_dir, tmp_path) -> None:  # noqa: F811
+def test_a_broken_vocabulary_map_or_a_missing_tensor_is_refused(
+    tiny_model_dir, eagle3_head_dir, tmp_path  # noqa: F811
+) -> None:
     target = load_model(tiny_model_dir)
     state = load_file(str(eagle3_head_dir / "model.safetensors"))
     clashing = tmp_path / "clash"
@@ -194,7 +199,9 @@ def test_configurations_eagle3_cannot_honour_are_refused(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.parametrize("draft_q", ["model", "point_mass"])
-def test_verified_drafts_sample_the_target(draft_q, tiny_model_dir, eagle3_head_dir, reference_model) -> None:  # noqa: F811
+def test_verified_drafts_sample_the_target(
+    draft_q, tiny_model_dir, eagle3_head_dir, reference_model  # noqa: F811
+) -> None:
     """A request resumed after one token decodes its next one by verifying the head's drafts: over many seeds that
     token follows the target's softmax, whatever q was (zero outside the draft vocabulary, or a point mass)."""
     engine = Engine(EngineConfig(
@@ -202,23 +209,12 @@ def test_verified_drafts_sample_the_target(draft_q, tiny_model_dir, eagle3_head_
         speculative=METHODS["eagle3"].config(draft_q=draft_q),
     ))
     prompt = encode_prompts(tiny_model_dir, ["The cache holds "])[0]
-    first = int(reference_model(torch.tensor([prompt])).logits[0, -1].argmax())
-    num_samples = 600
-    requests = [make_request(prompt, [first], max_tokens=5, temperature=1.0, seed=s) for s in range(num_samples)]
-    steps = run(engine, {0: requests})
-    seconds = [outputs_of(steps, r)[0].tokens[0] for r in requests]
-    assert engine.stats.num_draft_tokens > 0
-    with torch.no_grad():
-        p = torch.softmax(reference_model(torch.tensor([prompt + [first]])).logits[0, -1], -1).numpy()
-    top = np.argsort(-p)[:12]
-    observed = np.array([seconds.count(int(t)) for t in top] + [sum(s not in top for s in seconds)], dtype=float)
-    expected = np.append(p[top], 1 - p[top].sum()) * num_samples
-    keep = expected >= 5
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    assert statistic < 3 * keep.sum() + 15, statistic
+    assert_second_tokens_follow_the_target(engine, reference_model, prompt)
 
 
-def test_sampled_drafts_report_q_which_is_zero_outside_the_draft_vocabulary(tiny_model_dir, eagle3_head_dir) -> None:  # noqa: F811
+def test_sampled_drafts_report_q_which_is_zero_outside_the_draft_vocabulary(
+    tiny_model_dir, eagle3_head_dir  # noqa: F811
+) -> None:
     engine = _engine(tiny_model_dir)
     prompt = encode_prompts(tiny_model_dir, ["import os\n"])[0]
     request = make_request(prompt, max_tokens=12, temperature=1.0, seed=1, logprobs=1, include_draft_logprobs=True)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
+from services.worker.demo_model.train import _lr  # the same warmup and cosine decay as the demo model's
 from services.worker.model.config import ModelConfig
 from services.worker.model.eagle3 import D2T, EAGLE3_ARCHITECTURES, T2D, Eagle3Config, Eagle3Head
 from services.worker.model.llama import CausalLM
@@ -172,13 +173,6 @@ def train_head(
         if progress is not None:
             progress(step, loss.item())
     return head.eval()
-
-
-def _lr(cfg: HeadTrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + torch.cos(torch.tensor(torch.pi * progress)).item())
 
 
 def save_head(head: Eagle3Head, config: dict, t2d: Tensor, out_dir: Path, dtype: torch.dtype,
