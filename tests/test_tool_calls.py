@@ -28,9 +28,9 @@ HERMES_ANSWER = (
 EXPECTED = [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
-def _streamed(text: str, pieces: list[int], finish: str = "stop", format_name: str = "hermes"):
+def _streamed(text: str, pieces: list[int], finish: str = "stop", format_name: str = "hermes", parallel: bool = True):
     """The chunks' choices for `text` cut at `pieces` (lengths), the last one finishing."""
-    calls = StreamedToolCalls(FORMATS[format_name])
+    calls = StreamedToolCalls(FORMATS[format_name], parallel)
     out, at = [], 0
     cuts = [*pieces, len(text)]
     for i, size in enumerate(cuts):
@@ -74,6 +74,18 @@ def test_streamed_calls_add_up_to_the_whole_answers(cut) -> None:
     assert message_with_calls(message, "stop", FORMATS["hermes"]) == "tool_calls"
     assert message["content"] == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
+
+
+@pytest.mark.parametrize("cut", [[], [5], [1] * (len(HERMES_ANSWER) - 1)], ids=["whole", "chunk", "characters"])
+def test_without_parallel_tool_calls_only_the_first_call_is_returned(cut) -> None:
+    """Under tool_choice auto nothing forces one call: parallel_tool_calls false keeps the first, whole and streamed."""
+    content, calls, finish, _ = _assembled(_streamed(HERMES_ANSWER, cut, parallel=False))
+    assert (content.strip(), calls, finish) == ("Let me check.", EXPECTED[:1], "tool_calls")
+    message = {"role": "assistant", "content": HERMES_ANSWER}
+    assert message_with_calls(message, "stop", FORMATS["hermes"], parallel=False) == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == (
+        EXPECTED[:1]
+    )
 
 
 def test_text_without_calls_streams_unchanged_and_keeps_its_finish() -> None:

@@ -53,7 +53,7 @@ async def _stream(
     # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
     usage_chunk = include_usage or gen.sampling.speculative.return_stats
     ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
-    calls = StreamedToolCalls(tools) if tools is not None else None
+    calls = StreamedToolCalls(tools, gen.body.tool_fields.parallel_tool_calls) if tools is not None else None
     try:
         if gen.api == "chat":
             for opening in _chat_openings(gen, choices.num_choices):
@@ -124,7 +124,9 @@ async def _respond(
         for choice in merged:
             choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
             if tools is not None:
-                choice["finish_reason"] = message_with_calls(choice["message"], choice["finish_reason"], tools)
+                choice["finish_reason"] = message_with_calls(
+                    choice["message"], choice["finish_reason"], tools, gen.body.tool_fields.parallel_tool_calls
+                )
             prompt_logprobs = choice.pop("prompt_logprobs", None)
         if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
             body["prompt_logprobs"] = prompt_logprobs

@@ -21,12 +21,16 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def message_with_calls(message: dict, finish_reason: str | None, format: Hermes | Llama3Json) -> str | None:
+def message_with_calls(
+    message: dict, finish_reason: str | None, format: Hermes | Llama3Json, parallel: bool = True
+) -> str | None:
     """Moves the calls in a whole answer's content into message["tool_calls"]; returns the finish reason
-    (`tool_calls` when the answer called tools and stopped on its own)."""
+    (`tool_calls` when the answer called tools and stopped on its own). Without `parallel` (parallel_tool_calls
+    false) only the first call is kept: under tool_choice auto nothing constrains the answer to one."""
     content, calls = format.split(message.get("content") or "")
     if not calls:
         return finish_reason
+    calls = calls if parallel else calls[:1]
     message["content"] = content or None
     message["tool_calls"] = [
         {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
@@ -151,12 +155,13 @@ def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict
     return delta
 
 
-
 class StreamedToolCalls:
     """Every choice of a streamed chat answer read for tool calls: each chunk's choice with its delta split."""
 
-    def __init__(self, format: Hermes | Llama3Json) -> None:
+    def __init__(self, format: Hermes | Llama3Json, parallel: bool = True) -> None:
+        """parallel: false keeps the first call of each choice only (message_with_calls)."""
         self.format = format
+        self.parallel = parallel
         self._streams: dict[int, ToolCallStream] = {}
 
     def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -164,5 +169,7 @@ class StreamedToolCalls:
         finish_reason = choice.get("finish_reason")
         delta = choice.get("delta") or {}
         content, calls = stream.feed(delta.get("content") or "", final=finish_reason is not None)
+        if not self.parallel:
+            calls = [entry for entry in calls if entry["index"] == 0]
         return {**choice, "delta": stream_delta(delta, content, calls),
                 "finish_reason": stream.finish_reason(finish_reason)}
