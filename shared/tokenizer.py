@@ -10,10 +10,16 @@ import json
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+# What a chat template is given by specmesh itself; a request's chat_template_kwargs may not set these
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -100,16 +106,18 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Renders the chat and encodes it; the template places special tokens itself. With continue_final_message
         the text ends right after the final message's content (no end-of-turn marks), as Hugging Face cuts it.
-        Raises jinja2's TemplateError when the template refuses the messages."""
+        template_kwargs: more variables for the template (a request's chat_template_kwargs), none of
+        TEMPLATE_VARIABLES. Raises jinja2's TemplateError when the template refuses the messages."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         text = env.from_string(self.chat_template).render(
+            **(template_kwargs or {}),
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,

@@ -47,6 +47,18 @@ def test_unsupported_extensions_are_refused_by_name(client, mesh) -> None:
     assert len(both.choices) == 2
 
 
+def test_chat_template_kwargs_reach_the_template_but_may_not_set_its_own_variables(client, mesh) -> None:
+    plain = _chat(client, mesh)
+    # The demo model's template reads no enable_thinking: the same prompt, rendered with the variable given.
+    given = _chat(client, mesh, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert given.usage.prompt_tokens == plain.usage.prompt_tokens
+    message = _refused(
+        lambda: _chat(client, mesh, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}),
+        "chat_template_kwargs",
+    )
+    assert "add_generation_prompt" in message
+
+
 def test_unknown_fields_are_accepted_and_logged_once(client, mesh) -> None:
     for _ in range(2):
         assert _completion(client, mesh, prompt="hi", extra_body={"not_a_field_xyz": 1}).choices[0].text

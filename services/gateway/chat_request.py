@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from services.gateway.protocol import Body, GenerationRequest, shown
 from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
 from shared.frames import MAX_TOP_K
+from shared.tokenizer import TEMPLATE_VARIABLES
 
 DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
 SYSTEM_ROLE = "system"
@@ -83,6 +84,8 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the final message open, to be continued
     echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
+    # More variables for the chat template (Qwen3's enable_thinking, ...); the ones specmesh sets are refused
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -102,6 +105,16 @@ class ChatCompletionRequest(GenerationRequest):
         """The tools as the chat template shows them to the model (none under tool_choice "none")."""
         fields = self.tool_fields
         return [tool.for_template() for tool in fields.tools] if fields.tools and fields.parses_calls else None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_template_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if taken := sorted(set(value or ()) & TEMPLATE_VARIABLES):
+            raise ValueError(
+                f"{', '.join(taken)}: the chat template gets these from the request itself (messages, tools, "
+                "add_generation_prompt) or from the model (bos_token, eos_token); set them there"
+            )
+        return value
 
     @field_validator("continue_final_message")
     @classmethod

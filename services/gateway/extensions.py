@@ -61,7 +61,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         ),
         Refused("add_special_tokens", (False,), "the chat template places the special tokens itself", ("chat",)),
         Refused("chat_template", (), "the model's own chat template renders every chat", ("chat",)),
-        Refused("chat_template_kwargs", ({},), "the chat template is given no extra arguments", ("chat",)),
         Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
     )
