@@ -12,7 +12,7 @@ from shared.schemas import ChoiceProgress
 from services.worker.engine.handoff import HandoffMismatch
 from services.worker.handoff.format import decode, trim
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    GREEDY, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, model_dirs,
+    GREEDY, MAX_STEPS, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, model_dirs,
     mtp_model_dir, mtp_model_dirs, outputs_of, run, single_thread, tiny_model_dir,
 )
 from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
@@ -152,3 +152,38 @@ def test_every_choice_of_a_request_is_handed_off_together(model_dirs, prompt) ->
     decode_engine.add_request(continued, payload)
     got = {o.seq.choice: o.seq.output_ids for o in outputs_of(run(decode_engine, {}), continued)}
     assert got == expected and len(got) == 3
+
+
+@pytest.mark.parametrize("name", ["naive", "mtp"])
+def test_choices_more_than_a_prefill_worker_holds_decode_there_and_the_rest_is_handed_off(
+    name, model_dirs, prompt  # noqa: F811
+) -> None:
+    """n = 3 on a prefill worker of 2 slots: the two choices it holds would wait on the third for ever; they decode
+    there instead, and the third is handed off once it has its first token. Every choice emits what it does on one
+    engine."""
+    both, prefill, decode_engine = _engines(model_dirs, name, max_num_seqs=2)
+    options = dict(max_tokens=NUM_TOKENS, **SAMPLED)
+    alone = make_request(prompt, **options).model_copy(update={"n": 3})
+    expected = {}
+    for out in outputs_of(run(both, {0: [alone]}), alone):
+        expected.setdefault(out.seq.choice, []).extend(out.tokens)
+    request = make_request(prompt, **options).model_copy(update={"n": 3})
+    prefill.add_request(request)
+    got, handoffs = {}, []
+    for _ in range(MAX_STEPS):
+        if not prefill.has_work():
+            break
+        for out in prefill.step():
+            got.setdefault(out.seq.choice, []).extend(out.tokens)
+        handoffs += prefill.hand_off_ready()
+    else:
+        pytest.fail("the prefill worker stopped making progress")
+    ((seqs, payload),) = handoffs
+    assert [s.choice for s in seqs] == [2]
+    [seq] = seqs
+    progress = ChoiceProgress(index=2, output_token_ids=tuple(seq.output_ids), next_seq_no=seq.target_seq_no)
+    continued = request.model_copy(update={"progress": (progress,), "sampling": seq.sampling})
+    decode_engine.add_request(continued, payload)
+    for out in outputs_of(run(decode_engine, {}), continued):
+        got[2].extend(out.tokens)
+    assert got == expected

@@ -234,9 +234,19 @@ class Scheduler:
         decodes = [
             s for s in self.running
             if not s.is_finished and (not s.is_prefilling or (s.output_ids and id(s) in completing))
-        ] if self.decode else []
+        ] if self.decode else self._stranded(prefills, admitted)
         imports = [s for s in admitted if s.imported is not None]
         return StepPlan(prefills=prefills, chunks=chunks, decodes=decodes, preempted=preempted, imports=imports)
+
+    def _stranded(self, prefills: list[Sequence], admitted: list[Sequence]) -> list[Sequence]:
+        """On a prefill worker, the choices that decode here after all. A request is handed off once every choice
+        has its first token; when nothing is admitted or prefilled while choices still wait (a request's n above
+        the free slots, or too few blocks for all of them), the choices holding slots would wait on their siblings
+        for ever. They decode here instead, until they finish and make room; the rest are handed off after."""
+        if prefills or admitted or not self.waiting:
+            return []
+        waiting = {s.request_id for s in self.waiting}
+        return [s for s in self.running if not s.is_finished and not s.is_prefilling and s.request_id in waiting]
 
     def _orphans(self) -> list[Sequence]:
         """Choices whose leader left before computing the blocks they share: they start over. (The newest are
