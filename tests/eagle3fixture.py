@@ -24,6 +24,7 @@ from services.worker.model.eagle3 import draft_vocabulary
 from services.worker.model.loader import load_model
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (the fixture is used by name)
 from tests.mtpfixture import FIT_PROMPT_LEN, FIT_SEED, _greedy_texts
+from tests.sessioncache import once
 from tests.threadfixture import one_torch_thread
 
 FEATURE_LAYERS = (0, 1, 1)
@@ -55,4 +56,4 @@ def write_eagle3_head(target_dir: Path, out_dir: Path, fit: HeadTrainConfig = FI
 @pytest.fixture(scope="session")
 def eagle3_head_dir(tiny_model_dir: Path) -> Path:  # noqa: F811
     """The tiny Llama's fitted head, at the path method eagle3 looks for by default."""
-    return write_eagle3_head(tiny_model_dir, default_eagle3_dir(tiny_model_dir))
+    return once("eagle3_head_dir", lambda: write_eagle3_head(tiny_model_dir, default_eagle3_dir(tiny_model_dir)))

@@ -16,6 +16,7 @@ import torch
 
 from services.worker.demo_model.tokenizer import END_OF_TEXT, train_tokenizer
 from services.worker.drafting.draft_model import DRAFT_SUFFIX
+from tests.sessioncache import once
 
 TOKENIZER_VOCAB_SIZE = 512
 # A few stdlib modules of different styles: enough text for the BPE merges, read in well under a second.
@@ -90,9 +91,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with a trained byte-level BPE tokenizer, shared by the whole session, and beside
     it its draft model (method draft_model's default, `<dir>-draft`): a copy, so that its drafts are accepted as a
     trained draft model's would be (test_draft_model.py drafts with a different one too)."""
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-    shutil.copytree(path, Path(f"{path}{DRAFT_SUFFIX}"))
-    return path
+    def build() -> Path:
+        path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+        shutil.copytree(path, Path(f"{path}{DRAFT_SUFFIX}"))
+        return path
+
+    return once("tiny_model_dir", build)
 
 
 def make_draft_model_dir(target: Path, path: Path) -> Path:

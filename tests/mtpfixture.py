@@ -20,6 +20,7 @@ from services.worker.model.llama import MTPLayer
 from services.worker.model.loader import load_model
 from services.worker.model.weights import split_projections
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (the fixture is used by name)
+from tests.sessioncache import once
 from tests.threadfixture import one_torch_thread
 
 LAYOUTS = ("specmesh", "deepseek", "mimo")
@@ -111,6 +112,10 @@ def write_mtp_checkpoint(trunk_dir: Path, out_dir: Path, module: dict[str, torch
 @pytest.fixture(scope="session")
 def mtp_model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
     """The tiny Llama with the same fitted MTP module, one checkpoint per layout."""
-    module = fit_mtp_module(tiny_model_dir)
-    root = tmp_path_factory.mktemp("tiny-llama-mtp")
-    return {layout: write_mtp_checkpoint(tiny_model_dir, root / layout, module, layout) for layout in LAYOUTS}
+
+    def build() -> dict[str, Path]:
+        module = fit_mtp_module(tiny_model_dir)
+        root = tmp_path_factory.mktemp("tiny-llama-mtp")
+        return {layout: write_mtp_checkpoint(tiny_model_dir, root / layout, module, layout) for layout in LAYOUTS}
+
+    return once("mtp_model_dirs", build)
