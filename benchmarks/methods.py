@@ -44,6 +44,7 @@ from services.worker.engine.engine import Engine, EngineStats
 from services.worker.model.config import ModelConfig
 from benchmarks.plot import plot
 from services.worker.drafting.draft_model import default_draft_dir
+from services.worker.drafting.eagle3 import default_eagle3_dir
 
 METHODS: dict[str, dict] = {
     "naive": {"method": "naive"},
@@ -55,6 +56,8 @@ METHODS: dict[str, dict] = {
     "mtp+ngram k=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 1, "mtp_strategy": "with_ngram"},
     # The draft model shipped beside the demo model (models/specmesh-demo-draft)
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},
+    # The EAGLE-3 head shipped beside the demo model (models/specmesh-demo-eagle3)
+    "eagle3 k=3": {"method": "eagle3", "num_speculative_tokens": 3},
 }
 # Adaptive speculation matters when the worker is busy, so by default it runs at the largest batch only.
 ADAPTIVE_METHODS: dict[str, dict] = {
@@ -295,6 +298,8 @@ def main() -> None:
                     continue
                 if spec["method"] == "draft_model" and not default_draft_dir(model_dir).is_dir():
                     continue  # no draft model beside this one
+                if spec["method"] == "eagle3" and not default_eagle3_dir(model_dir).is_dir():
+                    continue  # no EAGLE-3 head beside this one
                 run = run_engine(
                     model_dir, name, spec, batch, prompts[: counts[batch]], args.max_tokens, temperature, **engine_args
                 )
