@@ -160,3 +160,44 @@ def test_tokens_already_streamed_count_towards_max_tokens() -> None:
     assert seq.max_new_tokens(MAX_MODEL_LEN) == 1
     assert seq.append([8, 9], MAX_MODEL_LEN) == [8]
     assert seq.finish_reason is FinishReason.LENGTH
+
+
+def _choices(name: str, n: int) -> list[Sequence]:
+    """n choices of one request, as the engine queues them."""
+    seqs = [_seq(name) for _ in range(n)]
+    for choice, seq in enumerate(seqs):
+        seq.choice = choice
+    return seqs
+
+
+def _prefilled(seq: Sequence) -> None:
+    """The sequence's prompt is computed and its first token sampled, as a prefill pass leaves it."""
+    seq.num_computed = seq.prefill_target
+    seq.append([1], MAX_MODEL_LEN)
+
+
+def test_a_prefill_worker_decodes_the_choices_it_holds_only_when_their_siblings_cannot_come_in() -> None:
+    scheduler = Scheduler(max_num_seqs=2, decode=False)
+    choices = _choices("n3", 3)
+    for seq in choices:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert plan.prefills == choices[:2] and plan.decodes == []
+    for seq in choices[:2]:
+        _prefilled(seq)
+    # No slot for the third choice and nothing to prefill: the two it holds decode, or they would wait for ever.
+    assert scheduler.schedule().decodes == choices[:2]
+    _finish(choices[0])
+    scheduler.release_finished()
+    plan = scheduler.schedule()  # the third comes in: prefilling it, the worker decodes nothing
+    assert plan.prefills == [choices[2]] and plan.decodes == []
+
+
+def test_a_prefill_worker_does_not_decode_while_a_waiting_request_is_another_ones() -> None:
+    scheduler = Scheduler(max_num_seqs=1, decode=False)
+    held, other = _seq("held"), _seq("other")
+    scheduler.add(held)
+    scheduler.add(other)
+    scheduler.schedule()
+    _prefilled(held)
+    assert scheduler.schedule().decodes == []  # held waits for no sibling: it is handed off, not decoded
