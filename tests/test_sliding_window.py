@@ -55,13 +55,14 @@ def _drafter(computed_until: int, window: int | None = None) -> SimpleNamespace:
 def test_nothing_is_out_of_reach_where_some_cache_layer_has_no_window() -> None:
     assert window_reach(None) is None
     assert window_reach(WINDOW, draft=_drafter(0, window=None)) is None
+    assert window_reach(WINDOW, mtp=_drafter(0, window=None)) is None  # an EAGLE-3 head's layer
 
 
 def test_the_reach_is_the_lowest_key_any_cache_layers_next_query_sees() -> None:
     seq = _seq(num_computed=20, num_tokens=21)
     assert window_reach(WINDOW)(seq) == 13  # the trunk's next query, at 20, sees 13..20
-    assert window_reach(WINDOW, mtp=_drafter(20))(seq) == 13
-    assert window_reach(WINDOW, mtp=_drafter(15))(seq) == 8  # MTP lags: its next entry is written at 16
+    assert window_reach(WINDOW, mtp=_drafter(20, window=WINDOW))(seq) == 13
+    assert window_reach(WINDOW, mtp=_drafter(15, window=WINDOW))(seq) == 8  # MTP lags: its next entry is written at 16
     assert window_reach(WINDOW, draft=_drafter(21, window=4))(seq) == 13  # it catches up from its last token, 20
     assert window_reach(WINDOW, draft=_drafter(10, window=4))(seq) == 7
     assert window_reach(WINDOW)(_seq(num_computed=20, num_tokens=21, prefill_start=20)) == 0  # nothing computed yet

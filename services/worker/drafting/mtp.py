@@ -140,6 +140,13 @@ class MtpDrafter:
                 0, torch.tensor(blocks, device=device), hidden[torch.tensor(rows, device=device)]
             )
 
+    @property
+    def window(self) -> int | None:
+        """The drafting layer's sliding window: the trunk's for an MTP module; an EAGLE-3 head's layer, a Llama's,
+        has none (it attends to every position)."""
+        model = self.runner.model
+        return model.config.attention_window if model.eagle3 is None else model.eagle3.config.layer.attention_window
+
     def boundary(self, seq: Sequence, position: int) -> Tensor:
         """The trunk's hidden state [hidden] at `position`, the last of one of the sequence's blocks."""
         cache = self.runner.cache

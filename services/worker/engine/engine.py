@@ -101,9 +101,7 @@ class Engine:
         # MTP's and a draft model's cache entries of a prompt are written per sequence and may lag (drafting/): choices
         # of a request share prompt blocks only without them. Under a sliding window, blocks out of every cache
         # layer's reach are let go; a prefill worker keeps them all, for its handoff carries every block.
-        # An EAGLE-3 head's layer (a Llama's) attends to every position: nothing is out of its reach.
-        window = model.config.attention_window if model.eagle3 is None else None
-        reach = window_reach(window, self.mtp, self.draft) if config.role != "prefill" else None
+        reach = window_reach(model.config.attention_window, self.mtp, self.draft) if config.role != "prefill" else None
         self.scheduler = Scheduler(
             config.max_num_seqs, blocks, lookahead, share_prompts=self.mtp is None and self.draft is None,
             max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None,
