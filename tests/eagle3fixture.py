@@ -53,7 +53,11 @@ def write_eagle3_head(target_dir: Path, out_dir: Path, fit: HeadTrainConfig = FI
     return out_dir
 
 
+def head_beside(tiny_model_dir: Path) -> Path:
+    """The tiny Llama's fitted head, at the path method eagle3 looks for by default (fitted once per process)."""
+    return once("eagle3_head_dir", lambda: write_eagle3_head(tiny_model_dir, default_eagle3_dir(tiny_model_dir)))
+
+
 @pytest.fixture(scope="session")
 def eagle3_head_dir(tiny_model_dir: Path) -> Path:  # noqa: F811
-    """The tiny Llama's fitted head, at the path method eagle3 looks for by default."""
-    return once("eagle3_head_dir", lambda: write_eagle3_head(tiny_model_dir, default_eagle3_dir(tiny_model_dir)))
+    return head_beside(tiny_model_dir)

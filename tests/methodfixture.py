@@ -2,8 +2,8 @@
 engine builder, requests, a step loop and its outputs, and transformers' greedy continuation to compare with.
 
 Methods that need no MTP module run on tests/modelfixture.py's tiny Llama (draft_model and eagle3 with the drafters
-beside it); "mtp" and "mtp+with_ngram" run on
-tests/mtpfixture.py's copy of the same trunk with a fitted MTP module, so one reference serves all of them.
+beside it); "mtp" and "mtp+with_ngram" run on tests/mtpfixture.py's copy of the same trunk with a fitted MTP module,
+so one reference serves all of them.
 Import the fixtures by name into a test module (`from tests.methodfixture import ...`).
 """
 
@@ -22,8 +22,8 @@ from services.worker.engine.engine import Engine, SeqOutput
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (fixtures are used by name)
-from tests.modelfixture import tiny_model_dir  # noqa: F401
+from tests.eagle3fixture import head_beside
+from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.mtpfixture import mtp_model_dirs  # noqa: F401
 from tests.threadfixture import single_thread  # noqa: F401
 
@@ -93,10 +93,9 @@ def mtp_model_dir(mtp_model_dirs: dict[str, Path]) -> Path:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def model_dirs(
-    tiny_model_dir: Path, mtp_model_dir: Path, eagle3_head_dir: Path  # noqa: F811
-) -> Callable[[Method], Path]:
+def model_dirs(tiny_model_dir: Path, mtp_model_dir: Path) -> Callable[[Method], Path]:  # noqa: F811
     """The checkpoint a method runs on (eagle3's head lies beside the tiny Llama)."""
+    head_beside(tiny_model_dir)
     return lambda method: mtp_model_dir if method.needs_mtp else tiny_model_dir
 
 

@@ -24,7 +24,6 @@ from tests.test_prefix_caching import long_prompt  # noqa: F401
 from tests.test_reproducibility import (  # noqa: F401
     DISTRIBUTION_MAX_MODEL_LEN, NUM_SEEDS, chi_square_critical, chi_square_homogeneity, looping_prompt, second_tokens,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

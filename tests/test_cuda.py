@@ -31,7 +31,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     tiny_model_dir,
     tokens_of,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

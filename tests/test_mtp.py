@@ -18,7 +18,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     prompts, reference_model, run, single_thread, tiny_model_dir, tokens_alone, tokens_of,
 )
 from tests.mtpfixture import LAYOUTS
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

@@ -23,7 +23,6 @@ from tests.test_reproducibility import (  # noqa: F401  (looping_prompt is a fix
     CHI_SQUARE_TEMPERATURE, CHI_SQUARE_TOP_K, DISTRIBUTION_MAX_MODEL_LEN, NUM_SEEDS, chi_square_critical,
     chi_square_homogeneity, looping_prompt,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

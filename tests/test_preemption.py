@@ -20,7 +20,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHODS, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs, prompts, run,
     single_thread, tiny_model_dir,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 # Sequences of up to 64 positions in blocks of 8: 8 blocks hold one full-length sequence; four sequences of ~10-20
 # prompt and 36 new tokens need ~25.

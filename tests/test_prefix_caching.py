@@ -16,7 +16,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     model_dirs, mtp_model_dir, outputs_of, reference_model, run, tokens_of, tiny_model_dir, mtp_model_dirs,
     single_thread,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

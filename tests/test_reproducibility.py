@@ -23,7 +23,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHOD_NAMES, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir,
     mtp_model_dirs, prompts, reference_model, run, single_thread, tiny_model_dir, tokens_alone, tokens_of,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

@@ -26,7 +26,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES, METHODS, encode_prompts, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,
     outputs_of, reference_model, run, single_thread, tiny_model_dir,
 )
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 pytest.importorskip("transformers")
 

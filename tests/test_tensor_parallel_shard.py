@@ -21,7 +21,6 @@ from services.worker.tensor_parallel.model import ShardedCausalLM, load_shard
 from services.worker.tensor_parallel.shard import shard_config, shard_state
 from shared.config import DEFAULT_MODEL_DIR
 from tests.modelfixture import make_tiny_model_dir
-from tests.eagle3fixture import eagle3_head_dir  # noqa: F401  (model_dirs needs it)
 
 TP = 2
 MAX_MODEL_LEN = 64
