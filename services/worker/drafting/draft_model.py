@@ -24,6 +24,7 @@ from services.worker.drafting.draft_sampling import DraftSampler
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
+from services.worker.model.int8_linear import drafter_in_int8, quantize_draft_model
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model
 from shared.config import EngineConfig
@@ -44,6 +45,8 @@ def load_draft_model(config: EngineConfig, target_vocab_size: int, num_blocks: i
             "--speculative-config)"
         )
     model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
+    if drafter_in_int8(config):
+        quantize_draft_model(model)
     drafter = DraftModelDrafter(
         model, target_vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
     )

@@ -44,7 +44,7 @@ class ForwardBatch:
             host = self.host
             self._spans = plan_spans(
                 host.query_starts.tolist(), host.context_lens.tolist(), host.block_tables.tolist(),
-                self.cache.block_size, self.first_position, group, self.input_ids.device,
+                self.cache.block_size, self.first_position, group, self.input_ids.device, self.cache.keys[0].dtype,
             )
         return self._spans
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model.flat_trunk import FlatShape, attention_plan, layer_pass, layer_weights
+from services.worker.model.flat_trunk import FlatShape, attention_plan, layer_pass, layer_weights, project, projection
 from services.worker.model.llama import CausalLM
 from services.worker.model.rms_norm import rms_norm_torch
 
@@ -37,7 +37,7 @@ class FlatDrafter:
             layer, cfg = model.model.mtp_layers[DRAFT_MODULE], model.local_config
             self.embedding = None
             self.embed_norm, self.feature_norm = layer.enorm.weight, layer.hnorm.weight
-            self.fusion = layer.eh_proj.weight_t  # [2 * hidden, hidden]
+            self.fusion = projection(layer.eh_proj)  # [2 * hidden, hidden]
             self.rotary = model.rotary
         self.shape = FlatShape(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
@@ -59,7 +59,7 @@ class FlatDrafter:
         if self.fusion is None:  # EAGLE-3: the layer's attention reads both; its residual stream starts at g
             h, residual = fused, features
         else:  # MTP: projected back to hidden size, then an ordinary decoder layer
-            residual = fused @ self.fusion
+            residual = project(fused, self.fusion)
             h = rms_norm_torch(residual, self.layer.input_norm, eps)
         cos_sin = self.rotary(positions, batch.max_context_len)
         window, plan = attention_plan(self.shape, self.window, self.region_len, self.layer.keys, batch, h.device)

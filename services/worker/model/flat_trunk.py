@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
+from services.worker.model.int8_linear import Int8Linear
 from services.worker.model.llama import CausalLM
 from services.worker.model.layers import DecoderLayer, normed_heads
 from services.worker.model.paged_attention import (
@@ -38,19 +39,34 @@ from services.worker.model.rotary_apply import apply_rotary_full
 from services.worker.model.silu_mul import silu_and_mul_torch
 
 
+# A projection as the flat pass applies it: a weight stored transposed [in, out] (model/transposed.py), multiplied
+# by, or a drafter's quantized projection (model/int8_linear.py), called.
+Projection = Tensor | Int8Linear
+
+
+def project(x: Tensor, weight: Projection) -> Tensor:
+    return x @ weight if isinstance(weight, Tensor) else weight(x)
+
+
+def projection(linear: nn.Module) -> Projection:
+    """What the flat pass applies for a projection module: a quantized one itself, any other's weight_t (a
+    TransposedLinear's, or the one a tensor-parallel RowParallel wraps, whose sum the pass does itself)."""
+    return linear if isinstance(linear, Int8Linear) else linear.weight_t
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's tensors as the flat pass reads them (projections transposed: model/transposed.py)."""
 
     input_norm: Tensor  # [hidden]
-    qkv: Tensor  # [hidden, (heads + 2 kv_heads) * head_dim]
-    qkv_bias: Tensor | None  # [(heads + 2 kv_heads) * head_dim]: Qwen2's q/k/v biases
+    qkv: Projection  # [hidden, (heads + 2 kv_heads) * head_dim]
+    qkv_bias: Tensor | None  # [(heads + 2 kv_heads) * head_dim]: Qwen2's q/k/v biases (a quantized qkv adds its own)
     q_norm: Tensor | None  # [head_dim]: Qwen3's per-head RMSNorm of queries and keys
     k_norm: Tensor | None
-    o: Tensor  # [heads * head_dim, hidden]
+    o: Projection  # [heads * head_dim, hidden]
     post_norm: Tensor  # [hidden]
-    gate_up: Tensor  # [hidden, 2 * intermediate]
-    down: Tensor  # [intermediate, hidden]
+    gate_up: Projection  # [hidden, 2 * intermediate]
+    down: Projection  # [intermediate, hidden]
     key_cache: Tensor  # this layer's KV cache, and the same read by position
     value_cache: Tensor
     keys: Pool
@@ -80,16 +96,17 @@ class FlatShape:
 def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
     """A decoder layer's tensors in the CPU layout, and its KV-cache layer."""
     index = layer.self_attn.layer_index
+    qkv = projection(layer.self_attn.qkv_proj)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight,
-        qkv=layer.self_attn.qkv_proj.weight_t,
-        qkv_bias=layer.self_attn.qkv_proj.bias,
+        qkv=qkv,
+        qkv_bias=layer.self_attn.qkv_proj.bias if isinstance(qkv, Tensor) else None,
         q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
         k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
-        o=layer.self_attn.o_proj.weight_t,
+        o=projection(layer.self_attn.o_proj),
         post_norm=layer.post_attention_layernorm.weight,
-        gate_up=layer.mlp.gate_up_proj.weight_t,
-        down=layer.mlp.down_proj.weight_t,
+        gate_up=projection(layer.mlp.gate_up_proj),
+        down=projection(layer.mlp.down_proj),
         key_cache=cache.keys[index],
         value_cache=cache.values[index],
         keys=Pool(cache.keys[index], cache.block_size),
@@ -119,7 +136,7 @@ def layer_pass(
     num_tokens = h.shape[0]
     heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     rotated = heads + kv_heads
-    qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
+    qkv = project(h, layer.qkv) if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
     qkv = qkv.view(num_tokens, rotated + kv_heads, head_dim)
     qk = qkv.narrow(1, 0, rotated)
     if layer.q_norm is not None:
@@ -136,11 +153,11 @@ def layer_pass(
             q, layer.keys, layer.values, batch.block_tables, batch.query_starts, batch.context_lens, shape.scale,
             batch.max_query_len, batch.max_context_len, batch.first_position, window,
         )
-    h = attended.view(num_tokens, -1) @ layer.o
+    h = project(attended.view(num_tokens, -1), layer.o)
     if shape.all_reduce is not None:
         h = shape.all_reduce(h)
     h, residual = rms_norm_torch(h, layer.post_norm, shape.eps, residual)
-    x = silu_and_mul_torch(h @ layer.gate_up) @ layer.down
+    x = project(silu_and_mul_torch(project(h, layer.gate_up)), layer.down)
     if shape.all_reduce is not None:
         x = shape.all_reduce(x)
     return x, residual

@@ -65,6 +65,10 @@ class CausalLM(PlainModule):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.local_config.vocab_size, bias=False)
         self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
+        # Quantized copies of the LM head (model/int8_linear.py): a draft model's, which its logits read, and the
+        # one MTP modules draft with (the target's own logits stay exact). None: the head as loaded.
+        self.quantized_head: nn.Module | None = None
+        self.mtp_head: nn.Module | None = None
         # The EAGLE-3 head drafting for this model, and the layers whose inputs its features are made of, in order.
         self.eagle3: Eagle3Head | None = None
         self.feature_layers: tuple[int, ...] = ()
@@ -151,7 +155,8 @@ class CausalLM(PlainModule):
     def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         if self.eagle3 is not None:
             return self.eagle3.logits(hidden)
-        return self._head(self.model.mtp_layers[index].final_layernorm(hidden))
+        normed = self.model.mtp_layers[index].final_layernorm(hidden)
+        return self._head(normed) if self.mtp_head is None else self.mtp_head(normed).float()
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -159,5 +164,10 @@ class CausalLM(PlainModule):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = normed @ self.head_weight_t if self.head_weight_t is not None else normed @ self.head_weight.T
+        if self.quantized_head is not None:
+            logits = self.quantized_head(normed)
+        elif self.head_weight_t is not None:
+            logits = normed @ self.head_weight_t
+        else:
+            logits = normed @ self.head_weight.T
         return logits if logits.dtype == torch.float32 else logits.float()

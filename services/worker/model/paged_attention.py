@@ -135,7 +135,7 @@ def paged_attention_torch(
             spans = partial(
                 plan_spans, query_starts.tolist(), context_lens.tolist(),
                 block_tables[:, : blocks_for(max_context_len, keys.block_size)].tolist(), keys.block_size,
-                first_position, device=q.device,
+                first_position, device=q.device, dtype=q.dtype,
             )
         plan = plan_cpu_attention(
             block_tables.shape[0], max_query_len, max_context_len, spans, group, region_len, keys, q.device
@@ -209,13 +209,19 @@ class SequenceSpan:
     key_start: int  # its keys are the flat slots key_start .. key_stop - 1, when its blocks are one ascending run
     key_stop: int
     slots: Tensor | None  # [1, visible] flat slots otherwise, gathered
-    # [group * count, visible] bool for queries that are the last `count` of more positions, row g * count + i for
-    # query i's head g of each kv head (attend_per_sequence makes those heads rows of one matrix)
+    # [group * count, visible] additive (0 or -inf) for queries that are the last `count` of more positions, row
+    # g * count + i for query i's head g of each kv head (attend_per_sequence makes those heads rows of one matrix)
     mask: Tensor | None
     causal: bool  # every visible position is a query (prefill)
     # A prompt piece after earlier positions (chunked prefill, or past a cached prefix): its queries are the last
     # `count` positions and there are more than GATHER_MAX_QUERY_LEN of them; attended by attend_after_prefix
     piece: bool = False
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask -> SDPA's additive form, 0 where allowed and -inf elsewhere. Made once per pass: SDPA converts
+    a bool mask in every call, one per layer, which cost a demo-model verify pass ~25 us."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def plan_spans(
@@ -226,9 +232,11 @@ def plan_spans(
     first_position: int,
     group: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> list[SequenceSpan]:
     """The spans of a pass from its host-side integers: query offsets [B + 1], context lengths [B] and each
-    sequence's blocks (at least those its context covers); `group` query heads share each kv head."""
+    sequence's blocks (at least those its context covers); `group` query heads share each kv head; masks in the
+    queries' `dtype`."""
     spans = []
     for b, context in enumerate(context_lens):
         end = query_starts[b + 1]
@@ -248,7 +256,7 @@ def plan_spans(
             piece = GATHER_MAX_QUERY_LEN < count < visible and FLASH_WITH_LSE is not None
             if 1 < count < visible and not piece:  # the last `count` positions: causal, diagonal moved right
                 lower = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
-                mask = lower.repeat(group, 1)
+                mask = additive_mask(lower.expand(group, count, visible), dtype).view(group * count, visible)
         spans.append(SequenceSpan(
             end, count, num_queries - count, key_start, key_stop, slots, mask, causal=1 < count == visible,
             piece=piece,
@@ -341,12 +349,13 @@ class HomePass:
     # [T] each packed token's row among the padded ones (region-major); None when that is the identity (one query
     # per sequence, regions in order)
     token_rows: Tensor | None
-    mask: Tensor  # [num_regions, 1, group * queries_per_region, max_context] bool, rows head-in-group major
+    mask: Tensor  # [num_regions, 1, group * queries_per_region, max_context] additive, rows head-in-group major
     max_context: int
 
 
 def plan_home_pass(
-    spans: Seq[SequenceSpan], region_len: int, num_positions: int, group: int, device: torch.device
+    spans: Seq[SequenceSpan], region_len: int, num_positions: int, group: int, device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> HomePass | None:
     """The one-call plan for a pass, or None when a sequence does not start a home region, has more than
     GATHER_MAX_QUERY_LEN queries or queries that see no key, or the regions between them are mostly idle (each idle
@@ -372,7 +381,8 @@ def plan_home_pass(
         token_rows.extend(range(row, row + span.count))
     max_context = max(span.key_stop - span.key_start for span in spans)
     visible = torch.arange(max_context, device=device) <= torch.tensor(limits, device=device)[:, :, None]
-    mask = visible[:, None].expand(num_regions, group, per_region, max_context).reshape(num_regions, 1, -1, max_context)
+    mask = additive_mask(visible[:, None].expand(num_regions, group, per_region, max_context), dtype)
+    mask = mask.view(num_regions, 1, -1, max_context)
     identity = token_rows == list(range(num_regions * per_region))
     return HomePass(
         first, num_regions, region_len, per_region,
@@ -399,7 +409,7 @@ def plan_cpu_attention(
         return None
     planned = spans(group) if callable(spans) else spans
     if short_runs:
-        home = plan_home_pass(planned, region_len, keys.flat.shape[1], group, device)
+        home = plan_home_pass(planned, region_len, keys.flat.shape[1], group, device, keys.flat.dtype)
         if home is not None:
             return home
         if gathering_pays(num_seqs, max_query_len, max_context_len):

@@ -24,12 +24,13 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import HIDDEN_STATE_DRAFTERS, EngineConfig
 from services.cpu_affinity import pin
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.drafting.eagle3 import attach_eagle3
 from services.worker.engine.runner import ModelRunner, inference
 from services.worker.model.config import ModelConfig
+from services.worker.model.int8_linear import drafter_in_int8, quantize_hidden_state_drafter
 from services.worker.model.loader import load_model
 from services.worker.tensor_parallel.errors import RankFailed
 from services.worker.tensor_parallel.follower import LOADED, follower_main
@@ -51,6 +52,8 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
         model = load_model(config.model, dtype, config.device, config.load_format, config.max_model_len)
         if config.speculative.method == "eagle3":
             attach_eagle3(config, model)
+        if config.speculative.method in HIDDEN_STATE_DRAFTERS and drafter_in_int8(config):
+            quantize_hidden_state_drafter(model)  # before the runner reads the drafting layer's weights
         return ModelRunner(
             model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
         )
