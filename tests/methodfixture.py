@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.worker.engine.engine import Engine, SeqOutput
-from shared.config import EngineConfig, SpeculativeConfig
+from shared.config import MODEL_DRAFTERS, EngineConfig, SpeculativeConfig
 from shared.schemas import ChoiceProgress, SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.eagle3fixture import head_beside
@@ -63,10 +63,12 @@ class Method:
     def config(self, **overrides) -> SpeculativeConfig:
         """The method's config, with a fixed number of drafts: these tests check what drafting does, which adaptive
         speculation (on by default for ngram and suffix) would thin by the step timings. Overrides replace any key,
-        num_speculative_tokens and adaptive included."""
+        num_speculative_tokens and adaptive included. A model drafter's chains are not cut by confidence either."""
         keys = dict(
             method=self.method, num_speculative_tokens=self.num_speculative_tokens, adaptive=False, **self.options
         )
+        if self.method in MODEL_DRAFTERS:
+            keys["min_draft_confidence"] = 0.0
         return SpeculativeConfig(**(keys | overrides))
 
 

@@ -68,6 +68,7 @@ class DraftModelDrafter:
         self.vocab_size = target_vocab_size
         self.real_q = True  # False: drafts are verified as point masses (SpeculativeConfig.draft_q)
         self.grammars: Grammars | None = None  # set by the engine at its first constrained request
+        self.min_confidence = 0.0  # a chain stops after a draft less likely than this (SpeculativeConfig)
         self._computed = [0] * max_num_seqs  # by slot: positions below this hold the sequence's tokens
         self._owner: list[tuple[str, int] | None] = [None] * max_num_seqs  # by slot: (sequence, its admission)
 
@@ -126,6 +127,9 @@ class DraftModelDrafter:
                 probs[row].append(None if q is None else q[i])
                 reports[row].append(report[i])
             more = remaining[rows] > j + 1
+            if self.min_confidence > 0:
+                sure = torch.tensor(sampler.confidence(logits, chosen), device=device) >= self.min_confidence
+                more &= sure
             if not bool(more.any()):
                 break
             rows, chosen = rows[more], chosen[more]

@@ -50,6 +50,13 @@ class DraftSampler:
         self._record(rows, chosen)
         return chosen, q, report
 
+    @staticmethod
+    def confidence(logits: Tensor, chosen: Tensor) -> list[float]:
+        """Each draft's probability under the drafter's own distribution (its logits [A, vocab] at temperature 1,
+        before any request's sampling), the EAGLE-2 estimate of how likely the target is to accept it. A function
+        of the request's own tokens alone, so a chain cut by it is cut the same in any batch."""
+        return logits.softmax(dim=-1).gather(1, chosen[:, None])[:, 0].tolist()
+
     def _record(self, rows: Tensor, chosen: Tensor) -> None:
         if self.grammars is not None:  # only a grammar reads the drafts so far
             for row, token in zip(rows.tolist(), chosen.tolist()):

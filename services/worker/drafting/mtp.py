@@ -80,6 +80,7 @@ class MtpDrafter:
         self._lag: dict[int, Lag] = {}  # by cache slot
         self._end = [0] * max_num_seqs  # by cache slot: the module's entries are written below this position
         self.grammars: Grammars | None = None  # set by the engine at its first constrained request
+        self.min_confidence = 0.0  # a chain stops after a draft less likely than this (SpeculativeConfig)
 
     def catch_up(
         self,
@@ -253,6 +254,11 @@ class MtpDrafter:
             if q is not None:
                 self._probs[slot_ids, j] = q
             self._report[slot_ids, j] = report
+            if self.min_confidence > 0:
+                for r, confidence in zip(rows, sampler.confidence(logits, chosen)):
+                    if confidence < self.min_confidence and num_steps[r] > j + 1:
+                        num_steps[r] = j + 1
+                        self._count[seqs[r].slot] = j + 1
             going = [i for i, r in enumerate(rows) if num_steps[r] > j + 1]
             if not going:
                 break

@@ -86,6 +86,9 @@ class Engine:
         # A prefill worker never drafts: it loads no draft model (the decode worker's catches up on its own).
         drafting_model = spec.method == "draft_model" and config.role != "prefill"
         self.draft = load_draft_model(config, self.vocab_size, num_blocks) if drafting_model else None
+        for drafter in (self.mtp, self.draft):
+            if drafter is not None:
+                drafter.min_confidence = spec.min_draft_confidence
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0
