@@ -60,10 +60,11 @@ class SpeculativeConfig(BaseModel):
     # How a model drafter's (mtp, draft_model) drafts are verified: against their real q (the default), or as point
     # masses (q(x) = 1), as most servers do; lossless either way, the real q accepts more when sampling (seed 003)
     draft_q: Literal["model", "point_mass"] = "model"
-    # How a model drafter's weights are stored: "int8", weight-only with a scale per output row
-    # (services/worker/model/int8_linear.py), whose projections ran 2.2-2.8x faster than float32 ones on the CPU;
-    # "none", as loaded. "auto" (the default): int8 for a CPU engine not split over ranks, as loaded elsewhere.
-    # Lossless either way: drafts only propose, and q is the drafter's own, quantized or not.
+    # "int8": drafting passes of greedy requests read int8 twins of the model drafter's weights, one scale per output
+    # row (services/worker/model/int8_linear.py: 2.2-2.8x faster projections on the CPU), for their logits and the
+    # chain passes after the first draft; sampled requests and catch-up passes keep the float weights, so seeded
+    # samples and cached drafter entries are what they were. "none": float throughout. "auto" (the default): int8
+    # for a CPU engine not split over ranks, none elsewhere. Lossless either way: drafts only propose.
     draft_quantization: Literal["auto", "none", "int8"] = "auto"
     # A model drafter stops a sequence's chain after a draft whose probability under its own distribution (at
     # temperature 1) is below this, as EAGLE-2 sizes its drafts: an unlikely draft is likely rejected, and the

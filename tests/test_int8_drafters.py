@@ -1,20 +1,20 @@
-"""Int8 drafters (SpeculativeConfig.draft_quantization, model/int8_linear.py): the projection multiplies by its
-dequantized weight, widths the kernel cannot take stay float, CPU engines quantize their model drafter (never the
-target) unless told not to, the output stays the target's, and the key is refused where it means nothing."""
+"""Int8 drafting (SpeculativeConfig.draft_quantization, model/int8_linear.py): the projection multiplies by its
+dequantized weight, widths the kernel cannot take get no twin, CPU engines build int8 twins of their model drafter
+(never of the target), greedy output stays the target's, sampled requests' seeded output is the float drafter's
+exactly, and the key is refused where it means nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from pydantic import ValidationError
-from torch import nn
 
 from shared.config import EngineConfig, SpeculativeConfig
 from services.worker.engine.engine import Engine
-from services.worker.model.int8_linear import INPUT_BLOCK, INT8_MAX, Int8Linear, quantize_projections
+from services.worker.model.int8_linear import INPUT_BLOCK, INT8_MAX, Int8Linear, int8_twin
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    GREEDY, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs, prompts,
-    reference_model, run, tiny_model_dir, tokens_of,
+    GREEDY, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,
+    outputs_of, prompts, reference_model, run, tiny_model_dir, tokens_of,
 )
 
 pytest.importorskip("transformers")
@@ -40,38 +40,56 @@ def test_int8_linear_multiplies_by_its_dequantized_weight(out_features: int, in_
         assert torch.equal(linear(x[:1]), got[:1])  # a row's result does not depend on the rows beside it
 
 
-def test_widths_the_kernel_cannot_take_stay_float() -> None:
-    module = nn.Sequential(nn.Linear(2 * INPUT_BLOCK, 8), nn.Linear(INPUT_BLOCK + 8, 8))
-    quantize_projections(module)
-    assert isinstance(module[0], Int8Linear)
-    assert isinstance(module[1], nn.Linear)
+def test_widths_the_kernel_cannot_take_get_no_twin() -> None:
+    assert isinstance(int8_twin(torch.randn(8, 2 * INPUT_BLOCK)), Int8Linear)
+    assert int8_twin(torch.randn(8, INPUT_BLOCK + 8)) is None
 
 
-def _int8_modules(engine: Engine) -> list[nn.Module]:
-    models = [engine.runner.model] + ([engine.draft.runner.model] if engine.draft is not None else [])
-    return [m for model in models for m in model.modules() if isinstance(m, Int8Linear)]
+def _twins(engine: Engine) -> list[Int8Linear]:
+    """Every int8 twin the engine built: its drafting layer's (or a draft model's layers') and LM heads'."""
+    runner = engine.runner if engine.draft is None else engine.draft.runner
+    layers = runner.trunk.quantized_layers if engine.draft is not None else [runner.drafter.quantized_layer]
+    heads = [runner.model.int8_head] + ([runner.model.eagle3.int8_lm_head] if runner.model.eagle3 is not None else [])
+    found = [w for layer in layers or [] if layer is not None for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [w for w in found + heads if isinstance(w, Int8Linear)]
+
+
+def _sampled(prompts: list[list[int]]) -> list:
+    return [
+        make_request(p, max_tokens=24, temperature=1.0, seed=7 + i, ignore_eos=True, logprobs=0,
+                     include_draft_logprobs=True)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _draft_logprobs(steps, request) -> list:
+    return [out.draft.logprobs.tolist() for out in outputs_of(steps, request) if out.draft_tokens]
 
 
 @pytest.mark.parametrize("name", MODEL_DRAFTERS)
-def test_a_cpu_engine_drafts_in_int8_and_keeps_the_targets_output(
+def test_greedy_requests_draft_in_int8_and_sampled_ones_as_loaded(
     name, model_dirs, prompts, greedy_reference  # noqa: F811
 ) -> None:
     method = METHODS[name]
     engine = make_engine(model_dirs(method), method)
     assert engine.config.quantizes_drafter
-    assert _int8_modules(engine)
+    assert _twins(engine)
     target_layer = engine.runner.trunk.layers[0]
     assert all(isinstance(w, torch.Tensor) for w in (target_layer.qkv, target_layer.o, target_layer.down))
-    if name == "draft_model":
-        assert isinstance(engine.draft.runner.trunk.layers[0].gate_up, Int8Linear)
-    else:
-        assert isinstance(engine.runner.drafter.layer.gate_up, Int8Linear)
-    request = make_request(prompts[0], max_tokens=24, **GREEDY)
-    assert tokens_of(run(engine, {0: [request]}), request) == greedy_reference(prompts[0], 24)
+    greedy = make_request(prompts[0], max_tokens=24, **GREEDY)
+    assert tokens_of(run(engine, {0: [greedy]}), greedy) == greedy_reference(prompts[0], 24)
     assert engine.stats.num_accepted_tokens > 0
 
     as_loaded = make_engine(model_dirs(method), method, draft_quantization="none")
-    assert not as_loaded.config.quantizes_drafter and not _int8_modules(as_loaded)
+    assert not as_loaded.config.quantizes_drafter and not _twins(as_loaded)
+    # sampled passes read the float weights: q, as draft_logprobs report it, and the seeded tokens are the float
+    # drafter's, bit for bit
+    sampled, reference = _sampled(prompts[:2]), _sampled(prompts[:2])
+    steps, reference_steps = run(engine, {0: sampled}), run(as_loaded, {0: reference})
+    for request, expected in zip(sampled, reference):
+        assert tokens_of(steps, request) == tokens_of(reference_steps, expected)
+        assert _draft_logprobs(steps, request) == _draft_logprobs(reference_steps, expected)
+        assert _draft_logprobs(steps, request)
 
 
 def test_the_key_is_resolved_and_refused_by_name() -> None:

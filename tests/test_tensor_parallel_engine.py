@@ -59,10 +59,7 @@ def split_engine() -> Iterator[Callable[[str], Engine]]:
 
 @pytest.mark.parametrize("method", TP_METHODS)
 def test_two_ranks_give_the_tokens_of_one(method: str, split_engine) -> None:
-    # A split engine's MTP drafts in float32 (draft_quantization "auto" quantizes an unsplit CPU engine's alone), and
-    # seeded samples follow q: the whole model drafting in float32 is the one to match.
-    options = {"draft_quantization": "none"} if method == "mtp" else {}
-    whole = _tokens(make_engine(Path(EngineConfig().model), METHODS[method], **options))
+    whole = _tokens(make_engine(Path(EngineConfig().model), METHODS[method]))
     engine = split_engine(method)
     assert isinstance(engine.runner, LeaderRunner)
     assert _tokens(engine) == whole

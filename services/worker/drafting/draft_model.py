@@ -24,7 +24,7 @@ from services.worker.drafting.draft_sampling import DraftSampler
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
-from services.worker.model.int8_linear import drafter_in_int8, quantize_draft_model
+from services.worker.model.int8_linear import drafter_in_int8
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model
 from shared.config import EngineConfig
@@ -45,11 +45,12 @@ def load_draft_model(config: EngineConfig, target_vocab_size: int, num_blocks: i
             "--speculative-config)"
         )
     model = load_model(path, getattr(torch, config.dtype), config.device, config.load_format, config.max_model_len)
-    if drafter_in_int8(config):
-        quantize_draft_model(model)
     drafter = DraftModelDrafter(
         model, target_vocab_size, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks
     )
+    if drafter_in_int8(config):
+        drafter.runner.quantize_drafting(whole_model=True)
+        drafter.int8 = True
     drafter.real_q = config.speculative.draft_q == "model"
     return drafter
 
@@ -69,6 +70,8 @@ class DraftModelDrafter:
         self.real_q = True  # False: drafts are verified as point masses (SpeculativeConfig.draft_q)
         self.grammars: Grammars | None = None  # set by the engine at its first constrained request
         self.min_confidence = 0.0  # a chain stops after a draft less likely than this (SpeculativeConfig)
+        # Whether greedy requests' logits and chain passes go through the int8 twins (ModelRunner.quantize_drafting)
+        self.int8 = False
         self._computed = [0] * max_num_seqs  # by slot: positions below this hold the sequence's tokens
         self._owner: list[tuple[str, int] | None] = [None] * max_num_seqs  # by slot: (sequence, its admission)
 
@@ -113,8 +116,10 @@ class DraftModelDrafter:
             self.reset(seq, seq.num_tokens)
         device = self.runner.device
         last = torch.from_numpy(np.asarray(batch.last_rows)).to(device)
-        logits = self._logits(hidden[last])  # [A, vocab]
         sampler = DraftSampler(chosen_seqs, device, self.grammars)
+        # int8 only where nothing depends on it: greedy drafts, and what the next catch-up overwrites
+        quantized = self.int8 and sampler.all_greedy
+        logits = self._logits(hidden[last], quantized)  # [A, vocab]
         rows = torch.arange(len(chosen_seqs), device=device)
         tokens: list[list[int]] = [[] for _ in chosen_seqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in chosen_seqs]
@@ -135,18 +140,18 @@ class DraftModelDrafter:
             rows, chosen = rows[more], chosen[more]
             hidden, _ = self.runner.forward(
                 [[t] for t in chosen.tolist()], [chosen_seqs[r].num_tokens + j for r in rows.tolist()],
-                [chosen_seqs[r].slot for r in rows.tolist()],
+                [chosen_seqs[r].slot for r in rows.tolist()], quantized=quantized,
             )
-            logits = self._logits(hidden)
+            logits = self._logits(hidden, quantized)
         for row, b in enumerate(active):
             # None: verified as point masses (greedy drafts are; draft_q "point_mass" makes every draft one)
             q = torch.stack(probs[row]) if self.real_q and probs[row][0] is not None else None
             drafts[b] = Draft(tokens[row], q, torch.stack(reports[row]))
         return drafts
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, quantized: bool) -> torch.Tensor:
         """The draft model's logits over the target's vocabulary (ids past its own get -inf)."""
-        logits = self.runner.logits(hidden)  # [A, draft vocab]
+        logits = self.runner.logits(hidden, quantized=quantized)  # [A, draft vocab]
         if logits.shape[-1] == self.vocab_size:
             return logits
         padded = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))

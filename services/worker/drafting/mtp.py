@@ -81,6 +81,8 @@ class MtpDrafter:
         self._end = [0] * max_num_seqs  # by cache slot: the module's entries are written below this position
         self.grammars: Grammars | None = None  # set by the engine at its first constrained request
         self.min_confidence = 0.0  # a chain stops after a draft less likely than this (SpeculativeConfig)
+        # Whether greedy requests' logits and chain passes go through the int8 twins (ModelRunner.quantize_drafting)
+        self.int8 = False
 
     def catch_up(
         self,
@@ -240,10 +242,12 @@ class MtpDrafter:
             return
         device = self.runner.device
         sampler = DraftSampler(seqs, device, self.grammars)
+        # int8 only where nothing depends on it: greedy drafts, and what the next catch-up overwrites
+        quantized = self.int8 and sampler.all_greedy
         if len(rows) < len(seqs):
             hidden = hidden[torch.tensor(rows, device=device)]
         for j in range(max(num_steps)):
-            logits = self.runner.mtp_logits(DRAFT_MODULE, hidden)  # [A, vocab]
+            logits = self.runner.mtp_logits(DRAFT_MODULE, hidden, quantized=quantized)  # [A, vocab]
             chosen, q, report = sampler.step(logits, torch.tensor(rows, device=device), j)
             tokens = chosen.tolist()
             slots = [seqs[r].slot for r in rows]
@@ -267,7 +271,7 @@ class MtpDrafter:
                 rows, tokens = [rows[i] for i in going], [tokens[i] for i in going]
             hidden = self.runner.mtp_forward(
                 DRAFT_MODULE, hidden, [[t] for t in tokens], [seqs[r].num_tokens + j for r in rows],
-                [seqs[r].slot for r in rows],
+                [seqs[r].slot for r in rows], quantized=quantized,
             )
 
     def pending(self, seq: Sequence, limit: int) -> Draft:

@@ -89,6 +89,8 @@ class Engine:
         for drafter in (self.mtp, self.draft):
             if drafter is not None:
                 drafter.min_confidence = spec.min_draft_confidence
+        if self.mtp is not None:
+            self.mtp.int8 = self.runner.drafter is not None and self.runner.drafter.quantized_layer is not None
         # A step writes a sequence's drafts past its tokens, and MTP drafting its self-fed entries past those.
         # A constrained sequence may draft the tokens its grammar forces, up to MAX_FORCED_DRAFTS, whatever the method.
         self._max_forced = MAX_FORCED_DRAFTS if spec.grammar_drafts else 0

@@ -15,6 +15,7 @@ from services.worker.engine.forward_batch import ForwardBatch, InputBuffers, pac
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.flat_drafter import DRAFT_MODULE, FlatDrafter
 from services.worker.model.flat_trunk import FlatTrunk
+from services.worker.model.int8_linear import int8_twin
 from services.worker.model.llama import CausalLM
 
 P = ParamSpec("P")
@@ -87,20 +88,42 @@ class ModelRunner:
     def pack(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], first_position: int = 0) -> ForwardBatch:
         return pack(self.cache, rows, starts, slots, self.buffers, first_position)
 
+    def quantize_drafting(self, whole_model: bool = False) -> None:
+        """Builds the int8 twins (model/int8_linear.py) that drafting passes of greedy requests may ask for: the
+        drafting layer's and its LM head's (MTP module or EAGLE-3 head), or, for a draft model (whole_model), every
+        layer's and the LM head's. Only where the flat CPU passes run; the float weights stay."""
+        model = self.model
+        if whole_model:
+            if isinstance(self.trunk, FlatTrunk):
+                self.trunk.quantize()
+            model.int8_head = int8_twin(model.head_weight_t.t()) if model.head_weight_t is not None else None
+            return
+        if self.drafter is not None:
+            self.drafter.quantize()
+        if model.eagle3 is not None:
+            model.eagle3.int8_lm_head = int8_twin(model.eagle3.lm_head.weight_t.t())  # the CPU layout's
+        elif model.head_weight_t is not None:
+            model.int8_head = int8_twin(model.head_weight_t.t())
+
     @inference
-    def forward(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]) -> tuple[torch.Tensor, ForwardBatch]:
+    def forward(
+        self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], quantized: bool = False
+    ) -> tuple[torch.Tensor, ForwardBatch]:
         """Feeds rows[b] at positions starts[b].. of slot slots[b]; returns the hidden states [T, hidden] of every
-        token, packed (sequence b's rows are batch.host_query_starts[b]..), and the batch."""
+        token, packed (sequence b's rows are batch.host_query_starts[b]..), and the batch. quantized: through the
+        flat trunk's int8 twins (a draft model's chain passes, quantize_drafting)."""
         host = pack_host(self.cache, rows, starts, slots)
         shape = self.graphs.shape_for(host) if self.graphs is not None else None
         if shape is not None:
             return self.graphs.run(host, shape)
         batch = to_device(self.cache, host, self.buffers)
+        if isinstance(self.trunk, FlatTrunk):
+            return self.trunk(batch.input_ids, batch.positions, batch, quantized), batch
         return self.trunk(batch.input_ids, batch.positions, batch), batch
 
     @inference
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+    def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        return self.model.logits(hidden, quantized)
 
     @inference
     def draft_features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,16 +132,18 @@ class ModelRunner:
 
     @inference
     def mtp_forward(
-        self, index: int, prev_hidden: torch.Tensor, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]
+        self, index: int, prev_hidden: torch.Tensor, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int],
+        quantized: bool = False,
     ) -> torch.Tensor:
         """MTP module `index` (or the EAGLE-3 head) over rows[b] at positions starts[b].., each token paired with its
         row of prev_hidden [T, feature] (the drafter's feature at the position before it, packed like the tokens);
-        returns the module's hidden states [T, feature]."""
+        returns the module's hidden states [T, feature]. quantized: through the flat drafter's int8 twins (a chain
+        pass of greedy requests, quantize_drafting)."""
         batch = self.pack(rows, starts, slots, first_position=MTP_FIRST_POSITION)
         if self.drafter is not None and index == DRAFT_MODULE:
-            return self.drafter(prev_hidden, batch.input_ids, batch.positions, batch)
+            return self.drafter(prev_hidden, batch.input_ids, batch.positions, batch, quantized)
         return self.model.mtp_forward(index, prev_hidden, batch.input_ids, batch.positions, batch)
 
     @inference
-    def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.mtp_logits(index, hidden)
+    def mtp_logits(self, index: int, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        return self.model.mtp_logits(index, hidden, quantized)

@@ -145,6 +145,7 @@ class Eagle3Head(PlainModule):
         self.rotary = Rotary(cfg.layer)
         # The target ids of the draft vocabulary, in draft order (None: the draft vocabulary is the target's).
         self.target_ids: torch.Tensor | None = None
+        self.int8_lm_head: nn.Module | None = None  # lm_head's int8 twin (model/int8_linear.py), when built
 
     def map_vocabulary(self) -> None:
         """Reads d2t into target_ids, refusing a map that leaves the vocabulary or sends two drafts to one token."""
@@ -173,9 +174,11 @@ class Eagle3Head(PlainModule):
         num_positions = batch.max_context_len if batch is not None else int(positions.max()) + 1
         return self.midlayer(embeds, features, self.rotary(positions, num_positions), batch)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """a [..., hidden] -> logits [..., target vocab] in float32, -inf at tokens outside the draft vocabulary."""
-        draft_logits = self.lm_head(self.norm(hidden)).float()  # [..., draft vocab]
+    def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        """a [..., hidden] -> logits [..., target vocab] in float32, -inf at tokens outside the draft vocabulary
+        (quantized: through lm_head's int8 twin, when built)."""
+        lm_head = self.int8_lm_head if quantized and self.int8_lm_head is not None else self.lm_head
+        draft_logits = lm_head(self.norm(hidden)).float()  # [..., draft vocab]
         if self.target_ids is None:
             return draft_logits
         logits = draft_logits.new_full((*draft_logits.shape[:-1], self.config.layer.vocab_size), float("-inf"))

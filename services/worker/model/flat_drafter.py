@@ -15,7 +15,10 @@ from torch import Tensor
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model.flat_trunk import FlatShape, attention_plan, layer_pass, layer_weights, project, projection
+from services.worker.model.flat_trunk import (
+    FlatShape, LayerWeights, Projection, attention_plan, layer_pass, layer_weights, project, projection, quantize_layer,
+)
+from services.worker.model.int8_linear import int8_twin
 from services.worker.model.llama import CausalLM
 from services.worker.model.rms_norm import rms_norm_torch
 
@@ -47,21 +50,35 @@ class FlatDrafter:
         self.region_len = cache.region_len
         self.target_embed = model.embed
         self.layer = layer_weights(layer, cache)
+        self.quantized_layer: LayerWeights | None = None  # int8 twins (quantize)
+        self.quantized_fusion: Projection | None = None
 
-    def __call__(self, features: Tensor, next_ids: Tensor, positions: Tensor, batch: ForwardBatch) -> Tensor:
+    def quantize(self) -> None:
+        """Builds the int8 twins of the layer's projections and of MTP's fusion, for passes that ask for them."""
+        self.quantized_layer = quantize_layer(self.layer)
+        if self.fusion is not None:
+            self.quantized_fusion = int8_twin(self.fusion.t()) or self.fusion
+
+    def __call__(
+        self, features: Tensor, next_ids: Tensor, positions: Tensor, batch: ForwardBatch, quantized: bool = False
+    ) -> Tensor:
         """features [T, hidden] at position p - 1 (the trunk's, or the drafter's own output), next_ids and positions
-        [T] of the tokens at p -> the drafter's hidden states [T, hidden]."""
+        [T] of the tokens at p -> the drafter's hidden states [T, hidden]. quantized: through the int8 twins, when
+        they were built."""
+        quantized = quantized and self.quantized_layer is not None
+        layer = self.quantized_layer if quantized else self.layer
+        fusion = self.quantized_fusion if quantized else self.fusion
         embeds = self.target_embed(next_ids) if self.embedding is None else F.embedding(next_ids, self.embedding)
         eps = self.shape.eps
         fused = torch.cat(
             (rms_norm_torch(embeds, self.embed_norm, eps), rms_norm_torch(features, self.feature_norm, eps)), dim=-1
         )
-        if self.fusion is None:  # EAGLE-3: the layer's attention reads both; its residual stream starts at g
+        if fusion is None:  # EAGLE-3: the layer's attention reads both; its residual stream starts at g
             h, residual = fused, features
         else:  # MTP: projected back to hidden size, then an ordinary decoder layer
-            residual = project(fused, self.fusion)
-            h = rms_norm_torch(residual, self.layer.input_norm, eps)
+            residual = project(fused, fusion)
+            h = rms_norm_torch(residual, layer.input_norm, eps)
         cos_sin = self.rotary(positions, batch.max_context_len)
-        window, plan = attention_plan(self.shape, self.window, self.region_len, self.layer.keys, batch, h.device)
-        x, residual = layer_pass(h, residual, self.layer, self.shape, cos_sin, window, plan, batch)
+        window, plan = attention_plan(self.shape, self.window, self.region_len, layer.keys, batch, h.device)
+        x, residual = layer_pass(h, residual, layer, self.shape, cos_sin, window, plan, batch)
         return x + residual

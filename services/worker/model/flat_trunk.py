@@ -13,6 +13,7 @@ on one thread (1.72 -> 1.55 ms).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.kv_write import write_kv_torch
-from services.worker.model.int8_linear import Int8Linear
+from services.worker.model.int8_linear import Int8Linear, int8_twin
 from services.worker.model.llama import CausalLM
 from services.worker.model.layers import DecoderLayer, normed_heads
 from services.worker.model.paged_attention import (
@@ -114,6 +115,23 @@ def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
     )
 
 
+def quantize_layer(layer: LayerWeights) -> LayerWeights:
+    """The layer with its projections' int8 twins (model/int8_linear.py) where the kernel takes their widths; the
+    same norms and cache."""
+
+    def twin(weight: Projection, bias: Tensor | None = None) -> Projection:
+        if not isinstance(weight, Tensor):
+            return weight
+        quantized = int8_twin(weight.t(), bias)
+        return weight if quantized is None else quantized
+
+    qkv = twin(layer.qkv, layer.qkv_bias)
+    return dataclasses.replace(
+        layer, qkv=qkv, qkv_bias=layer.qkv_bias if isinstance(qkv, Tensor) else None, o=twin(layer.o),
+        gate_up=twin(layer.gate_up), down=twin(layer.down),
+    )
+
+
 def attention_plan(
     shape: FlatShape, window: int | None, region_len: int | None, pool: Pool, batch: ForwardBatch, device: torch.device
 ) -> tuple[int | None, HomePass | list | None]:
@@ -180,11 +198,16 @@ class FlatTrunk:
         self.rotary = model.rotary
         self.feature_layers = model.feature_layers  # an EAGLE-3 head's (CausalLM.forward)
         self.layers = [layer_weights(layer, cache) for layer in model.model.layers]
+        self.quantized_layers: list[LayerWeights] | None = None  # a draft model's int8 twins (quantize)
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, batch: ForwardBatch) -> Tensor:
+    def quantize(self) -> None:
+        """Builds the int8 twins of every layer's projections, for passes that ask for them (a draft model's)."""
+        self.quantized_layers = [quantize_layer(layer) for layer in self.layers]
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, batch: ForwardBatch, quantized: bool = False) -> Tensor:
         """input_ids, positions [T] packed -> the last layer's hidden states [T, hidden], before the final norm, and
         an EAGLE-3 head's layer inputs after them when one is attached: CausalLM.forward's result for the same
-        batch."""
+        batch. quantized: through the int8 twins, when they were built."""
         x = self.embed(input_ids)  # [T, hidden]
         if input_ids.shape[0] == 0:
             return x.new_zeros(0, x.shape[1] * (1 + len(self.feature_layers)))
@@ -193,7 +216,8 @@ class FlatTrunk:
         window, plan = attention_plan(shape, self.window, self.region_len, self.layers[0].keys, batch, x.device)
         residual = None
         feature_layers, layer_inputs = self.feature_layers, {}
-        for index, layer in enumerate(self.layers):
+        layers = self.quantized_layers if quantized and self.quantized_layers is not None else self.layers
+        for index, layer in enumerate(layers):
             if index in feature_layers:
                 layer_inputs[index] = x if residual is None else x + residual
             if residual is None:

@@ -4,19 +4,23 @@ A drafting pass on the CPU is bound by streaming its weights from memory: one EA
 7.3 MB of float32 per pass, half of what the whole 4-layer target reads, and the 3072-token LM head alone 3 MB. Stored
 as int8 rows with one scale each, a projection reads a quarter of that, and torch's int8 matrix product over bfloat16
 activations ran 2.2-2.8x faster than the float32 one (1 thread, cold weights: 256 x 3072 at one row 51 against 119 us,
-256 x 1408 23 against 54 us). Drafts only propose: verification keeps the output exactly the target's whatever the
-drafter computes, and q is the quantized drafter's own distribution, the one drafts are drawn from, verified against
-and reported in draft_logprobs. The target is never quantized.
+256 x 1408 23 against 54 us).
+
+Where they are used: in drafting passes whose requests are all greedy, and there only for what does not outlive the
+step, the drafter's logits and the chain passes that feed it its own drafts (their cache entries lie past the
+sequence's end and the next catch-up overwrites them). A greedy request's output is the target's argmax whatever is
+drafted. A sampled request's q shapes its seeded sample, and bfloat16 activations turn the last-bit differences
+that batching leaves in the target's features into visible ones (3 of 24 seeded requests changed with the batch
+when every pass was int8), so its passes stay float; so do the catch-up passes, whose cache entries a later request
+may read through the prefix cache. The target is never quantized.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from services.worker.model.llama import CausalLM
 from services.worker.model.plain_module import PlainModule
-from services.worker.model.transposed import TransposedLinear
 from shared.config import EngineConfig
 
 INT8_MAX = 127  # symmetric: -127..127, so that a row's scale maps its largest magnitude exactly
@@ -63,49 +67,14 @@ def quantizable(weight: Tensor) -> bool:
     return weight.shape[1] % INPUT_BLOCK == 0
 
 
-def float_weight(linear: nn.Module) -> Tensor:
-    """An nn.Linear's or a TransposedLinear's weight as [out, in]."""
-    return linear.weight_t.t() if isinstance(linear, TransposedLinear) else linear.weight
-
-
-def quantize_projections(module: nn.Module) -> None:
-    """Replaces every projection (nn.Linear or TransposedLinear) under module with its Int8Linear, in place, where
-    the kernel takes its width."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear | TransposedLinear):
-            if quantizable(float_weight(child)):
-                setattr(module, name, Int8Linear(float_weight(child), child.bias))
-        else:
-            quantize_projections(child)
-
-
-def quantize_hidden_state_drafter(model: CausalLM) -> None:
-    """An attached EAGLE-3 head's projections, or the MTP modules' and a copy of the LM head that they draft with
-    (the target's own layers and logits stay as loaded)."""
-    if model.eagle3 is not None:
-        quantize_projections(model.eagle3)
-        model.eagle3.freeze_lookups()
-        return
-    for layer in model.model.mtp_layers:
-        quantize_projections(layer)
-    model.mtp_head = Int8Linear(_head_weight(model), None) if quantizable(_head_weight(model)) else None
-    model.freeze_lookups()
-
-
-def quantize_draft_model(model: CausalLM) -> None:
-    """Every projection of a draft model, and its LM head."""
-    quantize_projections(model.model)
-    model.quantized_head = Int8Linear(_head_weight(model), None) if quantizable(_head_weight(model)) else None
-    model.freeze_lookups()
-
-
-def _head_weight(model: CausalLM) -> Tensor:
-    """The LM head [vocab, hidden], in the CPU layout (a transposed copy) or as loaded."""
-    return model.head_weight_t.t() if model.head_weight_t is not None else model.head_weight
+def int8_twin(weight: Tensor, bias: Tensor | None = None) -> Int8Linear | None:
+    """The Int8Linear of a float weight [out, in] (None where the kernel does not take its width): built beside the
+    float projection, which stays for the passes that must not be quantized."""
+    return Int8Linear(weight, bias) if quantizable(weight) else None
 
 
 def drafter_in_int8(config: EngineConfig) -> bool:
-    """Whether this engine's model drafter is quantized: as the config resolves it, where torch has the kernel."""
+    """Whether this engine drafts greedy requests in int8: as the config resolves it, where torch has the kernel."""
     if not config.quantizes_drafter:
         return False
     if int8_matmul_available():

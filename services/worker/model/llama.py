@@ -65,10 +65,9 @@ class CausalLM(PlainModule):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.local_config.vocab_size, bias=False)
         self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
-        # Quantized copies of the LM head (model/int8_linear.py): a draft model's, which its logits read, and the
-        # one MTP modules draft with (the target's own logits stay exact). None: the head as loaded.
-        self.quantized_head: nn.Module | None = None
-        self.mtp_head: nn.Module | None = None
+        # The LM head's int8 twin (model/int8_linear.py), which drafting logits may ask for: a draft model's, or the
+        # one MTP modules draft with. The target's own logits never read it.
+        self.int8_head: nn.Module | None = None
         # The EAGLE-3 head drafting for this model, and the layers whose inputs its features are made of, in order.
         self.eagle3: Eagle3Head | None = None
         self.feature_layers: tuple[int, ...] = ()
@@ -120,12 +119,13 @@ class CausalLM(PlainModule):
         """Token ids [...] -> their embeddings [..., hidden]."""
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Trunk hidden states [..., hidden] (or forward's wider rows) -> logits [..., vocab] in float32."""
+    def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        """Trunk hidden states [..., hidden] (or forward's wider rows) -> logits [..., vocab] in float32 (quantized: a
+        draft model's, through the head's int8 twin when it has one)."""
         width = self.config.hidden_size
         if hidden.shape[-1] != width:
             hidden = hidden[..., :width].contiguous()
-        return self._head(self.model.norm(hidden))
+        return self._head(self.model.norm(hidden), quantized)
 
     def draft_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """Trunk rows as forward returns them -> what a hidden-state drafter pairs with the next token: the last
@@ -152,20 +152,19 @@ class CausalLM(PlainModule):
         x, residual = layer(x, None, self._rope(positions, batch), batch)
         return x + residual
 
-    def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def mtp_logits(self, index: int, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
         if self.eagle3 is not None:
-            return self.eagle3.logits(hidden)
-        normed = self.model.mtp_layers[index].final_layernorm(hidden)
-        return self._head(normed) if self.mtp_head is None else self.mtp_head(normed).float()
+            return self.eagle3.logits(hidden, quantized)
+        return self._head(self.model.mtp_layers[index].final_layernorm(hidden), quantized)
 
     @property
     def head_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the embedding when tied."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.quantized_head is not None:
-            logits = self.quantized_head(normed)
+    def _head(self, normed: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        if quantized and self.int8_head is not None:
+            logits = self.int8_head(normed)
         elif self.head_weight_t is not None:
             logits = normed @ self.head_weight_t
         else:

@@ -30,7 +30,7 @@ from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.drafting.eagle3 import attach_eagle3
 from services.worker.engine.runner import ModelRunner, inference
 from services.worker.model.config import ModelConfig
-from services.worker.model.int8_linear import drafter_in_int8, quantize_hidden_state_drafter
+from services.worker.model.int8_linear import drafter_in_int8
 from services.worker.model.loader import load_model
 from services.worker.tensor_parallel.errors import RankFailed
 from services.worker.tensor_parallel.follower import LOADED, follower_main
@@ -52,11 +52,12 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
         model = load_model(config.model, dtype, config.device, config.load_format, config.max_model_len)
         if config.speculative.method == "eagle3":
             attach_eagle3(config, model)
-        if config.speculative.method in HIDDEN_STATE_DRAFTERS and drafter_in_int8(config):
-            quantize_hidden_state_drafter(model)  # before the runner reads the drafting layer's weights
-        return ModelRunner(
+        runner = ModelRunner(
             model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
         )
+        if config.speculative.method in HIDDEN_STATE_DRAFTERS and drafter_in_int8(config):
+            runner.quantize_drafting()
+        return runner
     size = config.tensor_parallel_size
     cfg = ModelConfig.from_dir(config.model)
     check_shardable(cfg, size)  # before any process starts
@@ -201,20 +202,24 @@ class LeaderRunner(ModelRunner):
         self.model.group.broadcast(hidden.contiguous())
 
     @inference
-    def forward(self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]) -> tuple[torch.Tensor, ForwardBatch]:
+    def forward(
+        self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], quantized: bool = False
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        # quantized is ignored: a split engine builds no int8 twins (EngineConfig.quantizes_drafter)
         with self._mirrored():
             self.followers.send(Op.FORWARD, self.cache.take_changes(), rows, starts, slots)
             return super().forward(rows, starts, slots)
 
     @inference
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
         with self._mirrored():
             self.followers.send(Op.LOGITS, hidden.shape, hidden.dtype)
             self._send_hidden(hidden)
             return super().logits(hidden)
 
     def mtp_forward(
-        self, index: int, prev_hidden: torch.Tensor, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int]
+        self, index: int, prev_hidden: torch.Tensor, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int],
+        quantized: bool = False,
     ) -> torch.Tensor:
         with self._mirrored():
             self.followers.send(
@@ -225,7 +230,7 @@ class LeaderRunner(ModelRunner):
             return super().mtp_forward(index, prev_hidden, rows, starts, slots)
 
     @inference
-    def mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def mtp_logits(self, index: int, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
         with self._mirrored():
             self.followers.send(Op.MTP_LOGITS, index, hidden.shape, hidden.dtype)
             self._send_hidden(hidden)

@@ -51,7 +51,7 @@ class ShardedCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.group.embed(input_ids, self.model.embed_tokens.weight)
 
-    def _head(self, normed: torch.Tensor) -> torch.Tensor | None:
+    def _head(self, normed: torch.Tensor, quantized: bool = False) -> torch.Tensor | None:
         """-> the whole [..., vocab] logits in float32 on the leader; None on the other ranks."""
         weight_t = self.head_weight_t if self.head_weight_t is not None else self.head_weight.T
         logits = self.group.gather_vocab(normed @ weight_t)  # [..., vocab]
