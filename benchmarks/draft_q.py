@@ -27,10 +27,12 @@ from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.engine.engine import Engine
 
+# Every chain drafts its k tokens (min_draft_confidence 0): the comparison is of q alone, on the same drafts.
+FULL_CHAINS = {"min_draft_confidence": 0.0}
 DRAFTERS = {
-    "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3},
-    "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3},
-    "eagle3 k=3": {"method": "eagle3", "num_speculative_tokens": 3},  # models/specmesh-demo-eagle3
+    "mtp k=3 steps=3": {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 3} | FULL_CHAINS,
+    "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3} | FULL_CHAINS,
+    "eagle3 k=3": {"method": "eagle3", "num_speculative_tokens": 3} | FULL_CHAINS,  # models/specmesh-demo-eagle3
 }
 Q_MODES = ("model", "point_mass")
 PROMPT_TOKENS = 64
