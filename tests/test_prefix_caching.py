@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    GREEDY, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, greedy_reference, make_engine, make_request,
+    DRAFTING_METHOD_NAMES, GREEDY, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, greedy_reference, make_engine, make_request,
     model_dirs, mtp_model_dir, outputs_of, reference_model, run, tokens_of, tiny_model_dir, mtp_model_dirs,
     single_thread,
 )
@@ -77,7 +77,7 @@ def test_a_seeded_sample_is_the_same_on_a_hit(name, model_dirs, long_prompt) -> 
     assert tokens_of(hot_steps, hot) == tokens_of(cold_steps, cold)
 
 
-@pytest.mark.parametrize("name", ["naive", "mtp"])
+@pytest.mark.parametrize("name", ["naive", "mtp", "draft_model"])
 def test_the_output_of_a_finished_request_is_cached_for_the_next_turn(
     name, model_dirs, long_prompt, greedy_reference  # noqa: F811
 ) -> None:
@@ -93,6 +93,17 @@ def test_the_output_of_a_finished_request_is_cached_for_the_next_turn(
     computed = BLOCK_SIZE + 1 + NUM_TOKENS - 1
     assert _seq(steps, second).num_cached_tokens == computed // BLOCK_SIZE * BLOCK_SIZE
     assert tokens_of(steps, second) == greedy_reference(turn, 8)
+
+
+@pytest.mark.parametrize("name", DRAFTING_METHOD_NAMES)
+def test_a_one_token_request_leaves_its_prompt_cached(name, model_dirs, long_prompt) -> None:
+    """A request that finishes with its prefill's token: every drafter's cache still catches up with its prompt,
+    so the prompt's blocks go to the prefix cache for the next request."""
+    method = METHODS[name]
+    engine = make_engine(model_dirs(method), method, block_size=BLOCK_SIZE)
+    run(engine, {0: [make_request(long_prompt, max_tokens=1, **GREEDY)]})
+    again = make_request(long_prompt, max_tokens=4, **GREEDY)
+    assert _seq(run(engine, {0: [again]}), again).num_cached_tokens == _cached_tokens(long_prompt)
 
 
 @pytest.mark.parametrize("name", ["ngram", "mtp"])

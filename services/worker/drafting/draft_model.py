@@ -100,6 +100,21 @@ class DraftModelDrafter:
         pass  # the next occupant of its slot starts from its own admission
 
     @torch.inference_mode()
+    def catch_up(self, seqs: Seq[Sequence]) -> None:
+        """Writes the draft cache over each sequence's computed positions, drafting nothing: for sequences that
+        finished, whose last tokens the draft model would otherwise never see, so that their blocks can go to the
+        prefix cache (a chat's next turn resends the answer; a one-token request leaves its whole prompt)."""
+        behind = [(s, self.computed_until(s)) for s in seqs if self.computed_until(s) < s.num_computed]
+        if not behind:
+            return
+        self.runner.forward(
+            [s.token_ids[start : s.num_computed] for s, start in behind], [start for _, start in behind],
+            [s.slot for s, _ in behind],
+        )
+        for seq, _ in behind:
+            self.reset(seq, seq.num_computed)
+
+    @torch.inference_mode()
     def propose_batch(self, seqs: Seq[Sequence], budgets: Seq[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         active = [b for b, budget in enumerate(budgets) if budget > 0]

@@ -227,6 +227,8 @@ class Engine:
         if not blocks.caching:
             return
         size = blocks.block_size
+        if self.draft is not None:
+            self.draft.catch_up([s for s in seqs if s.is_finished and s.cache_root is not None])
         for seq in seqs:
             computed = min(seq.num_computed, seq.num_tokens)
             if self.mtp is not None:
