@@ -5,6 +5,7 @@ exactly, and the key is refused where it means nothing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -106,3 +107,25 @@ def test_the_key_is_resolved_and_refused_by_name() -> None:
     for keys in ({"device": "cuda"}, {"tensor_parallel_size": 2}):
         with pytest.raises(ValidationError, match='draft_quantization "int8"'):
             engine_config(spec={"draft_quantization": "int8"}, **keys)
+
+
+@pytest.mark.parametrize("name", MODEL_DRAFTERS)
+def test_what_a_request_drafts_does_not_depend_on_its_batch(name, model_dirs, prompts) -> None:  # noqa: F811
+    """A greedy request drafts through the twins and a sampled one through the float weights, each in a group of its
+    own kind: batched together, each drafts what it does alone and reports it within float32 summation order (a
+    greedy request drafting in float32 beside a sampled one would report ~1e-2 away)."""
+    method = METHODS[name]
+
+    def both() -> list:
+        greedy = make_request(prompts[0], max_tokens=16, logprobs=0, include_draft_logprobs=True, **GREEDY)
+        return [greedy, *_sampled(prompts[1:2])]
+
+    together = both()
+    together_steps = run(make_engine(model_dirs(method), method), {0: together})
+    for i, alone in enumerate(both()):
+        alone_steps = run(make_engine(model_dirs(method), method), {0: [alone]})
+        assert tokens_of(alone_steps, alone) == tokens_of(together_steps, together[i])
+        expected, got = _draft_logprobs(alone_steps, alone), _draft_logprobs(together_steps, together[i])
+        assert len(expected) == len(got)
+        for a, b in zip(expected, got):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-4)

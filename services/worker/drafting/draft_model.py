@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from services.worker.drafting.draft import Draft
-from services.worker.drafting.draft_sampling import DraftSampler
+from services.worker.drafting.draft_sampling import DraftSampler, precision_groups
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
@@ -130,15 +130,24 @@ class DraftModelDrafter:
         for seq in chosen_seqs:
             self.reset(seq, seq.num_tokens)
         device = self.runner.device
-        last = torch.from_numpy(np.asarray(batch.last_rows)).to(device)
-        sampler = DraftSampler(chosen_seqs, device, self.grammars)
-        # int8 only where nothing depends on it: greedy drafts, and what the next catch-up overwrites
-        quantized = self.int8 and sampler.all_greedy
-        logits = self._logits(hidden[last], quantized)  # [A, vocab]
-        rows = torch.arange(len(chosen_seqs), device=device)
-        tokens: list[list[int]] = [[] for _ in chosen_seqs]
-        probs: list[list[torch.Tensor | None]] = [[] for _ in chosen_seqs]
-        reports: list[list[torch.Tensor]] = [[] for _ in chosen_seqs]
+        last_hidden = hidden[torch.from_numpy(np.asarray(batch.last_rows)).to(device)]  # [A, hidden]
+        for group, quantized in precision_groups(chosen_seqs, list(range(len(chosen_seqs))), self.int8):
+            picked = last_hidden if len(group) == len(chosen_seqs) else last_hidden[torch.tensor(group, device=device)]
+            chained = self._chain([chosen_seqs[i] for i in group], picked, [steps[i] for i in group], quantized)
+            for i, draft in zip(group, chained):
+                drafts[active[i]] = draft
+        return drafts
+
+    def _chain(self, seqs: list[Sequence], hidden: torch.Tensor, steps: list[int], quantized: bool) -> list[Draft]:
+        """Drafts steps[b] tokens for each of seqs from the draft model's hidden state at its last token [B,
+        hidden], one pass a draft; quantized: the logits and the passes through the int8 twins."""
+        device = self.runner.device
+        sampler = DraftSampler(seqs, device, self.grammars)
+        logits = self._logits(hidden, quantized)  # [A, vocab]
+        rows = torch.arange(len(seqs), device=device)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        reports: list[list[torch.Tensor]] = [[] for _ in seqs]
         remaining = torch.tensor(steps, device=device)
         for j in range(max(steps)):
             chosen, q, report = sampler.step(logits, rows, j)
@@ -154,15 +163,16 @@ class DraftModelDrafter:
                 break
             rows, chosen = rows[more], chosen[more]
             hidden, _ = self.runner.forward(
-                [[t] for t in chosen.tolist()], [chosen_seqs[r].num_tokens + j for r in rows.tolist()],
-                [chosen_seqs[r].slot for r in rows.tolist()], quantized=quantized,
+                [[t] for t in chosen.tolist()], [seqs[r].num_tokens + j for r in rows.tolist()],
+                [seqs[r].slot for r in rows.tolist()], quantized=quantized,
             )
             logits = self._logits(hidden, quantized)
-        for row, b in enumerate(active):
-            # None: verified as point masses (greedy drafts are; draft_q "point_mass" makes every draft one)
-            q = torch.stack(probs[row]) if self.real_q and probs[row][0] is not None else None
-            drafts[b] = Draft(tokens[row], q, torch.stack(reports[row]))
-        return drafts
+        # q None: verified as point masses (greedy drafts are; draft_q "point_mass" makes every draft one)
+        return [
+            Draft(tokens[row], torch.stack(probs[row]) if self.real_q and probs[row][0] is not None else None,
+                  torch.stack(reports[row]))
+            for row in range(len(seqs))
+        ]
 
     def _logits(self, hidden: torch.Tensor, quantized: bool) -> torch.Tensor:
         """The draft model's logits over the target's vocabulary (ids past its own get -inf)."""

@@ -68,3 +68,16 @@ class DraftSampler:
         if not masked_rows.numel():
             return logits
         return apply_token_mask(logits, bitmask, masked_rows.to(logits.device))
+
+
+def precision_groups(seqs: list[Sequence], rows: list[int], int8: bool) -> list[tuple[list[int], bool]]:
+    """The rows (indices into seqs) a model drafter drafts together, each group with whether its passes read the
+    int8 twins (model/int8_linear.py). With twins built, greedy requests draft apart from sampled ones: a greedy
+    request's output is the target's argmax whatever it drafts, so it drafts in int8, and by itself, so that what it
+    drafts and reports does not depend on the batch; a sampled request's q shapes its seeded sample, so it drafts in
+    float. Without twins, one group."""
+    if not int8:
+        return [(rows, False)] if rows else []
+    greedy = [b for b in rows if seqs[b].sampling.greedy]
+    sampled = [b for b in rows if not seqs[b].sampling.greedy]
+    return [(group, quantized) for group, quantized in ((greedy, True), (sampled, False)) if group]

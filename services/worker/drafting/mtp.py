@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from services.worker.drafting.draft import Draft, point_mass_rows
-from services.worker.drafting.draft_sampling import DraftSampler
+from services.worker.drafting.draft_sampling import DraftSampler, precision_groups
 from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
 from services.worker.model.flat_drafter import DRAFT_MODULE
 from services.worker.engine.sequence import Sequence
@@ -238,14 +238,17 @@ class MtpDrafter:
         for seq, count in zip(seqs, num_steps):
             self._count[seq.slot] = count
         rows = [b for b, count in enumerate(num_steps) if count > 0]
-        if not rows:
-            return
+        device = self.runner.device
+        for group, quantized in precision_groups(seqs, rows, self.int8):
+            picked = hidden if len(group) == len(seqs) else hidden[torch.tensor(group, device=device)]
+            self._chain([seqs[b] for b in group], picked, [num_steps[b] for b in group], quantized)
+
+    def _chain(self, seqs: list[Sequence], hidden: Tensor, num_steps: list[int], quantized: bool) -> None:
+        """Drafts num_steps[b] tokens for each of seqs from its hidden state [B, hidden], one module pass a draft;
+        quantized: the logits and the self-fed passes through the int8 twins."""
         device = self.runner.device
         sampler = DraftSampler(seqs, device, self.grammars)
-        # int8 only where nothing depends on it: greedy drafts, and what the next catch-up overwrites
-        quantized = self.int8 and sampler.all_greedy
-        if len(rows) < len(seqs):
-            hidden = hidden[torch.tensor(rows, device=device)]
+        rows = list(range(len(seqs)))
         for j in range(max(num_steps)):
             logits = self.runner.mtp_logits(DRAFT_MODULE, hidden, quantized=quantized)  # [A, vocab]
             chosen, q, report = sampler.step(logits, torch.tensor(rows, device=device), j)
