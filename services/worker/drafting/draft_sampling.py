@@ -30,6 +30,7 @@ class DraftSampler:
         self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(seqs, device)
         self.greedy = greedy_mask(seqs, device)
         self.all_greedy = all(s.sampling.greedy for s in seqs)
+        self.any_greedy = any(s.sampling.greedy for s in seqs)
         self.grammars = grammars if grammars is not None and grammars.active else None
         self.drafted: list[list[int]] = [[] for _ in seqs]  # each sequence's drafts so far
 
@@ -46,7 +47,7 @@ class DraftSampler:
         min_p = None if self.min_p is None else self.min_p[rows]
         q = process_logits(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
         chosen = sample(q, self.seeds[rows], self.out_positions[rows] + j, Purpose.DRAFT)
-        report = torch.where(self.greedy[rows, None], logits, q.log())
+        report = torch.where(self.greedy[rows, None], logits, q.log()) if self.any_greedy else q.log()
         self._record(rows, chosen)
         return chosen, q, report
 
