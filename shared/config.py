@@ -63,8 +63,9 @@ class SpeculativeConfig(BaseModel):
     # "int8": greedy requests draft through int8 twins of the model drafter's weights, one scale per output row
     # (services/worker/model/int8_linear.py: 2.2-2.8x faster projections on the CPU), for their logits and the chain
     # passes after the first draft, apart from sampled requests; those and the catch-up passes keep the float
-    # weights, so seeded samples and cached drafter entries are what they were. "none": float throughout. "auto" (the default): int8
-    # for a CPU engine not split over ranks, none elsewhere. Lossless either way: drafts only propose.
+    # weights, so seeded samples and cached drafter entries are what they were. "none": float throughout. "auto"
+    # (the default): int8 for a CPU engine not split over ranks, none elsewhere. Lossless either way: drafts only
+    # propose.
     draft_quantization: Literal["auto", "none", "int8"] = "auto"
     # A model drafter stops a sequence's chain after a draft whose probability under its own distribution (at
     # temperature 1) is below this, as EAGLE-2 sizes its drafts: an unlikely draft is likely rejected, and the

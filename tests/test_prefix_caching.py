@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
-    DRAFTING_METHOD_NAMES, GREEDY, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, greedy_reference, make_engine, make_request,
-    model_dirs, mtp_model_dir, outputs_of, reference_model, run, tokens_of, tiny_model_dir, mtp_model_dirs,
-    single_thread,
+    DRAFTING_METHOD_NAMES, GREEDY, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, greedy_reference, make_engine,
+    make_request, model_dirs, mtp_model_dir, outputs_of, reference_model, run, tokens_of, tiny_model_dir,
+    mtp_model_dirs, single_thread,
 )
 
 pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from torch import Tensor
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.flat_trunk import (
-    FlatShape, LayerWeights, Projection, attention_plan, layer_pass, layer_weights, project, projection, quantize_layer,
+    FlatShape, LayerWeights, Projection, attention_plan, layer_pass, layer_weights, project, quantize_layer,
 )
 from services.worker.model.int8_linear import int8_twin
 from services.worker.model.llama import CausalLM
@@ -40,7 +40,7 @@ class FlatDrafter:
             layer, cfg = model.model.mtp_layers[DRAFT_MODULE], model.local_config
             self.embedding = None
             self.embed_norm, self.feature_norm = layer.enorm.weight, layer.hnorm.weight
-            self.fusion = projection(layer.eh_proj)  # [2 * hidden, hidden]
+            self.fusion = layer.eh_proj.weight_t  # [2 * hidden, hidden]
             self.rotary = model.rotary
         self.shape = FlatShape(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,

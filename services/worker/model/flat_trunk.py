@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.engine.kv_cache import KVCache
@@ -41,18 +41,12 @@ from services.worker.model.silu_mul import silu_and_mul_torch
 
 
 # A projection as the flat pass applies it: a weight stored transposed [in, out] (model/transposed.py), multiplied
-# by, or a drafter's quantized projection (model/int8_linear.py), called.
+# by, or a drafter's int8 twin of one (model/int8_linear.py), called.
 Projection = Tensor | Int8Linear
 
 
 def project(x: Tensor, weight: Projection) -> Tensor:
     return x @ weight if isinstance(weight, Tensor) else weight(x)
-
-
-def projection(linear: nn.Module) -> Projection:
-    """What the flat pass applies for a projection module: a quantized one itself, any other's weight_t (a
-    TransposedLinear's, or the one a tensor-parallel RowParallel wraps, whose sum the pass does itself)."""
-    return linear if isinstance(linear, Int8Linear) else linear.weight_t
 
 
 @dataclass(frozen=True)
@@ -97,17 +91,16 @@ class FlatShape:
 def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
     """A decoder layer's tensors in the CPU layout, and its KV-cache layer."""
     index = layer.self_attn.layer_index
-    qkv = projection(layer.self_attn.qkv_proj)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight,
-        qkv=qkv,
-        qkv_bias=layer.self_attn.qkv_proj.bias if isinstance(qkv, Tensor) else None,
+        qkv=layer.self_attn.qkv_proj.weight_t,
+        qkv_bias=layer.self_attn.qkv_proj.bias,
         q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
         k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
-        o=projection(layer.self_attn.o_proj),
+        o=layer.self_attn.o_proj.weight_t,
         post_norm=layer.post_attention_layernorm.weight,
-        gate_up=projection(layer.mlp.gate_up_proj),
-        down=projection(layer.mlp.down_proj),
+        gate_up=layer.mlp.gate_up_proj.weight_t,
+        down=layer.mlp.down_proj.weight_t,
         key_cache=cache.keys[index],
         value_cache=cache.values[index],
         keys=Pool(cache.keys[index], cache.block_size),
@@ -116,12 +109,10 @@ def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
 
 
 def quantize_layer(layer: LayerWeights) -> LayerWeights:
-    """The layer with its projections' int8 twins (model/int8_linear.py) where the kernel takes their widths; the
-    same norms and cache."""
+    """A float layer with its projections' int8 twins (model/int8_linear.py) where the kernel takes their widths;
+    the same norms and cache."""
 
-    def twin(weight: Projection, bias: Tensor | None = None) -> Projection:
-        if not isinstance(weight, Tensor):
-            return weight
+    def twin(weight: Tensor, bias: Tensor | None = None) -> Projection:
         quantized = int8_twin(weight.t(), bias)
         return weight if quantized is None else quantized
 

@@ -6,13 +6,14 @@ as int8 rows with one scale each, a projection reads a quarter of that, and torc
 activations ran 2.2-2.8x faster than the float32 one (1 thread, cold weights: 256 x 3072 at one row 51 against 119 us,
 256 x 1408 23 against 54 us).
 
-Where they are used: in drafting passes whose requests are all greedy, and there only for what does not outlive the
-step, the drafter's logits and the chain passes that feed it its own drafts (their cache entries lie past the
-sequence's end and the next catch-up overwrites them). A greedy request's output is the target's argmax whatever is
-drafted. A sampled request's q shapes its seeded sample, and bfloat16 activations turn the last-bit differences
-that batching leaves in the target's features into visible ones (3 of 24 seeded requests changed with the batch
-when every pass was int8), so its passes stay float; so do the catch-up passes, whose cache entries a later request
-may read through the prefix cache. The target is never quantized.
+Where they are used: as twins beside the float weights, by greedy requests, which draft apart from sampled ones
+(drafting/draft_sampling.precision_groups), and there only for what does not outlive the step, the drafter's logits
+and the chain passes that feed it its own drafts (their cache entries lie past the sequence's end and the next
+catch-up overwrites them). A greedy request's output is the target's argmax whatever is drafted. A sampled
+request's q shapes its seeded sample, and bfloat16 activations turn the last-bit differences that batching leaves in
+the target's features into visible ones (3 of 24 seeded requests changed with the batch when every pass was int8),
+so its passes stay float; so do the catch-up passes, whose cache entries a later request may read through the prefix
+cache. The target is never quantized.
 """
 
 from __future__ import annotations
