@@ -11,7 +11,8 @@ import torch
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
-from services.worker.demo_model.data import load_corpus
+from services.worker.demo_model.data import encode_documents, load_corpus
+from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
 from services.worker.drafting.draft_model import default_draft_dir
 from services.worker.drafting.eagle3 import default_eagle3_dir
 from services.worker.engine.engine import Engine
@@ -65,3 +66,23 @@ def test_greedy_drafts_are_accepted_at_least_a_third_of_the_time(method: str) ->
     stats = engine.stats
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens / stats.num_draft_tokens >= MIN_ACCEPTANCE[method]
+
+
+def test_the_teacher_text_continues_corpus_prompts_as_the_teacher_would() -> None:
+    """The draft model's on-policy data (demo_model/teacher_text.py): corpus prompts, then the teacher's own tokens,
+    argmax for greedy rows; the same rows on every call."""
+    stream = encode_documents(Tokenizer(DEFAULT_MODEL_DIR), load_corpus().held_out[:3])
+    cfg = TeacherText(num_sequences=3, new_tokens=8, sampled_every=2, batch=2)
+    seq_len = 24
+    rows = teacher_continuations(DEFAULT_MODEL_DIR, stream, seq_len, cfg)
+    assert rows.shape == (3, seq_len + 1)
+    assert torch.equal(rows, teacher_continuations(DEFAULT_MODEL_DIR, stream, seq_len, cfg))
+    prompt_len = seq_len + 1 - cfg.new_tokens
+    text = " ".join(map(str, stream.tolist()))
+    assert all(" ".join(map(str, row[:prompt_len].tolist())) in text for row in rows)
+    teacher = load_model(DEFAULT_MODEL_DIR)
+    with torch.no_grad():
+        greedy = teacher.logits(teacher(rows[:, :-1], torch.arange(seq_len).expand(3, seq_len))).argmax(-1)
+    for index in (0, 2):  # sampled_every=2: row 1 is sampled
+        assert torch.equal(greedy[index, prompt_len - 1 :], rows[index, prompt_len:])
+

@@ -1,14 +1,15 @@
 """`specmesh demo-model --draft`: trains the demo model's draft model (method draft_model's default, shipped beside
 it as specmesh-demo-draft) by distillation: a Llama a fraction of the demo model's size, with its tokenizer, learns
-the demo model's next-token distributions on the same corpus (KL to the teacher, plus a little cross-entropy).
-Deterministic; CPU."""
+the demo model's next-token distributions (KL to the teacher, plus a little cross-entropy) on the same corpus and on
+the teacher's own continuations of it (teacher_text.py), the text it drafts for at serving time. Deterministic;
+CPU."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import TOKENIZER_FILE, Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
+from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
 from services.worker.demo_model.train import TrainConfig, _lr, _windows, save_checkpoint
 from services.worker.drafting.draft_model import default_draft_dir
 from services.worker.model.config import ModelConfig
@@ -28,8 +30,10 @@ from services.worker.model.loader import load_model
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json")
 # A quarter of the demo model's width, half its depth: about a fifth of its parameters, most of them the embedding.
 DRAFT_SHAPE = TrainConfig(
-    hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2, steps=1200, mtp_layers=0,
+    hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2, steps=2400, mtp_layers=0,
 )
+# What the student's greedy agreement on the teacher's text is measured on: greedy continuations of held-out prompts.
+HELD_OUT_TEACHER_TEXT = TeacherText(num_sequences=64, sampled_every=0)
 
 
 @dataclass(frozen=True)
@@ -37,20 +41,25 @@ class DistillConfig:
     shape: TrainConfig = DRAFT_SHAPE
     kl_weight: float = 1.0
     ce_weight: float = 0.1  # the corpus' own tokens keep the student honest where the teacher is unsure
+    teacher_text: TeacherText = TeacherText()
+    teacher_rows: int = 8  # of each batch's rows, how many are the teacher's text (the rest corpus windows)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.teacher_rows <= self.shape.batch_size:
+            raise ValueError(f"teacher_rows ({self.teacher_rows}) must be within the batch ({self.shape.batch_size})")
 
 
 @torch.no_grad()
-def agreement(student: CausalLM, teacher: CausalLM, tokens: torch.Tensor) -> dict[str, float]:
-    """How often the student's greedy next token is the teacher's, and the mean KL between them, on held-out text."""
+def agreement(student: CausalLM, teacher: CausalLM, tokens: torch.Tensor, first: int = 0) -> tuple[float, float]:
+    """How often the student's greedy next token is the teacher's, and the mean KL between them per token, on
+    held-out rows tokens [B, L+1], counting predictions from position `first` on."""
     inputs = tokens[:, :-1]
     positions = torch.arange(inputs.shape[1]).expand_as(inputs)
-    t_logits = teacher.logits(teacher(inputs, positions))
-    s_logits = student.logits(student(inputs, positions))
+    t_logits = teacher.logits(teacher(inputs, positions))[:, first:]
+    s_logits = student.logits(student(inputs, positions))[:, first:]
     kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="batchmean")
-    return {
-        "greedy_agreement": round((s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item(), 4),
-        "held_out_kl": round(kl.item() / inputs.shape[1], 4),
-    }
+    return (round((s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item(), 4),
+            round(kl.item() / s_logits.shape[1], 4))
 
 
 def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
@@ -61,6 +70,7 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     train_stream = encode_documents(tokenizer, corpus.train)
     held_out_stream = encode_documents(tokenizer, corpus.held_out)
     shape = replace(cfg.shape, vocab_size=teacher.config.vocab_size)
+    teacher_rows = teacher_continuations(target_dir, train_stream, shape.seq_len, cfg.teacher_text)
     student = CausalLM(ModelConfig.from_dict(shape.hf_config()))
     with torch.no_grad():
         for p in student.parameters():
@@ -72,8 +82,11 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     for step in (bar := tqdm(range(shape.steps), desc="distilling the draft model", unit="step")):
         for group in opt.param_groups:
             group["lr"] = _lr(shape, step)
-        tokens = _windows(train_stream, rng.integers(0, len(train_stream) - shape.seq_len - 1, shape.batch_size),
-                          shape.seq_len)
+        corpus_rows = shape.batch_size - cfg.teacher_rows
+        tokens = torch.cat([
+            _windows(train_stream, rng.integers(0, len(train_stream) - shape.seq_len - 1, corpus_rows), shape.seq_len),
+            teacher_rows[torch.from_numpy(rng.integers(0, len(teacher_rows), cfg.teacher_rows))],
+        ])
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1]).expand_as(inputs)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -90,7 +103,17 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
         opt.step()
         bar.set_postfix(kl=f"{kl.item():.3f}", ce=f"{ce.item():.3f}")
     starts = np.linspace(0, len(held_out_stream) - shape.seq_len - 2, shape.eval_windows).astype(np.int64)
-    metrics = agreement(student.eval(), teacher, _windows(held_out_stream, starts, shape.seq_len))
+    student.eval()
+    corpus_agreement, corpus_kl = agreement(student, teacher, _windows(held_out_stream, starts, shape.seq_len))
+    held_out_text = teacher_continuations(target_dir, held_out_stream, shape.seq_len, HELD_OUT_TEACHER_TEXT)
+    text_agreement, text_kl = agreement(
+        student, teacher, held_out_text, first=shape.seq_len - HELD_OUT_TEACHER_TEXT.new_tokens
+    )
+    metrics = {
+        "greedy_agreement": corpus_agreement, "held_out_kl": corpus_kl,
+        "greedy_agreement_teacher_text": text_agreement, "teacher_text_kl": text_kl,
+        "teacher_text": {**asdict(cfg.teacher_text), "rows_per_batch": cfg.teacher_rows},
+    }
     metrics["train_seconds"] = round(time.time() - started)
     metrics["num_parameters"] = sum(p.numel() for p in student.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
