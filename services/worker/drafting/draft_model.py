@@ -21,7 +21,7 @@ import torch
 
 from services.worker.drafting.draft import Draft
 from services.worker.drafting.draft_sampling import DraftSampler, precision_groups
-from services.worker.engine.runner import ModelRunner
+from services.worker.engine.runner import ModelRunner, inference
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
 from services.worker.model.int8_linear import drafter_in_int8
@@ -99,7 +99,7 @@ class DraftModelDrafter:
     def on_finished(self, seq: Sequence) -> None:
         pass  # the next occupant of its slot starts from its own admission
 
-    @torch.inference_mode()
+    @inference
     def catch_up(self, seqs: Seq[Sequence]) -> None:
         """Writes the draft cache over each sequence's computed positions, drafting nothing: for sequences that
         finished, whose last tokens the draft model would otherwise never see, so that their blocks can go to the
@@ -114,7 +114,7 @@ class DraftModelDrafter:
         for seq, _ in behind:
             self.reset(seq, seq.num_computed)
 
-    @torch.inference_mode()
+    @inference
     def propose_batch(self, seqs: Seq[Sequence], budgets: Seq[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         active = [b for b, budget in enumerate(budgets) if budget > 0]
@@ -130,7 +130,11 @@ class DraftModelDrafter:
         for seq in chosen_seqs:
             self.reset(seq, seq.num_tokens)
         device = self.runner.device
-        last_hidden = hidden[torch.from_numpy(np.asarray(batch.last_rows)).to(device)]  # [A, hidden]
+        last_rows = batch.last_rows
+        last_hidden = (  # [A, hidden]
+            hidden.narrow(0, int(last_rows[0]), 1) if len(last_rows) == 1
+            else hidden[torch.from_numpy(np.asarray(last_rows)).to(device)]
+        )
         for group, quantized in precision_groups(chosen_seqs, list(range(len(chosen_seqs))), self.int8):
             picked = last_hidden if len(group) == len(chosen_seqs) else last_hidden[torch.tensor(group, device=device)]
             chained = self._chain([chosen_seqs[i] for i in group], picked, [steps[i] for i in group], quantized)
@@ -140,31 +144,31 @@ class DraftModelDrafter:
 
     def _chain(self, seqs: list[Sequence], hidden: torch.Tensor, steps: list[int], quantized: bool) -> list[Draft]:
         """Drafts steps[b] tokens for each of seqs from the draft model's hidden state at its last token [B,
-        hidden], one pass a draft; quantized: the logits and the passes through the int8 twins."""
+        hidden], one pass a draft; quantized: the logits and the passes through the int8 twins. The bookkeeping
+        between passes is host lists: at one sequence a step's drafting is a few passes, and each tensor op
+        between them costs as much as a small kernel."""
         device = self.runner.device
         sampler = DraftSampler(seqs, device, self.grammars)
         logits = self._logits(hidden, quantized)  # [A, vocab]
-        rows = torch.arange(len(seqs), device=device)
+        rows = list(range(len(seqs)))
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         reports: list[list[torch.Tensor]] = [[] for _ in seqs]
-        remaining = torch.tensor(steps, device=device)
         for j in range(max(steps)):
-            chosen, q, report = sampler.step(logits, rows, j)
-            for i, (row, token) in enumerate(zip(rows.tolist(), chosen.tolist())):
+            chosen, q, report = sampler.step(logits, torch.tensor(rows, device=device), j)
+            drafted = chosen.tolist()
+            for i, (row, token) in enumerate(zip(rows, drafted)):
                 tokens[row].append(token)
                 probs[row].append(None if q is None else q[i])
                 reports[row].append(report[i])
-            more = remaining[rows] > j + 1
-            if self.min_confidence > 0:
-                sure = torch.tensor(sampler.confidence(logits, chosen), device=device) >= self.min_confidence
-                more &= sure
-            if not bool(more.any()):
+            sure = sampler.confidence(logits, chosen) if self.min_confidence > 0 else [1.0] * len(rows)
+            going = [i for i, row in enumerate(rows) if steps[row] > j + 1 and sure[i] >= self.min_confidence]
+            if not going:
                 break
-            rows, chosen = rows[more], chosen[more]
+            rows, drafted = [rows[i] for i in going], [drafted[i] for i in going]
             hidden, _ = self.runner.forward(
-                [[t] for t in chosen.tolist()], [seqs[r].num_tokens + j for r in rows.tolist()],
-                [seqs[r].slot for r in rows.tolist()], quantized=quantized,
+                [[t] for t in drafted], [seqs[r].num_tokens + j for r in rows], [seqs[r].slot for r in rows],
+                quantized=quantized,
             )
             logits = self._logits(hidden, quantized)
         # q None: verified as point masses (greedy drafts are; draft_q "point_mass" makes every draft one)

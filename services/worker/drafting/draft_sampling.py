@@ -26,11 +26,12 @@ class DraftSampler:
 
     def __init__(self, seqs: list[Sequence], device: torch.device, grammars: Grammars | None = None) -> None:
         self.seqs = seqs
-        self.seeds, self.out_positions = seeds_positions(seqs, device)
-        self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(seqs, device)
-        self.greedy = greedy_mask(seqs, device)
         self.all_greedy = all(s.sampling.greedy for s in seqs)
         self.any_greedy = any(s.sampling.greedy for s in seqs)
+        if not self.all_greedy:  # an all-greedy group takes argmaxes and needs none of them (a few tensors a step)
+            self.seeds, self.out_positions = seeds_positions(seqs, device)
+            self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(seqs, device)
+            self.greedy = greedy_mask(seqs, device)
         self.grammars = grammars if grammars is not None and grammars.active else None
         self.drafted: list[list[int]] = [[] for _ in seqs]  # each sequence's drafts so far
 

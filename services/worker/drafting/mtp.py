@@ -29,7 +29,7 @@ from torch import Tensor
 
 from services.worker.drafting.draft import Draft, point_mass_rows
 from services.worker.drafting.draft_sampling import DraftSampler, precision_groups
-from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner
+from services.worker.engine.runner import MTP_FIRST_POSITION, ModelRunner, inference
 from services.worker.model.flat_drafter import DRAFT_MODULE
 from services.worker.engine.sequence import Sequence
 from services.worker.grammar.grammars import Grammars
@@ -228,7 +228,7 @@ class MtpDrafter:
             return Lag(start, hidden.clone(), list(tokens))
         return Lag(lag.start, torch.cat([lag.hidden, hidden]), lag.tokens + list(tokens))
 
-    @torch.inference_mode()
+    @inference
     def draft(self, seqs: list[Sequence], hidden: Tensor, budgets: list[int]) -> None:
         """Drafts min(num_steps, budgets[b]) tokens from the module's hidden state at each sequence's last token
         [B, hidden]: step j's draft and hidden state are the module's input at the position after it. q and the noise
