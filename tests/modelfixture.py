@@ -99,17 +99,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return once("tiny_model_dir", build)
 
 
-def make_draft_model_dir(target: Path, path: Path) -> Path:
+def make_draft_model_dir(target: Path, path: Path, parallel: bool = False) -> Path:
     """A random Llama of one layer with the target's tokenizer files and vocabulary: a draft model that disagrees
-    with the target."""
+    with the target. parallel: a PARD draft model, its mask token one id past the target's vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
     config = json.loads((target / "config.json").read_text())
+    vocab = config["vocab_size"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED + 1)
         model = random_causal_lm(
-            "llama", **dict(MODEL_SHAPE, num_hidden_layers=1), vocab_size=config["vocab_size"],
+            "llama", **dict(MODEL_SHAPE, num_hidden_layers=1), vocab_size=vocab + parallel,
             bos_token_id=config["eos_token_id"], eos_token_id=config["eos_token_id"],
             pad_token_id=config["eos_token_id"], torch_dtype=torch.float32,
+            **({"pard_token": vocab} if parallel else {}),
         )
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -13,7 +13,7 @@ from shared.config import EngineConfig
 from services.worker.engine.engine import Engine
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHODS, MAX_MODEL_LEN, assert_second_tokens_follow_the_target, encode_prompts, make_request, outputs_of,
-    reference_model, run, single_thread,
+    reference_model, run, single_thread, tokens_of,
     tiny_model_dir,
 )
 from tests.modelfixture import make_draft_model_dir
@@ -24,6 +24,11 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def other_draft(tiny_model_dir, tmp_path_factory):  # noqa: F811
     return make_draft_model_dir(tiny_model_dir, tmp_path_factory.mktemp("other-draft"))
+
+
+@pytest.fixture(scope="module")
+def parallel_draft(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    return make_draft_model_dir(tiny_model_dir, tmp_path_factory.mktemp("parallel-draft"), parallel=True)
 
 
 def _engine(target, draft, max_num_seqs: int = 8, draft_q: str = "model") -> Engine:
@@ -39,13 +44,15 @@ def prompt(tiny_model_dir) -> list[int]:  # noqa: F811
     return encode_prompts(tiny_model_dir, ["The cache holds "])[0]
 
 
-@pytest.mark.parametrize("draft_q", ["model", "point_mass"])
+@pytest.mark.parametrize("draft_q", ["model", "point_mass", "parallel"])
 def test_verified_drafts_of_a_disagreeing_draft_model_sample_the_target(
-    draft_q, tiny_model_dir, other_draft, prompt, reference_model  # noqa: F811
+    draft_q, tiny_model_dir, other_draft, parallel_draft, prompt, reference_model  # noqa: F811
 ) -> None:
     """A request resumed after one token decodes its next one by verifying the draft model's drafts: over many
-    seeds that token follows the target's softmax, whatever q was, verified against q or as a point mass."""
-    engine = _engine(tiny_model_dir, other_draft, max_num_seqs=32, draft_q=draft_q)
+    seeds that token follows the target's softmax, whatever q was, verified against q or as a point mass, or
+    drafted in parallel from mask tokens."""
+    draft = parallel_draft if draft_q == "parallel" else other_draft
+    engine = _engine(tiny_model_dir, draft, max_num_seqs=32, draft_q="model" if draft_q == "parallel" else draft_q)
     assert_second_tokens_follow_the_target(engine, reference_model, prompt)
 
 
@@ -61,3 +68,28 @@ def test_draft_logprobs_are_the_draft_models_q(tiny_model_dir, other_draft, prom
 def test_a_missing_draft_checkpoint_is_refused_by_name(tiny_model_dir, tmp_path) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="needs a draft checkpoint"):
         _engine(tiny_model_dir, tmp_path / "nothing")
+
+
+def test_a_parallel_draft_model_drafts_a_step_in_one_pass_and_keeps_the_output(
+    tiny_model_dir, parallel_draft, prompt  # noqa: F811
+) -> None:
+    """PARD: the pass that catches the draft cache up drafts all k tokens, from the last token and k - 1 mask
+    tokens; greedy output is plain decoding's, and sampled drafts report their q."""
+    engine = _engine(tiny_model_dir, parallel_draft)
+    passes = []
+    forward = engine.draft.runner.forward
+    engine.draft.runner.forward = lambda rows, *args, **kwargs: passes.append(rows) or forward(rows, *args, **kwargs)
+    greedy = make_request(prompt, max_tokens=16, temperature=0.0)
+    steps = run(engine, {0: [greedy]})
+    drafted = [o for o in outputs_of(steps, greedy) if o.draft_tokens]
+    assert drafted and all(len(o.draft_tokens) <= engine.config.speculative.num_speculative_tokens for o in drafted)
+    mask = engine.draft.pard_token
+    assert all(rows[0][-2:] == [mask, mask] for rows in passes[:3])  # k = 3: two masks after the last token
+    assert len(passes) == len(drafted)  # one pass a step
+    plain = Engine(EngineConfig(model=tiny_model_dir, max_num_seqs=8, max_model_len=MAX_MODEL_LEN))
+    assert tokens_of(steps, greedy) == tokens_of(run(plain, {0: [greedy]}), greedy)
+    sampled = make_request(prompt, max_tokens=12, temperature=1.0, seed=1, logprobs=1, include_draft_logprobs=True)
+    logprobs = np.concatenate(
+        [o.draft.logprobs[:, 0] for o in outputs_of(run(engine, {0: [sampled]}), sampled) if o.draft_tokens]
+    )
+    assert (logprobs < 0).all() and (logprobs > -30).all()

@@ -20,6 +20,9 @@ from tqdm import tqdm
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import TOKENIZER_FILE, Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
+from services.worker.demo_model.parallel_draft import (
+    PARD_TOKEN_KEY, ParallelConfig, adapt, add_mask_token, parallel_agreement,
+)
 from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
 from services.worker.demo_model.train import TrainConfig, _lr, _windows, save_checkpoint
 from services.worker.drafting.draft_model import default_draft_dir
@@ -34,6 +37,7 @@ DRAFT_SHAPE = TrainConfig(
 )
 # What the student's greedy agreement on the teacher's text is measured on: greedy continuations of held-out prompts.
 HELD_OUT_TEACHER_TEXT = TeacherText(num_sequences=64, sampled_every=0)
+PARALLEL_EVAL_ROWS = 16  # of those, the rows each mask is measured on (every anchor of a row at once: long rows)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class DistillConfig:
     ce_weight: float = 0.1  # the corpus' own tokens keep the student honest where the teacher is unsure
     teacher_text: TeacherText = TeacherText()
     teacher_rows: int = 8  # of each batch's rows, how many are the teacher's text (the rest corpus windows)
+    # then taught to draft in parallel (demo_model/parallel_draft.py); None, the shipped model: autoregressive, which
+    # drafts better on this CPU (README)
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.teacher_rows <= self.shape.batch_size:
@@ -56,7 +63,7 @@ def agreement(student: CausalLM, teacher: CausalLM, tokens: torch.Tensor, first:
     inputs = tokens[:, :-1]
     positions = torch.arange(inputs.shape[1]).expand_as(inputs)
     t_logits = teacher.logits(teacher(inputs, positions))[:, first:]
-    s_logits = student.logits(student(inputs, positions))[:, first:]
+    s_logits = student.logits(student(inputs, positions))[:, first:, : t_logits.shape[-1]]  # a mask token's column off
     kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="batchmean")
     return (round((s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item(), 4),
             round(kl.item() / s_logits.shape[1], 4))
@@ -71,6 +78,15 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     held_out_stream = encode_documents(tokenizer, corpus.held_out)
     shape = replace(cfg.shape, vocab_size=teacher.config.vocab_size)
     teacher_rows = teacher_continuations(target_dir, train_stream, shape.seq_len, cfg.teacher_text)
+
+    def next_batch(rng: np.random.Generator) -> torch.Tensor:
+        """[batch, seq_len + 1]: corpus windows, then rows of the teacher's text."""
+        corpus_rows = shape.batch_size - cfg.teacher_rows
+        return torch.cat([
+            _windows(train_stream, rng.integers(0, len(train_stream) - shape.seq_len - 1, corpus_rows), shape.seq_len),
+            teacher_rows[torch.from_numpy(rng.integers(0, len(teacher_rows), cfg.teacher_rows))],
+        ])
+
     student = CausalLM(ModelConfig.from_dict(shape.hf_config()))
     with torch.no_grad():
         for p in student.parameters():
@@ -82,11 +98,7 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     for step in (bar := tqdm(range(shape.steps), desc="distilling the draft model", unit="step")):
         for group in opt.param_groups:
             group["lr"] = _lr(shape, step)
-        corpus_rows = shape.batch_size - cfg.teacher_rows
-        tokens = torch.cat([
-            _windows(train_stream, rng.integers(0, len(train_stream) - shape.seq_len - 1, corpus_rows), shape.seq_len),
-            teacher_rows[torch.from_numpy(rng.integers(0, len(teacher_rows), cfg.teacher_rows))],
-        ])
+        tokens = next_batch(rng)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1]).expand_as(inputs)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -102,22 +114,37 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         bar.set_postfix(kl=f"{kl.item():.3f}", ce=f"{ce.item():.3f}")
+    metrics: dict = {}
+    if cfg.parallel is not None:
+        # PARD adapts an autoregressive draft model as its checkpoint holds it (bfloat16)
+        with torch.no_grad():
+            for p in student.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        add_mask_token(student)
+        metrics |= adapt(student, teacher, next_batch, shape, cfg.parallel)
     starts = np.linspace(0, len(held_out_stream) - shape.seq_len - 2, shape.eval_windows).astype(np.int64)
     student.eval()
     corpus_agreement, corpus_kl = agreement(student, teacher, _windows(held_out_stream, starts, shape.seq_len))
     held_out_text = teacher_continuations(target_dir, held_out_stream, shape.seq_len, HELD_OUT_TEACHER_TEXT)
-    text_agreement, text_kl = agreement(
-        student, teacher, held_out_text, first=shape.seq_len - HELD_OUT_TEACHER_TEXT.new_tokens
-    )
-    metrics = {
+    first = shape.seq_len - HELD_OUT_TEACHER_TEXT.new_tokens
+    text_agreement, text_kl = agreement(student, teacher, held_out_text, first=first)
+    metrics |= {
         "greedy_agreement": corpus_agreement, "held_out_kl": corpus_kl,
         "greedy_agreement_teacher_text": text_agreement, "teacher_text_kl": text_kl,
         "teacher_text": {**asdict(cfg.teacher_text), "rows_per_batch": cfg.teacher_rows},
     }
+    if cfg.parallel is not None:
+        # by draft: the autoregressive one, then each mask's
+        metrics["greedy_agreement_teacher_text_by_draft"] = parallel_agreement(
+            student, teacher, held_out_text[:PARALLEL_EVAL_ROWS], first, cfg.parallel.levels
+        )
     metrics["train_seconds"] = round(time.time() - started)
     metrics["num_parameters"] = sum(p.numel() for p in student.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(student, shape, out_dir, metrics)
+    config = {"vocab_size": student.config.vocab_size}
+    if student.config.pard_token is not None:
+        config[PARD_TOKEN_KEY] = student.config.pard_token
+    save_checkpoint(student, shape, out_dir, metrics, config)
     for name in TOKENIZER_FILES:
         shutil.copy(target_dir / name, out_dir / name)
     return metrics
@@ -126,7 +153,12 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=DEFAULT_MODEL_DIR, help="the model the draft learns from")
     parser.add_argument("--steps", type=int, default=DRAFT_SHAPE.steps, help="optimizer steps")
+    parser.add_argument("--parallel", action="store_true", help="then teach it to draft in parallel (PARD)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    return distill(DistillConfig(replace(DRAFT_SHAPE, steps=args.steps)), args.target, default_draft_dir(args.target))
+    parallel = ParallelConfig() if args.parallel else None
+    return distill(
+        DistillConfig(replace(DRAFT_SHAPE, steps=args.steps), parallel=parallel), args.target,
+        default_draft_dir(args.target),
+    )

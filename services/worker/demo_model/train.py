@@ -121,11 +121,13 @@ def evaluate(model: CausalLM, stream: np.ndarray, cfg: TrainConfig) -> dict[str,
     }
 
 
-def save_checkpoint(model: CausalLM, cfg: TrainConfig, out_dir: Path, metrics: dict) -> None:
+def save_checkpoint(model: CausalLM, cfg: TrainConfig, out_dir: Path, metrics: dict, config: dict | None = None
+                    ) -> None:
+    """config: keys of config.json over cfg's (a parallel draft model's grown vocabulary and mask token)."""
     state = split_projections(model.state_dict(), model.config)  # HF names, so transformers loads it
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(cfg.hf_config(), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(cfg.hf_config() | (config or {}), indent=2) + "\n")
     generation = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     report = {"train_config": asdict(cfg), **metrics}
@@ -190,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train only the EAGLE-3 head (method eagle3) of the model in --out, into the directory beside it "
         "(<out>-eagle3); without --draft or --eagle3 the demo model is trained, then its draft model and its head",
     )
+    parser.add_argument(
+        "--parallel-draft", action="store_true",
+        help="then teach the draft model to draft k tokens in one pass (PARD mask token, demo_model/parallel_draft.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -203,7 +209,8 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(metrics, indent=2))
     if args.draft or not only:
         steps = args.steps if args.draft and args.steps else draft.DRAFT_SHAPE.steps
-        print(json.dumps(draft.run(argparse.Namespace(target=args.out, steps=steps)), indent=2))
+        print(json.dumps(draft.run(argparse.Namespace(target=args.out, steps=steps, parallel=args.parallel_draft)),
+                         indent=2))
     if args.eagle3 or not only:
         steps = args.steps if args.eagle3 and args.steps else eagle3_head.HEAD_TRAINING.steps
         print(json.dumps(eagle3_head.run(argparse.Namespace(target=args.out, steps=steps)), indent=2))

@@ -9,6 +9,10 @@ catches it up with the tokens accepted since the last one (a new sequence's whol
 the same pass that drafts the first token, then drafts the rest one token per pass. Its entries at drafted
 positions are overwritten by the next catch-up. A block goes to the prefix cache only once the draft model's cache
 holds it too (Engine._publish), so a prefix cache hit drafts exactly as a cold prefill.
+
+A parallel draft model (PARD: its config names a mask token, `pard_token`) drafts every token of the step in the
+catch-up pass: k - 1 mask tokens follow the last token, and the row of the mask at position n + l holds the logits of
+the token at n + l + 1. Each draft is drawn from its own row's q, so verification is as for chained drafts.
 """
 
 from __future__ import annotations
@@ -60,7 +64,10 @@ class DraftModelDrafter:
         self, model: CausalLM, target_vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
         num_blocks: int,
     ) -> None:
-        if model.config.vocab_size > target_vocab_size:
+        # A parallel draft model's mask token (model/config.py, pard_token) may be the one id past the target's.
+        self.pard_token = model.config.pard_token
+        extra = model.config.vocab_size - target_vocab_size
+        if extra > 0 and not (extra == 1 and self.pard_token == target_vocab_size):
             raise ValueError(
                 f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the target's "
                 f"({target_vocab_size}): it must share the target's tokenizer"
@@ -123,33 +130,48 @@ class DraftModelDrafter:
         chosen_seqs = [seqs[b] for b in active]
         steps = [budgets[b] for b in active]
         starts = [min(self.computed_until(s), s.num_tokens - 1) for s in chosen_seqs]
-        # Catch-up and the first draft in one pass: every token the draft cache lacks, the last one included.
+        # Catch-up and the first draft in one pass: every token the draft cache lacks, the last one included; a
+        # parallel draft model's masks after it draft the rest in the same pass (their cache entries, like drafted
+        # tokens', are overwritten by the next catch-up).
+        masks = [[self.pard_token] * (n - 1) if self.pard_token is not None else [] for n in steps]
         hidden, batch = self.runner.forward(
-            [s.token_ids[start:] for s, start in zip(chosen_seqs, starts)], starts, [s.slot for s in chosen_seqs]
+            [s.token_ids[start:] + m for s, start, m in zip(chosen_seqs, starts, masks)], starts,
+            [s.slot for s in chosen_seqs],
         )
         for seq in chosen_seqs:
             self.reset(seq, seq.num_tokens)
         device = self.runner.device
-        last_rows = batch.last_rows
-        last_hidden = (  # [A, hidden]
-            hidden.narrow(0, int(last_rows[0]), 1) if len(last_rows) == 1
-            else hidden[torch.from_numpy(np.asarray(last_rows)).to(device)]
-        )
+        # Each sequence's drafting rows: its last token's, then its masks'
+        first_rows = [int(last) - len(m) for last, m in zip(batch.last_rows, masks)]
         for group, quantized in precision_groups(chosen_seqs, list(range(len(chosen_seqs))), self.int8):
-            picked = last_hidden if len(group) == len(chosen_seqs) else last_hidden[torch.tensor(group, device=device)]
-            chained = self._chain([chosen_seqs[i] for i in group], picked, [steps[i] for i in group], quantized)
-            for i, draft in zip(group, chained):
+            group_steps = [steps[i] for i in group]
+            if self.pard_token is None:
+                rows = [first_rows[i] for i in group]
+            else:
+                rows = [first_rows[i] + j for i in group for j in range(steps[i])]
+            picked = hidden.narrow(0, rows[0], 1) if len(rows) == 1 else hidden[torch.tensor(rows, device=device)]
+            made = self._draft([chosen_seqs[i] for i in group], picked, group_steps, quantized)
+            for i, draft in zip(group, made):
                 drafts[active[i]] = draft
         return drafts
 
-    def _chain(self, seqs: list[Sequence], hidden: torch.Tensor, steps: list[int], quantized: bool) -> list[Draft]:
-        """Drafts steps[b] tokens for each of seqs from the draft model's hidden state at its last token [B,
-        hidden], one pass a draft; quantized: the logits and the passes through the int8 twins. The bookkeeping
-        between passes is host lists: at one sequence a step's drafting is a few passes, and each tensor op
-        between them costs as much as a small kernel."""
+    def _draft(self, seqs: list[Sequence], hidden: torch.Tensor, steps: list[int], quantized: bool) -> list[Draft]:
+        """Drafts steps[b] tokens for each of seqs. Autoregressive: from the draft model's hidden state at each
+        sequence's last token [B, hidden], one pass a further draft; parallel: from every drafting row of the pass,
+        each sequence's steps[b] rows in order [sum(steps), hidden], no further pass. quantized: the logits and the
+        passes through the int8 twins. The bookkeeping between drafts is host lists: at one sequence a step's
+        drafting is a few passes, and each tensor op between them costs as much as a small kernel."""
         device = self.runner.device
         sampler = DraftSampler(seqs, device, self.grammars)
-        logits = self._logits(hidden, quantized)  # [A, vocab]
+        all_logits = self._logits(hidden, quantized)  # [B or sum(steps), vocab]
+        parallel = self.pard_token is not None
+        offsets = np.concatenate([[0], np.cumsum(steps)[:-1]]).tolist() if parallel else list(range(len(seqs)))
+        if not parallel:
+            logits = all_logits
+        elif len(seqs) == 1:
+            logits = all_logits.narrow(0, 0, 1)
+        else:
+            logits = all_logits[torch.tensor(offsets, device=device)]
         rows = list(range(len(seqs)))
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
@@ -166,6 +188,10 @@ class DraftModelDrafter:
             if not going:
                 break
             rows, drafted = [rows[i] for i in going], [drafted[i] for i in going]
+            if parallel:
+                at = [offsets[r] + j + 1 for r in rows]
+                logits = all_logits.narrow(0, at[0], 1) if len(at) == 1 else all_logits[torch.tensor(at, device=device)]
+                continue
             hidden, _ = self.runner.forward(
                 [[t] for t in drafted], [seqs[r].num_tokens + j for r in rows], [seqs[r].slot for r in rows],
                 quantized=quantized,
@@ -179,8 +205,14 @@ class DraftModelDrafter:
         ]
 
     def _logits(self, hidden: torch.Tensor, quantized: bool) -> torch.Tensor:
-        """The draft model's logits over the target's vocabulary (ids past its own get -inf)."""
+        """The draft model's logits over the target's vocabulary (ids past its own get -inf; a mask token is never
+        drafted)."""
         logits = self.runner.logits(hidden, quantized=quantized)  # [A, draft vocab]
+        if self.pard_token is not None:
+            if logits.shape[-1] > self.vocab_size:
+                logits = logits.narrow(-1, 0, self.vocab_size)
+            else:
+                logits[:, self.pard_token] = float("-inf")
         if logits.shape[-1] == self.vocab_size:
             return logits
         padded = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))

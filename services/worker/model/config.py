@@ -139,6 +139,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
+    # the same pass (drafting/draft_model.py); None: an autoregressive model
+    pard_token: int | None = None
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -212,6 +215,7 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, arch),
             qk_norm=arch in _QWEN3_FAMILY,
             attention_window=raw.get("sliding_window", _MISTRAL_WINDOW) if arch == _MISTRAL else None,
+            pard_token=raw.get("pard_token"),
             **_experts(raw, arch),
         )
 

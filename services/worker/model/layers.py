@@ -115,7 +115,11 @@ class Attention(PlainModule):
         self.qk_norm = cfg.qk_norm
         self.window = cfg.attention_window
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """attention_mask: training only, [L, L] bool, which keys each query sees (None: causal)."""
         qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)  # [..., heads + 2 kv_heads, head_dim]
         rotated = self.num_heads + self.num_kv_heads
         qk = qkv.narrow(-2, 0, rotated)
@@ -125,10 +129,11 @@ class Attention(PlainModule):
         q, k = qk.narrow(-2, 0, self.num_heads), qk.narrow(-2, self.num_heads, self.num_kv_heads)
         v = qkv.narrow(-2, rotated, self.num_kv_heads)
         if batch is None:  # training: [B, L, heads, head_dim], each sequence attends to itself causally
+            if attention_mask is None and self.window is not None:
+                attention_mask = window_mask(q.shape[-3], self.window, q.device)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.window is None,
-                attn_mask=None if self.window is None else window_mask(q.shape[-3], self.window, q.device),
-                enable_gqa=True,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=attention_mask is None,
+                attn_mask=attention_mask, enable_gqa=True,
             ).transpose(1, 2)
         else:  # serving: [T, heads, head_dim] against the paged cache
             batch.cache.write(self.layer_index, batch.slot_mapping, k, v)
@@ -162,13 +167,15 @@ class DecoderLayer(PlainModule):
         self.mlp = SparseMoE(cfg, MLP) if cfg.is_sparse_layer(layer_index) else MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it): their sum is the layer's hidden state."""
+        """(this layer's output, the residual stream before it): their sum is the layer's hidden state.
+        attention_mask: training only (Attention.forward)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, batch)
+        x = self.self_attn(x, cos_sin, batch, attention_mask)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

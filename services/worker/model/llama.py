@@ -99,18 +99,20 @@ class CausalLM(PlainModule):
         return self.rotary(positions, num_positions)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] packed (serving, with a batch) or [B, L] (training) -> the last layer's hidden
         states [..., hidden], before the final norm; with an EAGLE-3 head attached, followed by the inputs of its
-        feature layers: [..., 4 * hidden] (logits and draft_features read their parts)."""
+        feature layers: [..., 4 * hidden] (logits and draft_features read their parts). attention_mask: training
+        only, [L, L] bool, which positions each row sees (None: causal; a parallel draft model's training rows)."""
         cos_sin = self._rope(positions, batch)
         x, residual = self.embed(input_ids), None
         layer_inputs = {}
         for index, layer in enumerate(self.model.layers):
             if index in self.feature_layers:
                 layer_inputs[index] = x if residual is None else x + residual
-            x, residual = layer(x, residual, cos_sin, batch)
+            x, residual = layer(x, residual, cos_sin, batch, attention_mask)
         if not self.feature_layers:
             return x + residual
         return torch.cat([x + residual, *(layer_inputs[i] for i in self.feature_layers)], dim=-1)
