@@ -17,16 +17,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import TOKENIZER_FILE, Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
-from services.worker.demo_model.parallel_draft import (
-    PARD_TOKEN_KEY, ParallelConfig, adapt, add_mask_token, parallel_agreement,
-)
+from services.worker.demo_model.parallel_draft import ParallelConfig, adapt, add_mask_token, parallel_agreement
 from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
 from services.worker.demo_model.train import TrainConfig, _lr, _windows, save_checkpoint
 from services.worker.drafting.draft_model import default_draft_dir
-from services.worker.model.config import ModelConfig
+from services.worker.model.config import PARD_TOKEN_KEY, ModelConfig
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model
 
@@ -141,19 +138,12 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     metrics["train_seconds"] = round(time.time() - started)
     metrics["num_parameters"] = sum(p.numel() for p in student.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {"vocab_size": student.config.vocab_size}
-    if student.config.pard_token is not None:
-        config[PARD_TOKEN_KEY] = student.config.pard_token
-    save_checkpoint(student, shape, out_dir, metrics, config)
+    pard = student.config.pard_token
+    grown = {} if pard is None else {"vocab_size": student.config.vocab_size, PARD_TOKEN_KEY: pard}
+    save_checkpoint(student, shape, out_dir, metrics, grown)
     for name in TOKENIZER_FILES:
         shutil.copy(target_dir / name, out_dir / name)
     return metrics
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", type=Path, default=DEFAULT_MODEL_DIR, help="the model the draft learns from")
-    parser.add_argument("--steps", type=int, default=DRAFT_SHAPE.steps, help="optimizer steps")
-    parser.add_argument("--parallel", action="store_true", help="then teach it to draft in parallel (PARD)")
 
 
 def run(args: argparse.Namespace) -> dict:

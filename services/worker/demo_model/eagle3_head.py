@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
 from services.worker.demo_model.eagle3_training import (
@@ -79,11 +78,6 @@ def train(cfg: HeadTrainConfig, target_dir: Path, out_dir: Path) -> dict:
     }
     save_head(head, config, t2d, out_dir, torch.bfloat16, metrics)
     return metrics
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", type=Path, default=DEFAULT_MODEL_DIR, help="the model the head drafts for")
-    parser.add_argument("--steps", type=int, default=HEAD_TRAINING.steps, help="optimizer steps")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -23,9 +23,6 @@ from tqdm import tqdm
 from services.worker.demo_model.train import TrainConfig, _lr
 from services.worker.model.llama import CausalLM
 
-PARD_TOKEN_KEY = "pard_token"  # the config key PARD's checkpoints name their mask token with
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     steps: int = 800

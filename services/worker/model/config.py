@@ -109,6 +109,9 @@ def _optional_float(value) -> float | None:
     return None if value is None else float(value)
 
 
+PARD_TOKEN_KEY = "pard_token"  # the config key PARD's checkpoints name their mask token with
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -215,7 +218,7 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, arch),
             qk_norm=arch in _QWEN3_FAMILY,
             attention_window=raw.get("sliding_window", _MISTRAL_WINDOW) if arch == _MISTRAL else None,
-            pard_token=raw.get("pard_token"),
+            pard_token=raw.get(PARD_TOKEN_KEY),
             **_experts(raw, arch),
         )
 
