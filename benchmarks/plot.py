@@ -308,6 +308,24 @@ def plot_prefix_routing(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+@drawing
+def plot_mesh_ab(report: dict, path: Path) -> None:
+    """Draws report (the JSON benchmarks/mesh_ab.py writes) into the PNG at path: per method, its tokens/s over the
+    baseline's through the mesh, the median of the rounds with their range."""
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(FIGURE_SIZE[0] / 2, FIGURE_SIZE[1] / 2))
+    medians = [row["ratio"] for row in rows]
+    spread = [[m - row["ratio_min"] for m, row in zip(medians, rows)],
+              [row["ratio_max"] - m for m, row in zip(medians, rows)]]
+    ax.bar(range(len(rows)), medians, yerr=spread, capsize=4)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"{row['method']}, {row['streams']} stream(s)" for row in rows])
+    ax.set(ylabel=f"mesh tokens/s over {report['baseline']}'s (higher is better)")
+    fig.suptitle(f"{report['prompts']} prompts, T={report['temperature']}, passes alternating with "
+                 f"{report['baseline']}'s, median and range of {report['rounds']} rounds", fontsize="small")
+    save_figure(fig, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="methods.json written by benchmarks/methods.py")

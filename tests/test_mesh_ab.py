@@ -1,0 +1,30 @@
+"""benchmarks/mesh_ab.py: a method's passes against naive's on two real meshes, taking turns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.mesh_ab import ratios
+
+
+def test_a_method_pass_is_set_against_the_naive_passes_on_either_side() -> None:
+    assert ratios([100.0, 300.0, 200.0], [300.0, 500.0]) == [1.5, 2.0]
+
+
+def test_the_benchmark_alternates_two_meshes_and_checks_the_greedy_text(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mesh_ab", "--methods", "draft_model", "--requests", "2", "--rounds", "2",
+         "--max-tokens", "3", "--prompt-tokens", "8", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "greedy check: OK" in done.stdout
+    report = json.loads((tmp_path / "mesh_ab.json").read_text())
+    (row,) = report["rows"]
+    assert row["method"] == "draft_model k=3" and row["requests"] == 2
+    assert len(row["method_passes"]) == 2 and len(row["baseline_passes"]) == 3
+    assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    assert (tmp_path / "table.md").read_text().startswith("| method |")
