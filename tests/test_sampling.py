@@ -11,6 +11,7 @@ from services.worker.sampling.random import (
     GOLDEN_GAMMA,
     UNIFORM_BITS,
     Purpose,
+    PYTHON_KEY_ROWS,
     _key_on_host,
     _to_int64,
     _to_unit_interval,
@@ -253,12 +254,13 @@ def test_the_cpu_race_in_chunks_draws_what_the_whole_race_draws(rows: int, vocab
         assert torch.equal(in_place, uniform(seeds, positions, purpose, vocab))
 
 
-def test_host_keys_equal_the_torch_hash() -> None:
-    """The CPU's keys, hashed in numpy's uint64 arithmetic, have the bits of the int64 torch chain the CUDA path and
-    the kernels follow, for negative seeds and every purpose."""
+@pytest.mark.parametrize("rows", [1, PYTHON_KEY_ROWS, 64])
+def test_host_keys_equal_the_torch_hash(rows: int) -> None:
+    """The CPU's keys, hashed in Python's integers for a few rows and in numpy's uint64 arithmetic for more, have the
+    bits of the int64 torch chain the CUDA path and the kernels follow, for negative seeds and every purpose."""
     generator = torch.Generator().manual_seed(17)
-    seeds = torch.randint(-(2**63), 2**63 - 1, (64,), generator=generator, dtype=torch.int64)
-    positions = torch.randint(0, 2**31, (64,), generator=generator, dtype=torch.int64)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=generator, dtype=torch.int64)
+    positions = torch.randint(0, 2**31, (rows,), generator=generator, dtype=torch.int64)
     for purpose in Purpose:
         chained = mix64(mix64(mix64(seeds + GOLDEN_GAMMA) ^ positions) + _to_int64(int(purpose) * GOLDEN_GAMMA))
         assert torch.equal(_key_on_host(seeds, positions, purpose), chained)
