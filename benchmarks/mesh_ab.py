@@ -35,7 +35,7 @@ from benchmarks.heldout import package_prompts
 from benchmarks.mesh_client import mesh_streams
 from benchmarks.methods import GREEDY
 from benchmarks.plot import plot_mesh_ab, save_report
-from benchmarks.speculation import HELD_OUT, METHODS, MIN_REQUESTS, prompt_sets
+from benchmarks.speculation import HELD_OUT, METHODS, MIN_REQUESTS, bracketed_ratios, prompt_sets
 from services.mesh_process import Mesh, start_mesh
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import Tokenizer
@@ -55,12 +55,6 @@ def mesh_pass(mesh: Mesh, prompts: list[list[int]], args: argparse.Namespace) ->
     return len(prompts) * args.max_tokens / seconds, [s.text for s in streams]
 
 
-def ratios(baseline_rates: list[float], method_rates: list[float]) -> list[float]:
-    """Method pass i over the mean of the baseline passes i and i + 1 around it."""
-    return [rate / ((before + after) / 2) for rate, before, after in
-            zip(method_rates, baseline_rates, baseline_rates[1:])]
-
-
 def compare(args: argparse.Namespace, baseline: Mesh, name: str, prompts: list[list[int]],
             expected: list[str] | None, tmp: Path) -> tuple[dict, bool]:
     """One method's alternating passes against the baseline mesh: its row, and whether its text was the baseline's
@@ -78,7 +72,7 @@ def compare(args: argparse.Namespace, baseline: Mesh, name: str, prompts: list[l
             baseline_rates.append(mesh_pass(baseline, prompts, args)[0])
     finally:
         mesh.stop()
-    by_round = ratios(baseline_rates, method_rates)
+    by_round = bracketed_ratios(baseline_rates, method_rates)
     row = {
         "method": name, "streams": args.streams, "requests": len(prompts),
         "baseline_tokens_per_s": statistics.median(baseline_rates), "tokens_per_s": statistics.median(method_rates),

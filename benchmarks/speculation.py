@@ -139,6 +139,12 @@ class Row:
         return {k: v for k, v in asdict(self).items() if k not in ("outputs", "mismatched")}
 
 
+def bracketed_ratios(baseline_rates: list[float], rates: list[float]) -> list[float]:
+    """Pass i of rates over the mean of baseline passes i and i + 1, the two around it (one more baseline pass than
+    passes): what cancels a drift that is steady over the two."""
+    return [rate / ((before + after) / 2) for rate, before, after in zip(rates, baseline_rates, baseline_rates[1:])]
+
+
 def requests_for(args: argparse.Namespace, streams: int) -> int:
     """The requests a run of `streams` streams serves: --requests-per-stream each, and --min-requests at least."""
     return max(streams * args.requests_per_stream, args.min_requests)
@@ -291,7 +297,6 @@ def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EngineP
          mesh_passes: list[tuple[list[Stream], float]], table: TokenTable) -> Row:
     """engine_passes: one more than mesh_passes, mesh pass i between engine passes i and i + 1."""
     engine_rates = [p.tokens_per_s for p in engine_passes]
-    bracketing = [(before + after) / 2 for before, after in zip(engine_rates, engine_rates[1:])]
     outputs = engine_passes[0].outputs
     num_tokens = sum(map(len, outputs))
     ends = [token_ends(table, tokens) for tokens in outputs]
@@ -308,7 +313,7 @@ def _row(prompts_name: str, name: str, streams: int, engine_passes: list[EngineP
                 decode_tokens += len(tokens) - first_chunk_tokens(stream, token_end)
                 decode_seconds += last - first
     mesh_rates = [num_tokens / seconds for _, seconds in mesh_passes]
-    ratios = [m / e for m, e in zip(mesh_rates, bracketing)]
+    ratios = bracketed_ratios(engine_rates, mesh_rates)
     stats = engine_passes[0].stats
     itl_p50, itl_p99 = (1e3 * float(p) for p in np.percentile(gaps, PERCENTILES))
     return Row(

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.mesh_ab import ratios
+from benchmarks.speculation import bracketed_ratios
 
 
 def test_a_method_pass_is_set_against_the_naive_passes_on_either_side() -> None:
-    assert ratios([100.0, 300.0, 200.0], [300.0, 500.0]) == [1.5, 2.0]
+    assert bracketed_ratios([100.0, 300.0, 200.0], [300.0, 500.0]) == [1.5, 2.0]
 
 
 def test_the_benchmark_alternates_two_meshes_and_checks_the_greedy_text(tmp_path: Path) -> None:
