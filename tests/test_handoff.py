@@ -186,3 +186,20 @@ def test_choices_more_than_a_prefill_worker_holds_decode_there_and_the_rest_is_h
     for out in outputs_of(run(decode_engine, {}), continued):
         got[2].extend(out.tokens)
     assert got == expected
+
+
+
+def test_a_handoff_with_no_pending_drafts_goes_on_as_one_engine_does(model_dirs, prompt) -> None:  # noqa: F811
+    """Two tokens in all: the first one spends the draft budget, so the MTP drafter hands off zero drafts (empty
+    sections), which the decode worker reads as such instead of refusing the request."""
+    both, prefill, decode_engine = _engines(model_dirs, "mtp")
+    options = dict(max_tokens=2, logprobs=1, include_draft_logprobs=True, **GREEDY)
+    alone = make_request(prompt, **options)
+    expected = outputs_of(run(both, {0: [alone]}), alone)
+    request = make_request(prompt, **options)
+    first, seq, payload = _prefill(prefill, request)
+    assert {s.name: s.shape for s in decode(payload).meta.sections}["0.draft_probs"][0] == 0
+    continued = _continued(request, seq)
+    decode_engine.add_request(continued, payload)
+    assert _record(first + outputs_of(run(decode_engine, {}), continued)) == _record(expected)
+    assert decode_engine.scheduler.handoffs_recomputed == 0

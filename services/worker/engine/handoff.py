@@ -50,7 +50,10 @@ def _bytes(tensor: torch.Tensor) -> bytes:
 def _tensor(section: SectionMeta, raw: memoryview) -> torch.Tensor:
     if section.dtype not in _DTYPES:
         raise HandoffFormatError(f"section {section.name} has dtype {section.dtype}, not a tensor dtype")
-    return torch.frombuffer(bytearray(raw), dtype=_DTYPES[section.dtype]).view(section.shape)
+    dtype = _DTYPES[section.dtype]
+    if not len(raw):  # torch.frombuffer refuses an empty buffer; a section may be empty (no pending drafts)
+        return torch.empty(section.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(section.shape)
 
 
 def ready_to_hand_off(seqs: list[Sequence]) -> list[list[Sequence]]:
