@@ -75,6 +75,16 @@ def package_prompts(tokenizer: Tokenizer, package: str, count: int, prompt_token
     raise SystemExit(f"{package} has fewer than {count} files of {prompt_tokens} tokens")
 
 
+def text_prompts(tokenizer: Tokenizer, path: Path, count: int, prompt_tokens: int) -> list[list[int]]:
+    """count windows of prompt_tokens tokens from the text file at path (prose a code model never saw, such as the
+    Shakespeare aiperf's synthetic prompts sample from), at evenly spaced offsets: the same prompts every run."""
+    ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    span = len(ids) - prompt_tokens
+    if span < count:
+        raise SystemExit(f"{path} has too few tokens for {count} windows of {prompt_tokens}")
+    return [ids[i * span // count : i * span // count + prompt_tokens] for i in range(count)]
+
+
 async def mesh_pass(base_url: str, model: str, prompts: list[list[int]], speculative: dict | None,
                     max_tokens: int) -> list[Stream]:
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)

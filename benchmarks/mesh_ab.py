@@ -2,7 +2,7 @@
 method is faster than naive, measured so that the machine's drift cannot decide it.
 
     python -m benchmarks.mesh_ab [--methods draft_model eagle3] [--streams 1] [--requests 16] [--rounds 5]
-                                 [--prompts held-out|PACKAGE] [--max-tokens 128] [--prompt-tokens 96]
+                                 [--prompts held-out|PACKAGE|FILE] [--max-tokens 128] [--prompt-tokens 96]
                                  [--temperature 0] [--out bench-out/mesh-ab]
 
 benchmarks/speculation.py runs one method's mesh after another's, minutes apart; on a shared 2-core machine the same
@@ -15,7 +15,9 @@ on each mesh. Both meshes are `specmesh up` on its defaults but the method (benc
 
 Prompts: the openings of held-out standard-library files, as benchmarks/speculation.py's (--prompts held-out), or of
 an installed package's files, as benchmarks/heldout.py's (--prompts aiohttp: code neither the demo model nor any of
-its drafters trained on, in another project's style).
+its drafters trained on, in another project's style), or windows of a text file's tokens (--prompts FILE: for
+instance aiperf's dataset/generator/assets/shakespeare.txt, the prose its synthetic prompts sample, which the demo
+model never saw).
 
 Greedy (--temperature 0): every method's text must equal naive's (exit status 1 otherwise); above, requests are
 seeded. Writes mesh_ab.json, mesh_ab.png and table.md to --out.
@@ -31,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.heldout import package_prompts
+from benchmarks.heldout import package_prompts, text_prompts
 from benchmarks.mesh_client import mesh_streams
 from benchmarks.methods import GREEDY
 from benchmarks.plot import plot_mesh_ab, save_report
@@ -100,15 +102,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=MIN_REQUESTS, help="requests a pass serves")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes of each method")
     parser.add_argument("--prompts", default=HELD_OUT,
-                        help=f"{HELD_OUT} (standard-library files) or an installed package whose files open prompts")
+                        help=f"{HELD_OUT} (standard-library files), an installed package whose files open prompts, or a "
+                        "text file whose windows are the prompts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--temperature", type=float, default=GREEDY)
     parser.add_argument("--out", type=Path, default=Path("bench-out/mesh-ab"))
     args = parser.parse_args()
     tokenizer = Tokenizer(args.model)
-    prompts = (prompt_sets(tokenizer, args.requests, args.prompt_tokens)[HELD_OUT] if args.prompts == HELD_OUT
-               else package_prompts(tokenizer, args.prompts, args.requests, args.prompt_tokens))
+    if args.prompts == HELD_OUT:
+        prompts = prompt_sets(tokenizer, args.requests, args.prompt_tokens)[HELD_OUT]
+    elif Path(args.prompts).is_file():
+        prompts = text_prompts(tokenizer, Path(args.prompts), args.requests, args.prompt_tokens)
+    else:
+        prompts = package_prompts(tokenizer, args.prompts, args.requests, args.prompt_tokens)
     names = [name for name, spec in METHODS.items() if spec["method"] in args.methods]
     rows, mismatches = [], []
     with tempfile.TemporaryDirectory() as tmp:

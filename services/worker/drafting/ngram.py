@@ -23,10 +23,10 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int], num_drafts: int) -> list[int]:
         """Up to num_drafts tokens; fewer when the match sits near the end, [] when no suffix recurs."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        n = len(tokens)
+        n = len(token_ids)
         if num_drafts <= 0 or n < self.min_ngram_size + 1:
             return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
         # Candidates are earlier positions holding the last token, i.e. where a match of the suffix could end.
         # Matches are grown backwards one token at a time across all candidates at once, so the cost is
         # O(n + candidates * max_ngram_size) rather than a window compare per n-gram size.

@@ -26,7 +26,8 @@ uses sample(..., seed, position + num_accepted, SAMPLE), the noise plain decodin
 that position, so a row with no drafts emits exactly the token plain decoding would.
 
 On CUDA tensors `verify` runs the fused Triton kernel of kernels/verify.py through `verify_fused`, which imports
-it (so CPU callers never import triton); `verify_torch` is its twin.
+it (so CPU callers never import triton); `verify_torch` is its twin. On the CPU, coupled verification (point-mass
+drafts, target_match) runs slot by slot in sampling/coupled.py, with verify_torch's result.
 """
 
 from __future__ import annotations
@@ -245,4 +246,8 @@ def verify(
     """
     if use_kernel(inp.target_probs):
         return verify_fused(inp, accept_policy, verify_strategy)
+    from services.worker.sampling.coupled import is_coupled, verify_coupled  # it builds on this module
+
+    if is_coupled(inp, accept_policy, verify_strategy):
+        return verify_coupled(inp)
     return verify_torch(inp, accept_policy, verify_strategy)
