@@ -102,8 +102,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=MIN_REQUESTS, help="requests a pass serves")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes of each method")
     parser.add_argument("--prompts", default=HELD_OUT,
-                        help=f"{HELD_OUT} (standard-library files), an installed package whose files open prompts, or a "
-                        "text file whose windows are the prompts")
+                        help=f"{HELD_OUT} (standard-library files), an installed package whose files open prompts, "
+                        "or a text file whose windows are the prompts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--temperature", type=float, default=GREEDY)

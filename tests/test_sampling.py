@@ -264,3 +264,15 @@ def test_host_keys_equal_the_torch_hash(rows: int) -> None:
     for purpose in Purpose:
         chained = mix64(mix64(mix64(seeds + GOLDEN_GAMMA) ^ positions) + _to_int64(int(purpose) * GOLDEN_GAMMA))
         assert torch.equal(_key_on_host(seeds, positions, purpose), chained)
+
+
+@pytest.mark.parametrize("rows", [1, PYTHON_KEY_ROWS, 64])
+def test_host_uniforms_equal_the_torch_chain(rows: int) -> None:
+    """uniform without a width on the CPU (Python's integers for a few rows, numpy beyond) has the bits of the int64
+    torch chain the CUDA path follows."""
+    generator = torch.Generator().manual_seed(rows)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=generator, dtype=torch.int64)
+    positions = torch.randint(0, 2**31, (rows,), generator=generator, dtype=torch.int64)
+    for purpose in Purpose:
+        key = mix64(mix64(mix64(seeds + GOLDEN_GAMMA) ^ positions) + _to_int64(int(purpose) * GOLDEN_GAMMA))
+        assert torch.equal(uniform(seeds, positions, purpose), _to_unit_interval(mix64(key + GOLDEN_GAMMA)))

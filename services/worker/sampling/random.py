@@ -139,6 +139,8 @@ def uniform(seeds: Tensor, positions: Tensor, purpose: Purpose, width: int | Non
         raise TypeError(f"seeds and positions must be int64, got {seeds.dtype} and {positions.dtype}")
     key = _key(seeds, positions, purpose)
     if width is None:
+        if seeds.device.type == "cpu":
+            return _uniform_on_host(key)
         return _to_unit_interval(mix64(key + GOLDEN_GAMMA))
     return _to_unit_interval(mix64(key.unsqueeze(1) + _counters(width, seeds.device)))
 
@@ -156,16 +158,41 @@ def uniform_into(
     return _to_unit_interval_into(mix64_(bits, scratch), scratch, out)
 
 
+def _uniform_on_host(key: Tensor) -> Tensor:
+    """uniform's width-less numbers from CPU keys: in Python's integers for a few rows (a verify step's acceptance
+    tests, three or four of them, took ~100 us in torch ops), in numpy's uint64 arithmetic for more; the same bits,
+    since int -> float64 -> + 0.5 -> * 2**-UNIFORM_BITS rounds alike in every IEEE double arithmetic."""
+    shift = 64 - UNIFORM_BITS
+    if len(key) <= PYTHON_KEY_ROWS:
+        gamma = constants.GOLDEN_GAMMA & _MASK64
+        units = [(float(_mix64_int((k + gamma) & _MASK64) >> shift) + 0.5) * _UNIFORM_SCALE
+                 for k in key.numpy().view(np.uint64).tolist()]
+        return torch.tensor(units, dtype=torch.float64)
+    stream = np.right_shift(_mix64_host(key.numpy().view(np.uint64) + _HOST_GAMMA), np.uint64(shift))
+    return torch.from_numpy((stream.astype(np.float64) + 0.5) * _UNIFORM_SCALE)
+
+
 def _uniform_into_host(key: Tensor, out: Tensor, bits: Tensor, scratch: Tensor) -> Tensor:
-    """uniform_into's streams on the CPU in numpy's uint64 arithmetic over the same buffers: the same bits, each
-    call a third of a torch op's cost (one 4,096-token row: ~50 -> ~20 us)."""
-    stream, shifted = bits.numpy().view(np.uint64), scratch.numpy().view(np.uint64)
-    np.add(_host_counters(out.shape[1]), key.numpy().view(np.uint64)[:, None], out=stream)
-    np.right_shift(_mix64_host(stream, shifted), np.uint64(64 - UNIFORM_BITS), out=stream)
-    unit = out.numpy()
-    unit[...] = stream
-    unit += 0.5
-    unit *= _UNIFORM_SCALE
+    """uniform_into's streams on the CPU, through host_uniform_into over the same buffers."""
+    host_uniform_into(key.numpy().view(np.uint64), out.numpy(), bits.numpy().view(np.uint64),
+                      scratch.numpy().view(np.uint64))
+    return out
+
+
+def host_keys(seeds: Tensor, positions: Tensor, purpose: Purpose) -> np.ndarray:
+    """The keys of CPU seeds and positions as uint64 numpy [B]: host_uniform_into's input."""
+    return _key_on_host(seeds, positions, purpose).numpy().view(np.uint64)
+
+
+def host_uniform_into(keys: np.ndarray, out: np.ndarray, stream: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """uniform_into in numpy's uint64 arithmetic: out (float64 [B, width]) gets row b's first `width` numbers of the
+    stream keyed by keys[b], with stream and scratch (uint64 [B, width]) as working memory; the same bits, each call
+    a third of a torch op's cost (one 4,096-token row: ~50 -> ~20 us)."""
+    np.add(_host_counters(out.shape[1]), keys[:, None], out=stream)
+    np.right_shift(_mix64_host(stream, scratch), np.uint64(64 - UNIFORM_BITS), out=stream)
+    out[...] = stream
+    out += 0.5
+    out *= _UNIFORM_SCALE
     return out
 
 

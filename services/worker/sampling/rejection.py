@@ -26,8 +26,9 @@ uses sample(..., seed, position + num_accepted, SAMPLE), the noise plain decodin
 that position, so a row with no drafts emits exactly the token plain decoding would.
 
 On CUDA tensors `verify` runs the fused Triton kernel of kernels/verify.py through `verify_fused`, which imports
-it (so CPU callers never import triton); `verify_torch` is its twin. On the CPU, coupled verification (point-mass
-drafts, target_match) runs slot by slot in sampling/coupled.py, with verify_torch's result.
+it (so CPU callers never import triton); `verify_torch` is its twin. On the CPU, with verify_torch's results bit for
+bit: coupled verification (point-mass drafts, target_match) runs slot by slot in sampling/coupled.py, and the
+rejection rule for modelled drafts in numpy in sampling/host_rejection.py.
 """
 
 from __future__ import annotations
@@ -246,8 +247,14 @@ def verify(
     """
     if use_kernel(inp.target_probs):
         return verify_fused(inp, accept_policy, verify_strategy)
-    from services.worker.sampling.coupled import is_coupled, verify_coupled  # it builds on this module
+    # Both build on this module.
+    from services.worker.sampling.coupled import is_coupled, verify_coupled
+    from services.worker.sampling.host_rejection import is_host_rejection, verify_host_rejection
 
     if is_coupled(inp, accept_policy, verify_strategy):
         return verify_coupled(inp)
+    if is_host_rejection(inp, accept_policy, verify_strategy):
+        result = verify_host_rejection(inp)
+        if result is not None:
+            return result
     return verify_torch(inp, accept_policy, verify_strategy)
