@@ -1,8 +1,12 @@
-"""`specmesh up` on its defaults against hand-picked flags, under a load generator nobody here wrote (aiperf):
+"""`specmesh up` on its defaults against hand-picked flags, under a load generator nobody here wrote (aiperf or
+guidellm):
 
     pip install aiperf            # in a virtual environment of its own: its dependencies are not specmesh's
     python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "no drafts" "torch threads"]
-        [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--out bench-out/defaults]
+        [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--busy both|no]
+        [--out bench-out/defaults]
+    pip install guidellm          # likewise
+    python -m benchmarks.defaults --load-generator guidellm --guidellm /path/to/guidellm [...]
 
 Configurations, each a `specmesh up` with these options and nothing else:
 - defaults: no option at all, what a newcomer runs (services/cpu_plan.py chooses the CPUs);
@@ -12,13 +16,15 @@ Configurations, each a `specmesh up` with these options and nothing else:
   API's default is 1);
 - torch threads: `--engine-cpus none --torch-threads 0`, the defaults before the CPU plan: torch's one thread per
   core, every process where the kernel puts it.
-Each is measured alone and beside a busy process (a pure-Python loop, on no particular CPU: a user's other program).
-For each point aiperf runs `profile --endpoint-type completions --streaming` with synthetic prompts of --isl tokens
-(aiperf's own text, which the demo model never saw) and --osl output tokens with `ignore_eos`, at the given
-concurrency, after warm-up requests. Figures are aiperf's: inter-token latency avg, time to first token avg,
-output tokens/s. Rounds take turns (every configuration once, then again) so that the machine's drift reaches all of
-them; each figure is the median over rounds. Prints a table with each configuration's ratio to manual, writes
-defaults.json, defaults.png and table.md to --out.
+Each is measured alone and beside a busy process (a pure-Python loop, on no particular CPU: a user's other program;
+`--busy no`: alone only). For each point aiperf runs `profile --endpoint-type completions --streaming` with
+synthetic prompts of --isl tokens (aiperf's own text, which the demo model never saw) and --osl output tokens with
+`ignore_eos`, at the given concurrency, after warm-up requests; guidellm runs `run` with a `concurrent` profile over
+its `synthetic_text` data through the chat completions endpoint (its default), its warm-up requests left out of its
+figures. Neither sends a temperature, so requests sample at the API's default of 1. Figures are the load generator's
+own: inter-token latency mean, time to first token mean, output tokens/s. Every configuration's mesh is up for the
+whole run and the configurations take turns point by point (`run_all`); each figure is the median over rounds.
+Prints a table with each configuration's ratio to manual, writes defaults.json, defaults.png and table.md to --out.
 """
 
 from __future__ import annotations
@@ -49,12 +55,17 @@ ROUNDS = 2
 REQUESTS_PER_STREAM = 6
 WARMUP_PER_STREAM = 1
 ISL = OSL = 128
-AIPERF_TIMEOUT_S = 600
+LOAD_TIMEOUT_S = 600
 SPIN_UP_S = 0.5  # lets the busy process reach its core before aiperf starts
 FIGURES = {  # aiperf's JSON key -> our name
     "inter_token_latency": "itl_ms",
     "time_to_first_token": "ttft_ms",
     "output_token_throughput": "output_tokens_per_s",
+}
+GUIDELLM_FIGURES = {  # guidellm's metric -> our name
+    "inter_token_latency_ms": "itl_ms",
+    "time_to_first_token_ms": "ttft_ms",
+    "output_tokens_per_second": "output_tokens_per_s",
 }
 
 
@@ -84,7 +95,7 @@ def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrenc
         "--warmup-request-count", str(WARMUP_PER_STREAM * concurrency),
         "--artifact-dir", str(out), "--ui-type", "none",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=AIPERF_TIMEOUT_S)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
     export = out / "profile_export_aiperf.json"
     if done.returncode != 0 or not export.is_file():
         raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
@@ -94,18 +105,53 @@ def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrenc
     return {ours: report[key]["avg"] for key, ours in FIGURES.items()}
 
 
-def run_round(args: argparse.Namespace, name: str, tmp: Path, results: dict[tuple, list[dict]]) -> None:
-    mesh = start_mesh(tmp / name.replace(" ", "-"), *shlex.split(args.configs[name]), model=args.model)
-    args.cpu_plans[name] = mesh.cpu_plan
+def guidellm_point(args: argparse.Namespace, base_url: str, model: str, concurrency: int, out: Path) -> dict:
+    """One guidellm benchmark against the mesh at `concurrency`; its figures (module docstring)."""
+    warmup = WARMUP_PER_STREAM * concurrency
+    export = out / "guidellm.json"
+    cmd = [
+        args.guidellm, "run", "--backend", f"kind=openai_http,target={base_url.removesuffix('/v1')}",
+        "--profile", f"kind=concurrent,streams={concurrency},warmup={warmup}",
+        "--constraint", f"kind=max_requests,count={args.requests * concurrency + warmup}",
+        "--data", f"kind=synthetic_text,prompt_tokens={args.isl},output_tokens={args.osl}",
+        "--tokenizer", f"kind=huggingface_auto,model={args.model}",
+        "--output", f"kind=json,path={export}", "--disable-console",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+    if done.returncode != 0 or not export.is_file():
+        raise RuntimeError(f"guidellm failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
+    metrics = json.loads(export.read_text())["benchmarks"][0]["metrics"]
+    if metrics["request_totals"]["errored"]:
+        raise RuntimeError(f"guidellm saw failed requests: {metrics['request_totals']}")
+    return {ours: metrics[key]["successful"]["mean"] for key, ours in GUIDELLM_FIGURES.items()}
+
+
+LOAD_POINTS = {"aiperf": aiperf_point, "guidellm": guidellm_point}
+
+
+def run_all(args: argparse.Namespace, tmp: Path, results: dict[tuple, list[dict]]) -> None:
+    """Every configuration's mesh up at once, each idle while another serves; each point then runs once per round
+    on every mesh in turn, so that the machine's drift within minutes (a tenth and more on a shared 2-core machine)
+    reaches every configuration alike and no mesh's start-up luck decides a figure."""
+    meshes = {}
     try:
-        for busy in (False, True):
-            for concurrency in args.concurrency:
-                with busy_process(busy):  # a directory of its own: a stale export can never pass for this one
-                    point = aiperf_point(args, mesh.base_url, mesh.model, concurrency, Path(tempfile.mkdtemp(dir=tmp)))
-                print(json.dumps({"config": name, "busy": busy, "concurrency": concurrency, **point}), flush=True)
-                results.setdefault((name, busy, concurrency), []).append(point)
+        for name, flags in args.configs.items():
+            meshes[name] = start_mesh(tmp / name.replace(" ", "-"), *shlex.split(flags), model=args.model)
+            args.cpu_plans[name] = meshes[name].cpu_plan
+        for _ in range(args.rounds):
+            for busy in (False, True) if args.busy == "both" else (False,):
+                for concurrency in args.concurrency:
+                    for name, mesh in meshes.items():
+                        with busy_process(busy):  # a directory of its own: a stale export never passes for this one
+                            point = LOAD_POINTS[args.load_generator](
+                                args, mesh.base_url, mesh.model, concurrency, Path(tempfile.mkdtemp(dir=tmp))
+                            )
+                        print(json.dumps({"config": name, "busy": busy, "concurrency": concurrency, **point}),
+                              flush=True)
+                        results.setdefault((name, busy, concurrency), []).append(point)
     finally:
-        mesh.stop()
+        for mesh in meshes.values():
+            mesh.stop()
 
 
 def summarise(results: dict[tuple, list[dict]]) -> list[dict]:
@@ -138,9 +184,17 @@ def markdown_table(rows: list[dict], configs: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def load_generator_version(args: argparse.Namespace) -> str:
+    command = args.aiperf if args.load_generator == "aiperf" else args.guidellm
+    done = subprocess.run([command, "--version"], capture_output=True, text=True)
+    return f"{args.load_generator} {done.stdout.strip().split()[-1]}" if done.stdout.strip() else args.load_generator
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load-generator", choices=list(LOAD_POINTS), default="aiperf")
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf command (its own virtual environment's)")
+    parser.add_argument("--guidellm", default="guidellm", help="the guidellm command (its own virtual environment's)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--manual", default=MANUAL_FLAGS, help="the hand-picked flags to compare the defaults with")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
@@ -150,6 +204,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=REQUESTS_PER_STREAM, help="timed requests per stream")
     parser.add_argument("--isl", type=int, default=ISL, help="synthetic prompt tokens")
     parser.add_argument("--osl", type=int, default=OSL, help="output tokens per request")
+    parser.add_argument("--busy", choices=["both", "no"], default="both",
+                        help="measure beside a busy process too (both) or alone only (no)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/defaults"))
     args = parser.parse_args()
     args.configs = {name: args.manual if name == "manual" else flags for name, flags in CONFIGS.items()
@@ -157,9 +213,7 @@ def main() -> None:
     args.cpu_plans = {}
     results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for name in args.configs:
-                run_round(args, name, Path(tmp), results)
+        run_all(args, Path(tmp), results)
     rows = summarise(results)
     text = markdown_table(rows, args.configs)
     print("\n" + text)
@@ -167,7 +221,7 @@ def main() -> None:
         "model": str(args.model), "isl": args.isl, "osl": args.osl, "requests_per_stream": args.requests,
         "rounds": args.rounds, "configs": args.configs, "cpu_plans": args.cpu_plans,
         "defaults_cpu_plan": args.cpu_plans.get("defaults", "not run"),
-        "aiperf": subprocess.run([args.aiperf, "--version"], capture_output=True, text=True).stdout.strip(),
+        "load_generator": load_generator_version(args),
         "rows": rows,
     }
     save_report(args.out, "defaults", report, text, plot_defaults)

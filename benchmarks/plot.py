@@ -2,10 +2,10 @@
 above acceptance by draft position (one panel per temperature, counts pooled over batches). benchmarks/speculation.py
 (`plot_mesh`): engine and mesh tokens/s by streams above the mesh's inter-token latency beside the engine's step time
 (one column per prompt set). benchmarks/gpu.py (`plot_gpu`): tokens/s by batch per shape beside transformers and the
-weight-read floor, above batch-1 ms/step (one column per context). benchmarks/defaults.py (`plot_defaults`): aiperf's
-output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone, one beside a busy
-process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside transformers.
-benchmarks/prefix_cache.py (`plot_prefix_cache`): time to first token cold and cached per method.
+weight-read floor, above batch-1 ms/step (one column per context). benchmarks/defaults.py (`plot_defaults`): the
+load generator's output tokens/s above its inter-token latency per `specmesh up` configuration (one column alone,
+one beside a busy process). benchmarks/heldout.py (`plot_heldout`): decode tokens/s per case, the mesh beside
+transformers. benchmarks/prefix_cache.py (`plot_prefix_cache`): time to first token cold and cached per method.
 benchmarks/chunked_prefill.py (`plot_chunked_prefill`): the running streams' gaps and tokens/s per prefill setting.
 benchmarks/prefix_routing.py (`plot_prefix_routing`): the prefix cache's hit rate per worker count and routing.
 
@@ -217,13 +217,14 @@ def plot_gpu(report: dict, path: Path) -> None:
 @drawing
 def plot_defaults(report: dict, path: Path) -> None:
     """Draws report (the JSON benchmarks/defaults.py writes) into the PNG at path: per configuration, bars by
-    concurrency of aiperf's output tokens/s above its average inter-token latency; left alone, right beside a busy
-    process."""
+    concurrency of the load generator's output tokens/s above its average inter-token latency; left alone, right
+    beside a busy process (when measured)."""
     rows = report["rows"]
     configs = list(report["configs"])
     levels = sorted({r["concurrency"] for r in rows})
-    fig, axes = plt.subplots(2, 2, figsize=FIGURE_SIZE, squeeze=False)
-    for col, busy in enumerate((False, True)):
+    busy_levels = sorted({r["busy"] for r in rows})
+    fig, axes = plt.subplots(2, len(busy_levels), figsize=FIGURE_SIZE, squeeze=False)
+    for col, busy in enumerate(busy_levels):
         for ax, figure, label in ((axes[0][col], "output_tokens_per_s", "output tokens/s (higher is better)"),
                                   (axes[1][col], "itl_ms", "inter-token latency avg, ms (lower is better)")):
             grouped_bars(ax, configs, {
@@ -233,7 +234,7 @@ def plot_defaults(report: dict, path: Path) -> None:
             })
             ax.set(ylabel=label, title="beside a busy process" if busy else "alone")
             ax.legend(fontsize="small")
-    fig.suptitle(f"specmesh up through aiperf ({report['aiperf']}): {report['isl']} synthetic prompt tokens, "
+    fig.suptitle(f"specmesh up through {report['load_generator']}: {report['isl']} synthetic prompt tokens, "
                  f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
     save_figure(fig, path)
 
