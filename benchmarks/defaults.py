@@ -56,7 +56,7 @@ REQUESTS_PER_STREAM = 6
 WARMUP_PER_STREAM = 1
 ISL = OSL = 128
 LOAD_TIMEOUT_S = 600
-SPIN_UP_S = 0.5  # lets the busy process reach its core before aiperf starts
+SPIN_UP_S = 0.5  # lets the busy process reach its core before the load generator starts
 FIGURES = {  # aiperf's JSON key -> our name
     "inter_token_latency": "itl_ms",
     "time_to_first_token": "ttft_ms",
@@ -186,7 +186,11 @@ def markdown_table(rows: list[dict], configs: dict[str, str]) -> str:
 
 def load_generator_version(args: argparse.Namespace) -> str:
     command = args.aiperf if args.load_generator == "aiperf" else args.guidellm
-    done = subprocess.run([command, "--version"], capture_output=True, text=True)
+    try:
+        done = subprocess.run([command, "--version"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit(f"no {args.load_generator} command at {command!r}: pass --{args.load_generator} PATH") \
+            from None
     return f"{args.load_generator} {done.stdout.strip().split()[-1]}" if done.stdout.strip() else args.load_generator
 
 
@@ -211,6 +215,7 @@ def main() -> None:
     args.configs = {name: args.manual if name == "manual" else flags for name, flags in CONFIGS.items()
                     if name in args.configs or name == "manual"}
     args.cpu_plans = {}
+    version = load_generator_version(args)  # before the run: a wrong path fails now, not after every point
     results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         run_all(args, Path(tmp), results)
@@ -221,7 +226,7 @@ def main() -> None:
         "model": str(args.model), "isl": args.isl, "osl": args.osl, "requests_per_stream": args.requests,
         "rounds": args.rounds, "configs": args.configs, "cpu_plans": args.cpu_plans,
         "defaults_cpu_plan": args.cpu_plans.get("defaults", "not run"),
-        "load_generator": load_generator_version(args),
+        "load_generator": version,
         "rows": rows,
     }
     save_report(args.out, "defaults", report, text, plot_defaults)

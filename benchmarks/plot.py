@@ -234,7 +234,8 @@ def plot_defaults(report: dict, path: Path) -> None:
             })
             ax.set(ylabel=label, title="beside a busy process" if busy else "alone")
             ax.legend(fontsize="small")
-    fig.suptitle(f"specmesh up through {report['load_generator']}: {report['isl']} synthetic prompt tokens, "
+    load_generator = report.get("load_generator") or f"aiperf {report['aiperf']}"  # older reports name aiperf's version
+    fig.suptitle(f"specmesh up through {load_generator}: {report['isl']} synthetic prompt tokens, "
                  f"{report['osl']} output tokens; defaults here: {report['defaults_cpu_plan']}", fontsize="small")
     save_figure(fig, path)
 

@@ -188,7 +188,6 @@ def test_choices_more_than_a_prefill_worker_holds_decode_there_and_the_rest_is_h
     assert got == expected
 
 
-
 def test_a_handoff_with_no_pending_drafts_goes_on_as_one_engine_does(model_dirs, prompt) -> None:  # noqa: F811
     """Two tokens in all: the first one spends the draft budget, so the MTP drafter hands off zero drafts (empty
     sections), which the decode worker reads as such instead of refusing the request."""

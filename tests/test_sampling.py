@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,9 +16,10 @@ from services.worker.sampling.random import (
     _key_on_host,
     _to_int64,
     _to_unit_interval,
+    host_keys,
+    host_uniform_into,
     mix64,
     uniform,
-    uniform_into,
 )
 from services.worker.sampling.sample import process_logits, sample, sample_torch
 
@@ -235,8 +237,8 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_after_temperature() -> No
     (33, 1001, torch.bfloat16), (3, 40000, torch.float32),
 ])
 def test_the_cpu_race_in_chunks_draws_what_the_whole_race_draws(rows: int, vocab: int, dtype: torch.dtype) -> None:
-    """sample_torch on the CPU runs the race a chunk of rows at a time with in-place noise (uniform_into): every
-    token must be the one the race over the whole batch at once picks."""
+    """sample_torch on the CPU runs the race a chunk of rows at a time with in-place noise (host_uniform_into): every
+    token must be the one the race over the whole batch at once picks, and the noise uniform's, bit for bit."""
     generator = torch.Generator().manual_seed(rows * vocab)
     probs = torch.softmax(torch.randn(rows, vocab, generator=generator), dim=-1).to(dtype)
     if rows > 2:
@@ -248,10 +250,10 @@ def test_the_cpu_race_in_chunks_draws_what_the_whole_race_draws(rows: int, vocab
     for purpose in Purpose:
         whole = (probs.to(torch.float64) / -torch.log(uniform(seeds, positions, purpose, width=vocab))).argmax(-1)
         assert torch.equal(sample_torch(probs, seeds, positions, purpose), whole)
-        out = torch.empty(rows, vocab, dtype=torch.float64)
-        scratch = (torch.empty(rows, vocab, dtype=torch.int64), torch.empty(rows, vocab, dtype=torch.int64))
-        in_place = uniform_into(seeds, positions, purpose, out, *scratch)
-        assert torch.equal(in_place, uniform(seeds, positions, purpose, vocab))
+        out = np.empty((rows, vocab), dtype=np.float64)
+        scratch = (np.empty((rows, vocab), dtype=np.uint64), np.empty((rows, vocab), dtype=np.uint64))
+        in_place = host_uniform_into(host_keys(seeds, positions, purpose), out, *scratch)
+        assert torch.equal(torch.from_numpy(in_place), uniform(seeds, positions, purpose, vocab))
 
 
 @pytest.mark.parametrize("rows", [1, PYTHON_KEY_ROWS, 64])

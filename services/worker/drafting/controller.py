@@ -68,9 +68,7 @@ class SpeculationController:
             return
         self._speculate = self._speculate_next
         self._speculate_next = self.gate.speculate(len(seqs))
-        # While the gate keeps this step and the next to plain decoding, nothing drafts whatever the model chose.
-        speculating = self._speculate or self._speculate_next
-        self._chosen = self.adaptive.choose([s.key for s in seqs], len(seqs)) if speculating else {}
+        self._chosen = self.adaptive.choose([s.key for s in seqs], len(seqs))
         self._prepared_seconds, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
         self._started = time.perf_counter()
 

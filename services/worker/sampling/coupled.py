@@ -9,7 +9,7 @@ sample's noise spans the vocabulary, so on a 2-core CPU that was 2.2 ms of a 4.5
 drafts each, most of it for slots after a rejection, which nothing reads. Here slot j is sampled only for the
 sequences whose drafts before it were all accepted, and the sample that rejects a draft is the emitted token: a
 sequence costs accepted + 1 samples, what plain decoding pays for the same tokens. The tokens are verify_torch's,
-bit for bit (tests/test_coupled_verify.py).
+bit for bit (tests/test_host_verify.py).
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ def is_coupled(inp: VerifyInput, accept_policy: str, verify_strategy: str) -> bo
     return accept_policy == "normal" and point_mass and inp.target_probs.device.type == "cpu"
 
 
-def verify_coupled(inp: VerifyInput) -> VerifyOutput:
-    """verify_torch's result for coupled verification on CPU tensors, sampling slot by slot."""
+def verify_coupled(inp: VerifyInput) -> VerifyOutput | None:
+    """verify_torch's result for coupled verification on CPU tensors, sampling slot by slot; None for a drafted
+    slot holding no token id (PAD_TOKEN), whose handling is verify_torch's alone (the caller runs it)."""
     check_verify_args(inp, "normal", "target_match")
     batch, num_slots = inp.draft_tokens.shape
     drafts = inp.draft_tokens.tolist()
     num_drafts = inp.num_drafts.tolist()
+    if any(token < 0 for row, count in zip(drafts, num_drafts) for token in row[:count]):
+        return None
     greedy = inp.greedy.tolist()
     num_accepted, emitted = [0] * batch, [0] * batch
     if any(greedy):

@@ -9,8 +9,8 @@ The hash is splitmix64's finaliser, chained over the coordinates, in int64 torch
 device. Two int64 facts it relies on: multiplication wraps modulo 2**64, and `>>` is arithmetic, so a logical
 shift masks off the copied sign bits. kernels/noise.py is the same hash in Triton; the constants and the Purpose
 values live in kernels/constants.py, which both import. On the CPU the per-row keys and the race's streams are
-hashed in numpy's uint64 arithmetic instead, a few keys in Python's integers (`_key_on_host`, `_uniform_into_host`:
-the same bits in fewer, cheaper calls).
+hashed in numpy's uint64 arithmetic instead, a few keys and width-less numbers in Python's integers (`_key_on_host`,
+`host_uniform_into`, `_uniform_on_host`: the same bits in fewer, cheaper calls).
 """
 
 from __future__ import annotations
@@ -145,19 +145,6 @@ def uniform(seeds: Tensor, positions: Tensor, purpose: Purpose, width: int | Non
     return _to_unit_interval(mix64(key.unsqueeze(1) + _counters(width, seeds.device)))
 
 
-def uniform_into(
-    seeds: Tensor, positions: Tensor, purpose: Purpose, out: Tensor, bits: Tensor, scratch: Tensor
-) -> Tensor:
-    """uniform(seeds, positions, purpose, width) written into out (float64 [B, width]), bit for bit, with bits and
-    scratch (int64 [B, width]) as working memory: in place, for callers that reuse buffers small enough to stay
-    in cache (sample.py's CPU race)."""
-    key = _key(seeds, positions, purpose)
-    if out.device.type == "cpu":
-        return _uniform_into_host(key, out, bits, scratch)
-    torch.add(_counters(out.shape[1], seeds.device), key.unsqueeze(1), out=bits)
-    return _to_unit_interval_into(mix64_(bits, scratch), scratch, out)
-
-
 def _uniform_on_host(key: Tensor) -> Tensor:
     """uniform's width-less numbers from CPU keys: in Python's integers for a few rows (a verify step's acceptance
     tests, three or four of them, took ~100 us in torch ops), in numpy's uint64 arithmetic for more; the same bits,
@@ -172,22 +159,16 @@ def _uniform_on_host(key: Tensor) -> Tensor:
     return torch.from_numpy((stream.astype(np.float64) + 0.5) * _UNIFORM_SCALE)
 
 
-def _uniform_into_host(key: Tensor, out: Tensor, bits: Tensor, scratch: Tensor) -> Tensor:
-    """uniform_into's streams on the CPU, through host_uniform_into over the same buffers."""
-    host_uniform_into(key.numpy().view(np.uint64), out.numpy(), bits.numpy().view(np.uint64),
-                      scratch.numpy().view(np.uint64))
-    return out
-
-
 def host_keys(seeds: Tensor, positions: Tensor, purpose: Purpose) -> np.ndarray:
     """The keys of CPU seeds and positions as uint64 numpy [B]: host_uniform_into's input."""
     return _key_on_host(seeds, positions, purpose).numpy().view(np.uint64)
 
 
 def host_uniform_into(keys: np.ndarray, out: np.ndarray, stream: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """uniform_into in numpy's uint64 arithmetic: out (float64 [B, width]) gets row b's first `width` numbers of the
-    stream keyed by keys[b], with stream and scratch (uint64 [B, width]) as working memory; the same bits, each call
-    a third of a torch op's cost (one 4,096-token row: ~50 -> ~20 us)."""
+    """uniform(seeds, positions, purpose, width) written into out (float64 [B, width]) from the keys of host_keys,
+    in numpy's uint64 arithmetic with stream and scratch (uint64 [B, width]) as working memory: in place, for the CPU
+    race's buffers small enough to stay in cache; the same bits, each call a third of a torch op's cost (one
+    4,096-token row: ~50 -> ~20 us)."""
     np.add(_host_counters(out.shape[1]), keys[:, None], out=stream)
     np.right_shift(_mix64_host(stream, scratch), np.uint64(64 - UNIFORM_BITS), out=stream)
     out[...] = stream

@@ -251,10 +251,9 @@ def verify(
     from services.worker.sampling.coupled import is_coupled, verify_coupled
     from services.worker.sampling.host_rejection import is_host_rejection, verify_host_rejection
 
+    result = None
     if is_coupled(inp, accept_policy, verify_strategy):
-        return verify_coupled(inp)
-    if is_host_rejection(inp, accept_policy, verify_strategy):
+        result = verify_coupled(inp)
+    elif is_host_rejection(inp, accept_policy, verify_strategy):
         result = verify_host_rejection(inp)
-        if result is not None:
-            return result
-    return verify_torch(inp, accept_policy, verify_strategy)
+    return result if result is not None else verify_torch(inp, accept_policy, verify_strategy)

@@ -93,8 +93,9 @@ def sample_torch(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpo
 
 
 def _race_in_chunks(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
-    """The same race on the CPU, in numpy over the same memory, a chunk of rows at a time in reused buffers
-    (RACE_CHUNK_BYTES each: 16 rows of a 4,096-token vocabulary), with the same numbers bit for bit.
+    """The same race on the CPU, a chunk of rows at a time in reused buffers (RACE_CHUNK_BYTES each: 16 rows of a
+    4,096-token vocabulary), with the same numbers bit for bit: the noise hashed in numpy (host_uniform_into), its
+    log and the copy of p in torch's own ops, the rest in numpy over the same memory.
     The race over a whole batch streams [rows, vocab] int64 and float64 temporaries through memory some fifteen
     times; a chunk's stay in cache (128 verify rows of 4,096 tokens, one thread: 12.5 -> 4.1 ms). numpy's calls
     cost a fraction of torch's dispatch, which dominated the one to eight rows a decode step samples (one row:
@@ -104,15 +105,14 @@ def _race_in_chunks(probs: Tensor, seeds: Tensor, positions: Tensor, purpose: Pu
     stream, scratch = np.empty((chunk, vocab), dtype=np.uint64), np.empty((chunk, vocab), dtype=np.uint64)
     race = np.empty((chunk, vocab), dtype=np.float64)
     keys = host_keys(seeds, positions, purpose)
-    p = (probs if probs.dtype in (torch.float32, torch.float64) else probs.double()).numpy()
     chosen = np.empty(rows, dtype=np.int64)
     for start in range(0, rows, chunk):
         stop = min(start + chunk, rows)
         n = stop - start
         exponential = host_uniform_into(keys[start:stop], race[:n], stream[:n], scratch[:n])
-        np.negative(np.log(exponential, out=exponential), out=exponential)
+        torch.from_numpy(exponential).log_().neg_()  # torch's log, as the twin on every other device takes it
         ratio = stream[:n].view(np.float64)  # the stream is spent: reuse it for p / E
-        ratio[...] = p[start:stop]
+        torch.from_numpy(ratio).copy_(probs[start:stop])  # exact from float32 and bfloat16, a chunk at a time
         ratio /= exponential
         chosen[start:stop] = ratio.argmax(axis=-1)
     return torch.from_numpy(chosen)
