@@ -31,6 +31,7 @@ from tests.test_e2e import E2E_MODEL
 WORKER_OPTIONS = ("--torch-threads", "1", "--max-num-seqs", "8")
 CLIENT_TIMEOUT_S = 60.0
 ID_PREFIX = "cmpl-"  # a completion's id is this and its request id
+DETOKENIZER_IDS = ("detok-a", "detok-b")  # FailoverMesh.detokenizers, in this order
 
 
 class FailoverMesh:
@@ -44,8 +45,7 @@ class FailoverMesh:
             started = [
                 pool.submit(Service, "worker", self.nats, *WORKER_OPTIONS, "--worker-id", "1"),
                 pool.submit(Service, "worker", self.nats, *WORKER_OPTIONS, "--worker-id", "2"),
-                pool.submit(Service, "detokenizer", self.nats, "--detokenizer-id", "detok-a"),
-                pool.submit(Service, "detokenizer", self.nats, "--detokenizer-id", "detok-b"),
+                *(pool.submit(Service, "detokenizer", self.nats, "--detokenizer-id", d) for d in DETOKENIZER_IDS),
                 pool.submit(Service, "gateway", self.nats),
             ]
             self.services = [s.result() for s in started]
