@@ -84,6 +84,14 @@ def busy_process(busy: bool) -> Iterator[None]:
         spinner.wait()
 
 
+def run_load_generator(name: str, cmd: list[str], export: Path) -> dict:
+    """Runs a load generator's command to its end; the JSON report it exported, or RuntimeError with its output."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+    if done.returncode != 0 or not export.is_file():
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
+    return json.loads(export.read_text())
+
+
 def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrency: int, out: Path) -> dict:
     """One aiperf profile against the mesh at `concurrency`; its figures (module docstring)."""
     cmd = [
@@ -95,11 +103,7 @@ def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrenc
         "--warmup-request-count", str(WARMUP_PER_STREAM * concurrency),
         "--artifact-dir", str(out), "--ui-type", "none",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
-    export = out / "profile_export_aiperf.json"
-    if done.returncode != 0 or not export.is_file():
-        raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
-    report = json.loads(export.read_text())
+    report = run_load_generator("aiperf", cmd, out / "profile_export_aiperf.json")
     if report.get("error_summary"):
         raise RuntimeError(f"aiperf saw failed requests: {report['error_summary']}")
     return {ours: report[key]["avg"] for key, ours in FIGURES.items()}
@@ -117,10 +121,7 @@ def guidellm_point(args: argparse.Namespace, base_url: str, model: str, concurre
         "--tokenizer", f"kind=huggingface_auto,model={args.model}",
         "--output", f"kind=json,path={export}", "--disable-console",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
-    if done.returncode != 0 or not export.is_file():
-        raise RuntimeError(f"guidellm failed ({done.returncode}): {done.stderr[-2000:] or done.stdout[-2000:]}")
-    metrics = json.loads(export.read_text())["benchmarks"][0]["metrics"]
+    metrics = run_load_generator("guidellm", cmd, export)["benchmarks"][0]["metrics"]
     if metrics["request_totals"]["errored"]:
         raise RuntimeError(f"guidellm saw failed requests: {metrics['request_totals']}")
     return {ours: metrics[key]["successful"]["mean"] for key, ours in GUIDELLM_FIGURES.items()}

@@ -64,9 +64,5 @@ def verify_coupled(inp: VerifyInput) -> VerifyOutput | None:
         drafts[b][: num_accepted[b]] + [emitted[b]] + [PAD_TOKEN] * (num_slots - num_accepted[b])
         for b in range(batch)
     ]
-    accepted = torch.tensor(num_accepted, dtype=torch.int64)
-    num_emitted = accepted + 1
-    return VerifyOutput(
-        num_accepted=accepted, output_tokens=torch.tensor(output, dtype=torch.int64).view(batch, num_slots + 1),
-        num_emitted=num_emitted, offsets=num_emitted.cumsum(dim=0) - num_emitted,
-    )
+    output_tokens = torch.tensor(output, dtype=torch.int64).view(batch, num_slots + 1)
+    return VerifyOutput.of(torch.tensor(num_accepted, dtype=torch.int64), output_tokens)

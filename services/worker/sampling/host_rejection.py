@@ -15,7 +15,7 @@ import torch
 
 from kernels.constants import PAD_TOKEN
 from services.worker.sampling.random import Purpose, uniform
-from services.worker.sampling.rejection import VerifyInput, VerifyOutput, check_verify_args
+from services.worker.sampling.rejection import VerifyInput, VerifyOutput, _slot_coordinates, check_verify_args
 from services.worker.sampling.sample import sample_torch
 
 NUMPY_FLOATS = {torch.float32, torch.float64}  # numpy has no bfloat16: other dtypes take verify_torch
@@ -44,8 +44,7 @@ def verify_host_rejection(inp: VerifyInput) -> VerifyOutput | None:
     q_x = np.take_along_axis(q, drafted, axis=-1)[..., 0].astype(p_x.dtype)
     if (q_x >= 1.0)[has_draft].any():
         return None
-    slots = torch.arange(num_slots)
-    u = uniform(inp.seeds.repeat_interleave(num_slots), (inp.positions[:, None] + slots).reshape(-1), Purpose.ACCEPT)
+    u = uniform(*_slot_coordinates(inp, num_slots), Purpose.ACCEPT)
     test = u.numpy().reshape(batch, num_slots) * q_x < p_x  # u < p/q without dividing, as verify_torch
     if greedy.any():
         test = np.where(greedy[:, None], drafts == p[:, :num_slots].argmax(axis=-1), test)
@@ -71,9 +70,4 @@ def verify_host_rejection(inp: VerifyInput) -> VerifyOutput | None:
     output = np.where(np.arange(num_slots) < num_accepted[:, None], drafts, PAD_TOKEN)
     output = np.concatenate([output, np.full((batch, 1), PAD_TOKEN, dtype=np.int64)], axis=1)
     output[rows, num_accepted] = emitted
-    accepted = torch.from_numpy(num_accepted.astype(np.int64))
-    num_emitted = accepted + 1
-    return VerifyOutput(
-        num_accepted=accepted, output_tokens=torch.from_numpy(output), num_emitted=num_emitted,
-        offsets=num_emitted.cumsum(dim=0) - num_emitted,
-    )
+    return VerifyOutput.of(torch.from_numpy(num_accepted.astype(np.int64)), torch.from_numpy(output))

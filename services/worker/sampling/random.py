@@ -156,7 +156,7 @@ def _uniform_on_host(key: Tensor) -> Tensor:
                  for k in key.numpy().view(np.uint64).tolist()]
         return torch.tensor(units, dtype=torch.float64)
     stream = np.right_shift(_mix64_host(key.numpy().view(np.uint64) + _HOST_GAMMA), np.uint64(shift))
-    return torch.from_numpy((stream.astype(np.float64) + 0.5) * _UNIFORM_SCALE)
+    return torch.from_numpy(_unit_interval_into_host(stream, np.empty(stream.shape, dtype=np.float64)))
 
 
 def host_keys(seeds: Tensor, positions: Tensor, purpose: Purpose) -> np.ndarray:
@@ -171,7 +171,13 @@ def host_uniform_into(keys: np.ndarray, out: np.ndarray, stream: np.ndarray, scr
     4,096-token row: ~50 -> ~20 us)."""
     np.add(_host_counters(out.shape[1]), keys[:, None], out=stream)
     np.right_shift(_mix64_host(stream, scratch), np.uint64(64 - UNIFORM_BITS), out=stream)
-    out[...] = stream
+    return _unit_interval_into_host(stream, out)
+
+
+def _unit_interval_into_host(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """_to_unit_interval_into's arithmetic in numpy, from the top UNIFORM_BITS already shifted down (uint64) into
+    out (float64, bits' shape)."""
+    out[...] = bits
     out += 0.5
     out *= _UNIFORM_SCALE
     return out

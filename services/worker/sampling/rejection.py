@@ -69,6 +69,12 @@ class VerifyOutput:
     num_emitted: Tensor  # [B] int64 = num_accepted + 1
     offsets: Tensor  # [B] int64: exclusive cumulative sum of num_emitted (where each row's tokens start, packed)
 
+    @classmethod
+    def of(cls, num_accepted: Tensor, output_tokens: Tensor) -> VerifyOutput:
+        """The output of these accepted counts and tokens, its emitted counts and offsets derived from them."""
+        num_emitted = num_accepted + 1
+        return cls(num_accepted, output_tokens, num_emitted, num_emitted.cumsum(dim=0) - num_emitted)
+
 
 def check_verify_args(inp: VerifyInput, accept_policy: str, verify_strategy: str) -> None:
     """Raises ValueError for an unknown policy or strategy, a missing top_p, or inconsistent shapes."""
@@ -206,11 +212,7 @@ def verify_torch(
     output_tokens = torch.full((batch, num_slots + 1), PAD_TOKEN, dtype=torch.int64, device=device)
     output_tokens[:, :num_slots] = torch.where(slots < num_accepted.unsqueeze(1), inp.draft_tokens, PAD_TOKEN)
     output_tokens.scatter_(1, num_accepted.unsqueeze(1), emitted.unsqueeze(1))
-    num_emitted = num_accepted + 1
-    offsets = num_emitted.cumsum(dim=0) - num_emitted
-    return VerifyOutput(
-        num_accepted=num_accepted, output_tokens=output_tokens, num_emitted=num_emitted, offsets=offsets
-    )
+    return VerifyOutput.of(num_accepted, output_tokens)
 
 
 def verify_fused(
