@@ -107,25 +107,57 @@ def test_acceptance_estimate_moves_from_the_prior_towards_observations() -> None
     _observe_many(policy, "a", 0)
     assert policy.acceptance("a") < 0.1
     # Drafts after the first rejection were never tried: 2 of 5 accepted is 2 of 3 tries.
-    policy.forget("a")
-    assert policy.acceptance("a") == pytest.approx(0.6)
     exact = AdaptiveSpeculation(MAX_DRAFTS, prior_weight=1e-9, memory=1.0)
     exact.observe("b", 5, 2)
     assert exact.acceptance("b") == pytest.approx(2 / 3)
-    policy.observe("c", 0, 0)  # nothing drafted: nothing learnt
-    assert policy.acceptance("c") == pytest.approx(0.6)
+    fresh = _policy(prior_acceptance=0.6)
+    fresh.observe("c", 0, 0)  # nothing drafted: nothing learnt
+    assert fresh.acceptance("c") == pytest.approx(0.6)
+    assert fresh.pooled_acceptance() == pytest.approx(0.6)
     with pytest.raises(ValueError, match="num_accepted"):
-        policy.observe("c", 2, 3)
+        fresh.observe("c", 2, 3)
 
 
-def test_a_request_without_drafts_drifts_back_to_the_prior() -> None:
-    policy = _policy()
+def test_a_new_request_starts_from_what_its_kind_was_recently_accepted() -> None:
+    policy = _policy(prior_acceptance=0.6)
+    for request_id, kind in (("sampled-0", "sampled"), ("greedy-0", "greedy")):
+        policy.admit(request_id, kind)
+    _observe_many(policy, "sampled-0", 0)
+    _observe_many(policy, "greedy-0", MAX_DRAFTS)
+    policy.forget("sampled-0")
+    policy.forget("greedy-0")
+    policy.admit("sampled-1", "sampled")
+    policy.admit("greedy-1", "greedy")
+    policy.admit("other", "other")
+    assert policy.acceptance("sampled-1") < 0.2
+    assert policy.acceptance("greedy-1") > 0.9
+    assert policy.acceptance("other") == pytest.approx(0.6)  # a kind never observed starts from the prior
+    batch_size = 10  # seven sequences beside them that do not draft
+    assert policy.choose(["sampled-1", "greedy-1", "other"], batch_size)["sampled-1"] == 0
+    assert policy.choose(["greedy-1"], 1) == {"greedy-1": MAX_DRAFTS}
+    # Its own observations then take over, weighted like the prior: a surprising request moves at once.
+    for _ in range(3):
+        policy.observe("sampled-1", MAX_DRAFTS, MAX_DRAFTS)
+    assert policy.acceptance("sampled-1") > 0.6
+    policy.admit("sampled-1", "greedy")  # a request's kind is fixed when it is first seen
+    assert policy.acceptance("sampled-1") > 0.6
+
+
+def test_a_request_without_drafts_drifts_back_to_its_kinds_pool_and_the_pool_to_the_prior() -> None:
+    policy = _policy(prior_acceptance=0.6)
     _observe_many(policy, "a", 0)
-    batch_size = 10  # nine sequences beside it that do not draft
-    assert policy.choose(["a"], batch_size) == {"a": 0}
+    _observe_many(policy, "b", MAX_DRAFTS)
+    batch_size = 10  # eight sequences beside them that do not draft
+    assert policy.choose(["a", "b"], batch_size)["a"] == 0
+    pooled = policy.pooled_acceptance()
     for _ in range(300):
         policy.choose(["a"], batch_size)
     assert policy.choose(["a"], batch_size)["a"] > 0
+    policy.forget("a")
+    policy.forget("b")
+    for _ in range(5000):  # nobody drafts: the pool forgets what it saw
+        policy.choose([], batch_size)
+    assert abs(policy.pooled_acceptance() - 0.6) < 0.02 * abs(pooled - 0.6)
 
 
 def test_calibration_recovers_the_coefficients_from_noisy_timings() -> None:

@@ -14,6 +14,12 @@ first, while each one raises the throughput; gains only shrink, so the first dra
 search, and the result is never below plain decoding under the model. Only ratios matter, so an uncalibrated
 prior ratio is enough to start; `observe_step` fits the coefficients from the engine's own step timings.
 
+A new request's acceptance starts from what the worker's recent requests of its class (greedy or sampled: the
+same drafts are kept far more often at temperature 0) were measured to accept, not from a fixed guess: on text
+the drafter cannot predict, a fixed 0.6 made every new request try a few drafts before its own estimate fell, and
+on text it predicts well, start below what it earns. That pooled estimate drifts back to the fixed prior while
+no request of its class drafts, so a worker that stopped drafting tries again after a while.
+
 Plain-Python bookkeeping on the host; no tensors.
 """
 
@@ -24,9 +30,13 @@ from dataclasses import dataclass
 
 DEFAULT_PRIOR_WEIGHT = 4.0  # the prior acceptance counts as this many observed draft positions
 DEFAULT_MEMORY = 0.9  # per observation, a request's earlier evidence keeps this weight: text changes character
-# Per step without drafts, a request's estimate keeps this much of its distance from the prior, so a request
-# that lost its drafts to a bad stretch gets to try again.
+# Per step without drafts, a request's estimate keeps this much of its distance from its class's pooled estimate,
+# so a request that lost its drafts to a bad stretch gets to try again.
 IDLE_RELAXATION = 0.98
+# The pooled estimate of a class of requests: per observed step of any of them, earlier evidence keeps this weight
+# (about the last hundred verified steps count); per step, it keeps this much of its distance from the fixed prior.
+POOL_MEMORY = 0.99
+POOL_RELAXATION = 0.998
 # Before steps are timed: one more token costs 2% of a step's fixed cost, as in memory-bound decoding on an
 # accelerator where weights, not tokens, dominate a small batch.
 DEFAULT_TOKEN_COST_RATIO = 0.02
@@ -121,7 +131,7 @@ class StepCostModel:
 
 @dataclass
 class _Acceptance:
-    """Exponentially weighted accepted / tried draft positions, started at the prior's pseudo-counts."""
+    """Exponentially weighted accepted / tried draft positions, started at a prior's pseudo-counts."""
 
     accepted: float
     tried: float
@@ -129,6 +139,21 @@ class _Acceptance:
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried
+
+    def remember(self, memory: float, accepted: float, tried: float) -> None:
+        self.accepted = memory * self.accepted + accepted
+        self.tried = memory * self.tried + tried
+
+    def relax_towards(self, target: _Acceptance, kept: float) -> None:
+        """Keeps `kept` of the distance from target's pseudo-counts."""
+        self.accepted = target.accepted + kept * (self.accepted - target.accepted)
+        self.tried = target.tried + kept * (self.tried - target.tried)
+
+
+@dataclass
+class _Request:
+    estimate: _Acceptance
+    pool: _Acceptance  # its class's pooled estimate, which it feeds and relaxes towards
 
 
 class AdaptiveSpeculation:
@@ -149,17 +174,36 @@ class AdaptiveSpeculation:
         self.memory = memory
         self._prior = _Acceptance(prior_acceptance * prior_weight, prior_weight)
         self.cost = cost if cost is not None else StepCostModel()
-        self._requests: dict[str, _Acceptance] = {}
+        self._pools: dict[str, _Acceptance] = {}
+        self._requests: dict[str, _Request] = {}
+
+    def admit(self, request_id: str, kind: str = "") -> None:
+        """A request of this kind (greedy or sampled, say) that the model has not seen: its estimate starts from
+        the kind's pooled one, weighted like the prior. A request never admitted is of kind "" when first seen."""
+        if request_id in self._requests:
+            return
+        pool = self._pools.get(kind)
+        if pool is None:
+            pool = self._pools[kind] = _Acceptance(self._prior.accepted, self._prior.tried)
+        self._requests[request_id] = _Request(_Acceptance(pool.alpha * self._prior.tried, self._prior.tried), pool)
 
     def acceptance(self, request_id: str) -> float:
-        """The request's estimated per-draft acceptance rate (the prior before any observation)."""
-        return self._requests.get(request_id, self._prior).alpha
+        """The request's estimated per-draft acceptance rate (its kind's pooled one before any observation)."""
+        self.admit(request_id)
+        return self._requests[request_id].estimate.alpha
+
+    def pooled_acceptance(self, kind: str = "") -> float:
+        """What a new request of this kind starts from."""
+        pool = self._pools.get(kind)
+        return (self._prior if pool is None else pool).alpha
 
     def choose(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
         """Drafts per request for this step. batch_size: sequences in the verify pass, the requests here
         included; the others score one token each without drafts."""
         if batch_size < len(request_ids):
             raise ValueError(f"batch_size {batch_size} is smaller than the {len(request_ids)} requests to choose for")
+        for pool in self._pools.values():
+            pool.relax_towards(self._prior, POOL_RELAXATION)
         c0, c_seq, c_draft = self.cost.coefficients
         alphas = [self.acceptance(r) for r in request_ids]
         drafts = [0] * len(request_ids)
@@ -177,7 +221,7 @@ class AdaptiveSpeculation:
                 heapq.heappush(gains, (neg_gain * alphas[i], i))
         for request_id, k in zip(request_ids, drafts):
             if k == 0:
-                self._relax(request_id)
+                self._relax(self._requests[request_id])
         return dict(zip(request_ids, drafts))
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -188,9 +232,10 @@ class AdaptiveSpeculation:
             return
         # The drafts after the first rejection were never tried: they say nothing about alpha.
         tried = num_accepted + (1 if num_accepted < num_drafted else 0)
-        estimate = self._requests.setdefault(request_id, _Acceptance(self._prior.accepted, self._prior.tried))
-        estimate.accepted = self.memory * estimate.accepted + num_accepted
-        estimate.tried = self.memory * estimate.tried + tried
+        self.admit(request_id)
+        request = self._requests[request_id]
+        request.estimate.remember(self.memory, num_accepted, tried)
+        request.pool.remember(POOL_MEMORY, num_accepted, tried)
 
     def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
         """Timing of one step over num_seqs sequences that scored num_drafts draft rows besides them."""
@@ -199,11 +244,13 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def _relax(self, request_id: str) -> None:
-        estimate = self._requests.get(request_id)
-        if estimate is not None:
-            estimate.accepted = self._prior.accepted + IDLE_RELAXATION * (estimate.accepted - self._prior.accepted)
-            estimate.tried = self._prior.tried + IDLE_RELAXATION * (estimate.tried - self._prior.tried)
+    def _relax(self, request: _Request) -> None:
+        """Towards its kind's pooled acceptance, weighted like the prior."""
+        estimate, weight = request.estimate, self._prior.tried
+        estimate.accepted = request.pool.alpha * weight + IDLE_RELAXATION * (
+            estimate.accepted - request.pool.alpha * weight
+        )
+        estimate.tried = weight + IDLE_RELAXATION * (estimate.tried - weight)
 
 
 PROBE_EVERY = 16  # one decode step in this many runs the mode that is currently losing, to keep measuring it

@@ -22,6 +22,9 @@ from services.worker.engine.sequence import Sequence
 
 CALIBRATION_MAX_ROWS = 32
 CALIBRATION_REPEATS = 3
+# The adaptive model's kinds of request, each with its own pooled acceptance: the same drafts are accepted far
+# more often when the target's choice is its argmax than when it samples.
+GREEDY, SAMPLED = "greedy", "sampled"
 
 
 class SpeculationController:
@@ -68,6 +71,8 @@ class SpeculationController:
             return
         self._speculate = self._speculate_next
         self._speculate_next = self.gate.speculate(len(seqs))
+        for seq in seqs:
+            self.adaptive.admit(seq.key, GREEDY if seq.sampling.greedy else SAMPLED)
         self._chosen = self.adaptive.choose([s.key for s in seqs], len(seqs))
         self._prepared_seconds, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
         self._started = time.perf_counter()
