@@ -29,7 +29,7 @@ from torch import nn
 
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.model.config import ModelConfig, UnsupportedModelError
-from services.worker.model.layers import Attention, DecoderLayer, RMSNorm, Rotary
+from services.worker.model.layers import Attention, DecoderLayer, RMSNorm, Rotary, TokenEmbedding
 from services.worker.model.plain_module import PlainModule
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -141,7 +141,7 @@ class Eagle3Head(PlainModule):
         self.norm = RMSNorm(hidden, cfg.layer.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
         self.register_buffer(D2T, torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.embed_tokens = nn.Embedding(cfg.layer.vocab_size, hidden) if own_embedding else None
+        self.embed_tokens = TokenEmbedding(cfg.layer.vocab_size, hidden) if own_embedding else None
         self.rotary = Rotary(cfg.layer)
         # The target ids of the draft vocabulary, in draft order (None: the draft vocabulary is the target's).
         self.target_ids: torch.Tensor | None = None

@@ -25,6 +25,16 @@ from services.worker.model.rotary_apply import apply_rotary
 from services.worker.model.silu_mul import silu_and_mul
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that leaves a weight on the meta device unfilled. The loader builds models there and assigns
+    the checkpoint's tensors; torch fills a meta weight through its Python reference of normal_, whose first call
+    imports torch._dynamo: a second of every worker's start, for noise nobody reads."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(PlainModule):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -56,10 +66,12 @@ class Rotary(PlainModule):
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(cfg)  # [head_dim / 2], a factor on cos and sin
         self.position_limit = cfg.rope_position_limit
+        device = torch.get_default_device() if device is None else device
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.full_width = self.inv_freq.device.type != "cuda"
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self._grow(cfg.max_position_embeddings if num_positions is None else num_positions)
+        if not self.inv_freq.is_meta:  # a model built on the meta device gets its table where its weights land
+            self._grow(cfg.max_position_embeddings if num_positions is None else num_positions)
 
     def _grow(self, num_positions: int) -> None:
         freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq

@@ -19,7 +19,7 @@ from torch import nn
 from services.worker.model.config import ModelConfig
 from services.worker.engine.forward_batch import ForwardBatch
 from services.worker.model.eagle3 import Eagle3Head
-from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary
+from services.worker.model.layers import DecoderLayer, RMSNorm, Rotary, TokenEmbedding
 from services.worker.model.plain_module import PlainModule
 
 
@@ -40,7 +40,7 @@ class MTPLayer(DecoderLayer):
 class DecoderStack(PlainModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # MTP blocks use the KV-cache layers after the trunk's.

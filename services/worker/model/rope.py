@@ -22,9 +22,12 @@ YARN_MSCALE_SLOPE = 0.1  # attention factor = 0.1 * mscale * ln(factor) + 1 (YaR
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, attention scaling of cos and sin) for cfg's rope type."""
+    """(inv_freq [head_dim / 2] float32 on the host, attention scaling of cos and sin) for cfg's rope type. On the
+    host whatever the default device: a model built on the meta device would otherwise run these ops there, through
+    torch's Python references, whose first use imports torch._dynamo (a second of a worker's start)."""
     scaling = cfg.rope_scaling
-    return _BUILDERS[scaling.rope_type](scaling, cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings)
+    with torch.device("cpu"):
+        return _BUILDERS[scaling.rope_type](scaling, cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings)
 
 
 def _exponents(dim: int) -> torch.Tensor:
