@@ -4,6 +4,8 @@ module, and beside it its draft model and EAGLE-3 head)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,3 +88,23 @@ def test_the_teacher_text_continues_corpus_prompts_as_the_teacher_would() -> Non
     for index in (0, 2):  # sampled_every=2: row 1 is sampled
         assert torch.equal(greedy[index, prompt_len - 1 :], rows[index, prompt_len:])
 
+
+
+
+def test_engines_build_without_importing_torchs_compiler() -> None:
+    """Models are built on the meta device; an op run there goes through torch's Python references, whose first use
+    imports torch._dynamo, a second of every worker's start. A fresh process builds an engine of each model drafter
+    and steps it."""
+    script = (
+        "import sys, uuid; from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig; "
+        "from shared.schemas import SamplingParams, WorkRequest; "
+        "from services.worker.engine.engine import Engine\n"
+        "for method in ('mtp', 'eagle3', 'draft_model'):\n"
+        "    engine = Engine(EngineConfig(model=DEFAULT_MODEL_DIR, speculative=SpeculativeConfig(method=method)))\n"
+        "    engine.add_request(WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3], "
+        "sampling=SamplingParams(max_tokens=4), created=0.0))\n"
+        "    [engine.step() for _ in range(4)]\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
