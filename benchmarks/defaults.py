@@ -2,7 +2,8 @@
 guidellm):
 
     pip install aiperf            # in a virtual environment of its own: its dependencies are not specmesh's
-    python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "no drafts" "torch threads"]
+    python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "no drafts" "torch threads"
+        "batch of 8"]
         [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--busy both|no]
         [--out bench-out/defaults]
     pip install guidellm          # likewise
@@ -15,7 +16,9 @@ Configurations, each a `specmesh up` with these options and nothing else:
   speculation gains or costs under aiperf's requests, which sample at temperature 1 (aiperf sends none, and the
   API's default is 1);
 - torch threads: `--engine-cpus none --torch-threads 0`, the defaults before the CPU plan: torch's one thread per
-  core, every process where the kernel puts it.
+  core, every process where the kernel puts it;
+- batch of 8: `--max-num-seqs 8`, the defaults before a worker batched 64 sequences (past 8 streams the rest waited
+  at the gateway).
 Each is measured alone and beside a busy process (a pure-Python loop, on no particular CPU: a user's other program;
 `--busy no`: alone only). For each point aiperf runs `profile --endpoint-type completions --streaming` with
 synthetic prompts of --isl tokens (aiperf's own text, which the demo model never saw) and --osl output tokens with
@@ -49,6 +52,7 @@ MANUAL_FLAGS = "--torch-threads 1 --engine-cpus 0"
 CONFIGS = {
     "defaults": "", "manual": MANUAL_FLAGS, "no drafts": """--speculative-config '{"method": "naive"}'""",
     "torch threads": "--engine-cpus none --torch-threads 0",
+    "batch of 8": "--max-num-seqs 8",  # the default before a worker batched 64
 }
 CONCURRENCY = (1, 8)
 ROUNDS = 2

@@ -4,6 +4,7 @@ specmesh's), and how the launcher hands them on to its workers."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from shared.config import MAX_TENSOR_PARALLEL_SIZE, MIN_NUM_BATCHED_TOKENS, EngineConfig
 
@@ -24,8 +25,37 @@ def _tensor_parallel_size(text: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "4GiB", "512M", "1.5g" or a plain byte count; units are binary whether or not they say so."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB or a number of bytes)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     fields = EngineConfig.model_fields
+    parser.add_argument(
+        "--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+        help="memory each worker's KV cache may take (4GiB, 512MiB, bytes): every slot gets its full --max-model-len "
+        "when that fits, else the cache holds what fits and sequences are preempted when it runs out (default: on "
+        "the CPU 4GiB or a quarter of the available memory, whichever is less; on CUDA 90%% of the free memory less "
+        "the weights and a reserve)",
+    )
     parser.add_argument(
         "--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=fields["tensor_parallel_size"].default,
         help="split each worker's model over this many processes (Megatron-style tensor parallelism): gloo on the "
@@ -60,6 +90,7 @@ def config_keys(args: argparse.Namespace) -> dict:
     return dict(
         enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_memory=args.kv_cache_memory,
     )
 
 
@@ -70,4 +101,4 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
-    ]
+    ] + (["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None else [])

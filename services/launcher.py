@@ -33,13 +33,13 @@ from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
 from services.startup_checks import (
-    UsageError, check_split_roles, check_tensor_parallel, check_tokenizer_dir, servable_max_model_len,
-    speculative_config,
+    UsageError, check_kv_cache_memory, check_split_roles, check_tensor_parallel, check_tokenizer_dir,
+    servable_max_model_len, speculative_config,
 )
 from services.supervisor import (
     SIGNALS, Child, RestartPolicy, StopRequested, Supervisor, die_with_parent, stop_children,
 )
-from shared.config import DEFAULT_MODEL_DIR, EngineConfig
+from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
 from shared.nats_server import credentials_dir, default_store_dir, free_port, start_nats_server
@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None,
         help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
     )
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: no preemption)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: --max-num-seqs full-length sequences, within --kv-cache-memory)")
     parser.add_argument(
         "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
         help="positions per KV-cache block",
@@ -145,6 +145,11 @@ def resolve_args(args: argparse.Namespace) -> None:
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
     args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
     check_split_roles(args.worker_roles, args.tensor_parallel_size)
+    check_kv_cache_memory(EngineConfig(
+        model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, device=args.device,
+        speculative=SpeculativeConfig.from_json(args.speculative_config), **engine_flags.config_keys(args),
+    ))
     args.workers = len(args.worker_roles)
     args.cpu_plan = cpu_plan.plan_for(args, args.workers)
 

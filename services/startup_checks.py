@@ -10,9 +10,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from services.worker.engine.kv_budget import check_budget
 from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
-from shared.config import SpeculativeConfig
+from shared.config import EngineConfig, SpeculativeConfig
 from shared.tokenizer import TOKENIZER_FILE
 
 MODEL_CONFIG_FILE = "config.json"
@@ -110,3 +111,11 @@ def check_split_roles(roles: list[str], tensor_parallel_size: int) -> None:
             f"--tensor-parallel-size {tensor_parallel_size} does not go with --prefill-workers and --decode-workers: "
             "a handoff carries one process's whole KV cache"
         )
+
+
+def check_kv_cache_memory(config: EngineConfig) -> None:
+    """An explicit --kv-cache-memory must hold one sequence of --max-model-len (kv_budget.py)."""
+    try:
+        check_budget(config)
+    except ValueError as exc:
+        raise UsageError(f"--kv-cache-memory {config.kv_cache_memory}: {exc}") from exc

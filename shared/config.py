@@ -136,13 +136,16 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: Path = DEFAULT_MODEL_DIR
-    max_num_seqs: int = Field(8, ge=1, le=1024)
+    max_num_seqs: int = Field(64, ge=1, le=1024)
     max_model_len: int = Field(1024, ge=16)
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     speculative: SpeculativeConfig = SpeculativeConfig()
     # KV cache blocks of block_size positions; None: enough for max_num_seqs full-length sequences (no preemption)
+    # if kv_cache_memory holds them, else as many as it holds (services/worker/engine/kv_budget.py)
     num_kv_blocks: int | None = Field(None, ge=1)
+    # Bytes the KV cache may take per worker process; None: a default from the device's memory (kv_budget.py)
+    kv_cache_memory: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     # auto: the checkpoint's weights; dummy: random weights from config.json alone (speed measurements only)
     load_format: Literal["auto", "dummy"] = "auto"

@@ -40,7 +40,9 @@ from shared.schemas import WorkerState
 
 log = logging.getLogger("specmesh.gateway")
 
-DEFAULT_BUSY_MARGIN = 1.0  # a whole batch
+# An eighth of a batch: 8 sequences at the default --max-num-seqs 64, so that a burst of requests sharing one prefix
+# (an agent's system prompt) spreads to other workers after 8 rather than piling onto the one that holds it
+DEFAULT_BUSY_MARGIN = 0.125
 PROMPT_ROLES = frozenset({"both", "prefill"})  # the workers a gateway sends prompts to
 STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
 FORGET_AFTER_S = 30.0  # a worker silent this long is forgotten, names and all (a pod replaced under a new id)

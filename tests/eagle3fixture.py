@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.worker.demo_model.eagle3_training import HeadTrainConfig, head_config, save_head, train_head
-from services.worker.drafting.eagle3 import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_eagle3_dir
 from services.worker.model.eagle3 import draft_vocabulary
 from services.worker.model.loader import load_model
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (the fixture is used by name)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.worker.demo_model.tokenizer import END_OF_TEXT, train_tokenizer
-from services.worker.drafting.draft_model import DRAFT_SUFFIX
+from services.worker.drafting.checkpoints import DRAFT_SUFFIX
 from tests.sessioncache import once
 
 TOKENIZER_VOCAB_SIZE = 512

@@ -15,8 +15,8 @@ from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
 from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
-from services.worker.drafting.draft_model import default_draft_dir
-from services.worker.drafting.eagle3 import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_draft_dir
+from services.worker.drafting.checkpoints import default_eagle3_dir
 from services.worker.engine.engine import Engine
 from services.worker.model.loader import load_model
 

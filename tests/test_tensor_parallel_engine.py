@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from services.worker.engine import kv_budget
 from services.worker.engine.engine import Engine
 from services.worker.engine_process import EngineError, EngineProcess
 from services.worker.tensor_parallel.errors import RankFailed
@@ -63,6 +64,9 @@ def test_two_ranks_give_the_tokens_of_one(method: str, split_engine) -> None:
     engine = split_engine(method)
     assert isinstance(engine.runner, LeaderRunner)
     assert _tokens(engine) == whole
+    cache = engine.runner.cache  # each rank's: what the KV budget plans for a rank (engine/kv_budget.py)
+    allocated = cache.nbytes + cache.boundary_hidden.numel() * cache.boundary_hidden.element_size()
+    assert allocated == kv_budget._block_cost(engine.config)[0] * (cache.num_blocks + 1)
 
 
 def test_a_rank_that_dies_mid_run_fails_the_next_step_loudly(split_engine) -> None:

@@ -18,7 +18,8 @@ from services.worker.model.loader import load_model
 from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
 from services.worker.tensor_parallel.group import TensorParallelGroup
 from services.worker.tensor_parallel.model import ShardedCausalLM, load_shard
-from services.worker.tensor_parallel.shard import shard_config, shard_state
+from services.worker.tensor_parallel.divisible import shard_config
+from services.worker.tensor_parallel.shard import shard_state
 from shared.config import DEFAULT_MODEL_DIR
 from tests.modelfixture import make_tiny_model_dir
 

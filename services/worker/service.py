@@ -29,7 +29,7 @@ from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import pin
 from services.startup_checks import (
-    check_split_roles, check_tensor_parallel, servable_max_model_len, speculative_config,
+    check_kv_cache_memory, check_split_roles, check_tensor_parallel, servable_max_model_len, speculative_config,
 )
 from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
@@ -99,6 +99,7 @@ def resolve_args(args: argparse.Namespace) -> None:
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
     check_tensor_parallel(args.model, args.tensor_parallel_size)
     check_split_roles([args.role], args.tensor_parallel_size)
+    check_kv_cache_memory(engine_config(args))
     args.cpu_plan = cpu_plan.plan_for(args, 1)
 
 

@@ -22,7 +22,7 @@ from services.worker.demo_model.data import encode_documents, load_corpus
 from services.worker.demo_model.parallel_draft import ParallelConfig, adapt, add_mask_token, parallel_agreement
 from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
 from services.worker.demo_model.train import TrainConfig, _lr, _windows, save_checkpoint
-from services.worker.drafting.draft_model import default_draft_dir
+from services.worker.drafting.checkpoints import default_draft_dir
 from services.worker.model.config import PARD_TOKEN_KEY, ModelConfig
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model

@@ -19,7 +19,7 @@ from services.worker.demo_model.eagle3_training import (
     HeadTrainConfig, head_config, save_head, target_pass, train_head, unrolled_logits,
 )
 from services.worker.demo_model.train import _windows
-from services.worker.drafting.eagle3 import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_eagle3_dir
 from services.worker.model.eagle3 import Eagle3Head, draft_vocabulary
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.worker.drafting.checkpoints import default_draft_dir
 from services.worker.drafting.draft import Draft
 from services.worker.drafting.draft_sampling import DraftSampler, precision_groups
 from services.worker.engine.runner import ModelRunner, inference
@@ -32,12 +33,6 @@ from services.worker.model.int8_linear import drafter_in_int8
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import load_model
 from shared.config import EngineConfig
-
-DRAFT_SUFFIX = "-draft"  # a checkpoint's shipped draft model: the directory beside it with this suffix
-
-
-def default_draft_dir(model_dir: Path) -> Path:
-    return Path(f"{Path(model_dir)}{DRAFT_SUFFIX}")
 
 
 def load_draft_model(config: EngineConfig, target_vocab_size: int, num_blocks: int) -> "DraftModelDrafter":

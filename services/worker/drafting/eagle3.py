@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.drafting.checkpoints import default_eagle3_dir
 from services.worker.model.dummy import dummy_state_dict
 from services.worker.model.eagle3 import D2T, T2D, Eagle3Config, Eagle3Head
 from services.worker.model.layers import Rotary
@@ -22,15 +23,10 @@ from services.worker.model.transposed import transpose_projections
 from services.worker.model.weights import merge_projections
 from shared.config import EngineConfig
 
-EAGLE3_SUFFIX = "-eagle3"  # a checkpoint's shipped EAGLE-3 head: the directory beside it with this suffix
 OWN_EMBEDDING = "embed_tokens.weight"  # present when the head does not read the target's embedding
 # Some exporters (vLLM-style) name the decoder layer as a model's first layer.
 _LAYER_ALIASES = ("model.layers.0.", "layers.0.")
 _LAYER = "midlayer."
-
-
-def default_eagle3_dir(model_dir: Path) -> Path:
-    return Path(f"{Path(model_dir)}{EAGLE3_SUFFIX}")
 
 
 def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from shared.schemas import WorkRequest
 from shared.seeds import SEED_BITS, choice_seed
 from shared.tokenizer import model_eos_ids
 from services.worker.engine.accept import accept
-from services.worker.engine.block_manager import BlockManager, blocks_for
+from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.handoff import export_request, read_handoff, ready_to_hand_off, write_imported
 from services.worker.grammar.constrain import MAX_FORCED_DRAFTS, advance, apply_masks, constrain_drafts
 from services.worker.grammar.grammars import Grammars
@@ -44,6 +44,7 @@ from services.worker.drafting.draft_model import load_draft_model
 from services.worker.drafting.mtp import MtpDrafter
 from services.worker.drafting.proposer import NaiveProposer, Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
+from services.worker.engine.kv_budget import planned_blocks
 from services.worker.model.loader import model_revision
 from services.worker.engine.outputs import EngineStats, SeqOutput, TokenLogprobs
 from services.worker.engine.prompt_logprobs import PromptScores
@@ -64,9 +65,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            num_blocks = config.max_num_seqs * blocks_for(config.max_model_len, config.block_size)
+        num_blocks = planned_blocks(config)
         self.runner = build_runner(config, num_blocks)  # the whole model, or rank 0 of a tensor-parallel group
         model = self.runner.model
         spec = config.speculative

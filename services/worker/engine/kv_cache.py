@@ -31,6 +31,18 @@ DEFAULT_BLOCK_SIZE = 16
 BLOCK_TABLE_DTYPE = np.int32
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, except that on the CPU the memory comes from calloc (numpy's zeros), whose pages the kernel
+    maps only when first written: a worker's cache for every slot at full length then costs memory as sequences
+    fill it, not at start (64 demo slots of 2,048 positions: 0.7 GB that torch.zeros would write at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # numpy has no bfloat16: same-width integers, viewed as dtype (zero bits are 0.0 in every float format)
+    stand_in = {1: np.int8, 2: np.int16, 4: np.float32, 8: np.float64}[itemsize]
+    return torch.from_numpy(np.zeros(shape, dtype=stand_in)).view(dtype)
+
+
 class KVCache:
     def __init__(
         self,
@@ -64,8 +76,8 @@ class KVCache:
             shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
         else:  # [blocks, block_size, kv_heads, head_dim]: the layout the CUDA kernels read
             shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         # [blocks + 1, hidden] the trunk's hidden state at each block's last position (drafting/mtp.py)
         self.boundary_hidden = (
             torch.zeros(num_blocks + 1, hidden_size, dtype=dtype, device=device) if hidden_size is not None else None

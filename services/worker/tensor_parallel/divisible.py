@@ -1,6 +1,9 @@
-"""Whether a model splits evenly over a number of tensor-parallel ranks (torch-free: the CLI checks it at start)."""
+"""Whether a model splits evenly over a number of tensor-parallel ranks, and the shape of one rank's shard
+(torch-free: the CLI checks both at start)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from services.worker.model.config import ModelConfig
 
@@ -27,3 +30,16 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
                 f"{cfg.num_attention_heads} attention heads, {cfg.num_key_value_heads} kv heads, "
                 f"intermediate size {cfg.intermediate_size}"
             )
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config one rank's modules are built from: its heads, kv heads, intermediate rows and vocabulary slice
+    (the last slice padded, so all are vocab_per_rank long); head_dim and hidden_size as the model's."""
+    check_shardable(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=cfg.num_key_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+        vocab_size=-(-cfg.vocab_size // size),
+    )

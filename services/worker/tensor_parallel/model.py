@@ -20,7 +20,8 @@ from services.worker.model.llama import CausalLM
 from services.worker.model.loader import checkpoint_state, place, served_config
 from services.worker.model.plain_module import PlainModule
 from services.worker.tensor_parallel.group import TensorParallelGroup
-from services.worker.tensor_parallel.shard import shard_config, shard_state
+from services.worker.tensor_parallel.divisible import shard_config
+from services.worker.tensor_parallel.shard import shard_state
 
 
 class RowParallel(PlainModule):

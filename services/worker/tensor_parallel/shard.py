@@ -10,8 +10,6 @@ replicated. The MTP module's decoder block is cut as the trunk's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from services.worker.model.config import ModelConfig
@@ -23,19 +21,6 @@ GATE_UP = f".mlp.{MLP_MERGED}."
 O_WEIGHT = ".self_attn.o_proj.weight"
 DOWN_WEIGHT = ".mlp.down_proj.weight"
 VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config one rank's modules are built from: its heads, kv heads, intermediate rows and vocabulary slice
-    (the last slice padded, so all are vocab_per_rank long); head_dim and hidden_size as the model's."""
-    check_shardable(cfg, size)
-    return dataclasses.replace(
-        cfg,
-        num_attention_heads=cfg.num_attention_heads // size,
-        num_key_value_heads=cfg.num_key_value_heads // size,
-        intermediate_size=cfg.intermediate_size // size,
-        vocab_size=-(-cfg.vocab_size // size),
-    )
 
 
 def _rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:

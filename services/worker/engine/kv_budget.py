@@ -1,0 +1,148 @@
+"""How many KV cache blocks a worker allocates when --num-kv-blocks is not given.
+
+Enough for every slot's max_model_len positions when that fits the KV memory budget: no sequence is then ever
+preempted, and each slot has a home region, which CPU attention reads for a whole decode batch in one call.
+Otherwise as many blocks as the budget holds, at least one full-length sequence's, and the scheduler preempts the
+newest sequence when they run out (vLLM sizes its cache from memory the same way). Without this bound a long-context
+checkpoint's cache for every slot would not fit at all: Qwen2.5-0.5B's 32k positions are 0.8 GB of float32 keys and
+values per slot.
+
+The budget, per worker process (each tensor-parallel rank holds its own shard of every block): --kv-cache-memory, or
+by default on the CPU 4 GiB or a quarter of the memory available at start, whichever is less; on CUDA 90% of the
+device's free memory at start, less the weights and a reserve for a step's activations (the logits of a full step
+and room for CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
+from services.worker.engine.block_manager import blocks_for
+from services.worker.model.config import ModelConfig
+from services.worker.tensor_parallel.divisible import shard_config
+from shared.config import EngineConfig
+
+MIB, GIB = 1 << 20, 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # EngineConfig.dtype's choices
+CPU_KV_CACHE_BYTES = 4 * GIB
+CPU_AVAILABLE_SHARE = 0.25
+GPU_MEMORY_UTILIZATION = 0.9
+GPU_ACTIVATION_RESERVE_BYTES = GIB
+# A step's logits in float32 and the temporaries sampling makes of the same size
+LOGITS_COPIES = 4
+FLOAT32_BYTES = 4
+MEMINFO = Path("/proc/meminfo")
+
+
+def _cache_bytes_per_block(cfg: ModelConfig, extra_layers: int, feature_size: int | None, itemsize: int,
+                           block_size: int) -> int:
+    """What a block costs one model's KVCache (engine/kv_cache.py): keys and values of each cache layer, and the
+    hidden state a hidden-state drafter keeps per block."""
+    layers = cfg.num_hidden_layers + cfg.num_mtp_layers + extra_layers
+    per_block = layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return per_block + (feature_size or 0) * itemsize
+
+
+def bytes_per_block(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None,
+                    eagle3_hidden_size: int | None) -> int:
+    """The memory one more KV block takes in this worker process: the target's cache (its trunk, MTP modules and an
+    EAGLE-3 head's layer, on this rank's kv heads) and a draft model's mirror of it."""
+    itemsize = DTYPE_BYTES[config.dtype]
+    local = shard_config(target, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else target
+    feature = eagle3_hidden_size if eagle3_hidden_size is not None else (
+        target.hidden_size if target.num_mtp_layers else None
+    )
+    total = _cache_bytes_per_block(local, eagle3_hidden_size is not None, feature, itemsize, config.block_size)
+    if draft is not None:
+        total += _cache_bytes_per_block(
+            draft, 0, draft.hidden_size if draft.num_mtp_layers else None, itemsize, config.block_size
+        )
+    return total
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or free pages elsewhere."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weight_bytes(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None) -> int:
+    """This process's weights in config.dtype: the target's shard (built on the meta device, which costs no memory)
+    and a draft model's."""
+    import torch  # only here and for CUDA's budget: the CLI checks an explicit budget without loading torch
+
+    from services.worker.model.llama import CausalLM
+
+    itemsize = DTYPE_BYTES[config.dtype]
+    with torch.device("meta"):
+        local = shard_config(target, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        models = [CausalLM(target, local)]
+        models += [CausalLM(draft)] if draft is not None else []
+    return sum(p.numel() for m in models for p in m.parameters()) * itemsize
+
+
+def default_budget(config: EngineConfig, weights: int, vocab_size: int) -> int:
+    """The KV budget when --kv-cache-memory is not given (see the module docstring)."""
+    if not config.device.startswith("cuda"):
+        return min(CPU_KV_CACHE_BYTES, int(available_host_bytes() * CPU_AVAILABLE_SHARE))
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+    logits = LOGITS_COPIES * config.max_num_batched_tokens * vocab_size * FLOAT32_BYTES
+    return int(free * GPU_MEMORY_UTILIZATION) - weights - GPU_ACTIVATION_RESERVE_BYTES - logits
+
+
+def num_kv_blocks(config: EngineConfig, per_block: int, budget: int) -> int:
+    """Blocks for every slot's full length, or as many as `budget` bytes hold; refused when that is fewer than one
+    sequence of max_model_len needs."""
+    one_sequence = blocks_for(config.max_model_len, config.block_size)
+    full = config.max_num_seqs * one_sequence
+    fits = max(budget, 0) // per_block
+    if fits < one_sequence:
+        raise ValueError(
+            f"a KV cache of {budget / MIB:.1f} MiB holds {fits} blocks of {config.block_size} positions "
+            f"({per_block} bytes each), fewer than the {one_sequence} that one sequence of max_model_len "
+            f"{config.max_model_len} needs: give more with --kv-cache-memory, or lower --max-model-len"
+        )
+    return min(full, fits)
+
+
+def planned_blocks(config: EngineConfig) -> int:
+    """config.num_kv_blocks, or what the budget (config.kv_cache_memory, or the default) allows."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block, target, draft = _block_cost(config)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = default_budget(config, weight_bytes(config, target, draft), target.vocab_size)
+    return num_kv_blocks(config, per_block, budget)
+
+
+def check_budget(config: EngineConfig) -> None:
+    """Refuses (ValueError) an explicit kv_cache_memory too small for one sequence of max_model_len, before any
+    process starts; torch-free."""
+    if config.num_kv_blocks is None and config.kv_cache_memory is not None:
+        num_kv_blocks(config, _block_cost(config)[0], config.kv_cache_memory)
+
+
+def _block_cost(config: EngineConfig) -> tuple[int, ModelConfig, ModelConfig | None]:
+    """(bytes_per_block, the target's config, a draft model's config if one will be loaded)."""
+    target = ModelConfig.from_dir(config.model)
+    spec = config.speculative
+    draft = eagle3_hidden_size = None
+    # A missing drafter is left to its loader, which names it; a prefill worker loads no draft model.
+    if spec.method == "draft_model" and config.role != "prefill":
+        path = Path(spec.model or default_draft_dir(config.model))
+        draft = ModelConfig.from_dir(path) if (path / "config.json").is_file() else None
+    if spec.method == "eagle3":
+        path = Path(spec.model or default_eagle3_dir(config.model)) / "config.json"
+        eagle3_hidden_size = json.loads(path.read_text())["hidden_size"] if path.is_file() else None
+    return bytes_per_block(config, target, draft, eagle3_hidden_size), target, draft
