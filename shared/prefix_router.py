@@ -13,12 +13,16 @@ start, the worker's, or after forgetting it) is asked for a snapshot of every na
 
 The rule, for a prompt whose first (len - 1) // block_size blocks can be cached (a worker computes at least the
 prompt's last token): the workers holding the longest run of its leading blocks take it, the least busy of them, if
-that one is no busier than the least busy worker of all by more than `busy_margin` (in batches); else the workers
+that one holds no more than `busy_margin` sequences beyond the least busy worker of all; else the workers
 holding the next longest run, and so on down to those holding none of it, among whom the least busy worker of all
 is. So a prompt nobody holds (a conversation's first turn) goes to the least busy worker, which spreads new
 conversations evenly and leaves each worker room for their next turns; a shared pull queue would hand them to
-whichever worker asked first. Busy is (the sequences a worker holds + its routed backlog + what this gateway routed
-to it since its last state) / max_num_seqs. With fewer than two workers to choose from, the shared queue.
+whichever worker asked first. Busy is the sequences a worker holds + its routed backlog + what this gateway routed
+to it since its last state. The margin is counted in sequences rather than batches, so that it means the same at
+any --max-num-seqs: half a batch of 64 would let a burst sharing one prefix (an agent's system prompt) pile 32
+sequences onto the worker holding it, and an eighth of a batch of 4 would send a conversation's next turn away
+from its cache whenever this gateway had just routed one request there. With fewer than two workers to choose
+from, the shared queue.
 """
 
 from __future__ import annotations
@@ -40,9 +44,7 @@ from shared.schemas import WorkerState
 
 log = logging.getLogger("specmesh.gateway")
 
-# An eighth of a batch: 8 sequences at the default --max-num-seqs 64, so that a burst of requests sharing one prefix
-# (an agent's system prompt) spreads to other workers after 8 rather than piling onto the one that holds it
-DEFAULT_BUSY_MARGIN = 0.125
+DEFAULT_BUSY_MARGIN = 8.0  # sequences: a burst sharing one prefix spreads after 8, each other worker then caching it
 PROMPT_ROLES = frozenset({"both", "prefill"})  # the workers a gateway sends prompts to
 STATE_FRESH_S = 2.0  # a worker whose state is older takes no routed request (workers send one every 0.5 s)
 FORGET_AFTER_S = 30.0  # a worker silent this long is forgotten, names and all (a pod replaced under a new id)
@@ -57,9 +59,9 @@ class _Worker:
     routed_since_state: int = 0  # sequences this gateway routed to it since its last state
 
     @property
-    def load(self) -> float:
-        held = self.state.in_flight + self.state.routed_backlog + self.routed_since_state
-        return held / self.state.max_num_seqs
+    def load(self) -> int:
+        """Sequences it holds, has routed to it, or this gateway routed to it since its last state."""
+        return self.state.in_flight + self.state.routed_backlog + self.routed_since_state
 
 
 @dataclass(frozen=True)

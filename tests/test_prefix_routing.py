@@ -43,7 +43,7 @@ def _names(tokens: list[int], salt: str | None = None) -> list[bytes]:
     return extend_hashes([], root_hash(REVISION, salt), tokens, BLOCK_SIZE)
 
 
-def _router(*states: WorkerState, margin: float = 0.5) -> PrefixRouter:
+def _router(*states: WorkerState, margin: float = 4) -> PrefixRouter:
     router = PrefixRouter(nc=None, busy_margin=margin)
     for state in states:
         router.observe_state(state)
@@ -71,17 +71,17 @@ def test_a_prompt_nobody_holds_goes_to_the_least_busy_worker() -> None:
 
 
 def test_a_busy_holder_loses_the_prompt_to_the_next_longest_and_at_last_to_the_least_busy() -> None:
-    router = _router(_state(1), _state(2, in_flight=7), _state(3), margin=0.5)
+    router = _router(_state(1), _state(2, in_flight=7), _state(3), margin=4)
     router.observe_events(CacheEvents(2, 7, 0, tuple(_names(PROMPT[:16])), ()))
     router.observe_events(CacheEvents(1, 7, 0, tuple(_names(PROMPT[:8])), ()))
-    assert router.choose(PROMPT, None) == 1  # 7/8 busier than 0/8 by more than half a batch
+    assert router.choose(PROMPT, None) == 1  # 7 sequences, more than 4 beyond 0
     router.observe_state(_state(1, in_flight=8))
     assert router.choose(PROMPT, None) == 3
     router.observe_state(_state(1))
     router.observe_state(_state(2, in_flight=3))
     router.observe_state(_state(3))
     assert router.choose(PROMPT, None, num_seqs=2) == 2
-    assert router.choose(PROMPT, None, num_seqs=2) == 1  # worker 2 at 5/8 now, beyond the margin
+    assert router.choose(PROMPT, None, num_seqs=2) == 1  # worker 2 at 5 now, beyond the margin
 
 
 def test_when_every_worker_holds_it_the_least_busy_takes_it() -> None:

@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routing-busy-margin", type=_margin, default=DEFAULT_BUSY_MARGIN,
-        help="how much busier (in batches: held sequences / max-num-seqs) than the least busy worker the worker "
-        "holding a prompt's prefix may be and still get it",
+        help="how many more sequences than the least busy worker the worker holding a prompt's prefix may hold "
+        "and still get it",
     )
 
 
