@@ -43,8 +43,7 @@ from services.worker.demo_model.data import load_corpus
 from services.worker.engine.engine import Engine, EngineStats
 from services.worker.model.config import ModelConfig
 from benchmarks.plot import plot
-from services.worker.drafting.checkpoints import default_draft_dir
-from services.worker.drafting.checkpoints import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 
 METHODS: dict[str, dict] = {
     "naive": {"method": "naive"},

@@ -26,7 +26,7 @@ def _tensor_parallel_size(text: str) -> int:
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB or a number of bytes)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
     if value <= 0:
         raise ValueError(f"a size must be positive, got {text!r}")
     return value

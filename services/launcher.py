@@ -32,6 +32,7 @@ from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
+from services.worker.engine.kv_budget import default_cpu_budget
 from services.startup_checks import (
     UsageError, check_kv_cache_memory, check_split_roles, check_tensor_parallel, check_tokenizer_dir,
     servable_max_model_len, speculative_config,
@@ -93,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None,
         help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
     )
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per worker (default: --max-num-seqs full-length sequences, within --kv-cache-memory)")
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None,
+        help="KV-cache blocks per worker (default: --max-num-seqs full-length sequences, within --kv-cache-memory)",
+    )
     parser.add_argument(
         "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
         help="positions per KV-cache block",
@@ -151,6 +155,9 @@ def resolve_args(args: argparse.Namespace) -> None:
         speculative=SpeculativeConfig.from_json(args.speculative_config), **engine_flags.config_keys(args),
     ))
     args.workers = len(args.worker_roles)
+    if args.kv_cache_memory is None and not args.device.startswith("cuda") and args.workers > 1:
+        # The workers draw on one host's memory: each gets its share of the default (kv_budget.py)
+        args.kv_cache_memory = default_cpu_budget() // args.workers
     args.cpu_plan = cpu_plan.plan_for(args, args.workers)
 
 

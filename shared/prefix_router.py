@@ -17,11 +17,12 @@ that one holds no more than `busy_margin` sequences beyond the least busy worker
 holding the next longest run, and so on down to those holding none of it, among whom the least busy worker of all
 is. So a prompt nobody holds (a conversation's first turn) goes to the least busy worker, which spreads new
 conversations evenly and leaves each worker room for their next turns; a shared pull queue would hand them to
-whichever worker asked first. Busy is the sequences a worker holds + its routed backlog + what this gateway routed
-to it since its last state. The margin is counted in sequences rather than batches, so that it means the same at
-any --max-num-seqs: half a batch of 64 would let a burst sharing one prefix (an agent's system prompt) pile 32
-sequences onto the worker holding it, and an eighth of a batch of 4 would send a conversation's next turn away
-from its cache whenever this gateway had just routed one request there. With fewer than two workers to choose
+whichever worker asked first. Busy is (the sequences a worker holds + its routed backlog + what this gateway routed
+to it since its last state) / max_num_seqs, so that workers of different sizes compare; the margin is counted in
+those sequences rather than in batches, so that it means the same at any --max-num-seqs: half a batch of 64 would
+let a burst sharing one prefix (an agent's system prompt) pile 32 sequences onto the worker holding it, and an
+eighth of a batch of 4 would send a conversation's next turn away from its cache whenever this gateway had just
+routed one request there. With fewer than two workers to choose
 from, the shared queue.
 """
 
@@ -59,9 +60,14 @@ class _Worker:
     routed_since_state: int = 0  # sequences this gateway routed to it since its last state
 
     @property
-    def load(self) -> int:
+    def held(self) -> int:
         """Sequences it holds, has routed to it, or this gateway routed to it since its last state."""
         return self.state.in_flight + self.state.routed_backlog + self.routed_since_state
+
+    @property
+    def load(self) -> float:
+        """How full it is: what it holds per batch slot (workers of different --max-num-seqs compare)."""
+        return self.held / self.state.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -189,11 +195,11 @@ class PrefixRouter:
             while depth < len(names) and worker_id in self._holders.get(names[depth], ()):
                 depth += 1
             matched[worker_id] = depth
-        least_busy = min(worker.load for worker in eligible.values())
+        least_busy = min(eligible.values(), key=lambda worker: worker.load)
         for depth in sorted(set(matched.values()), reverse=True):
             tier = [worker_id for worker_id, d in matched.items() if d == depth]
             chosen = min(tier, key=lambda worker_id: (eligible[worker_id].load, worker_id))
-            if eligible[chosen].load <= least_busy + self.busy_margin:
+            if eligible[chosen].held <= least_busy.held + self.busy_margin:
                 break
         eligible[chosen].routed_since_state += num_seqs
         return Placement(chosen, matched[chosen])

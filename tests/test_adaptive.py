@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import itertools
 import random
+import uuid
 
 import pytest
 
 from shared.config import SpeculativeConfig
+from shared.schemas import SamplingParams
+from shared.structured import StructuredOutput
+from services.worker.drafting.controller import CONSTRAINED, GREEDY, SAMPLED, SpeculationController, _kind
+from services.worker.engine.sequence import Sequence
 from services.worker.drafting.adaptive import (
     AdaptiveSpeculation,
     SpeculationGate,
@@ -255,3 +260,23 @@ def test_adaptive_by_default_where_drafts_do_not_change_seeded_output() -> None:
     assert not SpeculativeConfig(method="mtp").adaptive_drafts
     assert SpeculativeConfig(method="mtp", adaptive=True).adaptive_drafts
     assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive_drafts
+
+
+def test_each_request_pools_with_its_kind_and_constrained_ones_apart() -> None:
+    """A constrained request's drafts include the tokens its grammar forces, always accepted: pooled with the others,
+    they would start every new request of its sampling kind drafting as if its text were predictable."""
+    def seq(**sampling) -> Sequence:
+        return Sequence(uuid.uuid4().hex, [1, 2, 3], SamplingParams(max_tokens=4, **sampling), 0, frozenset())
+
+    assert _kind(seq(temperature=0.0)) == GREEDY
+    assert _kind(seq(temperature=0.7)) == SAMPLED
+    constrained = seq(temperature=0.7, structured=StructuredOutput(kind="regex", spec="x+"))
+    assert _kind(constrained) == CONSTRAINED
+    controller = SpeculationController(SpeculativeConfig(method="ngram"), max_model_len=64)
+    plain = seq(temperature=0.7)
+    controller.begin_step([constrained, plain])
+    for _ in range(30):
+        controller.observe(constrained, 3, 3)
+        controller.observe(plain, 3, 0)
+    assert controller.adaptive.pooled_acceptance(CONSTRAINED) > 0.9
+    assert controller.adaptive.pooled_acceptance(SAMPLED) < 0.2

@@ -15,8 +15,7 @@ from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from services.worker.demo_model.data import encode_documents, load_corpus
 from services.worker.demo_model.teacher_text import TeacherText, teacher_continuations
-from services.worker.drafting.checkpoints import default_draft_dir
-from services.worker.drafting.checkpoints import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 from services.worker.engine.engine import Engine
 from services.worker.model.loader import load_model
 
@@ -87,8 +86,6 @@ def test_the_teacher_text_continues_corpus_prompts_as_the_teacher_would() -> Non
         greedy = teacher.logits(teacher(rows[:, :-1], torch.arange(seq_len).expand(3, seq_len))).argmax(-1)
     for index in (0, 2):  # sampled_every=2: row 1 is sampled
         assert torch.equal(greedy[index, prompt_len - 1 :], rows[index, prompt_len:])
-
-
 
 
 def test_engines_build_without_importing_torchs_compiler() -> None:

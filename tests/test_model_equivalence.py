@@ -11,8 +11,7 @@ from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import UnsupportedModelError
 from services.worker.model.loader import load_model
-from services.worker.drafting.checkpoints import default_draft_dir
-from services.worker.drafting.checkpoints import default_eagle3_dir
+from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
 from tests.methodfixture import GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, tokens_alone
 from tests.modelfixture import MODEL_SHAPE, make_tiny_model_dir, random_causal_lm

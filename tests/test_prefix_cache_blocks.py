@@ -152,6 +152,8 @@ def test_a_new_sequence_fills_a_hole_among_the_running_ones_before_a_slot_above_
     names = _cached_and_idle(blocks, 3, 8)
     assert blocks.choose_slot([5, 3, 1], blocks.lookup(names), busy_span=2) == 3  # its prefix's region still wins
     assert blocks.choose_slot([5, 3], [], busy_span=2) == 5  # above them, a region holding nothing cached first
+    # A hole holding cache is reused before an empty region above: fewer regions to attend over, less cache kept
+    assert blocks.choose_slot([5, 3], [], busy_span=4) == 3
 
 
 def test_the_scheduler_admits_from_the_cached_prefix_and_counts_the_lookup() -> None:

@@ -252,3 +252,14 @@ async def test_routed_requests_of_a_killed_worker_continue_exactly_on_the_other(
     assert moved > 0, "the survivor adopted the dead worker's routed requests"
     for streamed in streams:
         assert streamed.text == await _undisturbed(mesh, streamed)
+
+
+def test_the_least_busy_is_the_emptiest_by_its_size_and_the_margin_counts_sequences() -> None:
+    big = _state(1, in_flight=9).model_copy(update={"max_num_seqs": 64})
+    router = _router(big, _state(2, in_flight=3), margin=8)  # 9/64 against 3/8
+    assert router.choose(list(range(100, 117)), None) == 1  # nobody holds it: the emptier by its size
+    router = _router(big, _state(2, in_flight=1), margin=8)  # 1/8 is the emptier now
+    router.observe_events(CacheEvents(1, 7, 0, tuple(_names(PROMPT[:16])), ()))
+    assert router.choose(PROMPT, None) == 1  # 9 is within 8 sequences of 1
+    router.observe_state(big.model_copy(update={"in_flight": 10}))
+    assert router.choose(PROMPT, None) == 2  # 10 is not

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker.drafting.checkpoints import DRAFT_SUFFIX
+from services.worker.drafting.checkpoints import DRAFT_SUFFIX, default_eagle3_dir
 from services.worker.engine.block_manager import DROPPED, blocks_for
 from services.worker.engine.engine import Engine, SeqOutput
 from services.worker.engine.sequence import Sequence
@@ -26,7 +26,6 @@ from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
 from tests.modelfixture import MISTRAL_WINDOW, make_tiny_model_dir
 from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
 from tests.mtpfixture import fit_mtp_module, write_mtp_checkpoint
-from services.worker.drafting.checkpoints import default_eagle3_dir
 
 transformers = pytest.importorskip("transformers")
 

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-kv-blocks", type=int, default=None,
-        help="KV cache blocks (default: enough for max-num-seqs full-length sequences); fewer preempt sequences",
+        help="KV cache blocks (default: enough for max-num-seqs full-length sequences, within --kv-cache-memory); "
+        "fewer preempt sequences",
     )
     parser.add_argument(
         "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,

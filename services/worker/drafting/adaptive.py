@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 DEFAULT_PRIOR_WEIGHT = 4.0  # the prior acceptance counts as this many observed draft positions
 DEFAULT_MEMORY = 0.9  # per observation, a request's earlier evidence keeps this weight: text changes character
-# Per step without drafts, a request's estimate keeps this much of its distance from its class's pooled estimate,
-# so a request that lost its drafts to a bad stretch gets to try again.
+# Per step without drafts, a request's estimate keeps this much of its distance from its kind's pooled estimate,
+# so a request that lost its drafts to a bad stretch tries again once its kind's requests are drafting well (and the
+# pool itself drifts back to the fixed prior while none drafts: a lone request waits for that, some hundreds of steps).
 IDLE_RELAXATION = 0.98
-# The pooled estimate of a class of requests: per observed step of any of them, earlier evidence keeps this weight
-# (about the last hundred verified steps count); per step, it keeps this much of its distance from the fixed prior.
+# The pooled estimate of a kind of request: per verified request-step of any of them, earlier evidence keeps this
+# weight (about the last hundred count: a couple of engine steps at batch 64, a hundred at batch 1); per engine step,
+# it keeps this much of its distance from the fixed prior.
 POOL_MEMORY = 0.99
 POOL_RELAXATION = 0.998
 # Before steps are timed: one more token costs 2% of a step's fixed cost, as in memory-bound decoding on an

@@ -23,8 +23,9 @@ from services.worker.engine.sequence import Sequence
 CALIBRATION_MAX_ROWS = 32
 CALIBRATION_REPEATS = 3
 # The adaptive model's kinds of request, each with its own pooled acceptance: the same drafts are accepted far
-# more often when the target's choice is its argmax than when it samples.
-GREEDY, SAMPLED = "greedy", "sampled"
+# more often when the target's choice is its argmax than when it samples, and a constrained request's drafts include
+# the tokens its grammar forces, always accepted (engine.py), which must not raise the others' estimates.
+GREEDY, SAMPLED, CONSTRAINED = "greedy", "sampled", "constrained"
 
 
 class SpeculationController:
@@ -72,7 +73,7 @@ class SpeculationController:
         self._speculate = self._speculate_next
         self._speculate_next = self.gate.speculate(len(seqs))
         for seq in seqs:
-            self.adaptive.admit(seq.key, GREEDY if seq.sampling.greedy else SAMPLED)
+            self.adaptive.admit(seq.key, _kind(seq))
         self._chosen = self.adaptive.choose([s.key for s in seqs], len(seqs))
         self._prepared_seconds, self._drafting_seconds = self._prepared_seconds + self._drafting_seconds, 0.0
         self._started = time.perf_counter()
@@ -99,3 +100,9 @@ class SpeculationController:
         if self.adaptive is not None:
             self.adaptive.forget(seq.key)
             self._chosen.pop(seq.key, None)
+
+
+def _kind(seq: Sequence) -> str:
+    if seq.sampling.structured is not None:
+        return CONSTRAINED
+    return GREEDY if seq.sampling.greedy else SAMPLED

@@ -7,16 +7,18 @@ newest sequence when they run out (vLLM sizes its cache from memory the same way
 checkpoint's cache for every slot would not fit at all: Qwen2.5-0.5B's 32k positions are 0.8 GB of float32 keys and
 values per slot.
 
-The budget, per worker process (each tensor-parallel rank holds its own shard of every block): --kv-cache-memory, or
-by default on the CPU 4 GiB or a quarter of the memory available at start, whichever is less; on CUDA 90% of the
-device's free memory at start, less the weights and a reserve for a step's activations (the logits of a full step
-and room for CUDA graphs).
+The budget, per worker process: --kv-cache-memory, or by default on the CPU 4 GiB or a quarter of the memory
+available at start (within the cgroup's limit), whichever is less, shared by the workers `specmesh up` starts and by
+a worker's tensor-parallel ranks, which all draw on the host's memory; on CUDA, per rank (each has its own device),
+90% of the device's free memory at start, less the weights and a reserve for a step's activations (the logits of a
+full step and room for CUDA graphs).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
@@ -35,6 +37,12 @@ GPU_ACTIVATION_RESERVE_BYTES = GIB
 LOGITS_COPIES = 4
 FLOAT32_BYTES = 4
 MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+# (limit, usage) of the process's memory cgroup, v2 then v1
+CGROUP_MEMORY_FILES = (
+    (CGROUP / "memory.max", CGROUP / "memory.current"),
+    (CGROUP / "memory" / "memory.limit_in_bytes", CGROUP / "memory" / "memory.usage_in_bytes"),
+)
 
 
 def _cache_bytes_per_block(cfg: ModelConfig, extra_layers: int, feature_size: int | None, itemsize: int,
@@ -64,19 +72,29 @@ def bytes_per_block(config: EngineConfig, target: ModelConfig, draft: ModelConfi
 
 
 def available_host_bytes() -> int:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or free pages elsewhere."""
+    """What can be allocated without swapping: MemAvailable of /proc/meminfo (free pages elsewhere), and no more than
+    the cgroup's memory limit leaves (a container's, a Kubernetes pod's)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit, usage = limit_file.read_text().strip(), usage_file.read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # "max" (v2) or a huge number (v1) when there is no limit
+            available = min(available, max(int(limit) - int(usage), 0))
+        break
+    return available
 
 
 def weight_bytes(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None) -> int:
-    """This process's weights in config.dtype: the target's shard (built on the meta device, which costs no memory)
-    and a draft model's."""
+    """This process's weights in config.dtype: the target's shard and a draft model's (built on the meta device,
+    which costs no memory), and an EAGLE-3 head's as its checkpoint stores them."""
     import torch  # only here and for CUDA's budget: the CLI checks an explicit budget without loading torch
 
     from services.worker.model.llama import CausalLM
@@ -86,18 +104,28 @@ def weight_bytes(config: EngineConfig, target: ModelConfig, draft: ModelConfig |
         local = shard_config(target, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         models = [CausalLM(target, local)]
         models += [CausalLM(draft)] if draft is not None else []
-    return sum(p.numel() for m in models for p in m.parameters()) * itemsize
+    total = sum(p.numel() for m in models for p in m.parameters()) * itemsize
+    if config.speculative.method == "eagle3":
+        head_dir = Path(config.speculative.model or default_eagle3_dir(config.model))
+        total += sum(f.stat().st_size for f in head_dir.glob("*.safetensors"))
+    return total
 
 
-def default_budget(config: EngineConfig, weights: int, vocab_size: int) -> int:
-    """The KV budget when --kv-cache-memory is not given (see the module docstring)."""
+def default_cpu_budget() -> int:
+    """The default budget of all a machine's CPU workers together."""
+    return min(CPU_KV_CACHE_BYTES, int(available_host_bytes() * CPU_AVAILABLE_SHARE))
+
+
+def default_budget(config: EngineConfig, weights: Callable[[], int], vocab_size: int) -> int:
+    """The KV budget of this process when --kv-cache-memory is not given (see the module docstring). On the CPU the
+    ranks of a tensor-parallel worker share the host's memory, so each takes its share of the worker's budget."""
     if not config.device.startswith("cuda"):
-        return min(CPU_KV_CACHE_BYTES, int(available_host_bytes() * CPU_AVAILABLE_SHARE))
+        return default_cpu_budget() // config.tensor_parallel_size
     import torch
 
     free, _ = torch.cuda.mem_get_info(torch.device(config.device))
     logits = LOGITS_COPIES * config.max_num_batched_tokens * vocab_size * FLOAT32_BYTES
-    return int(free * GPU_MEMORY_UTILIZATION) - weights - GPU_ACTIVATION_RESERVE_BYTES - logits
+    return int(free * GPU_MEMORY_UTILIZATION) - weights() - GPU_ACTIVATION_RESERVE_BYTES - logits
 
 
 def num_kv_blocks(config: EngineConfig, per_block: int, budget: int) -> int:
@@ -105,7 +133,7 @@ def num_kv_blocks(config: EngineConfig, per_block: int, budget: int) -> int:
     sequence of max_model_len needs."""
     one_sequence = blocks_for(config.max_model_len, config.block_size)
     full = config.max_num_seqs * one_sequence
-    fits = max(budget, 0) // per_block
+    fits = max(max(budget, 0) // per_block - 1, 0)  # the cache adds a padding block (kv_cache.py)
     if fits < one_sequence:
         raise ValueError(
             f"a KV cache of {budget / MIB:.1f} MiB holds {fits} blocks of {config.block_size} positions "
@@ -122,7 +150,7 @@ def planned_blocks(config: EngineConfig) -> int:
     per_block, target, draft = _block_cost(config)
     budget = config.kv_cache_memory
     if budget is None:
-        budget = default_budget(config, weight_bytes(config, target, draft), target.vocab_size)
+        budget = default_budget(config, lambda: weight_bytes(config, target, draft), target.vocab_size)
     return num_kv_blocks(config, per_block, budget)
 
 

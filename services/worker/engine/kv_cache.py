@@ -33,8 +33,9 @@ BLOCK_TABLE_DTYPE = np.int32
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros, except that on the CPU the memory comes from calloc (numpy's zeros), whose pages the kernel
-    maps only when first written: a worker's cache for every slot at full length then costs memory as sequences
-    fill it, not at start (64 demo slots of 2,048 positions: 0.7 GB that torch.zeros would write at once)."""
+    maps only when first written (a 2 MiB huge page at a time where transparent huge pages are on): a worker's cache
+    for every slot at full length then costs memory as sequences fill it, not at start (64 demo slots of 2,048
+    positions: 0.7 GB that torch.zeros would write at once)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()

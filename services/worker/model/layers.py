@@ -66,7 +66,7 @@ class Rotary(PlainModule):
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(cfg)  # [head_dim / 2], a factor on cos and sin
         self.position_limit = cfg.rope_position_limit
-        device = torch.get_default_device() if device is None else device
+        device = torch.empty(0).device if device is None else device  # the default, `with torch.device` included
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.full_width = self.inv_freq.device.type != "cuda"
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
