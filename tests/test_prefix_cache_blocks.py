@@ -137,23 +137,21 @@ def test_a_new_sequence_gets_the_slot_whose_region_holds_its_prefix_else_an_empt
     blocks = _manager(copy_hits=True)
     names = _cached_and_idle(blocks, 1, 8)
     free_slots = [2, 1, 0]
-    busy_span = 3  # a running sequence in a slot above these
-    assert blocks.choose_slot(free_slots, blocks.lookup(names), busy_span) == 1
-    assert blocks.choose_slot(free_slots, [], busy_span) in (0, 2)  # region 1 holds cached blocks: kept for its prefix
+    assert blocks.choose_slot(free_slots, blocks.lookup(names)) == 1
+    assert blocks.choose_slot(free_slots, []) == 0  # region 1 holds cached blocks: kept for its prefix
 
 
-def test_a_new_sequence_fills_a_hole_among_the_running_ones_before_a_slot_above_them() -> None:
-    """Attention over a decode batch's home regions reads from the lowest to the highest in one call."""
+def test_a_new_sequence_takes_the_lowest_empty_region_else_the_one_idle_longest() -> None:
+    """Sequences kept to few regions cost CPU attention less; regions holding cache keep it while others are empty."""
     slots = 6
     blocks = BlockManager(slots * 4, BLOCK_SIZE, MAX_MODEL_LEN, slots, caching=True, copy_hits=True)
-    assert blocks.choose_slot([1, 2, 4, 5], [], busy_span=4) in (1, 2)  # slots 0 and 3 run
-    assert blocks.choose_slot([5, 3, 2], [], busy_span=2) == 2  # no hole: the lowest above
-    assert blocks.choose_slot([5, 3, 1, 2], [], busy_span=0) == 1  # nothing runs
-    names = _cached_and_idle(blocks, 3, 8)
-    assert blocks.choose_slot([5, 3, 1], blocks.lookup(names), busy_span=2) == 3  # its prefix's region still wins
-    assert blocks.choose_slot([5, 3], [], busy_span=2) == 5  # above them, a region holding nothing cached first
-    # A hole holding cache is reused before an empty region above: fewer regions to attend over, less cache kept
-    assert blocks.choose_slot([5, 3], [], busy_span=4) == 3
+    assert blocks.choose_slot([5, 4, 2, 1], []) == 1
+    names = _cached_and_idle(blocks, 1, 8)
+    assert blocks.choose_slot([5, 4, 2, 1], []) == 2  # region 1 holds cache: kept
+    assert blocks.choose_slot([5, 4, 2, 1], blocks.lookup(names)) == 1  # its prefix's region
+    for slot in (2, 4, 5):
+        _cached_and_idle(blocks, slot, 8)
+    assert blocks.choose_slot([5, 4, 2, 1], []) == 1  # every free region holds cache: the one freed first
 
 
 def test_the_scheduler_admits_from_the_cached_prefix_and_counts_the_lookup() -> None:

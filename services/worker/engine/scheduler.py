@@ -103,8 +103,7 @@ class Scheduler:
             if seq.imported is not None:
                 found, hits = self._imported_prefix(seq, found), None
             if self.blocks is not None:
-                busy_span = 1 + max((s.slot for s in self.running), default=-1)
-                slot = self.blocks.choose_slot(self._free_slots, found, busy_span)
+                slot = self.blocks.choose_slot(self._free_slots, found)
                 needed = self._tokens_needed(seq)
                 if found and not self.blocks.can_reuse(slot, needed, found):
                     if seq.imported is not None:
