@@ -68,6 +68,16 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
         assert torch.equal(rebuilt, tensor), name
 
 
+def test_routed_experts_are_refused_a_split_but_served_whole() -> None:
+    """`specmesh up --model <Qwen3-MoE>` on its default --tensor-parallel-size 1 was refused with "serve it with
+    --tensor-parallel-size 1"."""
+    moe = _demo_config(num_experts=4)
+    check_shardable(moe, 1)
+    assert shard_config(moe, 1) == moe
+    with pytest.raises(ShardingError, match="does not split routed experts"):
+        check_shardable(moe, 2)
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused_by_its_numbers() -> None:
     with pytest.raises(ShardingError, match=r"3 must divide the model's num_attention_heads \(8\)"):
         check_shardable(_demo_config(), 3)

@@ -13,7 +13,10 @@ class ShardingError(ValueError):
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """Refuses, naming the numbers, a model that `size` ranks cannot split evenly."""
+    """Refuses, naming the numbers, a model that `size` ranks cannot split evenly. One rank splits nothing: every
+    model, routed experts included, is its own whole shard."""
+    if size == 1:
+        return
     if cfg.num_experts:
         raise ShardingError(
             f"tensor parallelism does not split routed experts ({cfg.architecture} has {cfg.num_experts}); "
