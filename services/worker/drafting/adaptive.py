@@ -146,10 +146,10 @@ class _Acceptance:
         self.accepted = memory * self.accepted + accepted
         self.tried = memory * self.tried + tried
 
-    def relax_towards(self, target: _Acceptance, kept: float) -> None:
-        """Keeps `kept` of the distance from target's pseudo-counts."""
-        self.accepted = target.accepted + kept * (self.accepted - target.accepted)
-        self.tried = target.tried + kept * (self.tried - target.tried)
+    def relax_towards(self, accepted: float, tried: float, kept: float) -> None:
+        """Keeps `kept` of the distance from these pseudo-counts."""
+        self.accepted = accepted + kept * (self.accepted - accepted)
+        self.tried = tried + kept * (self.tried - tried)
 
 
 @dataclass
@@ -205,7 +205,7 @@ class AdaptiveSpeculation:
         if batch_size < len(request_ids):
             raise ValueError(f"batch_size {batch_size} is smaller than the {len(request_ids)} requests to choose for")
         for pool in self._pools.values():
-            pool.relax_towards(self._prior, POOL_RELAXATION)
+            pool.relax_towards(self._prior.accepted, self._prior.tried, POOL_RELAXATION)
         c0, c_seq, c_draft = self.cost.coefficients
         alphas = [self.acceptance(r) for r in request_ids]
         drafts = [0] * len(request_ids)
@@ -248,11 +248,8 @@ class AdaptiveSpeculation:
 
     def _relax(self, request: _Request) -> None:
         """Towards its kind's pooled acceptance, weighted like the prior."""
-        estimate, weight = request.estimate, self._prior.tried
-        estimate.accepted = request.pool.alpha * weight + IDLE_RELAXATION * (
-            estimate.accepted - request.pool.alpha * weight
-        )
-        estimate.tried = weight + IDLE_RELAXATION * (estimate.tried - weight)
+        weight = self._prior.tried
+        request.estimate.relax_towards(request.pool.alpha * weight, weight, IDLE_RELAXATION)
 
 
 PROBE_EVERY = 16  # one decode step in this many runs the mode that is currently losing, to keep measuring it

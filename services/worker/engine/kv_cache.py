@@ -38,9 +38,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     positions: 0.7 GB that torch.zeros would write at once)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     # numpy has no bfloat16: same-width integers, viewed as dtype (zero bits are 0.0 in every float format)
-    stand_in = {1: np.int8, 2: np.int16, 4: np.float32, 8: np.float64}[itemsize]
+    stand_in = {1: np.int8, 2: np.int16, 4: np.float32, 8: np.float64}[dtype.itemsize]
     return torch.from_numpy(np.zeros(shape, dtype=stand_in)).view(dtype)
 
 
