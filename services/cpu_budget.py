@@ -1,5 +1,7 @@
 """How much CPU this process may use: the CPUs it may run on (`os.sched_getaffinity`) and, in a container, the
-CPU limit its cgroup sets (Kubernetes' `resources.limits.cpu`, Docker's `--cpus`), which torch does not read.
+CPU limit its cgroup sets (Kubernetes' `resources.limits.cpu`, Docker's `--cpus`), which torch does not read. The
+same walk over the process's cgroup and its ancestors reads the memory its cgroup has left (the KV cache's budget,
+services/worker/engine/kv_budget.py).
 
 A limit of 2 CPUs on a 16-core host leaves 16 CPUs in the affinity mask but only 2 CPUs' worth of time each
 period; sixteen torch threads then spend most of it waiting for each other.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,9 @@ PROC_MOUNTINFO = Path("/proc/self/mountinfo")
 CGROUP2_LIMIT_FILE = "cpu.max"  # "<quota> <period>" or "max <period>"
 CGROUP1_QUOTA_FILE, CGROUP1_PERIOD_FILE = "cpu.cfs_quota_us", "cpu.cfs_period_us"  # quota -1: no limit
 NO_LIMIT_V2 = "max"
+CGROUP2_MEMORY_FILES = ("memory.max", "memory.current")  # limit ("max": none) and usage, in bytes
+CGROUP1_MEMORY_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+CGROUP1_NO_MEMORY_LIMIT = 1 << 62  # v1 writes a huge page-rounded number (9223372036854771712) for no limit
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,21 @@ def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = PROC_MOU
     """The tightest CPU limit on this process's cgroup and its ancestors, in CPUs (cgroup v2 `cpu.max`, else v1
     `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where no limit is set or cgroups cannot be read. Anything it
     cannot parse counts as no limit: an unusual /proc must never stop a service from starting."""
+    return _tightest(proc_cgroup, mountinfo, "cpu", _v2_limit, _v1_limit)
+
+
+def cgroup_memory_headroom(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = PROC_MOUNTINFO) -> int | None:
+    """The fewest bytes any of this process's cgroup and its ancestors may still allocate (limit less usage: v2
+    `memory.max` / `memory.current`, else v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`); None where no
+    limit is set or cgroups cannot be read, as for the CPU limit."""
+    return _tightest(proc_cgroup, mountinfo, "memory", _v2_memory, _v1_memory)
+
+
+def _tightest(
+    proc_cgroup: Path, mountinfo: Path, controller: str, v2_reader: Callable[[Path], float | None],
+    v1_reader: Callable[[Path], float | None],
+) -> float | None:
+    """The smallest value a reader finds in this process's cgroup directories of `controller` and their ancestors."""
     try:
         memberships = proc_cgroup.read_text(errors="surrogateescape").splitlines()
         mount_lines = mountinfo.read_text(errors="surrogateescape").splitlines()
@@ -71,9 +92,9 @@ def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = PROC_MOU
             continue
         _, controllers, path = parts
         if controllers == "":
-            mount, reader = _find(mounts, "cgroup2", None), _v2_limit
-        elif "cpu" in controllers.split(","):
-            mount, reader = _find(mounts, "cgroup", "cpu"), _v1_limit
+            mount, reader = _find(mounts, "cgroup2", None), v2_reader
+        elif controller in controllers.split(","):
+            mount, reader = _find(mounts, "cgroup", controller), v1_reader
         else:
             continue
         if mount is not None:
@@ -129,3 +150,19 @@ def _v1_limit(directory: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return None if quota <= 0 or period <= 0 else quota / period
+
+
+def _v2_memory(directory: Path) -> int | None:
+    try:
+        limit, usage = ((directory / name).read_text().strip() for name in CGROUP2_MEMORY_FILES)
+        return None if limit == NO_LIMIT_V2 else max(int(limit) - int(usage), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_memory(directory: Path) -> int | None:
+    try:
+        limit, usage = (int((directory / name).read_text()) for name in CGROUP1_MEMORY_FILES)
+    except (OSError, ValueError):
+        return None
+    return None if limit >= CGROUP1_NO_MEMORY_LIMIT else max(limit - usage, 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cpu_budget import CpuBudget, cgroup_cpu_limit
+from services.cpu_budget import CpuBudget, cgroup_cpu_limit, cgroup_memory_headroom
 from services.cpu_plan import AUTO, MAX_ENGINE_THREADS, UNPINNED, engine_cpus_option, plan_cpus, requested_threads
 from services.startup_checks import UsageError
 
@@ -117,6 +117,29 @@ def test_cgroup_v2_limit_is_the_tightest_of_the_cgroup_and_its_parents(tmp_path:
     assert cgroup_cpu_limit(*files) == 1.5
     (mount / "pod" / "container" / "cpu.max").write_text("50000 100000\n")
     assert cgroup_cpu_limit(*files) == 0.5
+
+
+def test_cgroup_memory_headroom_is_the_least_any_ancestor_leaves(tmp_path: Path) -> None:
+    """What the KV cache's default budget may take at most (services/worker/engine/kv_budget.py)."""
+    mount = tmp_path / "unified"
+    (mount / "pod" / "container").mkdir(parents=True)
+    (mount / "pod" / "memory.max").write_text("2147483648\n")  # the pod: 2 GiB, 1.5 used
+    (mount / "pod" / "memory.current").write_text("1610612736\n")
+    (mount / "pod" / "container" / "memory.max").write_text("max\n")
+    (mount / "pod" / "container" / "memory.current").write_text("1073741824\n")
+    files = _fake_proc(tmp_path, "0::/pod/container\n",
+                       f"30 23 0:26 / {mount} rw,relatime shared:4 - cgroup2 cgroup2 rw\n")
+    assert cgroup_memory_headroom(*files) == 512 << 20
+    (mount / "pod" / "memory.max").write_text("max\n")
+    assert cgroup_memory_headroom(*files) is None
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("1073741824\n")
+    mounts = f"35 25 0:30 /docker/abc {v1} ro,nosuid master:13 - cgroup cgroup rw,memory\n"
+    assert cgroup_memory_headroom(*_fake_proc(tmp_path, "5:memory:/docker/abc\n", mounts)) is None
+    (v1 / "memory.limit_in_bytes").write_text("2147483648\n")
+    assert cgroup_memory_headroom(*_fake_proc(tmp_path, "5:memory:/docker/abc\n", mounts)) == 1 << 30
 
 
 def test_a_container_mounted_at_its_own_cgroup_reads_its_limit(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from services.cpu_budget import cgroup_memory_headroom
 from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 from services.worker.engine.block_manager import blocks_for
 from services.worker.model.config import ModelConfig
@@ -37,12 +38,6 @@ GPU_ACTIVATION_RESERVE_BYTES = GIB
 LOGITS_COPIES = 4
 FLOAT32_BYTES = 4
 MEMINFO = Path("/proc/meminfo")
-CGROUP = Path("/sys/fs/cgroup")
-# (limit, usage) of the process's memory cgroup, v2 then v1
-CGROUP_MEMORY_FILES = (
-    (CGROUP / "memory.max", CGROUP / "memory.current"),
-    (CGROUP / "memory" / "memory.limit_in_bytes", CGROUP / "memory" / "memory.usage_in_bytes"),
-)
 
 
 def _cache_bytes_per_block(cfg: ModelConfig, extra_layers: int, feature_size: int | None, itemsize: int,
@@ -73,7 +68,7 @@ def bytes_per_block(config: EngineConfig, target: ModelConfig, draft: ModelConfi
 
 def available_host_bytes() -> int:
     """What can be allocated without swapping: MemAvailable of /proc/meminfo (free pages elsewhere), and no more than
-    the cgroup's memory limit leaves (a container's, a Kubernetes pod's)."""
+    the memory limits of the process's cgroup and its ancestors leave (a container's, a Kubernetes pod's)."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         for line in MEMINFO.read_text().splitlines():
@@ -81,15 +76,8 @@ def available_host_bytes() -> int:
                 available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    for limit_file, usage_file in CGROUP_MEMORY_FILES:
-        try:
-            limit, usage = limit_file.read_text().strip(), usage_file.read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit():  # "max" (v2) or a huge number (v1) when there is no limit
-            available = min(available, max(int(limit) - int(usage), 0))
-        break
-    return available
+    headroom = cgroup_memory_headroom()
+    return available if headroom is None else min(available, headroom)
 
 
 def weight_bytes(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None) -> int:
