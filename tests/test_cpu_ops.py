@@ -13,16 +13,9 @@ import torch.nn.functional as F
 from shared.config import DEFAULT_MODEL_DIR
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import Rotary
-from services.worker.model.paged_attention import (
-    GATHER_MAX_QUERY_LEN,
-    Pool,
-    FLASH_WITH_LSE,
-    attend_after_prefix,
-    attend_home_pass,
-    attend_per_sequence,
-    plan_home_pass,
-    plan_spans,
-)
+from services.worker.model.home_pass import MAX_IDLE_REGIONS, attend_home_pass, plan_home_pass
+from services.worker.model.paged_attention import attend_after_prefix, attend_per_sequence
+from services.worker.model.sequence_spans import FLASH_WITH_LSE, GATHER_MAX_QUERY_LEN, Pool, plan_spans
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary, apply_rotary_full, apply_rotary_torch
 
@@ -90,11 +83,15 @@ def _home_spans(regions: list[int], contexts: list[int], counts: list[int]) -> l
 
 @pytest.mark.parametrize(
     ("regions", "counts"),
-    [([0, 1, 2, 3], [1, 1, 1, 1]), ([5, 1, 3], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [4, 1, 3]), ([3, 0], [2, 5])],
+    [
+        ([0, 1, 2, 3], [1, 1, 1, 1]), ([5, 1, 3], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [4, 1, 3]), ([3, 0], [2, 5]),
+        ([9, 0, 4, 5], [1, 1, 1, 1]), ([12, 0, 6, 7, 1], [2, 1, 5, 1, 3]),
+    ],
 )
 def test_home_pass_attends_as_each_sequence_alone(regions: list[int], counts: list[int]) -> None:
     """Decode and verify rows of sequences sitting in their slots' home regions, in order or not, with idle regions
-    between them: one SDPA call over views gives what one call per sequence gives, up to float32 summation order."""
+    between them: calls over runs of regions (split where more than MAX_IDLE_REGIONS idle ones lie between two busy
+    ones) give what one call per sequence gives, up to float32 summation order."""
     keys, values = _home_pools(max(regions) + 1)
     contexts = [HOME_REGION - 7 * i for i in range(len(regions))]
     spans = _home_spans(regions, contexts, counts)
@@ -103,6 +100,10 @@ def test_home_pass_attends_as_each_sequence_alone(regions: list[int], counts: li
     plan = plan_home_pass(spans, HOME_REGION, keys.flat.shape[1], HOME_GROUP, q.device)
     identity = counts == [1] * len(counts) and regions == list(range(regions[0], regions[0] + len(regions)))
     assert plan is not None and (plan.token_rows is None) == identity
+    busy = sorted(regions)
+    gaps = [later - earlier - 1 for earlier, later in zip(busy, busy[1:])]
+    assert len(plan.runs) == 1 + sum(gap > MAX_IDLE_REGIONS for gap in gaps)
+    assert sum(run.num_regions for run in plan.runs) == len(regions) + sum(g for g in gaps if g <= MAX_IDLE_REGIONS)
     got = attend_home_pass(q, keys, values, plan, 0.25)
     want = attend_per_sequence(q, keys, values, spans, 0.25)
     assert torch.allclose(got, want, atol=1e-6)
@@ -116,8 +117,11 @@ def test_home_pass_is_planned_only_for_short_runs_at_a_region_start() -> None:
     assert plan_home_pass(too_long, HOME_REGION, positions, HOME_GROUP, cpu) is None
     off_home = plan_spans([0, 1, 2], [10, 20], [[0], [5, 6]], HOME_BLOCK, 0, HOME_GROUP, cpu)  # starts mid-region
     assert plan_home_pass(off_home, HOME_REGION, positions, HOME_GROUP, cpu) is None
-    sparse = _home_spans([0, 30], [10, 20], [1, 1])  # 31 regions for 2 sequences: mostly idle
-    assert plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu) is None
+    sparse = _home_spans([0, 30], [10, 20], [1, 1])  # 31 regions for 2 sequences: two runs, nothing idle attended
+    plan = plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu)
+    assert [(run.first_region, run.num_regions, run.max_context) for run in plan.runs] == [(0, 1, 10), (30, 1, 20)]
+    past_the_cache = _home_spans([0, 4], [10, 20], [1, 1])
+    assert plan_home_pass(past_the_cache, HOME_REGION, positions, HOME_GROUP, cpu) is None
 
 
 @pytest.mark.skipif(FLASH_WITH_LSE is None, reason="this torch build has no CPU flash attention with log-sum-exps")

@@ -20,13 +20,12 @@ pytest.importorskip("triton")
 
 from kernels.paged_attention import paged_attention_launch  # noqa: E402
 from services.worker.model.paged_attention import (  # noqa: E402
-    Pool,
     attend_gathered,
     attend_per_sequence,
     paged_attention,
     paged_attention_torch,
-    plan_spans,
 )
+from services.worker.model.sequence_spans import Pool, plan_spans  # noqa: E402
 
 BLOCK_SIZE = 16
 HEAD_DIM = 16

@@ -22,13 +22,11 @@ copied there rather than shared: a copy of its keys and values costs far less th
 table that is no longer one run, and home regions are reserved per slot anyway.
 
 A new sequence is given the free slot whose region holds its cached prefix; else the lowest whose region holds
-nothing cached; else the one idle longest, whose cache is the least likely to be asked for again. CPU attention over
-the regions of a decode batch reads every region from the lowest to the highest in one call, idle ones included, so
-sequences spread over many regions cost more per step (32 running over ~60 of 64 slots' regions: a sixth of the
-tokens/s in-process); the lowest empty region keeps them together while the cache has room. Reusing the holes among
-the running sequences before any region above them kept them together always, but overwrote conversations' caches
-while empty regions waited: with two workers prefix-aware routing found 0.70 of the turns' prompt tokens cached
-instead of 0.85.
+nothing cached; else the one idle longest, whose cache is the least likely to be asked for again. CPU attention reads
+a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
+own regions and the odd idle one between them. Reusing the holes among the running sequences before any region
+above them would keep them together, but overwrote conversations' caches while empty regions waited: with two
+workers prefix-aware routing found 0.70 of the turns' prompt tokens cached instead of 0.85.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from services.worker.engine.block_manager import blocks_for
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model.paged_attention import SequenceSpan, plan_spans
+from services.worker.model.sequence_spans import SequenceSpan, plan_spans
 
 
 @dataclass

@@ -5,8 +5,8 @@ more so because streaming the weights through the caches evicts the interpreter'
 every step. The module tree (model/layers.py) keeps the parameters, loads checkpoints, trains, and runs on CUDA,
 where CUDA graphs remove that overhead; here the same arithmetic runs as one function with no module calls, no
 per-op device dispatch and no per-layer planning: the attention plan is made once per pass (plan_cpu_attention:
-one call over the slots' home regions for decode or verify rows of sequences sitting in them, one call per
-sequence, or gathered), the rotary angles looked up once, the KV pools built once. The ops and their order are
+a few calls over runs of the slots' home regions for decode or verify rows of sequences sitting in them, one call
+per sequence, or gathered), the rotary angles looked up once, the KV pools built once. The ops and their order are
 the modules', so the output is the same bit for bit (tests/test_flat_trunk.py); ~10% of a demo-model decode step
 on one thread (1.72 -> 1.55 ms).
 """
@@ -26,15 +26,14 @@ from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.int8_linear import Int8Linear, int8_twin
 from services.worker.model.llama import CausalLM
 from services.worker.model.layers import DecoderLayer, normed_heads
+from services.worker.model.home_pass import HomePass, attend_home_pass
 from services.worker.model.paged_attention import (
-    HomePass,
-    Pool,
     attend_gathered,
-    attend_home_pass,
     attend_per_sequence,
     cutting_window,
     plan_cpu_attention,
 )
+from services.worker.model.sequence_spans import Pool
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_full
 from services.worker.model.silu_mul import silu_and_mul_torch

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -22,6 +21,14 @@ from torch import Tensor
 from kernels import use_kernel
 from services.worker.engine.block_manager import blocks_for
 from services.worker.engine.kv_write import BLOCK_MAJOR_DIMS
+from services.worker.model.home_pass import HomePass, attend_home_pass, plan_home_pass
+from services.worker.model.sequence_spans import (
+    FLASH_WITH_LSE,
+    GATHER_MAX_QUERY_LEN,
+    Pool,
+    SequenceSpan,
+    plan_spans,
+)
 
 # The CPU twin has two strategies. Per sequence, a contiguous run of blocks is attended as a view of the cache,
 # so no context is copied, at a fixed ~25 us of torch calls per sequence. The batched gather pays those calls once
@@ -42,12 +49,8 @@ from services.worker.engine.kv_write import BLOCK_MAJOR_DIMS
 #
 # The crossover is near 5 sequences (decode and verify, contexts 64..1024) and batch x context ~8k keys.
 # A prefill (B = 1, per sequence, causal flash SDPA) takes 0.1 / 2.3 / 23 ms at 64 / 512 / 2048 tokens.
-GATHER_MAX_QUERY_LEN = 16  # the gather pads every sequence to the longest query run: decode/verify only
 GATHER_MIN_SEQS = 5
 GATHER_MAX_KEYS = 8192  # batch x max_context_len
-# CPU flash attention that also returns each query's log-sum-exp [B, heads, L] (attend_after_prefix); a private
-# aten op, so the masked call remains where a torch build lacks it.
-FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def paged_attention(
@@ -122,8 +125,8 @@ def paged_attention_torch(
     gathers, so that it never waits on the device. `spans`: the pass's plan_spans (or what makes them from the
     number of query heads per kv head, called only when the per-sequence path is taken), so that a layer does not
     work them out again; from the index tensors when None. `region_len`: the positions of each cache slot's home
-    region (kv_cache.py), where decode or verify rows of sequences that all sit in theirs are attended in one call over
-    views (attend_home_pass); None leaves that path out. A `window` that cuts any context is attended in the batched
+    region (kv_cache.py), where decode or verify rows of sequences that all sit in theirs are attended in a few calls
+    over views (home_pass.py); None leaves that path out. A `window` that cuts any context is attended in the batched
     call, whose mask takes its lower bound.
     """
     if q.shape[0] == 0 or max_context_len <= first_position:  # no query has a key
@@ -158,110 +161,6 @@ def gathering_pays(num_seqs: int, max_query_len: int, max_context_len: int) -> b
         and num_seqs >= GATHER_MIN_SEQS
         and num_seqs * max_context_len <= GATHER_MAX_KEYS
     )
-
-
-class Pool:
-    """One layer's key or value cache read by position, in either layout; every read gives [.., kv_heads, n,
-    head_dim], the layout attention takes."""
-
-    def __init__(self, cache: Tensor, block_size: int | None) -> None:
-        self.block_major = cache.dim() == BLOCK_MAJOR_DIMS
-        if self.block_major:
-            self.block_size, self.num_kv_heads, self.head_dim = cache.shape[1:]
-            self.flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [positions, kv_heads, head_dim]
-        else:
-            if block_size is None:
-                raise ValueError("a head-major cache [kv_heads, positions, head_dim] needs its block_size")
-            self.num_kv_heads, _, self.head_dim = cache.shape
-            self.block_size = block_size
-            self.flat = cache  # [kv_heads, positions, head_dim]
-
-    def span(self, start: int, stop: int) -> Tensor:
-        """Flat slots start..stop - 1: [kv_heads, n, head_dim], a view."""
-        return self.flat[start:stop].transpose(0, 1) if self.block_major else self.flat[:, start:stop]
-
-    def gather(self, slots: Tensor) -> Tensor:
-        """slots [B, n] flat slots -> [B, kv_heads, n, head_dim] (copied)."""
-        batch, n = slots.shape
-        if self.block_major:
-            return self.flat.index_select(0, slots.reshape(-1)).view(batch, n, -1, self.head_dim).transpose(1, 2)
-        return self.flat.index_select(1, slots.reshape(-1)).view(-1, batch, n, self.head_dim).transpose(0, 1)
-
-    def block_slots(self, blocks: Tensor) -> Tensor:
-        """blocks [..., m] -> the flat slots of their positions [..., m * block_size], in position order."""
-        return block_slots(blocks, self.block_size)
-
-
-def block_slots(blocks: Tensor, block_size: int) -> Tensor:
-    """blocks [..., m] -> the flat slots of their positions [..., m * block_size], in position order."""
-    offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks.long()[..., None] * block_size + offsets).flatten(-2)
-
-
-@dataclass(frozen=True)
-class SequenceSpan:
-    """One sequence's queries and keys in a pass, as the CPU's per-sequence attention reads them. Worked out once
-    per pass (plan_spans) and read by every layer, since only the cache contents differ between layers."""
-
-    end: int  # its queries are rows end - count .. end - 1 of q, after num_blind rows that see no key
-    count: int
-    num_blind: int  # queries before first_position (an MTP module has no key at position 0): zeros
-    key_start: int  # its keys are the flat slots key_start .. key_stop - 1, when its blocks are one ascending run
-    key_stop: int
-    slots: Tensor | None  # [1, visible] flat slots otherwise, gathered
-    # [group * count, visible] additive (0 or -inf) for queries that are the last `count` of more positions, row
-    # g * count + i for query i's head g of each kv head (attend_per_sequence makes those heads rows of one matrix)
-    mask: Tensor | None
-    causal: bool  # every visible position is a query (prefill)
-    # A prompt piece after earlier positions (chunked prefill, or past a cached prefix): its queries are the last
-    # `count` positions and there are more than GATHER_MAX_QUERY_LEN of them; attended by attend_after_prefix
-    piece: bool = False
-
-
-def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bool mask -> SDPA's additive form, 0 where allowed and -inf elsewhere. Made once per pass: SDPA converts
-    a bool mask in every call, one per layer, which cost a demo-model verify pass ~25 us."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
-def plan_spans(
-    query_starts: Seq[int],
-    context_lens: Seq[int],
-    block_rows: Seq[Seq[int]],
-    block_size: int,
-    first_position: int,
-    group: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> list[SequenceSpan]:
-    """The spans of a pass from its host-side integers: query offsets [B + 1], context lengths [B] and each
-    sequence's blocks (at least those its context covers); `group` query heads share each kv head; masks in the
-    queries' `dtype`."""
-    spans = []
-    for b, context in enumerate(context_lens):
-        end = query_starts[b + 1]
-        num_queries = end - query_starts[b]
-        visible = context - first_position  # keys at positions first_position..context - 1
-        count = max(min(num_queries, visible), 0)  # the queries that see at least one key
-        key_start = key_stop = 0
-        slots = mask = None
-        piece = False
-        if count:
-            blocks = list(block_rows[b][: blocks_for(context, block_size)])
-            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # position x of the run: s * bs + x
-                key_start = blocks[0] * block_size + first_position
-                key_stop = blocks[0] * block_size + context
-            else:
-                slots = block_slots(torch.tensor(blocks, device=device), block_size)[None, first_position:context]
-            piece = GATHER_MAX_QUERY_LEN < count < visible and FLASH_WITH_LSE is not None
-            if 1 < count < visible and not piece:  # the last `count` positions: causal, diagonal moved right
-                lower = torch.ones(count, visible, dtype=torch.bool, device=device).tril_(visible - count)
-                mask = additive_mask(lower.expand(group, count, visible), dtype).view(group * count, visible)
-        spans.append(SequenceSpan(
-            end, count, num_queries - count, key_start, key_stop, slots, mask, causal=1 < count == visible,
-            piece=piece,
-        ))
-    return spans
 
 
 def attend_per_sequence(
@@ -335,61 +234,6 @@ def attend_after_prefix(queries: Tensor, keys: Tensor, values: Tensor, scale: fl
     return merged[0].transpose(0, 1).to(queries.dtype)  # the log-sum-exps are float32 whatever q's dtype
 
 
-@dataclass(frozen=True)
-class HomePass:
-    """A pass of short query runs (decode or verify rows, at most GATHER_MAX_QUERY_LEN a sequence) whose sequences
-    all read their context from the start of a home region of the cache (a run of region_len positions that the
-    block manager gives each slot by default): regions first_region .. first_region + num_regions - 1 viewed as one
-    batch, with no copy, each region's queries padded to queries_per_region."""
-
-    first_region: int
-    num_regions: int
-    region_len: int
-    queries_per_region: int
-    # [T] each packed token's row among the padded ones (region-major); None when that is the identity (one query
-    # per sequence, regions in order)
-    token_rows: Tensor | None
-    mask: Tensor  # [num_regions, 1, group * queries_per_region, max_context] additive, rows head-in-group major
-    max_context: int
-
-
-def plan_home_pass(
-    spans: Seq[SequenceSpan], region_len: int, num_positions: int, group: int, device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> HomePass | None:
-    """The one-call plan for a pass, or None when a sequence does not start a home region, has more than
-    GATHER_MAX_QUERY_LEN queries or queries that see no key, or the regions between them are mostly idle (each idle
-    one is attended to and thrown away)."""
-    if any(
-        s.num_blind or s.slots is not None or s.key_start % region_len or not 0 < s.count <= GATHER_MAX_QUERY_LEN
-        for s in spans
-    ):
-        return None
-    regions = [s.key_start // region_len for s in spans]
-    first, last = min(regions), max(regions)
-    num_regions = last - first + 1
-    if num_regions > 2 * len(spans) or (last + 1) * region_len > num_positions:
-        return None
-    per_region = max(s.count for s in spans)
-    # Query i of a region sees keys up to its own position; padding rows and idle regions see key 0 alone, so
-    # their discarded rows stay finite.
-    limits = [[0] * per_region for _ in range(num_regions)]
-    token_rows = []
-    for region, span in zip(regions, spans):
-        context, row = span.key_stop - span.key_start, (region - first) * per_region
-        limits[region - first][: span.count] = range(context - span.count, context)
-        token_rows.extend(range(row, row + span.count))
-    max_context = max(span.key_stop - span.key_start for span in spans)
-    visible = torch.arange(max_context, device=device) <= torch.tensor(limits, device=device)[:, :, None]
-    mask = additive_mask(visible[:, None].expand(num_regions, group, per_region, max_context), dtype)
-    mask = mask.view(num_regions, 1, -1, max_context)
-    identity = token_rows == list(range(num_regions * per_region))
-    return HomePass(
-        first, num_regions, region_len, per_region,
-        None if identity else torch.tensor(token_rows, device=device), mask, max_context,
-    )
-
-
 def plan_cpu_attention(
     num_seqs: int,
     max_query_len: int,
@@ -400,8 +244,8 @@ def plan_cpu_attention(
     keys: Pool,
     device: torch.device,
 ) -> HomePass | Seq[SequenceSpan] | None:
-    """How the CPU attends a pass: one call over home regions (a HomePass), one call per sequence (its spans), or
-    one batched call over gathered contexts (None). `spans` may be what makes them from `group`."""
+    """How the CPU attends a pass: a few calls over runs of home regions (a HomePass), one call per sequence (its
+    spans), or one batched call over gathered contexts (None). `spans` may be what makes them from `group`."""
     short_runs = (
         max_query_len <= GATHER_MAX_QUERY_LEN and num_seqs > 1 and region_len is not None and not keys.block_major
     )
@@ -415,34 +259,6 @@ def plan_cpu_attention(
         if gathering_pays(num_seqs, max_query_len, max_context_len):
             return None
     return planned
-
-
-def attend_home_pass(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: HomePass, scale: float) -> Tensor:
-    """attend_per_sequence's result for a HomePass, in one SDPA call over views of the head-major cache:
-    [regions, kv_heads, context, head_dim], each region's queries of the heads sharing a kv head as rows of one
-    matrix, each query's keys past its position masked. Equal to the per-sequence path up to float32 summation
-    order."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, per_region = keys_pool.num_kv_heads, plan.queries_per_region
-    group = num_heads // num_kv_heads
-    start = plan.first_region * plan.region_len
-    stop = start + plan.num_regions * plan.region_len
-
-    def regions(pool: Pool) -> Tensor:
-        by_region = pool.flat[:, start:stop].view(num_kv_heads, plan.num_regions, plan.region_len, head_dim)
-        return by_region[:, :, : plan.max_context].transpose(0, 1)
-
-    padded = q
-    if plan.token_rows is not None:
-        padded = q.new_zeros(plan.num_regions * per_region, num_heads, head_dim).index_copy_(0, plan.token_rows, q)
-    grouped = padded.view(plan.num_regions, per_region, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    attended = F.scaled_dot_product_attention(
-        grouped.reshape(plan.num_regions, num_kv_heads, group * per_region, head_dim), regions(keys_pool),
-        regions(values_pool), attn_mask=plan.mask, scale=scale,
-    )
-    by_row = attended.view(plan.num_regions, num_kv_heads, group, per_region, head_dim).permute(0, 3, 1, 2, 4)
-    out = by_row.reshape(plan.num_regions * per_region, num_heads, head_dim)
-    return out if plan.token_rows is None else out.index_select(0, plan.token_rows)
 
 
 def attend_gathered(
