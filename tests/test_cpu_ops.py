@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from shared.config import DEFAULT_MODEL_DIR
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import Rotary
-from services.worker.model.home_pass import MAX_IDLE_REGIONS, attend_home_pass, plan_home_pass
+from services.worker.model.home_pass import attend_home_pass, partition_runs, plan_home_pass
 from services.worker.model.paged_attention import attend_after_prefix, attend_per_sequence
 from services.worker.model.sequence_spans import FLASH_WITH_LSE, GATHER_MAX_QUERY_LEN, Pool, plan_spans
 from services.worker.model.rms_norm import rms_norm_torch
@@ -85,13 +85,13 @@ def _home_spans(regions: list[int], contexts: list[int], counts: list[int]) -> l
     ("regions", "counts"),
     [
         ([0, 1, 2, 3], [1, 1, 1, 1]), ([5, 1, 3], [1, 1, 1]), ([2], [1]), ([0, 1, 2], [4, 1, 3]), ([3, 0], [2, 5]),
-        ([9, 0, 4, 5], [1, 1, 1, 1]), ([12, 0, 6, 7, 1], [2, 1, 5, 1, 3]),
+        ([9, 0, 4, 5], [1, 1, 1, 1]), ([12, 0, 6, 7, 1], [2, 1, 5, 1, 3]), ([40, 2], [3, 1]),
     ],
 )
 def test_home_pass_attends_as_each_sequence_alone(regions: list[int], counts: list[int]) -> None:
     """Decode and verify rows of sequences sitting in their slots' home regions, in order or not, with idle regions
-    between them: calls over runs of regions (split where more than MAX_IDLE_REGIONS idle ones lie between two busy
-    ones) give what one call per sequence gives, up to float32 summation order."""
+    between them: calls over runs of regions (split where idle regions lie between two busy
+    ones, or where contexts differ much) give what one call per sequence gives, up to float32 summation order."""
     keys, values = _home_pools(max(regions) + 1)
     contexts = [HOME_REGION - 7 * i for i in range(len(regions))]
     spans = _home_spans(regions, contexts, counts)
@@ -100,10 +100,14 @@ def test_home_pass_attends_as_each_sequence_alone(regions: list[int], counts: li
     plan = plan_home_pass(spans, HOME_REGION, keys.flat.shape[1], HOME_GROUP, q.device)
     identity = counts == [1] * len(counts) and regions == list(range(regions[0], regions[0] + len(regions)))
     assert plan is not None and (plan.token_rows is None) == identity
-    busy = sorted(regions)
-    gaps = [later - earlier - 1 for earlier, later in zip(busy, busy[1:])]
-    assert len(plan.runs) == 1 + sum(gap > MAX_IDLE_REGIONS for gap in gaps)
-    assert sum(run.num_regions for run in plan.runs) == len(regions) + sum(g for g in gaps if g <= MAX_IDLE_REGIONS)
+    order = sorted(range(len(regions)), key=regions.__getitem__)
+    bounds = partition_runs(
+        [regions[i] for i in order], [contexts[i] for i in order], [counts[i] for i in order]
+    )
+    assert [(run.first_region, run.num_regions) for run in plan.runs] == [
+        (regions[order[start]], regions[order[stop - 1]] - regions[order[start]] + 1)
+        for start, stop in zip(bounds, bounds[1:])
+    ]
     got = attend_home_pass(q, keys, values, plan, 0.25)
     want = attend_per_sequence(q, keys, values, spans, 0.25)
     assert torch.allclose(got, want, atol=1e-6)
@@ -120,8 +124,19 @@ def test_home_pass_is_planned_only_for_short_runs_at_a_region_start() -> None:
     sparse = _home_spans([0, 30], [10, 20], [1, 1])  # 31 regions for 2 sequences: two runs, nothing idle attended
     plan = plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu)
     assert [(run.first_region, run.num_regions, run.max_context) for run in plan.runs] == [(0, 1, 10), (30, 1, 20)]
-    past_the_cache = _home_spans([0, 4], [10, 20], [1, 1])
+    assert [run.mask for run in plan.runs] == [None, None]  # one query a region sees every key
+    past_the_cache = _home_spans([0, 4], [10, 20], [1, 1])  # region 4 ends past the pool's positions
     assert plan_home_pass(past_the_cache, HOME_REGION, positions, HOME_GROUP, cpu) is None
+
+
+def test_runs_join_neighbours_of_like_context_and_split_at_idle_stretches_and_long_contexts() -> None:
+    """A run is one SDPA call over every region from its first to its last, each padded to the run's longest context
+    and query run: neighbours of like context join, a stretch of idle regions or a context far longer than its
+    neighbours' gets a call of its own."""
+    assert partition_runs(list(range(8)), [200] * 8, [1] * 8) == [0, 8]
+    assert partition_runs([0, 1, 30, 31], [200] * 4, [1] * 4) == [0, 2, 4]
+    assert partition_runs([0, 1, 2, 3], [40, 40, 2000, 40], [1] * 4) == [0, 2, 3, 4]
+    assert partition_runs([5], [100], [4]) == [0, 1]
 
 
 @pytest.mark.skipif(FLASH_WITH_LSE is None, reason="this torch build has no CPU flash attention with log-sum-exps")
