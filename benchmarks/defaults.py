@@ -27,7 +27,11 @@ its `synthetic_text` data through the chat completions endpoint (its default), i
 figures. Neither sends a temperature, so requests sample at the API's default of 1. Figures are the load generator's
 own: inter-token latency mean, time to first token mean, output tokens/s. Every configuration's mesh is up for the
 whole run and the configurations take turns point by point (`run_all`); each figure is the median over rounds.
-Prints a table with each configuration's ratio to manual, writes defaults.json, defaults.png and table.md to --out.
+Beside them, the CPU time each of the mesh's processes took per output token during the point (engine, worker loop,
+gateway, detokenizer, NATS; benchmarks/process_cpu.py, Linux), and the rest of the machine's (the load generator,
+chiefly), per requested output token, warm-up requests included.
+Prints a table with each configuration's ratio to manual and the CPU table, writes defaults.json, defaults.png and
+table.md to --out.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.plot import plot_defaults, save_report
+from benchmarks.process_cpu import OTHER, OUTSIDE, ROLES, CpuMeter
 from services.mesh_process import start_mesh
 from shared.config import DEFAULT_MODEL_DIR
 
@@ -147,10 +152,15 @@ def run_all(args: argparse.Namespace, tmp: Path, results: dict[tuple, list[dict]
             for busy in (False, True) if args.busy == "both" else (False,):
                 for concurrency in args.concurrency:
                     for name, mesh in meshes.items():
+                        meter = CpuMeter(mesh.proc.pid)
                         with busy_process(busy):  # a directory of its own: a stale export never passes for this one
+                            meter.start()
                             point = LOAD_POINTS[args.load_generator](
                                 args, mesh.base_url, mesh.model, concurrency, Path(tempfile.mkdtemp(dir=tmp))
                             )
+                            seconds = meter.stop()
+                        tokens = (args.requests + WARMUP_PER_STREAM) * concurrency * args.osl
+                        point["cpu_us_per_token"] = {role: 1e6 * s / tokens for role, s in seconds.items()}
                         print(json.dumps({"config": name, "busy": busy, "concurrency": concurrency, **point}),
                               flush=True)
                         results.setdefault((name, busy, concurrency), []).append(point)
@@ -164,6 +174,10 @@ def summarise(results: dict[tuple, list[dict]]) -> list[dict]:
     for (name, busy, concurrency), points in results.items():
         row = {"config": name, "busy": busy, "concurrency": concurrency, "rounds": points}
         row.update({figure: statistics.median(p[figure] for p in points) for figure in FIGURES.values()})
+        roles = {role for p in points for role in p["cpu_us_per_token"]}
+        row["cpu_us_per_token"] = {
+            role: statistics.median(p["cpu_us_per_token"].get(role, 0.0) for p in points) for role in roles
+        }
         rows.append(row)
     for row in rows:
         manual = next(r for r in rows if r["config"] == "manual" and r["busy"] == row["busy"]
@@ -186,6 +200,21 @@ def markdown_table(rows: list[dict], configs: dict[str, str]) -> str:
             f"| {r['ttft_ms']:.1f} | {r['output_tokens_per_s']:.0f} | {r['itl_over_manual']:.2f} "
             f"| {r['tokens_per_s_over_manual']:.2f} |"
         )
+    return "\n".join(lines)
+
+
+CPU_COLUMNS = list(dict.fromkeys(role for _, role in ROLES)) + [OTHER, OUTSIDE]
+
+
+def cpu_table(rows: list[dict], configs: dict[str, str]) -> str:
+    """Each point's CPU time per output token (us), by process role (benchmarks/process_cpu.py)."""
+    lines = [
+        "| configuration | busy process | concurrency | " + " | ".join(CPU_COLUMNS) + " |",
+        "|---|---|---:|" + "---:|" * len(CPU_COLUMNS),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r['cpu_us_per_token'].get(role, 0.0):.0f}" for role in CPU_COLUMNS)
+        lines.append(f"| {r['config']} | {'yes' if r['busy'] else 'no'} | {r['concurrency']} | {cells} |")
     return "\n".join(lines)
 
 
@@ -225,7 +254,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_all(args, Path(tmp), results)
     rows = summarise(results)
-    text = markdown_table(rows, args.configs)
+    text = "\n\n".join(
+        (markdown_table(rows, args.configs), "CPU us per output token, by process:", cpu_table(rows, args.configs))
+    )
     print("\n" + text)
     report = {
         "model": str(args.model), "isl": args.isl, "osl": args.osl, "requests_per_stream": args.requests,
