@@ -26,6 +26,8 @@ def test_the_variables_reach_the_template(tmp_path: Path) -> None:
     assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "import os\n"
     greeted = tokenizer.apply_chat_template(messages, template_kwargs={"greeting": "# hello\n"})
     assert tokenizer.decode(greeted) == "# hello\nimport os\n"
+    # The template is compiled once and rendered for every request: nothing of one render stays for the next.
+    assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "import os\n"
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "bos_token"])
