@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-PROC = Path("/proc")
+from services.process_tree import PROC, command_line, descendants
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # /proc/<pid>/stat fields after the command's closing parenthesis: state is the first, utime the 12th, stime the 13th
 UTIME_AFTER_COMM, STIME_AFTER_COMM = 11, 12
@@ -37,20 +36,6 @@ def role_of(cmdline: str) -> str:
     return next((role for piece, role in ROLES if piece in cmdline), OTHER)
 
 
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it, from each thread's children list."""
-    found, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        found.append(current)
-        for task in (PROC / str(current) / "task").glob("*"):
-            try:
-                stack += [int(child) for child in (task / "children").read_text().split()]
-            except OSError:  # it ended meanwhile
-                continue
-    return found
-
-
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds of a process so far; None when it is gone."""
     try:
@@ -65,13 +50,6 @@ def machine_cpu_seconds() -> float:
     """CPU seconds every process of the machine has been busy so far, all CPUs together."""
     ticks = [int(field) for field in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(ticks[i] for i in BUSY_FIELDS) / TICKS_PER_S
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -96,8 +74,9 @@ class CpuMeter:
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
         snapshot = {}
-        for pid in descendants(self.root_pid):
+        tree = {self.root_pid: command_line(self.root_pid)} | descendants(self.root_pid)
+        for pid, cmdline in tree.items():
             seconds = cpu_seconds(pid)
             if seconds is not None:
-                snapshot[pid] = (role_of(_cmdline(pid)), seconds)
+                snapshot[pid] = (role_of(cmdline), seconds)
         return snapshot

@@ -125,6 +125,8 @@ def test_home_pass_is_planned_only_for_short_runs_at_a_region_start() -> None:
     plan = plan_home_pass(sparse, HOME_REGION, 31 * HOME_REGION + HOME_BLOCK, HOME_GROUP, cpu)
     assert [(run.first_region, run.num_regions, run.max_context) for run in plan.runs] == [(0, 1, 10), (30, 1, 20)]
     assert [run.mask for run in plan.runs] == [None, None]  # one query a region sees every key
+    shared_region = _home_spans([1, 1], [10, 20], [1, 2])
+    assert plan_home_pass(shared_region, HOME_REGION, positions, HOME_GROUP, cpu) is None
     past_the_cache = _home_spans([0, 4], [10, 20], [1, 1])  # region 4 ends past the pool's positions
     assert plan_home_pass(past_the_cache, HOME_REGION, positions, HOME_GROUP, cpu) is None
 

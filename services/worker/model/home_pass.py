@@ -69,7 +69,8 @@ def plan_home_pass(
     dtype: torch.dtype = torch.float32,
 ) -> HomePass | None:
     """The plan of a pass, or None when a sequence does not start a home region, has more than GATHER_MAX_QUERY_LEN
-    queries or queries that see no key, or its region runs past the cache's positions."""
+    queries or queries that see no key, or its region runs past the cache's positions, or two sequences read from
+    the start of one region (the block manager gives each slot its own; this keeps the plan right without it)."""
     if any(
         s.num_blind or s.slots is not None or s.key_start % region_len or not 0 < s.count <= GATHER_MAX_QUERY_LEN
         for s in spans
@@ -77,6 +78,8 @@ def plan_home_pass(
         return None
     by_region = sorted((s.key_start // region_len, i) for i, s in enumerate(spans))
     if (by_region[-1][0] + 1) * region_len > num_positions:
+        return None
+    if any(a[0] == b[0] for a, b in zip(by_region, by_region[1:])):  # a region holds one sequence's queries
         return None
     bounds = partition_runs(
         [region for region, _ in by_region], [spans[i].key_stop - spans[i].key_start for _, i in by_region],
