@@ -12,6 +12,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 # Rows a step computes with chunked prefill: measured on a 2-core CPU with the demo model (README, "Chunked prefill")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # EngineConfig.dtype's choices, torch-free
 MAX_TENSOR_PARALLEL_SIZE = 64
 DEFAULT_MODEL_STEPS = 1
 DEFAULT_MIN_DRAFT_CONFIDENCE = 0.2  # see min_draft_confidence

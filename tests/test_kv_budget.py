@@ -21,7 +21,7 @@ from services.worker.engine.block_manager import blocks_for
 from services.worker.engine.engine import Engine
 from services.worker.engine.kv_cache import lazy_zeros
 from services.worker.model.config import ModelConfig
-from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from shared.config import DEFAULT_MODEL_DIR, DTYPE_BYTES, EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
 
 MAX_MODEL_LEN = 128
@@ -66,7 +66,7 @@ def test_a_shard_costs_its_share_of_the_kv_heads() -> None:
     target = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
     whole = kv_budget.bytes_per_block(_config(), target, None, None)
     split = kv_budget.bytes_per_block(_config(tensor_parallel_size=2), target, None, None)
-    hidden = target.hidden_size * kv_budget.DTYPE_BYTES["float32"]  # the MTP module's input, kept whole per rank
+    hidden = target.hidden_size * DTYPE_BYTES["float32"]  # the MTP module's input, kept whole per rank
     assert split - hidden == (whole - hidden) // 2
 
 

@@ -26,10 +26,9 @@ from services.worker.drafting.checkpoints import default_draft_dir, default_eagl
 from services.worker.engine.block_manager import blocks_for
 from services.worker.model.config import ModelConfig
 from services.worker.tensor_parallel.divisible import shard_config
-from shared.config import EngineConfig
+from shared.config import DTYPE_BYTES, EngineConfig
 
 MIB, GIB = 1 << 20, 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # EngineConfig.dtype's choices
 CPU_KV_CACHE_BYTES = 4 * GIB
 CPU_AVAILABLE_SHARE = 0.25
 GPU_MEMORY_UTILIZATION = 0.9

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shared.config import DTYPE_BYTES
+
 MAGIC = b"SMKV"
 VERSION = 1
 PREAMBLE = struct.Struct("<4sHI")  # magic, version, meta length
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 BLOCK_SECTIONS = ("kv", "boundary")  # sections whose leading dimension is the choice's blocks
 
 
@@ -43,7 +44,7 @@ class SectionMeta(BaseModel):
 
     @property
     def nbytes(self) -> int:
-        return ITEMSIZE[self.dtype] * math.prod(self.shape)
+        return DTYPE_BYTES[self.dtype] * math.prod(self.shape)
 
 
 class MtpMeta(BaseModel):
@@ -126,7 +127,7 @@ def decode(data: bytes | memoryview) -> Handoff:
         raise HandoffFormatError(f"unreadable handoff meta: {exc}") from exc
     sections = {}
     for section in meta.sections:
-        if section.dtype not in ITEMSIZE:
+        if section.dtype not in DTYPE_BYTES:
             raise HandoffFormatError(f"section {section.name} has unknown dtype {section.dtype}")
         end = offset + section.nbytes
         if end > len(view):
