@@ -8,13 +8,10 @@ under `specmesh up` (each named by its role) before and after a load point.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from services.process_tree import PROC, command_line, descendants
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# /proc/<pid>/stat fields after the command's closing parenthesis: state is the first, utime the 12th, stime the 13th
-UTIME_AFTER_COMM, STIME_AFTER_COMM = 11, 12
+from services.process_tree import PROC, TICKS_PER_S, command_line, cpu_seconds, descendants
+
 ROLES = (  # (a piece of the command line, the role): first match wins
     ("nats-server", "nats"),
     ("services.cli gateway", "gateway"),
@@ -36,16 +33,6 @@ def role_of(cmdline: str) -> str:
     return next((role for piece, role in ROLES if piece in cmdline), OTHER)
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of a process so far; None when it is gone."""
-    try:
-        stat = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[UTIME_AFTER_COMM]) + int(fields[STIME_AFTER_COMM])) / TICKS_PER_S
-
-
 def machine_cpu_seconds() -> float:
     """CPU seconds every process of the machine has been busy so far, all CPUs together."""
     ticks = [int(field) for field in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -55,7 +42,8 @@ def machine_cpu_seconds() -> float:
 @dataclass
 class CpuMeter:
     """CPU seconds by role of the process tree under `root_pid` between `start` and `stop`, and OUTSIDE: the rest of
-    the machine's. A process that ends in between is not counted; one that starts in between counts from zero."""
+    the machine's. A process that ends in between is not counted (its time goes to OUTSIDE); one that starts in
+    between counts from zero."""
 
     root_pid: int
 

@@ -3,21 +3,38 @@ nothing running behind it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PROC = Path("/proc")
 ZOMBIE = "Z"  # /proc/<pid>/stat state of a process that has exited and waits only to be reaped
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, or None once it is gone."""
+# /proc/<pid>/stat fields after the command name: state, ppid, ..., utime and stime (clock ticks)
+STATE, PARENT, USER_TICKS, SYSTEM_TICKS = 0, 1, 11, 12
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name, or None once the process is gone."""
     try:
         text = (PROC / str(pid) / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     # "pid (comm) state ppid ...": comm may itself hold spaces and parentheses, so split after its last ")".
-    fields = text.rpartition(")")[2].split()
-    return fields[0], int(fields[1])
+    return text.rpartition(")")[2].split()
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, or None once it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[STATE], int(fields[PARENT]))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds of a process so far (not its children's); None once it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[USER_TICKS]) + int(fields[SYSTEM_TICKS])) / TICKS_PER_S
 
 
 def is_running(pid: int) -> bool:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from benchmarks.process_cpu import OTHER, OUTSIDE, CpuMeter, cpu_seconds, role_of
-from services.process_tree import descendants
+from benchmarks.process_cpu import OTHER, OUTSIDE, CpuMeter, role_of
+from services.process_tree import cpu_seconds, descendants
 
 BUSY_S = 0.6
 CHILD = f"import time\nstart = time.time()\nwhile time.time() - start < {BUSY_S}: pass\ntime.sleep(30)"
