@@ -206,7 +206,7 @@ def markdown_table(rows: list[dict], configs: dict[str, str]) -> str:
 CPU_COLUMNS = list(dict.fromkeys(role for _, role in ROLES)) + [OTHER, OUTSIDE]
 
 
-def cpu_table(rows: list[dict], configs: dict[str, str]) -> str:
+def cpu_table(rows: list[dict]) -> str:
     """Each point's CPU time per output token (us), by process role (benchmarks/process_cpu.py)."""
     lines = [
         "| configuration | busy process | concurrency | " + " | ".join(CPU_COLUMNS) + " |",
@@ -255,7 +255,7 @@ def main() -> None:
         run_all(args, Path(tmp), results)
     rows = summarise(results)
     text = "\n\n".join(
-        (markdown_table(rows, args.configs), "CPU us per output token, by process:", cpu_table(rows, args.configs))
+        (markdown_table(rows, args.configs), "CPU us per output token, by process:", cpu_table(rows))
     )
     print("\n" + text)
     report = {

@@ -22,8 +22,7 @@ to it since its last state) / max_num_seqs, so that workers of different sizes c
 those sequences rather than in batches, so that it means the same at any --max-num-seqs: half a batch of 64 would
 let a burst sharing one prefix (an agent's system prompt) pile 32 sequences onto the worker holding it, and an
 eighth of a batch of 4 would send a conversation's next turn away from its cache whenever this gateway had just
-routed one request there. With fewer than two workers to choose
-from, the shared queue.
+routed one request there. With fewer than two workers to choose from, the shared queue.
 """
 
 from __future__ import annotations

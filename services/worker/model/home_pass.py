@@ -163,7 +163,7 @@ def attend_home_pass(q: Tensor, keys_pool: Pool, values_pool: Pool, plan: HomePa
     """q [T, heads, head_dim] -> attention [T, heads, head_dim] as one call per sequence gives it (up to float32
     summation order): per run, the heads sharing a kv head as rows of one matrix, over views of the head-major
     cache."""
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = keys_pool.num_kv_heads
     group = num_heads // num_kv_heads
     padded = q
