@@ -43,7 +43,8 @@ from services.supervisor import (
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
-from shared.nats_server import credentials_dir, default_store_dir, free_port, start_nats_server
+from shared.nats_server import credentials_dir, default_store_dir, start_nats_server
+from shared.ports import free_port
 from shared.nats_settings import NatsSettings
 from shared.tokenizer import TOKENIZER_FILE
 

@@ -16,7 +16,8 @@ from services.process_tree import descendants
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_credentials import NatsCredentials, credentials_file
 from shared.nats_roles import NatsRole
-from shared.nats_server import credentials_dir, free_port
+from shared.nats_server import credentials_dir
+from shared.ports import free_port
 from shared.nats_settings import NatsSettings
 
 START_TIMEOUT_S = 180.0

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sysconfig
-import time
 from pathlib import Path
 
 from shared.nats_credentials import PRIVATE_FILE, MeshCredentials
 from shared.nats_roles import authorization_config
+from shared.ports import wait_for_port
 
 READY_TIMEOUT_S = 10.0
 AUTH_CONFIG = "auth.conf"  # in the store directory: the authorization block, passwords included
@@ -29,25 +28,6 @@ def server_binary() -> str:
 def default_store_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "specmesh" / "nats"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with code {proc.returncode} before listening on {host}:{port}")
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s")
 
 
 def credentials_dir(store_dir: Path) -> Path:

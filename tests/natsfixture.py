@@ -17,7 +17,8 @@ import pytest
 
 from shared.nats_credentials import MeshCredentials, credentials_file
 from shared.nats_roles import NatsRole
-from shared.nats_server import credentials_dir, free_port, start_nats_server
+from shared.nats_server import credentials_dir, start_nats_server
+from shared.ports import free_port
 from shared.nats_settings import NatsSettings
 
 HOST = "127.0.0.1"

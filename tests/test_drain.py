@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from shared.nats_roles import NatsRole
-from shared.nats_server import free_port
+from shared.ports import free_port
 from tests.natsfixture import NatsServer, running_nats_server
 from tests.test_e2e import CODE_PROMPT, E2E_MODEL
 

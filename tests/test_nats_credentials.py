@@ -24,7 +24,8 @@ from services.mesh_process import start_mesh
 from shared import nats_settings, subjects
 from shared.nats_credentials import PASSWORD_ENV, USER_ENV, CredentialsError, MeshCredentials, NatsCredentials
 from shared.nats_roles import NatsRole, authorization_config
-from shared.nats_server import AUTH_CONFIG, credentials_dir, free_port, server_binary, wait_for_port
+from shared.nats_server import AUTH_CONFIG, credentials_dir, server_binary
+from shared.ports import free_port, wait_for_port
 from shared.nats_settings import NatsSettings
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
 

@@ -21,7 +21,7 @@ import pytest
 from services.mesh_process import Mesh, start_mesh
 from services.process_tree import descendants, is_running
 from services.supervisor import SIGNALS, STOP_SIGNALS, Child, CrashLoopError, RestartPolicy, StopRequested, Supervisor
-from shared.nats_server import free_port, wait_for_port
+from shared.ports import free_port, wait_for_port
 from tests.test_e2e import E2E_MODEL
 
 pytestmark = pytest.mark.e2e
