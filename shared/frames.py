@@ -273,6 +273,8 @@ def decode(buf: bytes | memoryview) -> Frame:
     pos += num_records * RECORD.itemsize
     if num_records and (records["status"].max() > MAX_STATUS or records["finish_reason"].max() > MAX_FINISH_REASON):
         raise BadField("record with an unknown status or finish reason")
+    if num_records and (records["num_accepted"] > records["num_tokens"]).any():
+        raise BadField("record with more accepted drafts than tokens")
     num_tokens = int(records["num_tokens"].sum(dtype=np.int64))
     num_slots = top_k + 1
     expected = pos + num_tokens * (8 * num_slots + 4)

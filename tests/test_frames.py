@@ -162,6 +162,16 @@ def test_unknown_status_or_finish_reason() -> None:
         frames.decode(_patch(buf, RECORD, 0, "finish_reason", max(FinishReason) + 1, offset=HEADER.itemsize))
 
 
+def test_more_accepted_drafts_than_tokens() -> None:
+    """A record accepting more drafts than it holds would break the detokenizer's acceptance tally: the frame is
+    refused whole, as any malformed one (counted by reason), not half consumed."""
+    buf = _two_record_frame()
+    all_accepted = frames.decode(_patch(buf, RECORD, 1, "num_accepted", 3, offset=HEADER.itemsize))
+    assert all_accepted.records[1]["num_accepted"] == 3
+    with pytest.raises(BadField):
+        frames.decode(_patch(buf, RECORD, 1, "num_accepted", 4, offset=HEADER.itemsize))
+
+
 def test_a_refused_resumed_request_finishes_where_its_records_stand() -> None:
     resumed = WorkRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=(1, 2), n=2,
