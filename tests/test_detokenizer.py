@@ -199,6 +199,25 @@ def test_stop_string_cut_drops_logprobs_of_tokens_after_it(tokenizer, table) -> 
     assert chunk.choice["logprobs"]["text_offset"] == [0, 1]
 
 
+def test_the_first_token_completing_a_stop_string_ends_the_output_however_steps_group_tokens(tokenizer, table) -> None:
+    """"el" is complete at the third token, before "hello" is: the same text and token count whether the tokens come
+    one a step or in one step (accepted drafts)."""
+    ids = byte_tokens(tokenizer, "hello")
+    for steps in ([[t] for t in ids], [ids]):
+        assembler = RequestAssembler(opened(stop=("hello", "el")), table)
+        chunks = [c for c in run_steps(assembler, steps, FinishReason.LENGTH) if c is not None]
+        assert "".join(text_of(c) for c in chunks) == "h"
+        assert chunks[-1].choice["finish_reason"] == "stop" and chunks[-1].usage.completion_tokens == 3
+
+
+def test_stop_string_cut_drops_draft_logprobs_after_it(tokenizer, table) -> None:
+    assembler = RequestAssembler(opened(api="completion", stop=("b",), logprobs=0, drafts=True), table)
+    draft = record(byte_tokens(tokenizer, "abc"), seq_no=0, offset=0, num_accepted=3, kind=FrameKind.DRAFT)
+    chunk = assembler.consume(record(byte_tokens(tokenizer, "abcd"), seq_no=0, offset=0, num_accepted=3), draft)
+    assert text_of(chunk) == "a" and chunk.choice["logprobs"]["tokens"] == ["a"]
+    assert chunk.choice["draft_logprobs"]["tokens"] == ["a"] and chunk.choice["draft_logprobs"]["text_offset"] == [0]
+
+
 # --- logprobs shapes ---------------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from services.detokenizer import logprobs
 from services.detokenizer.incremental import DecodedStep, IncrementalDecoder, TokenTable
 from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPart, wants_prompt
 from services.detokenizer.speculation import SpeculationTally
-from services.detokenizer.stop import StopMatcher
+from services.detokenizer.stop import Released, StopMatcher
 from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
 from shared.schemas import ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails, Usage
 
@@ -147,11 +147,12 @@ class RequestAssembler:
         self._hold_entries(target, rendered, step)
         if draft is not None and self._want_drafts:
             self._add_drafts(target, draft, step)
-        released = self._stop.feed(step.text, final=target.finished)
+        released, completing = self._find_stop(step, final=target.finished)
         if released.match is not None:
-            completing = next((i for i, (_, end) in enumerate(step.spans) if end >= released.match.end), len(ids) - 1)
-            self._count(ids[: completing + 1])
+            self._count(ids if completing is None else ids[: completing + 1])
             self.cancel_reason = "stop_string"
+            cut = self._text_base + released.match.start
+            self._drafts = [d for d in self._drafts if d.text_offset < cut]
             return self._emit(released.text, self._release_before(released.match.start), STOP_STRING_FINISH)
         self._count(ids)
         if not target.finished:
@@ -244,6 +245,21 @@ class RequestAssembler:
         offsets = [starts[min(j, last)] if last >= 0 else end for j in range(draft.num_tokens)]
         accepted = [j < draft.num_accepted for j in range(draft.num_tokens)]
         self._drafts.extend(logprobs.entries(draft.token_ids, draft.logprobs, self._top_k, offsets, accepted))
+
+    def _find_stop(self, step: DecodedStep, final: bool) -> tuple[Released, int | None]:
+        """Feeds the step's text to the stop matcher a token at a time, up to the first token that completes a stop
+        string: which stop ends the output, and where, must not depend on how many tokens a step accepted. Returns
+        what the matcher released and the index of the token that completed a match (None: the step's last)."""
+        if not step.spans:  # no token rendered, only the bytes a final step flushed
+            return self._stop.feed(step.text, final=final), None
+        base = step.spans[0][0]
+        texts = []
+        for i, (start, end) in enumerate(step.spans):
+            released = self._stop.feed(step.text[start - base : end - base], final=final and i == len(step.spans) - 1)
+            texts.append(released.text)
+            if released.match is not None:
+                return Released("".join(texts), released.match), i
+        return Released("".join(texts), None), None
 
     def _release_settled(self) -> list[logprobs.Entry]:
         """Entries whose text has been released in full (a token with no text of its own waits for the next)."""
