@@ -106,6 +106,30 @@ def test_a_call_cut_short_keeps_its_name_and_the_arguments_written() -> None:
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
 
 
+@pytest.mark.parametrize("ending", ["\n</tool_ca", "\n</tool_call>\n<", "\n</tool_call>\n<tool"])
+@pytest.mark.parametrize("cut", [[], [1] * 80], ids=["whole", "characters"])
+def test_a_call_written_whole_but_cut_short_keeps_its_whole_arguments_and_nothing_else(ending, cut) -> None:
+    """max_tokens may end an answer inside the closing tag, or inside the opening tag of a next call: the arguments
+    are the JSON written, without the call's closing brace or a tag's start, and no tag's start becomes content."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = call + ending
+    content, calls, finish, _ = _assembled(_streamed(text, cut[: len(text) - 1], finish="length"))
+    assert (content, calls, finish) == ("", EXPECTED[:1], "length")
+    message = {"role": "assistant", "content": text}
+    assert message_with_calls(message, "length", FORMATS["hermes"]) == "length"
+    assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'
+
+
+def test_a_named_tool_choice_finishes_with_stop_as_openai_does() -> None:
+    """OpenAI and vLLM end an answer whose function tool_choice named with `stop`; `required` and `auto` calls end
+    with `tool_calls`."""
+    message = {"role": "assistant", "content": HERMES_ANSWER}
+    assert message_with_calls(message, "stop", FORMATS["hermes"], named=True) == "stop"
+    calls = StreamedToolCalls(FORMATS["hermes"], named=True)
+    choice = calls.choice({"index": 0, "delta": {"content": HERMES_ANSWER}, "logprobs": None, "finish_reason": "stop"})
+    assert choice["finish_reason"] == "stop" and choice["delta"]["tool_calls"]
+
+
 def test_llama3_json_calls_whole_and_streamed() -> None:
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
     content, calls, finish, _ = _assembled(_streamed(text, [3, 7, 11], format_name="llama3_json"))
@@ -157,4 +181,4 @@ def test_a_malformed_call_reads_the_same_whole_and_streamed() -> None:
     whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
     entries = [e for c in _streamed(text, [7] * 10) for e in c["delta"].get("tool_calls", [])]
     streamed = [(entries[0]["function"]["name"], "".join(e["function"].get("arguments", "") for e in entries))]
-    assert whole == streamed == [("get_weather", '{"city": "Paris"}')]
+    assert whole == streamed == [("get_weather", '{"city":"Paris"}')]  # written whole: as a parsed call's

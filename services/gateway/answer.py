@@ -57,7 +57,10 @@ async def _stream(
     # catches up with one write (a system call) per client instead of one per chunk. Nothing waits for a chunk that
     # has not arrived.
     unsent: list[bytes] = []
-    calls = StreamedToolCalls(tools, gen.body.tool_fields.parallel_tool_calls) if tools is not None else None
+    calls = None
+    if tools is not None:
+        fields = gen.body.tool_fields
+        calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
     try:
         if gen.api == "chat":
             for opening in _chat_openings(gen, choices.num_choices):
@@ -131,8 +134,10 @@ async def _respond(
         for choice in merged:
             choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
             if tools is not None:
+                fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(
-                    choice["message"], choice["finish_reason"], tools, gen.body.tool_fields.parallel_tool_calls
+                    choice["message"], choice["finish_reason"], tools, fields.parallel_tool_calls,
+                    fields.mode == "named",
                 )
             prompt_logprobs = choice.pop("prompt_logprobs", None)
         if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice

@@ -24,6 +24,7 @@ COMPACT = {"whitespace_flexible": False}
 # A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
 NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
+JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,14 @@ def _call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dic
     return {**schema, "x-guidance": COMPACT}
 
 
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def _call(obj: Any, arguments_key: str) -> ParsedCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
+    return ParsedCall(obj["name"], _json_text(obj.get(arguments_key, obj.get("arguments", {}))))
 
 
 class Hermes:
@@ -83,16 +87,39 @@ class Hermes:
                 content.append(rest[:start])
                 calls.append(call)
             rest = rest[end + len(self.close_tag) :]
+        if calls and self.dangling_tag(rest):
+            rest = ""
         content.append(rest)
         return "".join(content).strip() if calls else text, calls
 
     def partial_call(self, block: str) -> ParsedCall | None:
-        """The call a block that does not parse (unclosed, or not JSON) began: its name and the arguments' text."""
+        """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole
+        where they were written whole (followed by the rest of a closing tag, or by anything), else their text so
+        far."""
         match = NAME.match(block)
         if match is None:
             return None
+        name = json.loads(match.group(1))
+        try:
+            call = _call(JSON_PREFIX.raw_decode(block.lstrip())[0], self.arguments_key)
+        except json.JSONDecodeError:
+            call = None
+        if call is not None:
+            return call
         arguments = ARGUMENTS.search(block, match.end())
-        return ParsedCall(json.loads(match.group(1)), arguments.group(1).rstrip() if arguments else "")
+        if arguments is None:
+            return ParsedCall(name, "")
+        try:
+            value = JSON_PREFIX.raw_decode(arguments.group(1))[0]
+        except json.JSONDecodeError:
+            return ParsedCall(name, arguments.group(1).rstrip())
+        return ParsedCall(name, _json_text(value))
+
+    def dangling_tag(self, text: str) -> bool:
+        """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
+        ends with, never content."""
+        stripped = text.strip()
+        return bool(stripped) and self.open_tag.startswith(stripped)
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:

@@ -22,11 +22,12 @@ def call_id() -> str:
 
 
 def message_with_calls(
-    message: dict, finish_reason: str | None, format: Hermes | Llama3Json, parallel: bool = True
+    message: dict, finish_reason: str | None, format: Hermes | Llama3Json, parallel: bool = True, named: bool = False
 ) -> str | None:
     """Moves the calls in a whole answer's content into message["tool_calls"]; returns the finish reason
-    (`tool_calls` when the answer called tools and stopped on its own). Without `parallel` (parallel_tool_calls
-    false) only the first call is kept: under tool_choice auto nothing constrains the answer to one."""
+    (`tool_calls` when the answer called tools and stopped on its own, unless tool_choice `named` the function: then
+    `stop`, as OpenAI and vLLM answer). Without `parallel` (parallel_tool_calls false) only the first call is kept:
+    under tool_choice auto nothing constrains the answer to one."""
     content, calls = format.split(message.get("content") or "")
     if not calls:
         return finish_reason
@@ -35,7 +36,11 @@ def message_with_calls(
     message["tool_calls"] = [
         {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
     ]
-    return TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
+    return _finish(finish_reason, named)
+
+
+def _finish(finish_reason: str | None, named: bool) -> str | None:
+    return TOOL_CALLS_FINISH if finish_reason == "stop" and not named else finish_reason
 
 
 class ToolCallStream:
@@ -60,8 +65,8 @@ class ToolCallStream:
             return self._feed_whole(text, final)
         return self._feed_blocks(text, final)
 
-    def finish_reason(self, finish_reason: str | None) -> str | None:
-        return TOOL_CALLS_FINISH if finish_reason == "stop" and self.called else finish_reason
+    def finish_reason(self, finish_reason: str | None, named: bool = False) -> str | None:
+        return _finish(finish_reason, named) if self.called else finish_reason
 
     def _feed_blocks(self, text: str, final: bool) -> tuple[str, list[dict]]:
         fmt = self.format
@@ -71,6 +76,8 @@ class ToolCallStream:
             if not self._inside:
                 start = self._buffer.find(fmt.open_tag)
                 if start < 0:
+                    if final and self.called and fmt.dangling_tag(self._buffer):
+                        self._buffer = ""
                     keep = 0 if final else _partial_suffix(self._buffer, fmt.open_tag)
                     content.append(self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep :]
@@ -158,10 +165,12 @@ def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict
 class StreamedToolCalls:
     """Every choice of a streamed chat answer read for tool calls: each chunk's choice with its delta split."""
 
-    def __init__(self, format: Hermes | Llama3Json, parallel: bool = True) -> None:
-        """parallel: false keeps the first call of each choice only (message_with_calls)."""
+    def __init__(self, format: Hermes | Llama3Json, parallel: bool = True, named: bool = False) -> None:
+        """parallel: false keeps the first call of each choice only; named: tool_choice named the function (both as
+        message_with_calls)."""
         self.format = format
         self.parallel = parallel
+        self.named = named
         self._streams: dict[int, ToolCallStream] = {}
 
     def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -172,4 +181,4 @@ class StreamedToolCalls:
         if not self.parallel:
             calls = [entry for entry in calls if entry["index"] == 0]
         return {**choice, "delta": stream_delta(delta, content, calls),
-                "finish_reason": stream.finish_reason(finish_reason)}
+                "finish_reason": stream.finish_reason(finish_reason, self.named)}
