@@ -249,7 +249,8 @@ def test_completion_logprobs_and_draft_logprobs_shape(tokenizer, table) -> None:
     lp = first.choice["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert lp["tokens"] == ["o", "k"] and lp["text_offset"] == [0, 1] and lp["token_logprobs"] == [CHOSEN_LOGPROB] * 2
-    assert lp["top_logprobs"][0] == {table.display(ids[0] + 1)[0]: -0.5}
+    # The chosen token is always there, after the alternatives it is not among: logprobs + 1 entries at most.
+    assert lp["top_logprobs"][0] == {table.display(ids[0] + 1)[0]: -0.5, "o": CHOSEN_LOGPROB}
     dl = first.choice["draft_logprobs"]
     assert set(dl) == {"tokens", "token_logprobs", "top_logprobs", "text_offset", "accepted"}
     assert dl["accepted"] == [True, False] and dl["token_logprobs"] == [0.0, 0.0] and dl["text_offset"] == [0, 1]

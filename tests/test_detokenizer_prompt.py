@@ -68,7 +68,8 @@ def test_echo_with_logprobs_in_the_openai_completions_shape(tokenizer, table) ->
     assert "".join(c.choice["text"] for c in parts) == PROMPT_TEXT
     assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx([-i / 10 for i in range(1, len(prompt))])
-    assert lp["top_logprobs"][1] == {table.display(1)[0]: -0.5, table.display(2)[0]: -1.0}
+    chosen = {table.display(prompt[1])[0]: -0.1}  # the token itself, after its alternatives
+    assert lp["top_logprobs"][1] == pytest.approx({table.display(1)[0]: -0.5, table.display(2)[0]: -1.0, **chosen})
     assert lp["text_offset"] == [len(tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
     generated = last.choice["logprobs"]
     assert generated["text_offset"][0] == len(PROMPT_TEXT)

@@ -100,7 +100,9 @@ def _assert_well_formed(entry: dict) -> None:
     assert isinstance(entry["token"], str) and isinstance(entry["accepted"], bool)
     assert entry["logprob"] <= 0.0
     top = [lp for _, lp in entry["top"]]
-    assert 1 <= len(top) <= TOP_LOGPROBS and top == sorted(top, reverse=True)
+    alternatives = top[:TOP_LOGPROBS]
+    assert alternatives and alternatives == sorted(alternatives, reverse=True)
+    assert top[TOP_LOGPROBS:] in ([], [entry["logprob"]])  # completions also list the token itself
 
 
 def _assert_method_logprobs(method: str, drafts: list[dict]) -> None:

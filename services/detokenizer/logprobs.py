@@ -62,8 +62,9 @@ def render(
 ) -> dict:
     """The `logprobs` (or `draft_logprobs`) object of a choice; drafts add whether each was accepted.
 
-    A completions entry without alternatives (`logprobs: 0`) lists its own token in `top_logprobs`, as OpenAI and
-    vLLM do; chat's `top_logprobs` stays empty then."""
+    A completions entry's `top_logprobs` always hold its own token, after the alternatives when it is not among
+    them (up to `logprobs` + 1 entries), as OpenAI's legacy API and vLLM's completions do: clients look the chosen
+    token up there. Chat's hold the alternatives only, as OpenAI's chat does."""
     if api == "chat":
         return {"content": [_chat_entry(table, e, draft, as_ids) for e in items]}
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
@@ -73,8 +74,9 @@ def render(
         if e.top is None:
             top_logprobs.append(None)
         else:
-            top = e.top or ((e.token_id, e.logprob),)
-            top_logprobs.append({_display(table, t, as_ids)[0]: lp for t, lp in top})
+            top = {_display(table, t, as_ids)[0]: lp for t, lp in e.top}
+            top.setdefault(tokens[-1], e.logprob)
+            top_logprobs.append(top)
         text_offset.append(e.text_offset)
     out = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
     if draft:
