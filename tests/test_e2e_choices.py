@@ -97,7 +97,7 @@ def test_token_id_prompts_and_returned_token_ids(client: openai.OpenAI, mesh: Me
 def test_chat_as_clients_send_it(client: openai.OpenAI, mesh: Mesh, tokenizer) -> None:
     messages = [
         {"role": "developer", "content": "Answer in Python."},
-        {"role": "user", "name": "ada", "content": [{"type": "text", "text": "add "}, {"type": "text", "text": "two"}]},
+        {"role": "user", "name": "ada", "content": [{"type": "text", "text": "add"}, {"type": "text", "text": "two"}]},
         {"role": "tool", "tool_call_id": "call-1", "content": "3"},
         {"role": "reviewer", "content": "keep it short"},
     ]
@@ -105,8 +105,9 @@ def test_chat_as_clients_send_it(client: openai.OpenAI, mesh: Mesh, tokenizer) -
         model=mesh.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True}
     )
     rendered = tokenizer.decode(r.model_extra["prompt_token_ids"])
-    # developer is the system role; tool and custom roles reach the template as given.
-    assert "# system: Answer in Python." in rendered and "# user: add two" in rendered
+    # developer is the system role; text parts are joined with line breaks; tool and custom roles reach the template
+    # as given.
+    assert "# system: Answer in Python." in rendered and "# user: add\n# two" in rendered  # the template comments lines
     assert "# tool: 3" in rendered and "# reviewer: keep it short" in rendered and rendered.endswith("# assistant:\n")
     assert tokenizer.decode(r.choices[0].model_extra["token_ids"]).startswith(r.choices[0].message.content)
 

@@ -14,6 +14,9 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from pydantic import ValidationError
+
+from services.gateway.structured_request import ResponseFormat
 from tests.gatewayfixture import (
     MAX_MODEL_LEN, MODEL, VOCAB_SIZE, NatsServer, client, gateway, model_dir, nats_server, start_gateway,
 )
@@ -220,3 +223,15 @@ async def test_what_the_chat_template_cannot_render_is_a_400_naming_the_error(
         await nc.drain()
     _check_error(exc, 400, "messages")
     assert "TemplateError: roles must be system, user or assistant" in exc.body["message"]
+
+
+def test_a_json_schema_format_reads_its_schema_under_either_name() -> None:
+    """OpenAI's `schema`, or `json_schema` as some clients write it inside and vLLM reads it; both, differing: 400."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for inner in ({"name": "r", "schema": schema}, {"name": "r", "json_schema": schema},
+                  {"name": "r", "schema": schema, "json_schema": schema}):
+        assert ResponseFormat.model_validate({"type": "json_schema", "json_schema": inner}).json_schema.schema_ == schema
+    with pytest.raises(ValidationError, match="differ"):
+        ResponseFormat.model_validate(
+            {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "json_schema": {"type": "string"}}}
+        )

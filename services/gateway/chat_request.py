@@ -36,7 +36,7 @@ class ChatMessage(Body):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any, info: ValidationInfo) -> str:
-        """Text parts are joined: the mesh serves text-only models."""
+        """Text parts are joined with line breaks, as vLLM joins them: the mesh serves text-only models."""
         if isinstance(value, str):
             return value
         if value is None:
@@ -56,7 +56,7 @@ class ChatMessage(Body):
             if not isinstance(part.get("text"), str):
                 raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {shown(part)}')
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
 
     def for_template(self) -> dict[str, str]:
         """The message as the chat template reads it."""

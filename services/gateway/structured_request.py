@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.errors import bad_request
@@ -27,9 +27,19 @@ class JsonSchemaFormat(BaseModel):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
-    # A JSON schema: OpenAI's `schema`; pydantic-ai and some clients send `json_schema` inside too (vLLM reads both).
+    # A JSON schema: OpenAI's `schema`; some clients send it as `json_schema` inside, which vLLM reads too.
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None  # honoured in both values: the output always follows the schema exactly
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_under_either_name(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "json_schema" in value:
+            value = dict(value)
+            inner = value.pop("json_schema")
+            if value.setdefault("schema", inner) != inner:
+                raise ValueError("response_format.json_schema has both `schema` and `json_schema`, and they differ")
+        return value
 
 
 class ResponseFormat(BaseModel):
