@@ -234,6 +234,39 @@ def test_an_end_the_grammar_allows_mid_way_ends_the_output_once(tiny_model_dir, 
         assert (out.tokens[-1] == eos) == emitted and (seq.output_ids[-1] == eos) == emitted
 
 
+def test_an_end_the_grammar_allows_under_ignore_eos_completes_the_output(tiny_model_dir, prompt) -> None:  # noqa: F811
+    """Under ignore_eos the end token is no stop token: "yes" then the end, drafted "yes" or not, completes the
+    grammar there (COMPLETE, the end emitted) instead of leaving a stopped grammar to mask the next step."""
+    (eos,) = model_eos_ids(tiny_model_dir)
+    choice = StructuredOutput(kind="choice", spec='["yes", "yes please"]')
+    outputs = []
+    for grammar_drafts in (True, False):
+        engine = make_engine(tiny_model_dir, METHODS["naive"], grammar_drafts=grammar_drafts)
+        request = make_request(prompt, max_tokens=20, temperature=0.0, structured=choice, ignore_eos=True,
+                               logit_bias={eos: 100.0})
+        outs = outputs_of(run(engine, {0: [request]}), request)
+        assert outs[-1].seq.finish_reason.name == "COMPLETE"
+        outputs.append(_tokens([outs], request))
+    assert outputs[0] == outputs[1] and outputs[0][-1] == eos
+
+
+def test_what_a_step_emits_past_a_complete_grammar_is_not_emitted(tiny_model_dir, prompt) -> None:  # noqa: F811
+    """A draft that completes the grammar leaves its bonus row nothing but the end, which min_tokens forbids: the
+    token drawn there is whatever the masked-out row gave. It is dropped, as step-by-step decoding never draws it."""
+    grammars = Grammars(tiny_model_dir, _vocab(tiny_model_dir), model_eos_ids(tiny_model_dir))
+    structured = StructuredOutput(kind="choice", spec='["yes please"]')
+    (eos,) = model_eos_ids(tiny_model_dir)
+    seq = Sequence("0" * 32, prompt, make_request(prompt, structured=structured).sampling, 0, frozenset({eos}))
+    grammars.attach(seq)
+    words = grammars.tokenizer.tokenize_str("yes please")
+    tokens = words + [eos + 1]  # a token the complete grammar forbids
+    seq.append(tokens, 256)
+    out = SeqOutput(seq, 0, list(tokens), TokenLogprobs.tokens_only(tokens, 0), num_accepted=len(words))
+    advance(grammars, [out])
+    assert seq.finish_reason.name == "COMPLETE" and out.tokens == words == seq.output_ids
+    assert out.num_accepted == len(words)
+
+
 def test_an_aborted_waiting_request_lets_its_grammar_go(model_dirs, prompt) -> None:  # noqa: F811
     engine = make_engine(model_dirs(METHODS["naive"]), METHODS["naive"])
     request = _constrained(prompt)

@@ -64,21 +64,22 @@ def apply_masks(scores: torch.Tensor, masks: RowMasks) -> torch.Tensor:
 def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
     """Feeds each constrained sequence's emitted tokens to its grammar; one whose grammar is complete finishes there
     (COMPLETE: "stop" to the client, its last token rendered), as at a stop token: nothing but the end may follow.
-    The end itself is not emitted, so the output does not depend on whether the grammar's last token came as a draft
-    (an end then fills the bonus row) or as the step's last token."""
+    What a step emitted after the grammar's last token (the end, or whatever a bonus row the grammar left nothing to
+    gave, when min_tokens forbade the end) is not emitted: step-by-step decoding finishes before scoring that row, so
+    the output does not depend on whether the grammar's last token came as a draft or as the step's last token."""
     for out in outputs:
         seq = out.seq
         if not out.tokens or not grammars.has(seq):
             continue
-        body, last = out.tokens[:-1], out.tokens[-1]
-        if last in grammars.eos_ids and body:
-            if not grammars.advance(seq, body):
-                grammars.advance(seq, [last])
-                continue  # ended by the end token the grammar allowed there: accept() made it STOP
-            out.tokens = body  # the end came after the grammar's last token: it is not emitted
-            out.target = out.target.head(len(body))
-            seq.output_ids.pop()
-        elif not grammars.advance(seq, out.tokens) or seq.is_finished:
-            continue  # not complete, or ended by a stop token already (keeping STOP)
+        complete = grammars.advance(seq, out.tokens)
+        if complete is None:
+            continue
+        if complete < len(out.tokens):
+            del seq.output_ids[len(seq.output_ids) - len(out.tokens) + complete :]
+            out.tokens = out.tokens[:complete]
+            out.target = out.target.head(complete)
+            out.num_accepted = min(out.num_accepted, complete)
+        elif seq.is_finished:
+            continue  # ended at the grammar's last token by a stop token (the end itself: STOP) or the length
         seq.state = SeqState.FINISHED
         seq.finish_reason = FinishReason.COMPLETE

@@ -91,12 +91,16 @@ class Grammars:
         """How many of `tokens` the grammar accepts in a row from where the sequence stands."""
         return self._matcher(seq).validate_tokens(tokens) if tokens else 0
 
-    def advance(self, seq: Sequence, tokens: list[int]) -> bool:
-        """Consumes emitted tokens; True when the grammar is complete (nothing may follow but the end)."""
+    def advance(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """Consumes emitted tokens up to the one that completes the grammar (after which nothing may follow but the
+        end, or the end itself); returns how many it consumed then, or None when the grammar is not complete."""
         matcher = self._matcher(seq)
-        if not matcher.consume_tokens(tokens):
-            raise StructuredError(f"emitted tokens break the grammar: {matcher.get_error()}")
-        return matcher.is_stopped()
+        for consumed, token in enumerate(tokens, 1):
+            if not matcher.consume_token(token):
+                raise StructuredError(f"emitted tokens break the grammar: {matcher.get_error()}")
+            if matcher.is_stopped():
+                return consumed
+        return None
 
     def masks(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(bitmask [R, words], rows [R]): for each constrained sequence b, its rows b * width + j for
