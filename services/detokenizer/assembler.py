@@ -250,7 +250,7 @@ class RequestAssembler:
         """Feeds the step's text to the stop matcher a token at a time, up to the first token that completes a stop
         string: which stop ends the output, and where, must not depend on how many tokens a step accepted. Returns
         what the matcher released and the index of the token that completed a match (None: the step's last)."""
-        if not step.spans:  # no token rendered, only the bytes a final step flushed
+        if not step.spans or not self._stop.active:  # no token rendered (only the bytes a final step flushed)
             return self._stop.feed(step.text, final=final), None
         base = step.spans[0][0]
         texts = []

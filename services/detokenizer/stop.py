@@ -31,6 +31,11 @@ class StopMatcher:
         self.released = 0  # characters released so far
 
     @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
+    @property
     def holding(self) -> int:
         return len(self._pending)
 
