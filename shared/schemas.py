@@ -24,6 +24,9 @@ NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
 MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
 NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
+# Temperatures below this are greedy, as vLLM's are: logits divided by them overflow float32 (to NaN probabilities
+# below ~1e-37), and above the overflow they sample what greedy picks but for exact ties.
+GREEDY_BELOW = 1e-5
 # Frames and the engine's index tensors hold token ids, counts and lengths as int32: every such field stays inside it,
 # so no value can overflow where it lands (the worker narrows token ids to its vocabulary, shared/request_limits.py).
 MAX_INT32 = 2**31 - 1
@@ -57,7 +60,7 @@ class SpeculationParams(_Message):
 class SamplingParams(_Message):
     """What the worker needs to generate. Validated here so a worker never sees nonsense."""
 
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0 = greedy
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0 = greedy, and so is anything below GREEDY_BELOW
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=MAX_INT32)  # 0 = whole vocabulary
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -83,6 +86,11 @@ class SamplingParams(_Message):
     speculative: SpeculationParams = SpeculationParams()
     # The output's constraint (response_format, guided_*, tool_choice): shared/structured.py
     structured: StructuredOutput | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < GREEDY_BELOW else value
 
     @field_validator("logit_bias")
     @classmethod

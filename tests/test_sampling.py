@@ -22,6 +22,7 @@ from services.worker.sampling.random import (
     uniform,
 )
 from services.worker.sampling.sample import process_logits, sample, sample_torch
+from shared.schemas import GREEDY_BELOW, SamplingParams
 
 UINT64_MASK = (1 << 64) - 1
 
@@ -113,6 +114,20 @@ def test_top_k_keeps_k_most_likely_and_renormalises() -> None:
     expected = torch.zeros(5)
     expected[[1, 2]] = torch.softmax(torch.tensor([4.0, 3.0]), dim=-1)
     assert torch.allclose(probs[0], expected)
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_as_vllm_does() -> None:
+    logits = _row([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
+    probs = process_logits(logits, *_params(1, top_k=2))
+    expected = torch.zeros(6)
+    expected[:4] = torch.softmax(torch.tensor([3.0, 2.0, 2.0, 2.0]), dim=-1)
+    assert torch.allclose(probs[0], expected)
+
+
+def test_a_temperature_below_greedy_below_is_greedy() -> None:
+    """Logits divided by 1e-40 overflow float32 and gave NaN probabilities (token 0 every step)."""
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=GREEDY_BELOW / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 def test_top_k_larger_than_vocab_is_a_no_op() -> None:

@@ -29,9 +29,11 @@ def _truncation_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """True where top-k, then top-p on the renormalised top-k distribution, drops a token."""
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=scaled.device)
-    k = torch.where(top_k > TOP_K_OFF, top_k, vocab)
-    drop_sorted = rank.unsqueeze(0) >= k.unsqueeze(1)
+    k = torch.where(top_k > TOP_K_OFF, top_k.clamp(max=vocab), vocab)
+    # Cut by value, as vLLM does: every token tied with the k-th survives, so which of them do cannot depend on the
+    # order an unstable sort left them in.
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    drop_sorted = sorted_logits < kth
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
     # A token is needed while the mass strictly above it is still short of top_p: that is the smallest set
     # reaching top_p. Rows with top_p off skip this, so float error in the cumsum cannot trim their tail.
