@@ -27,6 +27,7 @@ StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 # force every key and punctuation token (free drafts, see services/worker/grammar/).
 JSON_OPTIONS = {"whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
+MAX_SPEC_CHARS = 1 << 20  # a schema, regex, choice list or grammar longer than this is refused
 
 
 class StructuredError(ValueError):
@@ -40,7 +41,7 @@ class StructuredOutput(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: StructuredKind
-    spec: str = Field("", max_length=1 << 20)
+    spec: str = Field("", max_length=MAX_SPEC_CHARS)
 
     @property
     def key(self) -> str:

@@ -93,6 +93,7 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
         ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"best_of": 2}, "best_of"),
+        ({"extra_body": {"guided_regex": "a" * (1 << 20) + "b"}}, "guided_regex"),  # a 500 before
         ({"suffix": "end"}, "suffix"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"prompt": ["one", [1, 2]]}, "prompt"),

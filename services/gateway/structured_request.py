@@ -14,7 +14,9 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
+from shared.structured import (
+    MAX_SPEC_CHARS, StructuredError, StructuredKind, StructuredOutput, check, grammar_of, ll_tokenizer,
+)
 from services.gateway.errors import bad_request
 
 COMPILED_KEPT = 256  # constraints whose compilation the gateway remembers
@@ -89,7 +91,7 @@ def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
             raise bad_request('response_format of type "json_schema" needs a `json_schema` object',
                               param="response_format")
         else:
-            found.append(("response_format", _schema(response_format.json_schema.schema_)))
+            found.append(("response_format", _schema("response_format", response_format.json_schema.schema_)))
     if body.structured_outputs is not None:
         found += _options(body.structured_outputs)
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -117,17 +119,22 @@ def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOut
 
 def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:
     if kind == "json":
-        return _schema(value)
+        return _schema(param, value)
     if kind == "choice":
         if not value:
             raise bad_request(f"{param} needs at least one string", param=param)
-        return StructuredOutput(kind="choice", spec=orjson.dumps(value).decode())
-    return StructuredOutput(kind="regex" if kind == "regex" else "grammar", spec=value)
+        return _structured(param, "choice", orjson.dumps(value).decode())
+    return _structured(param, "regex" if kind == "regex" else "grammar", value)
 
 
-def _schema(schema: dict | str) -> StructuredOutput:
-    spec = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
-    return StructuredOutput(kind="json_schema", spec=spec)
+def _schema(param: str, schema: dict | str) -> StructuredOutput:
+    return _structured(param, "json_schema", schema if isinstance(schema, str) else orjson.dumps(schema).decode())
+
+
+def _structured(param: str, kind: StructuredKind, spec: str) -> StructuredOutput:
+    if len(spec) > MAX_SPEC_CHARS:
+        raise bad_request(f"{param} is {len(spec):,} characters written out, more than {MAX_SPEC_CHARS:,}", param=param)
+    return StructuredOutput(kind=kind, spec=spec)
 
 
 def compiled(
