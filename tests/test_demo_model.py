@@ -72,7 +72,9 @@ def test_greedy_drafts_are_accepted_at_least_a_third_of_the_time(method: str) ->
 def test_the_teacher_text_continues_corpus_prompts_as_the_teacher_would() -> None:
     """The draft model's on-policy data (demo_model/teacher_text.py): corpus prompts, then the teacher's own tokens,
     argmax for greedy rows; the same rows on every call."""
-    stream = encode_documents(Tokenizer(DEFAULT_MODEL_DIR), load_corpus().held_out[:3])
+    tokenizer, documents = Tokenizer(DEFAULT_MODEL_DIR), load_corpus().held_out[:3]
+    stream = encode_documents(tokenizer, documents)
+    assert stream.tolist() == [t for d in documents for t in tokenizer.encode(d)]  # batched as one by one
     cfg = TeacherText(num_sequences=3, new_tokens=8, sampled_every=2, batch=2)
     seq_len = 24
     rows = teacher_continuations(DEFAULT_MODEL_DIR, stream, seq_len, cfg)

@@ -44,5 +44,5 @@ def load_corpus(root: Path | None = None) -> Corpus:
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     """One token stream: each document starts with the end-of-text token, as prompts do at serving time."""
-    ids = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+    ids = tokenizer.encode_batch(texts, add_special_tokens=True)
     return np.concatenate([np.asarray(x, dtype=np.int32) for x in ids])
