@@ -112,8 +112,12 @@ class Generator:
                 f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
                 "output constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
             )
-        structured = compiled(tool_calls or constraint, tokenizer.model_dir, tokenizer.vocab_size,
-                              tokenizer.eos_token_ids)
+        structured = None
+        if tool_calls or constraint:
+            # A constraint new to this gateway takes up to seconds to compile, in llguidance, which lets the GIL go:
+            # on a thread, this gateway's other streams go on meanwhile.
+            structured = await asyncio.to_thread(compiled, tool_calls or constraint, tokenizer.model_dir,
+                                                 tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
             prompt_ids = truncated(prompt_ids, body, limit)
