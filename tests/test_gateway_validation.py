@@ -94,6 +94,10 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"best_of": 2}, "best_of"),
         ({"extra_body": {"guided_regex": "a" * (1 << 20) + "b"}}, "guided_regex"),  # a 500 before
+        # 128 prompts x 16 choices x 60 tokens x 21 values, echoed or scored: 2.6 million logprobs in one response
+        ({"prompt": [[5] * 60] * 128, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1}, "logprobs"),
+        ({"prompt": [[5] * 60] * 128, "n": 16, "max_tokens": 1, "extra_body": {"prompt_logprobs": 20}},
+         "prompt_logprobs"),
         ({"suffix": "end"}, "suffix"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"prompt": ["one", [1, 2]]}, "prompt"),

@@ -49,6 +49,7 @@ from services.gateway.named_logprobs import check_logprob_token_ids
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.request_body import RequestBodies
+from services.gateway.response_size import check_response_size
 from services.gateway.router import ChunkRouter
 from services.gateway.truncation import prompt_limit, truncated
 from shared import subjects
@@ -124,6 +125,7 @@ class Generator:
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens, structured), started))
+        check_response_size(body, [len(g.prompt_ids) for g in gens], [g.sampling.max_tokens for g in gens])
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )
