@@ -16,6 +16,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from pydantic import ValidationError
 
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.completion_request import CompletionRequest
+from services.gateway.errors import OpenAIError
+from services.gateway.response_size import check_response_size
 from services.gateway.structured_request import ResponseFormat
 from tests.gatewayfixture import (
     MAX_MODEL_LEN, MODEL, VOCAB_SIZE, NatsServer, client, gateway, model_dir, nats_server, start_gateway,
@@ -95,7 +99,7 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
         ({"best_of": 2}, "best_of"),
         ({"extra_body": {"guided_regex": "a" * (1 << 20) + "b"}}, "guided_regex"),  # a 500 before
         # 128 prompts x 16 choices x 60 tokens x 21 values, echoed or scored: 2.6 million logprobs in one response
-        ({"prompt": [[5] * 60] * 128, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1}, "logprobs"),
+        ({"prompt": [[5] * 60] * 128, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1}, "echo"),
         ({"prompt": [[5] * 60] * 128, "n": 16, "max_tokens": 1, "extra_body": {"prompt_logprobs": 20}},
          "prompt_logprobs"),
         ({"suffix": "end"}, "suffix"),
@@ -240,3 +244,15 @@ def test_a_json_schema_format_reads_its_schema_under_either_name() -> None:
         ResponseFormat.model_validate(
             {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "json_schema": {"type": "string"}}}
         )
+
+
+def test_the_response_size_bound_counts_prompt_logprobs_only_as_shown() -> None:
+    """Generated logprobs cost the mesh their generation and are not counted; chat shows prompt_logprobs once, on the
+    response, whatever n (completions on every choice)."""
+    hi = [{"role": "user", "content": "hi"}]
+    check_response_size(ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": hi, "logprobs": True, "top_logprobs": 20, "n": 16}), [100_000])
+    scored = {"model": MODEL, "n": 16, "prompt_logprobs": 20}
+    check_response_size(ChatCompletionRequest.model_validate({**scored, "messages": hi}), [90_000])
+    with pytest.raises(OpenAIError):
+        check_response_size(CompletionRequest.model_validate({**scored, "prompt": "hi"}), [90_000])

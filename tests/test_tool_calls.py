@@ -120,6 +120,19 @@ def test_a_call_written_whole_but_cut_short_keeps_its_whole_arguments_and_nothin
     assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'
 
 
+CALL_THEN_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\nsee <'
+
+
+@pytest.mark.parametrize("cut", [[], [1] * (len(CALL_THEN_TEXT) - 1)], ids=["whole", "characters"])
+def test_text_after_the_calls_keeps_a_trailing_tag_start_whole_and_streamed(cut) -> None:
+    """Only an answer that ends in a tag's start right after its calls drops it; text ending in "<" keeps it."""
+    text = CALL_THEN_TEXT
+    content, calls, _, _ = _assembled(_streamed(text, cut, finish="length"))
+    message = {"role": "assistant", "content": text}
+    message_with_calls(message, "length", FORMATS["hermes"])
+    assert calls == EXPECTED[:1] and content.strip() == message["content"] == "see <"
+
+
 def test_a_named_tool_choice_finishes_with_stop_as_openai_does() -> None:
     """OpenAI and vLLM end an answer whose function tool_choice named with `stop`; `required` and `auto` calls end
     with `tool_calls`."""

@@ -125,7 +125,7 @@ class Generator:
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens, structured), started))
-        check_response_size(body, [len(g.prompt_ids) for g in gens], [g.sampling.max_tokens for g in gens])
+        check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )

@@ -52,6 +52,7 @@ class ToolCallStream:
         self._inside = False  # within a call's block
         self._named = False  # the open call's name went out
         self._calls = 0  # calls started
+        self._text_after_calls = False  # text other than line breaks streamed since the last call
         self._ids: list[str] = []
         self._whole = None if isinstance(format, Hermes) else ""  # Llama 3 JSON: the answer, if it is a call
 
@@ -76,13 +77,15 @@ class ToolCallStream:
             if not self._inside:
                 start = self._buffer.find(fmt.open_tag)
                 if start < 0:
-                    if final and self.called and fmt.dangling_tag(self._buffer):
-                        self._buffer = ""
+                    if final and self.called and not self._text_after_calls and fmt.dangling_tag(self._buffer):
+                        self._buffer = ""  # as Hermes.split drops it from a whole answer
                     keep = 0 if final else _partial_suffix(self._buffer, fmt.open_tag)
                     content.append(self._buffer[: len(self._buffer) - keep])
+                    self._text_after_calls |= bool(content[-1].strip())
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
                 content.append(self._buffer[:start])
+                self._text_after_calls = False
                 self._buffer = self._buffer[start + len(fmt.open_tag) :]
                 self._inside, self._named = True, False
                 continue
@@ -110,8 +113,8 @@ class ToolCallStream:
                 deltas.append(self._open_call(call.name))
             deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
         streamed = "".join(content)
-        if self.called and not streamed.strip():
-            streamed = ""  # the line breaks between calls
+        if self.called and not self._text_after_calls and not streamed.strip():
+            streamed = ""  # the line breaks between calls (a space within text after them is text)
         return streamed, deltas
 
     def _open_call(self, name: str) -> dict:
