@@ -239,7 +239,8 @@ def test_a_json_schema_format_reads_its_schema_under_either_name() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for inner in ({"name": "r", "schema": schema}, {"name": "r", "json_schema": schema},
                   {"name": "r", "schema": schema, "json_schema": schema}):
-        assert ResponseFormat.model_validate({"type": "json_schema", "json_schema": inner}).json_schema.schema_ == schema
+        parsed = ResponseFormat.model_validate({"type": "json_schema", "json_schema": inner})
+        assert parsed.json_schema.schema_ == schema
     with pytest.raises(ValidationError, match="differ"):
         ResponseFormat.model_validate(
             {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "json_schema": {"type": "string"}}}
