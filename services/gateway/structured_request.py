@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shared.structured import (
-    MAX_SPEC_CHARS, StructuredError, StructuredKind, StructuredOutput, check, grammar_of, ll_tokenizer,
-)
+from shared.structured import StructuredError, StructuredKind, StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.errors import bad_request
 
 COMPILED_KEPT = 256  # constraints whose compilation the gateway remembers
@@ -132,9 +130,11 @@ def _schema(param: str, schema: dict | str) -> StructuredOutput:
 
 
 def _structured(param: str, kind: StructuredKind, spec: str) -> StructuredOutput:
-    if len(spec) > MAX_SPEC_CHARS:
-        raise bad_request(f"{param} is {len(spec):,} characters written out, more than {MAX_SPEC_CHARS:,}", param=param)
-    return StructuredOutput(kind=kind, spec=spec)
+    """The constraint, or a 400 naming the parameter where StructuredOutput refuses it (a spec over its length)."""
+    try:
+        return StructuredOutput(kind=kind, spec=spec)
+    except ValidationError as exc:
+        raise bad_request(f"{param}: {exc.errors()[0]['msg']}", param=param) from None
 
 
 def compiled(
