@@ -91,6 +91,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3  # cancelled (client left, stop string found) or refused
     COMPLETE = 4  # the output's grammar is complete (structured output); the last token is content
+    CONSTRAINT_FAILED = 5  # the grammar engine could not go on with the output's constraint (one of its limits)
 
 
 MAX_STATUS = max(SeqStatus)

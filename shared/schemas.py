@@ -336,6 +336,7 @@ class Chunk(_Message):
     num_tokens: int = 0  # tokens this chunk covers
     usage: Usage | None = None  # set on the final chunk
     error: str | None = None
+    request_error: bool = False  # the error is the request's own (its constraint failed at run time): a 400, not a 500
 
     @model_validator(mode="after")
     def _usage_on_final(self) -> "Chunk":

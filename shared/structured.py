@@ -49,6 +49,18 @@ class StructuredOutput(BaseModel):
         return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
 
 
+def choice_regex(choices: list) -> str:
+    """A regex matching exactly the choices' strings. One lexeme, not a rule of one alternative each: llguidance's
+    parser holds every alternative in each row (refused past 2,000 at the first token), where its lexer compiles the
+    alternation lazily; 60,000 choices compile in 0.4 s instead of 3.2 s and mask in 1 ms instead of 430 ms. Each
+    character but a letter or digit is written as its code point, so no choice reads as regex syntax."""
+    return "(" + "|".join(_regex_literal(str(choice)) for choice in choices) + ")"
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
 def grammar_of(structured: StructuredOutput) -> str:
     """llguidance's grammar for the constraint (not yet checked against a tokenizer: see check)."""
     kind, spec = structured.kind, structured.spec
@@ -61,10 +73,7 @@ def grammar_of(structured: StructuredOutput) -> str:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
-            choices = orjson.loads(spec)
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(orjson.dumps(str(choice)).decode() for choice in choices)
-            )
+            return llguidance.LLMatcher.grammar_from_regex(choice_regex(orjson.loads(spec)))
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
     except (ValueError, orjson.JSONDecodeError, GbnfToLarkError) as exc:
         raise StructuredError(str(exc)) from exc

@@ -181,3 +181,39 @@ async def test_one_clients_crowd_does_not_delay_anothers_first_token(fair_gatewa
         f"first token after {other_first:.2f} s; a batch of the crowd takes {one_batch:.2f} s, all {CROWD} "
         f"{makespan:.2f} s"
     )
+
+
+async def _batch_first_end_and_end(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, float]:
+    """One request of CROWD prompts, streamed: seconds to its first choice's end, and to the end of the stream."""
+    body = {
+        "model": DEFAULT_MODEL_DIR.name, "prompt": [PROMPT] * CROWD, "max_tokens": max_tokens, "stream": True,
+        "ignore_eos": True, "temperature": 0,
+    }
+    started = time.monotonic()
+    first_end = None
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            assert not line.startswith(b'data: {"error"'), line
+            if first_end is None and b'"finish_reason":"length"' in line:
+                first_end = time.monotonic() - started
+    assert first_end is not None, "no choice ended"
+    return first_end, time.monotonic() - started
+
+
+async def test_one_clients_batch_request_does_not_delay_anothers_first_token(fair_gateway: TestServer) -> None:
+    """The crowd as one request of CROWD prompts: its prompts enter in turns with other clients' requests, so it
+    does not hold the mesh until its last prompt ends."""
+    url = str(fair_gateway.make_url("/v1/completions"))
+    batch_session = aiohttp.ClientSession()
+    other_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(OTHER_PEER, 0)))
+    async with batch_session, other_session:
+        batch = asyncio.create_task(_batch_first_end_and_end(batch_session, url, CROWD_TOKENS))
+        await asyncio.sleep(0.5)  # the batch's first prompts fill the worker
+        other_first, _ = await _first_token_and_end(other_session, url, 1)
+        one_batch, makespan = await batch
+    # Admitted whole, the batch held the mesh for all five of its batches while the other client waited.
+    assert other_first < FAIR_WAIT_BATCHES * one_batch, (
+        f"first token after {other_first:.2f} s; a batch of the crowd takes {one_batch:.2f} s, all {CROWD} "
+        f"{makespan:.2f} s"
+    )

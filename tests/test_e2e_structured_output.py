@@ -1,8 +1,8 @@
 """Structured output and tool calling through the whole mesh with the real openai client and LangChain: a
 json_schema answer parses into the client's pydantic model, guided choices and regexes hold, a schema that does not
-compile is a 400 naming its parameter, forced tool calls follow the tools' schemas whole and streamed, a tool's
-result goes back into the conversation, and LangChain's with_structured_output and bind_tools work on the demo
-model."""
+compile is a 400 naming its parameter and so is one that fails as it runs, forced tool calls follow the tools'
+schemas whole and streamed, a tool's result goes back into the conversation, and LangChain's with_structured_output
+and bind_tools work on the demo model."""
 
 from __future__ import annotations
 
@@ -96,6 +96,33 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_it(mesh: Mesh, clien
         client.completions.create(model=mesh.model, prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a", "guided_choice": ["b"]})
     assert both.value.body["param"] == "guided_choice"
+
+
+# A rule of more alternatives than llguidance's parser holds in one row (2,000): it compiles, and fails only at the
+# first token the worker feeds it.
+WIDE_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(3_000))
+
+
+def test_a_constraint_failing_at_run_time_is_a_400_naming_it_and_others_go_on(
+    mesh: Mesh, client: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(
+            model=mesh.model, prompt="x", max_tokens=4, extra_body={"guided_grammar": WIDE_GRAMMAR}
+        )
+    assert bad.value.body["param"] == "guided_grammar" and "limit of the grammar engine" in bad.value.body["message"]
+    stream = client.completions.create(
+        model=mesh.model, prompt="x", max_tokens=4, stream=True, extra_body={"guided_grammar": WIDE_GRAMMAR}
+    )
+    with pytest.raises(openai.APIError) as streamed:
+        list(stream)
+    assert "limit of the grammar engine" in streamed.value.message
+    # Thousands of choices are one regex, which has no such limit (shared/structured.py).
+    choices = [f"choice {i}" for i in range(3_000)]
+    text = client.completions.create(
+        model=mesh.model, prompt="x", max_tokens=8, temperature=0, extra_body={"guided_choice": choices}
+    ).choices[0].text
+    assert text in choices
 
 
 def _calls(message) -> list[tuple[str, dict]]:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from services.gateway.errors import OpenAIError
 from services.gateway.liveness import Liveness
 from services.gateway.router import ResponseStream
 from shared.schemas import Chunk, Usage
 
 REQUEST = "a" * 32
+OTHER = "b" * 32
 
 
 def _chunk(seq: int, final: bool = False) -> Chunk:
@@ -35,3 +39,21 @@ def test_waiting_chunks_come_at_once_and_say_so() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [(0, True), (1, True), (2, False), (3, False)]
+
+
+def test_a_failure_comes_after_the_chunks_already_in_and_finals_are_told() -> None:
+    """A prompt that could not be submitted (submission.py) ends the response once what arrived before is read."""
+    async def scenario() -> tuple[list[int], list[str], OpenAIError]:
+        queue: asyncio.Queue[Chunk | OpenAIError] = asyncio.Queue()
+        ended: list[str] = []
+        stream = ResponseStream([REQUEST, OTHER], queue, 5.0, Liveness(nc=None), on_final=ended.append)
+        queue.put_nowait(_chunk(0))
+        queue.put_nowait(_chunk(1, final=True))
+        stream.fail(OpenAIError(503, "no room", type="service_unavailable"))
+        seen = [(await stream.__anext__()).seq for _ in range(2)]
+        with pytest.raises(OpenAIError) as info:
+            await stream.__anext__()
+        return seen, ended, info.value
+
+    seen, ended, error = asyncio.run(scenario())
+    assert seen == [0, 1] and ended == [REQUEST] and error.status == 503

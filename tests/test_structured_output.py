@@ -274,3 +274,41 @@ def test_an_aborted_waiting_request_lets_its_grammar_go(model_dirs, prompt) -> N
     assert engine.grammars.active
     engine.abort(request.request_id)
     assert not engine.grammars.active
+
+
+def test_a_choice_grammar_matches_exactly_its_strings(tiny_model_dir) -> None:  # noqa: F811
+    """Choices compile to one regex alternation: characters that are regex syntax elsewhere match themselves."""
+    tokenizer = ll_tokenizer(tiny_model_dir, _vocab(tiny_model_dir), tuple(sorted(model_eos_ids(tiny_model_dir))))
+    choices = ["a.b", "(x)|y", "\\d+", "[z]{2}^$", "two words\n", "naïve", ""]
+    grammar = grammar_of(StructuredOutput(kind="choice", spec=json.dumps(choices)))
+    for text, matches in [*((c, True) for c in choices), ("axb", False), ("x", False), ("7", False), ("zz", False)]:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        consumed = matcher.consume_tokens(tokenizer.tokenize_str(text))
+        assert (consumed and matcher.is_accepting()) == matches, text
+
+
+@pytest.mark.parametrize("name", ["naive", "ngram"])
+def test_thousands_of_choices_are_served(name, model_dirs, prompt) -> None:  # noqa: F811
+    """Past 2,000 alternatives llguidance's parser refuses the first token of a rule of one alternative each; the
+    choices' one regex has no such bound."""
+    choices = [f"choice number {i}" for i in range(5_000)]
+    engine = make_engine(model_dirs(METHODS[name]), METHODS[name])
+    request = _constrained(prompt, StructuredOutput(kind="choice", spec=json.dumps(choices)), temperature=0.0)
+    steps = run(engine, {0: [request]})
+    text = engine.grammars.tokenizer.decode_str(_tokens(steps, request))
+    assert text in choices and outputs_of(steps, request)[-1].seq.finish_reason.name == "COMPLETE"
+
+
+@pytest.mark.parametrize("name", ["naive", "ngram"])
+def test_a_grammar_failing_at_run_time_ends_its_request_alone(name, model_dirs, prompt) -> None:  # noqa: F811
+    """A rule of more alternatives than llguidance's parser holds in a row compiles, then fails at the first token
+    fed to it: that request finishes CONSTRAINT_FAILED, and the step, and its batch, go on as if it were not there."""
+    engine = make_engine(model_dirs(METHODS[name]), METHODS[name])
+    wide = StructuredOutput(kind="grammar", spec="start: " + " | ".join(f'"w{i}"' for i in range(3_000)))
+    failing = _constrained(prompt, wide, temperature=0.0)
+    plain = make_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    steps = run(engine, {0: [failing, plain]})
+    assert outputs_of(steps, failing)[-1].seq.finish_reason.name == "CONSTRAINT_FAILED"
+    assert not engine.grammars.active
+    alone = make_engine(model_dirs(METHODS[name]), METHODS[name])
+    assert _tokens(steps, plain) == _tokens(run(alone, {0: [plain]}), plain)

@@ -19,6 +19,10 @@ from shared.schemas import ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.COMPLETE: "stop"}
 STOP_STRING_FINISH = "stop"
+CONSTRAINT_FAILED_ERROR = (
+    "the output's constraint cannot be followed past this point: it reaches a limit of the grammar engine "
+    "(llguidance), such as 2,000 alternatives of one rule"
+)
 # By value, for records whose fields decode() has already checked.
 _STATUSES = {int(s): s for s in SeqStatus}
 _FINISH_REASONS = {int(r): r for r in FinishReason}
@@ -161,6 +165,8 @@ class RequestAssembler:
         self._held.clear()
         if target.finish_reason in FINISH_REASONS:
             return self._emit(released.text, items, FINISH_REASONS[target.finish_reason])
+        if target.finish_reason is FinishReason.CONSTRAINT_FAILED:
+            return self._emit(released.text, items, error=CONSTRAINT_FAILED_ERROR, request_error=True)
         return self._emit(released.text, items, error=f"the worker ended the request ({target.finish_reason.name})")
 
     def consume_prompt(self, record: Record | None = None) -> list[Chunk]:
@@ -276,7 +282,8 @@ class RequestAssembler:
         return out
 
     def _emit(
-        self, text: str, items: list[logprobs.Entry], finish: str | None = None, error: str | None = None
+        self, text: str, items: list[logprobs.Entry], finish: str | None = None, error: str | None = None,
+        request_error: bool = False,
     ) -> Chunk | None:
         final = finish is not None or error is not None
         if not final and not text and not items:
@@ -289,6 +296,7 @@ class RequestAssembler:
             num_tokens=self._unsent_tokens,
             usage=self._usage() if final else None,
             error=error,
+            request_error=request_error,
         )
         self._chunk_seq += 1
         self._unsent_tokens = 0

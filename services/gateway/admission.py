@@ -3,18 +3,20 @@
 Where fairness can live. Workers pull requests from one JetStream work queue, oldest first; neither the stream
 nor a worker knows clients, and a request once published is served in publishing order. So the order must be
 decided before publishing, and the gateway decides it: it keeps at most `max_in_flight` sequences (prompts x n)
-in the mesh. While there is room a request is published at once. When there is none, requests wait here in one
-queue per client, and each slot that frees goes to the waiting client served least recently (round robin), so a
-client with twenty requests waiting gets every other slot while another client waits, not the next twenty. Set
+in the mesh. A request enters a prompt at a time (its n choices together): while there is room a prompt is
+published at once. When there is none, prompts wait here in one queue per client, and each slot that frees goes to
+the waiting client served least recently (round robin), so a client with twenty prompts waiting, in one request or
+in twenty, gets every other slot while another client waits, not the next twenty. A batch of thousands of prompts
+thus shares the mesh instead of holding it until it ends. Set
 `max_in_flight` to the batch slots of the workers (`specmesh up` uses workers x max-num-seqs): then the mesh's
 own queue stays short and the order chosen here is the order served.
 
 A client is its API key when the gateway checks keys, else its peer address (an unchecked bearer token could be
-made up per request); see identity.py. A client holds at most `max_per_key` streams, waiting or generating; one
+made up per request); see identity.py. A client holds at most `max_per_key` requests, waiting or generating; one
 more is refused with 429 at once.
 
-Nothing waits unbounded: a request waits here at most `max_wait_s` (the request timeout), then gets 503 with
-Retry-After, and a client that leaves while waiting gives up its place at once. Fairness is per gateway: with
+Nothing waits unbounded: a prompt waits here at most `max_wait_s` (the request timeout), then its request gets 503
+with Retry-After, and a client that leaves while waiting gives up its place at once. Fairness is per gateway: with
 several gateways, give each its share of the workers' slots.
 """
 
@@ -37,11 +39,30 @@ NEVER_ADMITTED = -1  # the turn of a client none of whose current streams has be
 
 @dataclass(eq=False)
 class _Ticket:
-    """A request waiting for room in the mesh."""
+    """A prompt waiting for room in the mesh."""
 
     key: str
     weight: int  # sequences it will hold
     granted: asyncio.Future[None]
+
+
+class Places:
+    """One request's places in the mesh: its prompts take theirs as they enter and give them back as they end."""
+
+    def __init__(self, admission: "Admission", key: str) -> None:
+        self._admission = admission
+        self._key = key
+        self.held = 0  # sequences of this request's prompts admitted and not yet ended
+
+    async def take(self, weight: int) -> None:
+        """Waits for room for `weight` more sequences, in the client's turn; 503 after the admission's max wait."""
+        await self._admission._enter(self._key, weight)
+        self.held += weight
+
+    def give_back(self, weight: int) -> None:
+        assert 0 < weight <= self.held, f"giving back {weight} places of {self.held} held"
+        self.held -= weight
+        self._admission._leave(weight)
 
 
 class Admission:
@@ -49,11 +70,11 @@ class Admission:
         self._max_in_flight = max_in_flight
         self._max_per_key = max_per_key
         self._max_wait_s = max_wait_s
-        self._in_flight = 0  # sequences of the requests admitted and not yet finished
-        self._streams: Counter[str] = Counter()  # each client's requests, waiting or admitted
+        self._in_flight = 0  # sequences of the prompts admitted and not yet ended
+        self._requests: Counter[str] = Counter()  # each client's requests, waiting or admitted
         self._waiting: dict[str, deque[_Ticket]] = {}  # by client, each client's in arrival order
-        # When each client with streams was last admitted (a count of admissions): the next slot goes to the waiting
-        # client with the oldest, one never admitted first.
+        # When each client with requests was last admitted (a count of admissions): the next slot goes to the
+        # waiting client with the oldest, one never admitted first.
         self._admitted_at: dict[str, int] = {}
         self._admissions = 0
         metrics.SEQUENCES_IN_FLIGHT.set_function(lambda: self._in_flight)
@@ -64,9 +85,10 @@ class Admission:
         return self._in_flight
 
     @asynccontextmanager
-    async def admit(self, key: str, weight: int) -> AsyncIterator[None]:
-        """Holds a place in the mesh for `weight` sequences of client `key` for the duration of the block."""
-        if self._streams[key] >= self._max_per_key:
+    async def request(self, key: str) -> AsyncIterator[Places]:
+        """One request of client `key`, counted against its bound for the duration of the block; its prompts take
+        their places through what it yields, and whatever they still hold is given back when the block ends."""
+        if self._requests[key] >= self._max_per_key:
             metrics.ADMISSION_REFUSED.labels("per_key_limit").inc()
             raise OpenAIError(
                 TOO_MANY_REQUESTS,
@@ -75,21 +97,20 @@ class Admission:
                 code=RATE_LIMIT_EXCEEDED,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        self._streams[key] += 1
+        self._requests[key] += 1
+        places = Places(self, key)
         try:
-            await self._enter(key, weight)
-            try:
-                yield
-            finally:
-                self._leave(weight)
+            yield places
         finally:
-            self._streams[key] -= 1
-            if not self._streams[key]:
-                del self._streams[key]
+            if places.held:
+                places.give_back(places.held)
+            self._requests[key] -= 1
+            if not self._requests[key]:
+                del self._requests[key]
                 self._admitted_at.pop(key, None)
 
     def _fits(self, weight: int) -> bool:
-        # A request larger than the whole bound still runs, alone.
+        # A prompt larger than the whole bound (n above it) still runs, alone.
         return self._max_in_flight is None or not self._in_flight or self._in_flight + weight <= self._max_in_flight
 
     async def _enter(self, key: str, weight: int) -> None:
@@ -131,10 +152,10 @@ class Admission:
             tickets.remove(ticket)
             if not tickets:
                 del self._waiting[ticket.key]
-        self._dispatch()  # the withdrawn request may have been the one that did not fit
+        self._dispatch()  # the withdrawn prompt may have been the one that did not fit
 
     def _dispatch(self) -> None:
-        """Admits waiting requests while they fit, each from the client whose turn it is."""
+        """Admits waiting prompts while they fit, each from the client whose turn it is."""
         while self._waiting:
             key = min(self._waiting, key=lambda k: self._admitted_at.get(k, NEVER_ADMITTED))
             tickets = self._waiting[key]

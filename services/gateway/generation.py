@@ -2,29 +2,23 @@
 
 Each prompt of the request (a completions prompt list may hold several) travels the mesh as a request of its own,
 with all n choices, which one worker runs together so they share the prompt's prefill; the response joins them
-(choices.py). Submission follows the protocol order: DetokOpen on core NATS first, then the WorkRequest through
-JetStream (acknowledged, so a request is either queued durably or refused with a 503). Until its final chunk
-arrives a request is live in the mesh, so every way of leaving early (client gone, timeout, lost chunks)
-publishes a Cancel that frees the worker slots and the detokenizer state. The answer itself is written by
-answer.py.
+(choices.py). The prompts enter the mesh, and are cancelled there, through submission.py; the answer itself is
+written by answer.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import time
 
 import jinja2
-import nats.errors
-import nats.js.errors
 from aiohttp import web
 from nats.aio.client import Client
 from pydantic import ValidationError
 
 from services.gateway import metrics
-from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.admission import Admission
 from shared.prefix_router import PrefixRouter
 from services.gateway.aggregate import Api
 from services.gateway.answer import answer
@@ -33,18 +27,16 @@ from services.gateway.choices import ResponseChoices
 from services.gateway.completion_request import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from services.gateway.errors import (
     CONTEXT_LENGTH_EXCEEDED,
-    UNAVAILABLE,
-    OpenAIError,
     bad_request,
     from_validation_error,
     model_not_found,
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
+from services.gateway.submission import Submission, Submitter
 from services.gateway.structured_request import compiled, structured_output
 from services.gateway.tools.formats import FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
-from services.gateway.message_size import check_message_size
 from services.gateway.named_logprobs import check_logprob_token_ids
 from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -52,22 +44,14 @@ from services.gateway.request_body import RequestBodies
 from services.gateway.response_size import check_response_size
 from services.gateway.router import ChunkRouter
 from services.gateway.truncation import prompt_limit, truncated
-from shared import subjects
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.structured import StructuredOutput
-from shared.schemas import Cancel, DetokOpen, DetokReady, SamplingParams, WorkRequest
+from shared.schemas import SamplingParams
 from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
-log = logging.getLogger(__name__)
-
-PUBLISH_ACK_TIMEOUT_S = 5.0
-DETOK_OPEN_TIMEOUT_S = 5.0
-SERVICE_UNAVAILABLE = 503
 CLIENT_DISCONNECTED = "client_disconnected"
 FAILED = "error"
-
-RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class Generator:
@@ -79,8 +63,6 @@ class Generator:
         prefix_router: PrefixRouter | None = None, strict_params: bool = False,
         tool_format: ToolFormat = FORMATS["hermes"],
     ) -> None:
-        self._nc = nc
-        self._js = nc.jetstream()
         self._tokenizer = tokenizer
         self._router = router
         self._model = served_model_name
@@ -89,7 +71,7 @@ class Generator:
         self._admission = admission
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
-        self._prefix_router = prefix_router  # None: every request goes to the shared queue
+        self._submitter = Submitter(nc, router.subject, prefix_router)
         self._bodies = RequestBodies(max_n, strict_params)
         self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py)
 
@@ -114,10 +96,11 @@ class Generator:
                 "output constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
             )
         structured = None
-        if tool_calls or constraint:
+        constrained_by = tool_calls or constraint  # (the parameter, its constraint)
+        if constrained_by:
             # A constraint new to this gateway takes up to seconds to compile, in llguidance, which lets the GIL go:
             # on a thread, this gateway's other streams go on meanwhile.
-            structured = await asyncio.to_thread(compiled, tool_calls or constraint, tokenizer.model_dir,
+            structured = await asyncio.to_thread(compiled, constrained_by, tokenizer.model_dir,
                                                  tokenizer.vocab_size, tokenizer.eos_token_ids)
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
@@ -131,14 +114,15 @@ class Generator:
         )
         metrics.IN_FLIGHT.inc()
         try:
-            identity = client_identity(request, self._keys_checked)
-            async with self._admission.admit(identity, len(gens) * body.num_choices):
-                with self._router.open([g.request_id for g in gens]) as chunks:
+            async with self._admission.request(client_identity(request, self._keys_checked)) as places:
+                submission = Submission(self._submitter, gens, places)
+                with self._router.open(
+                    [g.request_id for g in gens], on_final=submission.ended,
+                    constraint_param=constrained_by[0] if constrained_by else None,
+                ) as chunks:
                     reason = FAILED
                     try:
-                        await self._submit_all(gens)
-                        for gen in gens:
-                            chunks.liveness.owned_by(gen.request_id, gen.detok_id)
+                        await submission.start(chunks)
                         return await answer(request, gens, choices, chunks, self._model, self.tool_format)
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED
@@ -147,9 +131,7 @@ class Generator:
                     finally:
                         # Every way out (a client gone while the detokenizer's answer was awaited included) frees
                         # what the mesh still holds; shielded, so a second cancellation cannot cut it short.
-                        live = set(chunks.unfinished)
-                        held = [g.request_id for g in gens if g.opened and g.request_id in live]
-                        await asyncio.shield(self._cancel_all(held, reason))
+                        await asyncio.shield(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
 
@@ -243,93 +225,3 @@ class Generator:
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
         return value
-
-    async def _submit_all(self, gens: list[Generation]) -> None:
-        """Submits every prompt's request; when one cannot be, handle() cancels those already opened."""
-        for gen in gens:
-            await self._submit(gen)
-
-    async def _submit(self, gen: Generation) -> None:
-        opening = DetokOpen(
-            request_id=gen.request_id,
-            reply_subject=self._router.subject,
-            api=gen.api,
-            stop=gen.body.stop,
-            logprobs=gen.sampling.logprobs,
-            include_draft_logprobs=gen.sampling.include_draft_logprobs,
-            speculative_stats=gen.sampling.speculative.return_stats,
-            num_prompt_tokens=len(gen.prompt_ids),
-            n=gen.body.num_choices,
-            return_token_ids=gen.body.return_token_ids,
-            tokens_as_token_ids=gen.body.return_tokens_as_token_ids,
-            echo=gen.body.echoes_prompt,
-            echo_special_tokens=isinstance(gen.body, CompletionRequest) and gen.body.prompt_is_token_ids,
-            prompt_logprobs=gen.body.shown_prompt_logprobs,
-            prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
-        )
-        prompt_param = "messages" if gen.api == "chat" else "prompt"
-        opening_bytes = opening.to_bytes()
-        check_message_size("detokenizer opening", opening_bytes, self._nc.max_payload, prompt_param)
-        gen.opened = True
-        try:
-            reply = await self._nc.request(subjects.DETOK_OPEN, opening_bytes, timeout=DETOK_OPEN_TIMEOUT_S)
-        except nats.errors.Error as exc:
-            raise OpenAIError(
-                SERVICE_UNAVAILABLE, f"No detokenizer took the request: {exc!r}", type=UNAVAILABLE,
-                headers=RETRY_AFTER,
-            ) from exc
-        gen.detok_id = DetokReady.from_bytes(reply.data).detok_id
-        work = WorkRequest(
-            request_id=gen.request_id,
-            prompt_token_ids=tuple(gen.prompt_ids),
-            n=gen.body.num_choices,
-            sampling=gen.sampling,
-            detok_id=gen.detok_id,
-            created=time.time(),
-            cache_salt=gen.body.cache_salt,
-        )
-        work_bytes = work.to_bytes()
-        check_message_size("work request", work_bytes, self._nc.max_payload, prompt_param)
-        if await self._routed(gen, work_bytes):
-            return
-        try:
-            await self._js.publish(subjects.REQUESTS, work_bytes, timeout=PUBLISH_ACK_TIMEOUT_S)
-        except nats.js.errors.APIError as exc:  # the stream refused it: a limit of the work queue is reached
-            raise OpenAIError(
-                SERVICE_UNAVAILABLE, f"The work queue is full ({exc.description}); retry later", type=UNAVAILABLE,
-                headers=RETRY_AFTER,
-            ) from exc
-        except nats.errors.Error as exc:
-            raise OpenAIError(
-                SERVICE_UNAVAILABLE, f"The request could not be queued: {exc!r}", type=UNAVAILABLE,
-                headers=RETRY_AFTER,
-            ) from exc
-
-    async def _routed(self, gen: Generation, work_bytes: bytes) -> bool:
-        """Sends the request to the worker whose prefix cache holds the longest part of its prompt
-        (prefix_router.py); False when it goes to the shared queue instead (no such worker, or the routed stream
-        refused it). A request that scores its prompt computes it whole wherever it runs: the shared queue."""
-        worker_id = None
-        if self._prefix_router is not None and gen.sampling.prompt_logprobs is None:
-            worker_id = self._prefix_router.choose(gen.prompt_ids, gen.body.cache_salt, gen.body.num_choices)
-        if worker_id is not None:
-            try:
-                await self._js.publish(
-                    subjects.routed(worker_id), work_bytes, timeout=PUBLISH_ACK_TIMEOUT_S, stream=subjects.ROUTED_STREAM
-                )
-                metrics.ROUTED_REQUESTS.labels(target="worker").inc()
-                return True
-            except nats.errors.Error as exc:
-                log.warning("request %s not routed to worker %d: %r", gen.request_id, worker_id, exc)
-        metrics.ROUTED_REQUESTS.labels(target="shared").inc()
-        return False
-
-    async def _cancel_all(self, request_ids: list[str], reason: str) -> None:
-        for request_id in request_ids:
-            await self._cancel(request_id, reason)
-
-    async def _cancel(self, request_id: str, reason: str) -> None:
-        try:
-            await self._nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason).to_bytes())
-        except nats.errors.Error as exc:
-            log.warning("could not cancel request %s (%s): %r", request_id, reason, exc)

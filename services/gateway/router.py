@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import orjson
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 GATEWAY_TIMEOUT = 504
 GENERATION_FAILED = 500
+BAD_REQUEST = 400  # the request's own error, found only as it ran (its constraint failed)
 UPSTREAM_LOST = 502  # the detokenizer holding the request is gone, or its chunks were lost
 
 
@@ -40,11 +41,15 @@ class ResponseStream:
     arrive); iterating raises OpenAIError on a gap, a timeout or a reported error."""
 
     def __init__(
-        self, request_ids: list[str], queue: asyncio.Queue[Chunk], idle_timeout_s: float, liveness: Liveness
+        self, request_ids: list[str], queue: asyncio.Queue[Chunk | OpenAIError], idle_timeout_s: float,
+        liveness: Liveness, on_final: Callable[[str], None] = lambda request_id: None,
+        constraint_param: str | None = None,
     ) -> None:
         self._queue = queue
         self._idle_timeout_s = idle_timeout_s
         self.liveness = liveness  # told which detokenizer holds each request as they are opened
+        self._on_final = on_final  # told of each request whose final chunk arrived
+        self._constraint_param = constraint_param  # the parameter that constrains the output, named in its errors
         # Of the requests still open: one whose final chunk arrived is already forgotten by its detokenizer.
         self._next_seq = dict.fromkeys(request_ids, 0)
 
@@ -64,6 +69,8 @@ class ResponseStream:
         if self.finished:
             raise StopAsyncIteration
         chunk = await self._next_chunk()
+        if isinstance(chunk, OpenAIError):
+            raise chunk
         expected = self._next_seq[chunk.request_id]
         if chunk.seq != expected:
             raise OpenAIError(
@@ -74,11 +81,19 @@ class ResponseStream:
         self._next_seq[chunk.request_id] = expected + 1
         if chunk.final:
             del self._next_seq[chunk.request_id]
+            self._on_final(chunk.request_id)
+        if chunk.error is not None and chunk.request_error:
+            raise OpenAIError(BAD_REQUEST, f"{self._constraint_param}: {chunk.error}", param=self._constraint_param)
         if chunk.error is not None:
             raise OpenAIError(GENERATION_FAILED, f"generation failed: {chunk.error}", type=SERVER_ERROR)
         return chunk
 
-    async def _next_chunk(self) -> Chunk:
+    def fail(self, error: OpenAIError) -> None:
+        """Ends the response with `error` once the chunks already in are read: the response's requests could not
+        all be submitted."""
+        self._queue.put_nowait(error)
+
+    async def _next_chunk(self) -> Chunk | OpenAIError:
         """The next chunk of any of the requests; while none comes, asks after their detokenizers every
         CHECK_AFTER_S."""
         deadline = time.monotonic() + self._idle_timeout_s
@@ -105,7 +120,7 @@ class ResponseStream:
         """Whether a chunk is already waiting: the next one comes without a wait."""
         return not self._queue.empty()
 
-    async def _get(self, timeout_s: float) -> Chunk | None:
+    async def _get(self, timeout_s: float) -> Chunk | OpenAIError | None:
         if not self._queue.empty():  # no timeout to arm and cancel: ~7% of the gateway's time under 32 streams
             self.liveness.heard()
             return self._queue.get_nowait()
@@ -126,7 +141,7 @@ class ChunkRouter:
         self._nc = nc
         self.subject = subjects.responses(gateway_id)
         self._idle_timeout_s = idle_timeout_s
-        self._queues: dict[str, asyncio.Queue[Chunk]] = {}
+        self._queues: dict[str, asyncio.Queue[Chunk | OpenAIError]] = {}
         self._subscription: Subscription | None = None
 
     async def start(self) -> None:
@@ -154,16 +169,22 @@ class ChunkRouter:
         queue.put_nowait(chunk)
 
     @contextmanager
-    def open(self, request_ids: list[str]) -> Iterator[ResponseStream]:
+    def open(
+        self, request_ids: list[str], on_final: Callable[[str], None] = lambda request_id: None,
+        constraint_param: str | None = None,
+    ) -> Iterator[ResponseStream]:
         """Registers a response's requests before anything is published, so not even a first chunk can be missed;
-        their chunks go into one queue."""
+        their chunks go into one queue. `on_final` is told of each request as its final chunk is read; a run-time
+        failure of the output's constraint is a 400 naming `constraint_param`."""
         if already := [r for r in request_ids if r in self._queues]:
             raise ValueError(f"requests {already} are already open")
-        queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        queue: asyncio.Queue[Chunk | OpenAIError] = asyncio.Queue()
         for request_id in request_ids:
             self._queues[request_id] = queue
         try:
-            yield ResponseStream(request_ids, queue, self._idle_timeout_s, Liveness(self._nc))
+            yield ResponseStream(
+                request_ids, queue, self._idle_timeout_s, Liveness(self._nc), on_final, constraint_param
+            )
         finally:
             for request_id in request_ids:
                 del self._queues[request_id]

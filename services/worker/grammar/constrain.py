@@ -10,14 +10,19 @@ drafts as point masses: the masked target gives each probability 1, so all are a
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shared.frames import FinishReason
+from shared.structured import StructuredError
 from services.worker.drafting.draft import Draft
 from services.worker.engine.outputs import SeqOutput
 from services.worker.engine.sequence import Sequence, SeqState
 from services.worker.grammar.grammars import Grammars
 from services.worker.grammar.token_mask import apply_token_mask
+
+log = logging.getLogger("specmesh.worker")
 
 # Forced tokens proposed in one step; the engine reserves cache room for this many drafts whatever its method.
 MAX_FORCED_DRAFTS = 8
@@ -66,12 +71,22 @@ def advance(grammars: Grammars, outputs: list[SeqOutput]) -> None:
     (COMPLETE: "stop" to the client, its last token rendered), as at a stop token: nothing but the end may follow.
     What a step emitted after the grammar's last token (the end, or whatever a bonus row the grammar left nothing to
     gave, when min_tokens forbade the end) is not emitted: step-by-step decoding finishes before scoring that row, so
-    the output does not depend on whether the grammar's last token came as a draft or as the step's last token."""
+    the output does not depend on whether the grammar's last token came as a draft or as the step's last token.
+    One whose grammar cannot go on finishes CONSTRAINT_FAILED: the client gets a 400 naming its constraint."""
     for out in outputs:
         seq = out.seq
         if not out.tokens or not grammars.has(seq):
             continue
-        complete = grammars.advance(seq, out.tokens)
+        try:
+            complete = grammars.advance(seq, out.tokens)
+        except StructuredError as exc:
+            # A token the mask allowed that the matcher cannot take: one of the grammar engine's limits, reached
+            # by this constraint at this point of its output. The request's own, ended alone: it fails the step
+            # for nobody else.
+            log.warning("request %s: its constraint fails at run time: %s", seq.request_id, exc)
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = FinishReason.CONSTRAINT_FAILED
+            continue
         if complete is None:
             continue
         if complete < len(out.tokens):

@@ -27,6 +27,11 @@ MAX_COMPILED = 256  # distinct grammars kept compiled; an agent framework sends 
 LOG_ERRORS_ONLY = 0
 
 
+def first_line(error: str) -> str:
+    """The message of an llguidance error, without the parser state it appends (the whole grammar: megabytes)."""
+    return error.split("\n", 1)[0]
+
+
 class Grammars:
     def __init__(self, model_dir: Path, vocab_size: int, eos_ids: frozenset[int], threads: int = 1) -> None:
         self.vocab_size = vocab_size
@@ -57,7 +62,7 @@ class Grammars:
             self._compiled.move_to_end(structured.key)
         matcher = template.deep_copy()
         if seq.output_ids and not matcher.consume_tokens(seq.output_ids):
-            raise StructuredError(f"the output so far breaks its grammar: {matcher.get_error()}")
+            raise StructuredError(f"the output so far breaks its grammar: {first_line(matcher.get_error())}")
         self._owned[seq.key] = (seq, matcher)
 
     @property
@@ -97,7 +102,7 @@ class Grammars:
         matcher = self._matcher(seq)
         for consumed, token in enumerate(tokens, 1):
             if not matcher.consume_token(token):
-                raise StructuredError(f"emitted tokens break the grammar: {matcher.get_error()}")
+                raise StructuredError(f"emitted tokens break the grammar: {first_line(matcher.get_error())}")
             if matcher.is_stopped():
                 return consumed
         return None
