@@ -121,6 +121,21 @@ async def test_blocks_the_decode_worker_holds_do_not_travel_again(meshes) -> Non
     assert 0 < sizes[1] < sizes[0] / 4, f"bytes sent for the first and second handoff: {sizes}"
 
 
+async def test_requests_over_at_their_first_token_leave_no_transfer_held(meshes) -> None:
+    """A request whose stop string is its first token is cancelled while its KV travels: the decode worker that
+    then gets it lets the KV go at once, instead of holding room for it for a minute and refusing other transfers."""
+    params = {"model": E2E_MODEL.name, "prompt": PROMPT, "temperature": 0}
+    first = (await meshes.alone.completions.create(max_tokens=1, **params)).choices[0].text
+    assert first, "the prompt's first token is text a stop string can name"
+    before = sum(w.metric("specmesh_worker_handoffs_total", 'outcome="sent"') for w in meshes.prefill)
+    for _ in range(5):
+        r = await meshes.pd.completions.create(max_tokens=16, stop=[first], **params)
+        assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    await asyncio.sleep(1.0)  # the last handoffs' routed messages reach the decode workers
+    assert sum(w.metric("specmesh_worker_handoffs_total", 'outcome="sent"') for w in meshes.prefill) > before
+    assert sum(w.metric("specmesh_worker_handoff_transfers_held") for w in meshes.decode) == 0
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_a_worker_killed_mid_handoff_costs_seconds_and_no_token(meshes, role) -> None:
     """Long prompts keep the prefill workers handing off while the decode workers stream: one of a role is killed,

@@ -65,6 +65,10 @@ HANDOFF_SECONDS = Histogram(
     "specmesh_worker_handoff_duration_seconds", "From a request's export to a decode worker holding it", _LABELS,
     buckets=STEP_BUCKETS,
 )
+HANDOFF_TRANSFERS_HELD = Gauge(
+    "specmesh_worker_handoff_transfers_held",
+    "KV transfers a decode worker holds for requests still on their way to it (each holds room for one)", _LABELS,
+)
 HANDOFF_FAILURES = Counter(
     "specmesh_worker_handoff_transfer_failures", "KV transfers that failed, by reason (gone, busy, failed)",
     _LABELS + ["reason"],

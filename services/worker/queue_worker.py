@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.frames import frame_kind
 from shared.natsutil import REQUEST_HEARTBEAT_S
-from shared.schemas import Cancel, ChoiceProgress, RequestAddress, WorkRequest
+from shared.schemas import Cancel, ChoiceProgress, HandoffTicket, RequestAddress, WorkRequest
 from services.worker.engine_process import EngineProcess
 from services.worker.engine_protocol import StepResult, Work
 from services.worker.fail_reason import FailReason
@@ -152,6 +152,7 @@ class QueueWorker:
             await msg.term()
             return
         if request.request_id in self._recent_cancels:
+            self._let_transfer_go(request.handoff)
             await msg.ack()
         elif not request.detok_id:
             log.error("dropping work request %s that names no detokenizer", request.request_id)
@@ -160,6 +161,7 @@ class QueueWorker:
         elif request.request_id in self._messages:
             # Delivered again while still running here (a heartbeat came too late): the new delivery is heartbeated.
             log.warning("request %s is already running here; keeping it", request.request_id)
+            self._let_transfer_go(request.handoff)
             self._messages[request.request_id] = msg
         else:
             self.metrics.observe_request(len(request.prompt_token_ids))
@@ -182,6 +184,13 @@ class QueueWorker:
             return
         frame = end_wherever_frame(address.request_id, self.worker_id)
         await self.nc.publish(subjects.frames(address.detok_id), frame)
+
+    def _let_transfer_go(self, ticket: HandoffTicket | None) -> None:
+        """Drops the KV that came for a handed request that will not run from it here (cancelled, over, or already
+        running): held, it would count against the room for other transfers (has_room_for_handoff) until it
+        expired a minute later, and the prefill workers' transfers would be refused as busy meanwhile."""
+        if ticket is not None and ticket.transfer_id and self.transport is not None:
+            self.transport.take(ticket.transfer_id)
 
     def _start(self, request: WorkRequest, handoff: bytes | None = None) -> None:
         self.engine.send(Work(new=[request], handoffs={request.request_id: handoff} if handoff else {}))
@@ -209,6 +218,7 @@ class QueueWorker:
             self._requests[request.request_id] = taken.request
             self._start(taken.request, payload)
             return
+        self._let_transfer_go(ticket)
         del self._messages[request.request_id], self._requests[request.request_id]
         self._acked.set()
         try:

@@ -35,7 +35,7 @@ from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
 from services.worker.engine_process import EngineProcess
 from services.worker.handoff.nats_transport import NatsKvTransport
 from services.worker.handoff.sender import HandoffSender
-from services.worker.metrics import BAD_WORKER_STATES, WorkerMetrics
+from services.worker.metrics import BAD_WORKER_STATES, HANDOFF_TRANSFERS_HELD, WorkerMetrics
 from services.worker.queue_worker import QueueWorker
 from services.worker.routing import Routing
 
@@ -129,6 +129,7 @@ async def _start_handoffs(nc, worker: QueueWorker, worker_id: int, metrics: Work
     if role == "decode":
         await transport.start()
         worker.transport = transport
+        metrics.child(HANDOFF_TRANSFERS_HELD).set_function(lambda: transport.num_held)
     elif role == "prefill":
         router = PrefixRouter(
             nc, roles=frozenset({"decode"}), min_choices=1,
