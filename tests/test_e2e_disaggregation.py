@@ -121,7 +121,7 @@ async def test_blocks_the_decode_worker_holds_do_not_travel_again(meshes) -> Non
     assert 0 < sizes[1] < sizes[0] / 4, f"bytes sent for the first and second handoff: {sizes}"
 
 
-async def test_requests_over_at_their_first_token_leave_no_transfer_held(meshes) -> None:
+async def test_handed_off_requests_leave_nothing_held_on_either_worker(meshes) -> None:
     """A request whose stop string is its first token is cancelled while its KV travels: the decode worker that
     then gets it lets the KV go at once, instead of holding room for it for a minute and refusing other transfers."""
     params = {"model": E2E_MODEL.name, "prompt": PROMPT, "temperature": 0}
@@ -134,6 +134,10 @@ async def test_requests_over_at_their_first_token_leave_no_transfer_held(meshes)
     await asyncio.sleep(1.0)  # the last handoffs' routed messages reach the decode workers
     assert sum(w.metric("specmesh_worker_handoffs_total", 'outcome="sent"') for w in meshes.prefill) > before
     assert sum(w.metric("specmesh_worker_handoff_transfers_held") for w in meshes.decode) == 0
+    # Nor does a prefill worker count what it handed off as its own: its gauges are taken after the handoffs (a
+    # request that runs to its end, so that no cancel reaches the prefill worker after its handoff).
+    assert (await meshes.pd.completions.create(max_tokens=4, **params)).choices[0].text
+    assert sum(w.metric("specmesh_worker_running_sequences") for w in meshes.prefill) == 0
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

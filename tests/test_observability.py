@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 
 import openai
@@ -20,6 +23,7 @@ pytestmark = pytest.mark.e2e
 
 BLOCK_SIZE = EngineConfig.model_fields["block_size"].default
 METRICS_LINE = re.compile(r"metrics of (\S+): (\S+)")
+STREAMS_CLOSED_AT_ONCE = 8
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,27 @@ def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
     for text, service in ((gateway, "gateway"), (worker, "worker"), (detok, "detokenizer")):
         assert f"specmesh_{service}_nats_reconnects_total" in text
         assert f"specmesh_{service}_nats_pending_bytes" in text
+
+
+def test_a_stream_read_to_its_end_counts_as_answered_however_soon_its_client_closes(served_mesh: Mesh) -> None:
+    """A client that closes its connection right after [DONE] had its answer: 200, not client_disconnected."""
+    url = _metrics_urls(served_mesh)["gateway"]
+    labels = ('endpoint="/v1/completions",status="200"', 'status="client_disconnected"')
+    before = [_value(_get(url)[1], "specmesh_gateway_requests_total", label) for label in labels]
+    host, port = served_mesh.base_url.removeprefix("http://").split("/")[0].split(":")
+    body = {"model": served_mesh.model, "prompt": REPETITIVE, "max_tokens": 4, "stream": True}
+    for _ in range(STREAMS_CLOSED_AT_ONCE):
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        while (line := response.readline()) and not line.startswith(b"data: [DONE]"):
+            pass
+        assert line.startswith(b"data: [DONE]")
+        connection.sock.close()  # at once, before the response's end is read
+        connection.close()
+    time.sleep(0.5)  # the gateway counts each request as its handler ends
+    after = [_value(_get(url)[1], "specmesh_gateway_requests_total", label) for label in labels]
+    assert [a - b for a, b in zip(after, before)] == [STREAMS_CLOSED_AT_ONCE, 0]
 
 
 def test_health_and_ready_on_every_service(served_mesh: Mesh) -> None:

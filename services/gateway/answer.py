@@ -2,7 +2,8 @@
 into one JSON response, in the OpenAI shape of its endpoint.
 
 Its own module because how the answer is written does not depend on how the request got into the mesh
-(generation.py); it reads only the chunks, the request's choices (choices.py) and its Generation (in_flight.py).
+(generation.py); it reads only the chunks, the request's choices (choices.py) and its Generation (in_flight.py),
+and feeds the latency metrics (latency.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.choices import ResponseChoices
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
+from services.gateway.latency import ResponseLatency
 from services.gateway.router import ResponseStream
 from services.gateway.tools.formats import ToolFormat
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
@@ -46,7 +48,7 @@ async def _stream(
 ) -> web.StreamResponse:
     response = await sse.open_stream(request)
     gen = gens[0]  # the body, the api and the envelope are every prompt's
-    by_request = {g.request_id: g for g in gens}
+    latency = ResponseLatency(gen.api, gen.started)
     envelope = gen.envelope(model, stream=True)
     include_usage = gen.body.include_usage_in_stream
     every_chunk = gen.body.usage_on_every_chunk  # otherwise chunks carry no usage key at all, as vLLM streams them
@@ -68,7 +70,7 @@ async def _stream(
                     opening["usage"] = usage_body(choices.running_usage())
                 await response.write(sse.event({**envelope, **opening}))
         async for chunk in chunks:
-            by_request[chunk.request_id].observe(chunk)
+            latency.observe(chunk)
             choices.observe(chunk)
             streamed = choices.streamed(chunk)
             data = {**envelope, "choices": [calls.choice(streamed) if calls is not None else streamed]}
@@ -80,6 +82,7 @@ async def _stream(
                     await response.write(b"".join(unsent))
                     unsent.clear()
                 continue
+            latency.finished()
             ending += unsent
             unsent.clear()
             if usage_chunk:
@@ -121,11 +124,12 @@ async def _respond(
     gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str, tools: ToolFormat | None
 ) -> web.Response:
     gen = gens[0]  # the body, the api and the envelope are every prompt's
-    by_request = {g.request_id: g for g in gens}
+    latency = ResponseLatency(gen.api, gen.started)
     async for chunk in chunks:
-        by_request[chunk.request_id].observe(chunk)
+        latency.observe(chunk)
         choices.observe(chunk)
         choices.keep(chunk)
+    latency.finished()
     merged = choices.merged(
         with_logprobs=gen.sampling.logprobs is not None, with_draft_logprobs=gen.sampling.include_draft_logprobs
     )

@@ -130,8 +130,11 @@ class Generator:
                         raise
                     finally:
                         # Every way out (a client gone while the detokenizer's answer was awaited included) frees
-                        # what the mesh still holds; shielded, so a second cancellation cannot cut it short.
-                        await asyncio.shield(submission.close(chunks.unfinished, reason))
+                        # what the mesh still holds; shielded, so a second cancellation cannot cut it short. An
+                        # answer given whole holds nothing: no await, where a client closing its connection at once
+                        # would cancel a request that succeeded (counted as a disconnect).
+                        if submission.holds(chunks.unfinished):
+                            await asyncio.shield(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
 

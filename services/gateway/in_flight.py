@@ -1,5 +1,5 @@
 """One accepted prompt on its way through the mesh (Generation): its request id, its sampling, whether a
-detokenizer holds it, and the latency metrics its chunks feed.
+detokenizer holds it.
 
 Its own module because the submission (generation.py) and the answer (answer.py) both carry it.
 """
@@ -10,11 +10,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.gateway import metrics
 from services.gateway.aggregate import Api
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
-from shared.schemas import Chunk, SamplingParams
+from shared.schemas import SamplingParams
 
 ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 STREAM_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
@@ -34,8 +33,6 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     opened: bool = False  # its DetokOpen went out: from then on a detokenizer may hold it, and must be told to let go
     detok_id: str = ""  # the detokenizer that took it
-    saw_first_chunk: bool = False
-    last_chunk_at: float = 0.0  # monotonic
 
     def envelope(self, model: str, stream: bool) -> dict:
         return {
@@ -44,20 +41,3 @@ class Generation:
             "created": self.created,
             "model": model,
         }
-
-    def observe(self, chunk: Chunk) -> None:
-        now = time.monotonic()
-        if not self.saw_first_chunk:
-            self.saw_first_chunk = True
-            metrics.TIME_TO_FIRST_CHUNK.labels(self.api).observe(now - self.started)
-        elif chunk.num_tokens:
-            # The histogram counts tokens, so each of the chunk's tokens is one observation of the shared gap.
-            per_token = (now - self.last_chunk_at) / chunk.num_tokens
-            inter_token = metrics.INTER_TOKEN_LATENCY.labels(self.api)
-            for _ in range(chunk.num_tokens):
-                inter_token.observe(per_token)
-        self.last_chunk_at = now
-        if chunk.final and chunk.usage is not None:
-            metrics.REQUEST_DURATION.labels(self.api).observe(time.monotonic() - self.started)
-            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
-            metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)

@@ -156,6 +156,12 @@ class Submission:
         if weight := self._holding.pop(request_id, 0):
             self._places.give_back(weight)
 
+    def holds(self, unfinished: list[str]) -> bool:
+        """Whether closing has anything to do: prompts still to submit, or submitted and not finished."""
+        submitting = self._rest is not None and not self._rest.done()
+        live = set(unfinished)
+        return submitting or any(g.opened and g.request_id in live for g in self._gens)
+
     async def close(self, unfinished: list[str], reason: str) -> None:
         """Stops submitting, and cancels the prompts the mesh may still hold (of `unfinished`, those opened)."""
         if self._rest is not None:

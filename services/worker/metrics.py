@@ -20,7 +20,11 @@ BATCH_SIZE = Histogram("specmesh_worker_batch_size", "Sequences that produced ou
 PREEMPTIONS = Counter("specmesh_worker_preemptions", "Sequences evicted from the KV cache to be recomputed", _LABELS)
 EMITTED = Counter("specmesh_worker_emitted_tokens", "Tokens emitted (accepted drafts and target tokens)", _LABELS)
 PROMPT_TOKENS = Counter("specmesh_worker_prompt_tokens", "Prompt tokens of the requests taken", _LABELS)
-FINISHED = Counter("specmesh_worker_finished_requests", "Requests finished, by reason", _LABELS + ["reason"])
+FINISHED = Counter(
+    "specmesh_worker_finished_requests",
+    "Sequences finished (one per choice of a request; a cancelled one is not counted), by finish reason",
+    _LABELS + ["reason"],
+)
 DRAFTS = Counter("specmesh_worker_spec_decode_drafts", "Sequence-steps that verified at least one draft", _LABELS)
 DRAFT_TOKENS = Counter("specmesh_worker_spec_decode_draft_tokens", "Draft tokens verified", _LABELS)
 ACCEPTED = Counter("specmesh_worker_spec_decode_accepted_tokens", "Draft tokens accepted", _LABELS)

@@ -87,6 +87,7 @@ class StepRunner:
             self._detok_ids.pop(request_id, None)
             self._guard.forget(request_id)
         failures = [(request.request_id, reason) for request, reason in failed]
+        handed_off = self._take_handoffs()  # before the gauges: what a prefill worker hands off it holds no more
         scheduler = self.engine.scheduler
         gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
         step = self.engine.step_no if seconds is not None else 0
@@ -94,8 +95,8 @@ class StepRunner:
         recomputed = self._recomputed + scheduler.handoffs_recomputed - self._gone_on_admission
         self._gone_on_admission = scheduler.handoffs_recomputed
         return StepResult(
-            step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed,
-            self._take_handoffs(), recomputed,
+            step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed, handed_off,
+            recomputed,
         )
 
     def _take_handoffs(self) -> list[tuple[str, list[tuple[int, list[int], int]], int, bytes]]:
