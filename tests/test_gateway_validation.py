@@ -79,6 +79,18 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"top_k": -2}}, "top_k"),
+        # OpenAI fields that change the answer and are not implemented: refused by name, never dropped.
+        ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
+        ({"extra_body": {"function_call": {"name": "f"}}}, "function_call"),
+        ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),
+        ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
+        ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"),
+        ({"extra_body": {"verbosity": "low"}}, "verbosity"),
+        ({"extra_body": {"web_search_options": {}}}, "web_search_options"),
+        ({"extra_body": {"best_of": 2}}, "best_of"),
+        ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
+        ({"extra_body": {"include_reasoning": False}}, "include_reasoning"),
+        ({"stream": True, "stream_options": {"continuous_usage_stat": True}}, "stream_options.continuous_usage_stat"),
     ],
 )
 async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: dict, param: str) -> None:

@@ -1,6 +1,7 @@
-"""vLLM's request extensions that specmesh does not declare in its request models: each is refused by name unless it
-holds its neutral value (the one that asks for nothing specmesh would fail to do), or accepted and logged once
-when it cannot change what is generated. docs/api.md lists every vLLM extension, these and the honoured ones.
+"""vLLM's request extensions, and OpenAI fields, that specmesh does not declare in its request models: each is refused
+by name unless it holds its neutral value (the one that asks for nothing specmesh would fail to do), or accepted and
+logged once when it cannot change what is generated. docs/api.md lists every vLLM extension, these and the
+honoured ones.
 
 Checked on the raw JSON body, before the request models see it, so that a value specmesh would otherwise drop (a
 field its models do not declare) is never silently ignored.
@@ -63,6 +64,29 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("chat_template", (), "the model's own chat template renders every chat", ("chat",)),
         Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
+        Refused("guided_whitespace_pattern", (), "JSON is generated compact, with no free whitespace"),
+        Refused("structural_tag", (), "structural tags are not implemented"),
+        Refused(
+            "include_reasoning", (True,), "no reasoning parser sets the reasoning apart from the content", ("chat",)
+        ),
+        # OpenAI's own chat fields that the request models do not declare: refused in the same way.
+        Refused(
+            "functions", (), "the legacy functions are not supported; offer them as tools, each "
+            '{"type": "function", "function": {...}}', ("chat",),
+        ),
+        Refused(
+            "function_call", ("none", "auto"), "the legacy function_call is not supported; name the function in "
+            "tool_choice", ("chat",),
+        ),
+        Refused("best_of", (1,), "one candidate is generated per choice; ask for more choices with n", ("chat",)),
+        Refused("modalities", (["text"],), "the model writes text only", ("chat",)),
+        Refused("audio", (), "the model writes text only", ("chat",)),
+        Refused(
+            "reasoning_effort", (), "the model has no reasoning-effort setting; a chat template that reads one takes "
+            "it through chat_template_kwargs", ("chat",),
+        ),
+        Refused("verbosity", (), "the model has no verbosity setting", ("chat",)),
+        Refused("web_search_options", (), "the server does not search the web", ("chat",)),
     )
     for api in rule.apis
 }

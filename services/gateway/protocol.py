@@ -39,8 +39,13 @@ class Body(BaseModel):
 
 
 class StreamOptions(Body):
+    """Unknown keys are refused: a misspelt option (continuous_usage_stat) would otherwise be dropped unseen."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM extension: the usage so far on every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks against length side channels: none here
 
 
 class SpeculativeOptions(BaseModel):
