@@ -151,6 +151,32 @@ def test_llama3_json_calls_whole_and_streamed() -> None:
     assert _assembled(_streamed(plain, [2], format_name="llama3_json"))[:3] == (plain, [], "stop")
 
 
+@pytest.mark.parametrize("cut", [[1] * 200, [5, 9, 13], [400]], ids=["characters", "pieces", "whole"])
+@pytest.mark.parametrize(
+    "text, expected_content, expected_calls",
+    [
+        # Chained calls with arguments: the ";" split once took each call's closing brace.
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}', "",
+         EXPECTED),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "a}; {b"}}', "",
+         [("get_weather", {"city": "a}; {b"})]),
+        ('Let me look that up.\n{"name": "get_time", "parameters": {}}', "Let me look that up.", [("get_time", {})]),
+        # An answer written in JSON, with no arguments key, is not a call (as vLLM reads it).
+        ('{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),
+        ('Use {x} here.', "Use {x} here.", []),
+    ],
+)
+def test_llama3_json_reads_chained_calls_and_text_before_them_the_same_whole_and_streamed(
+    text, expected_content, expected_calls, cut
+) -> None:
+    message = {"role": "assistant", "content": text}
+    finish = message_with_calls(message, "stop", FORMATS["llama3_json"])
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    assert (message["content"] or "", whole) == (expected_content, expected_calls)
+    content, calls, streamed_finish, _ = _assembled(_streamed(text, cut, format_name="llama3_json"))
+    assert (content, calls, streamed_finish) == (expected_content, expected_calls, finish)
+
+
 def test_the_format_follows_the_chat_template() -> None:
     assert format_for("... <tool_call> ...").name == "hermes"
     assert format_for("... <|python_tag|> ...").name == "llama3_json"

@@ -6,6 +6,8 @@ both endpoints share is GenerationRequest (protocol.py).
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from functools import cached_property
@@ -66,8 +68,22 @@ class ChatMessage(Body):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in self.tool_calls]
         return message
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    """An earlier call as templates read it: OpenAI sends its arguments as a JSON string, and templates write them
+    with `arguments | tojson` (Llama 3.x, Qwen2.5), which would quote that string again; vLLM hands them the
+    object, and so does this. Arguments that are not JSON stay the string they are."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(GenerationRequest):

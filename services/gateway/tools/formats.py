@@ -4,7 +4,8 @@ parsing of calls out of its text.
 - Hermes (Qwen2.5, Qwen3, the demo model): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several in a row for parallel calls, possibly
   after some text.
-- Llama 3.x JSON: the answer is one call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>`.
+- Llama 3.x JSON: the answer is a call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>` or
+  some text, and possibly more chained with ";".
 
 The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every
 token up to the first argument value is forced and drafted for free (services/worker/grammar/).
@@ -24,6 +25,8 @@ COMPACT = {"whitespace_flexible": False}
 # A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
 NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
+CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
+CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
 
 
@@ -138,21 +141,37 @@ class Llama3Json:
         return f"start: %json {json.dumps(_call_schema(functions, self.arguments_key))}\n"
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        body = text.strip().removeprefix(self.python_tag).strip()
-        if not body.startswith("{"):
+        """(the text before the calls, the calls): one call, or several chained with ";" as some answers write
+        them, after `<|python_tag|>` or after some text. A JSON object without the arguments key is an answer
+        written in JSON, not a call (as vLLM's parser reads it), and the text stays whole."""
+        start = self._calls_start(text)
+        if start is None:
             return text, []
-        calls = []
-        for part in re.split(r"\}\s*;\s*\{", body):  # some answers chain calls with ";"
-            candidate = part if part.startswith("{") else "{" + part
-            candidate = candidate if candidate.endswith("}") else candidate + "}"
+        calls, rest = [], text[start:].removeprefix(self.python_tag).lstrip()
+        while rest:
             try:
-                call = _call(json.loads(candidate), self.arguments_key)
+                obj, end = JSON_PREFIX.raw_decode(rest)
             except json.JSONDecodeError:
                 return text, []
-            if call is None:
+            if not isinstance(obj, dict) or self.arguments_key not in obj and "arguments" not in obj:
+                return text, []
+            if (call := _call(obj, self.arguments_key)) is None:
                 return text, []
             calls.append(call)
-        return "", calls
+            rest = rest[end:].lstrip()
+            if rest.startswith(CALL_SEPARATOR):
+                rest = rest[len(CALL_SEPARATOR) :].lstrip()
+            elif rest:
+                return text, []  # text after the calls: not an answer of calls
+        return text[:start].rstrip(), calls
+
+    def _calls_start(self, text: str) -> int | None:
+        """Where the calls begin: the python tag, else the first object that opens with its "name" key."""
+        tag = text.find(self.python_tag)
+        if tag >= 0:
+            return tag
+        match = CALL_OPENING.search(text)
+        return match.start() if match is not None else None
 
 
 ToolFormat = Hermes | Llama3Json

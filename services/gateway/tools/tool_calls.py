@@ -54,7 +54,7 @@ class ToolCallStream:
         self._calls = 0  # calls started
         self._text_after_calls = False  # text other than line breaks streamed since the last call
         self._ids: list[str] = []
-        self._whole = None if isinstance(format, Hermes) else ""  # Llama 3 JSON: the answer, if it is a call
+        self._held = ""  # Llama 3 JSON: the answer from where a call may begin
 
     @property
     def called(self) -> bool:
@@ -125,24 +125,26 @@ class ToolCallStream:
                 "function": {"name": name, "arguments": ""}}
 
     def _feed_whole(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        if self._whole is None:
-            return text, []
-        self._whole += text
-        head, tag = self._whole.lstrip(), Llama3Json.python_tag
-        if head and not (head.startswith("{") or head.startswith(tag) or tag.startswith(head)):
-            whole, self._whole = self._whole, None  # plain text: stream it
-            return whole, []
-        if not final:
-            return "", []
-        whole, self._whole = self._whole, None
-        content, calls = self.format.split(whole)
-        if not calls:
-            return whole, []
-        deltas = []
-        for call in calls:
-            deltas.append(self._open_call(call.name))
-            deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
-        return content, deltas
+        """Llama 3 JSON: text streams as content up to where a call may begin (the first "{" or python tag, with the
+        whitespace before it); from there the answer is held to its end, then read as a whole answer is: calls and
+        the text before them, or all content."""
+        self._held += text
+        if final:
+            held, self._held = self._held, ""
+            content, calls = self.format.split(held)
+            if not calls:
+                return held, []
+            deltas = []
+            for call in calls:
+                deltas.append(self._open_call(call.name))
+                deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
+            return content, deltas
+        tag = Llama3Json.python_tag
+        starts = [i for i in (self._held.find("{"), self._held.find(tag)) if i >= 0]
+        cut = min(starts) if starts else len(self._held) - _partial_suffix(self._held, tag)
+        cut = len(self._held[:cut].rstrip())
+        streamed, self._held = self._held[:cut], self._held[cut:]
+        return streamed, []
 
 
 def _partial_suffix(text: str, tag: str) -> int:
