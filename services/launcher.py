@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
+from services.detokenizer.migration import max_migrations_arg
 from services.worker.engine.kv_budget import default_cpu_budget
 from services.startup_checks import (
     UsageError, check_kv_cache_memory, check_split_roles, check_tensor_parallel, check_tokenizer_dir,
@@ -119,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the most choices per prompt a request may ask for (`n`) (default: the gateway's own)",
     )
     parser.add_argument(
-        "--max-migrations", type=int, default=None,
+        "--max-migrations", type=max_migrations_arg, default=None,
         help="times a request whose worker died may be taken over by another before it ends with an error "
         "(default: the detokenizer's own)",
     )
@@ -177,20 +179,30 @@ def worker_roles(workers: int | None, prefill_workers: int, decode_workers: int)
 
 
 def _spawn(
-    service: str, log_level: str, *extra: str, env: dict[str, str] | None = None, cpus: frozenset[int] | None = None
+    service: str, log_level: str, *extra: str, env: dict[str, str] | None = None, cpus: frozenset[int] | None = None,
+    death_signal: int = signal.SIGTERM,
 ) -> Child:
     cmd = [sys.executable, "-m", "services.cli", service, "--log-level", log_level, *extra]
-    return Child(lambda: subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup(cpus), env=env))
+    setup = _child_setup(cpus, death_signal)
+    return Child(lambda: subprocess.Popen(cmd, start_new_session=True, preexec_fn=setup, env=env))
 
 
-def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    """preexec_fn of a child: it dies with the launcher, and runs on `cpus` (None: wherever the kernel puts it)."""
+def _child_setup(cpus: frozenset[int] | None, death_signal: int = signal.SIGTERM) -> Callable[[], None]:
+    """preexec_fn of a child: it gets `death_signal` when the launcher dies, and runs on `cpus` (None: wherever the
+    kernel puts it)."""
 
     def setup() -> None:
-        die_with_parent()
+        die_with_parent(death_signal)
         pin(cpus)
 
     return setup
+
+
+def _service_death_signal(args: argparse.Namespace) -> int:
+    """What a service gets when the launcher dies (kill -9, the OOM killer). With an external NATS, SIGTERM: it drains
+    and hands its requests back through the NATS that outlives it. With the embedded one, NATS dies too and a drain
+    has nowhere to go: it would wait out its timeouts (a minute) with the engines generating for no one."""
+    return signal.SIGKILL if args.nats_url is None else signal.SIGTERM
 
 
 def _child_nats(
@@ -261,6 +273,7 @@ def run(args: argparse.Namespace) -> None:
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
         nats_of = {role: _child_nats(args, nats_url, credentials, role) for role in SERVICE_ROLES}
+        death_signal = _service_death_signal(args)
         common = ["--model", str(args.model)]
         url = f"http://{args.host}:{args.port}"
         metrics_urls = {"gateway": f"{url}/metrics"}
@@ -272,7 +285,9 @@ def run(args: argparse.Namespace) -> None:
             extra = (*nats_args, "--metrics-port", str(port))
             if args.max_migrations is not None:
                 extra += ("--max-migrations", str(args.max_migrations))
-            children.append((name, _spawn("detokenizer", args.log_level, *common, *extra, env=env, cpus=rest)))
+            children.append((name, _spawn(
+                "detokenizer", args.log_level, *common, *extra, env=env, cpus=rest, death_signal=death_signal
+            )))
         worker_args = [*common, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
         worker_args += ["--device", args.device, "--block-size", str(args.block_size)]
         if args.num_kv_blocks is not None:
@@ -293,7 +308,8 @@ def run(args: argparse.Namespace) -> None:
                      cpu_plan.UNPINNED if engine_cpus is None else format_cpu_list(engine_cpus),
                      "--role", args.worker_roles[i])
             children.append((f"worker-{i}", _spawn(
-                "worker", args.log_level, *worker_args, *extra, env=env, cpus=plan.worker_cpus(i)
+                "worker", args.log_level, *worker_args, *extra, env=env, cpus=plan.worker_cpus(i),
+                death_signal=death_signal,
             )))
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
         if args.max_n is not None:  # the gateway's own default otherwise: importing it would load torch here
@@ -306,10 +322,15 @@ def run(args: argparse.Namespace) -> None:
         gateway_args += tool_options.forwarded(args)
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
+        # Stopping, the whole mesh stops at once: open requests cannot finish, so the gateway ends them with a 503
+        # at once, which cancels them in the mesh while NATS is still up (nothing left to redeliver at next start).
+        gateway_args += ["--shutdown-timeout", "0"]
         nats_args, env = nats_of[NatsRole.GATEWAY]
         if args.api_keys:  # by environment: a command line is visible to every user of the machine
             env = {**env, API_KEY_ENV: KEY_SEPARATOR.join(key.get_secret_value() for key in args.api_keys)}
-        children.append(("gateway", _spawn("gateway", args.log_level, *gateway_args, *nats_args, env=env, cpus=rest)))
+        children.append(("gateway", _spawn(
+            "gateway", args.log_level, *gateway_args, *nats_args, env=env, cpus=rest, death_signal=death_signal
+        )))
 
         deadline = time.monotonic() + args.startup_timeout
         while not _probe(url, Path(args.model).name, args.api_keys):

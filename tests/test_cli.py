@@ -76,6 +76,9 @@ def unsupported_model(tmp_path: Path) -> Path:
         (["up", "--max-model-len", str(DEMO_CONTEXT * 2)], f"--max-model-len {DEMO_CONTEXT * 2} exceeds"),
         (["gateway", "--max-model-len", str(DEMO_CONTEXT + 1)], "max_position_embeddings"),
         (["gateway", "--max-n", "100000"], "--max-n 100000: must be between 1 and"),
+        # Each take-over is a redelivery of the work queue's message, which JetStream makes 5 times at most.
+        (["up", "--max-migrations", "4"], "--max-migrations: must be between 0 and 3"),
+        (["detokenizer", "--max-migrations", "10"], "--max-migrations: must be between 0 and 3"),
         (["nopes"], "invalid choice: 'nopes'"),
     ],
 )

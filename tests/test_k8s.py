@@ -247,7 +247,10 @@ def test_grace_periods_outlast_the_drains(rendered):
     for workload, container in specmesh_containers(objects):
         env = container_env(objects, container)
         command, args, module = parse_command_line([expand(a, env) for a in container["args"]])
-        drain_s = getattr(args, "drain_timeout", None) or module.SHUTDOWN_TIMEOUT_S
+        if command == "gateway":  # its requests' time to finish, then its handlers' time to write the 503
+            drain_s = args.shutdown_timeout + module.HANDLERS_END_S
+        else:
+            drain_s = args.drain_timeout
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
         grace_s = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]

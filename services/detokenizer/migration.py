@@ -19,11 +19,14 @@ import logging
 from prometheus_client import Counter
 
 from services.detokenizer.choices import RequestChoices
+from shared.natsutil import REQUEST_MAX_DELIVER
 from shared.schemas import Chunk, ProgressQuery, ProgressReport, TakeOver
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 3
+# The first delivery and one whose detokenizer did not answer (the worker asks again later) are no migrations.
+MAX_MIGRATIONS = REQUEST_MAX_DELIVER - 2
 
 MIGRATIONS = Counter(
     "specmesh_detokenizer_migrations", "Requests taken over by another worker, continuing from the output sent"
@@ -75,8 +78,13 @@ class Migrations:
 
 
 def max_migrations_arg(text: str) -> int:
-    """--max-migrations: a count, 0 included (a request whose worker dies then ends with an error at once)."""
+    """--max-migrations: a count, 0 included (a request whose worker dies then ends with an error at once), up to
+    what the work queue delivers a message: each take-over is a redelivery, and one is kept for a delivery whose
+    detokenizer did not answer. More would be a bound JetStream cuts short with a dead letter."""
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not 0 <= value <= MAX_MIGRATIONS:
+        raise argparse.ArgumentTypeError(
+            f"must be between 0 and {MAX_MIGRATIONS} (the work queue delivers a request at most "
+            f"{REQUEST_MAX_DELIVER} times), got {value}"
+        )
     return value

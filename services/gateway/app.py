@@ -7,6 +7,7 @@ that hangs up while waiting for a non-streaming answer cancels its handler, and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,11 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
 from services.gateway.tools.formats import format_for
-from services.gateway.admission import Admission
+from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.auth import require_api_key
 from services.gateway.body import body_limits
 from services.gateway.disconnects import quiet_disconnects
-from services.gateway.errors import error_middleware, model_not_found
+from services.gateway.errors import UNAVAILABLE, OpenAIError, error_middleware, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.limits import GatewayLimits
 from shared.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
@@ -36,6 +37,8 @@ from shared.tokenizer import Tokenizer
 
 MIB = 1024 * 1024
 OWNER = "specmesh"
+SERVICE_UNAVAILABLE = 503
+DRAIN_POLL_S = 0.1  # how often a draining gateway looks whether its requests have finished
 
 
 class GatewayConfig(BaseModel):
@@ -119,6 +122,19 @@ class Gateway:
         if self.prefix_router is not None:
             await self.prefix_router.start()
         self.readiness.started = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Leaves the ready set (/ready turns 503), lets the open requests finish for up to timeout_s, then ends the
+        rest with a 503 (an error event where a stream has begun), which cancels them in the mesh: a stopping mesh
+        (`specmesh up` stopped) gives them no time, and its clients learn why instead of being cut off."""
+        self.readiness.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.router.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.router.fail_all(OpenAIError(
+            SERVICE_UNAVAILABLE, "The gateway is shutting down; retry the request", type=UNAVAILABLE,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ))
 
     async def stop(self, app: web.Application) -> None:
         self.readiness.draining = True

@@ -189,6 +189,11 @@ class ChunkRouter:
             for request_id in request_ids:
                 del self._queues[request_id]
 
+    def fail_all(self, error: OpenAIError) -> None:
+        """Ends every open response with `error` once the chunks already in are read."""
+        for queue in {id(q): q for q in self._queues.values()}.values():
+            queue.put_nowait(error)
+
     @property
     def num_open(self) -> int:
         return len(self._queues)

@@ -28,7 +28,8 @@ from shared.schemas import MAX_REQUEST_CHOICES
 log = logging.getLogger(__name__)
 
 SERVICE = "gateway"
-SHUTDOWN_TIMEOUT_S = 30.0  # how long in-flight requests may finish once the gateway stops accepting
+SHUTDOWN_TIMEOUT_S = 30.0  # how long in-flight requests may finish once the gateway is told to stop
+HANDLERS_END_S = 2.0  # then how long the handlers of the requests ended with a 503 have to write it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+        help="seconds in-flight requests may finish after SIGTERM; the rest then end with a 503 (an error event in "
+        "a stream) and are cancelled in the mesh",
     )
     parser.add_argument(
         "--speculative-config", type=speculative_config, default=None,
@@ -85,13 +91,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 async def run(args: argparse.Namespace) -> None:
-    """Serves until cancelled; then stops accepting, lets in-flight requests finish, and drains NATS."""
+    """Serves until cancelled; then lets in-flight requests finish (up to --shutdown-timeout), ends the rest with a
+    503, stops accepting, and drains NATS."""
     config = config_from_args(args)
     nc = await connect(NatsSettings.from_args(args, NatsRole.GATEWAY), SERVICE)
     try:
         app = create_app(config, nc)
         runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **config.limits.runner_options()
+            app, handler_cancellation=True, shutdown_timeout=HANDLERS_END_S, **config.limits.runner_options()
         )
         await runner.setup()
         try:
@@ -99,7 +106,7 @@ async def run(args: argparse.Namespace) -> None:
             log.info("gateway serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
             await asyncio.Event().wait()
         finally:
-            app[GATEWAY].readiness.draining = True  # /ready turns 503 while in-flight requests finish
+            await app[GATEWAY].drain(args.shutdown_timeout)
             await runner.cleanup()
     finally:
         await nc.drain()
