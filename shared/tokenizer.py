@@ -164,10 +164,28 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     @cached_property
+    def _decoders(self) -> list[dict]:
+        """The steps of tokenizer.json's decoder (one, or those of its Sequence)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        return [decoder, *decoder.get("decoders", [])]
+
+    @cached_property
+    def leading_spaces_stripped(self) -> int:
+        """Spaces the decoder takes off the start of a text: SentencePiece tokenizers (Llama 2, Mistral) write each
+        word's space into its token ("▁Hello") and drop the first word's, by a Strip step after Fuse or by
+        Metaspace's prepend scheme; byte-level ones keep every byte (0)."""
+        for step in self._decoders:
+            if step.get("type") == "Strip" and step.get("content") == " ":
+                return step.get("start", 0)
+            if step.get("type") == "Metaspace":
+                prepends = step.get("prepend_scheme", "always") != "never" and step.get("add_prefix_space", True)
+                return 1 if prepends else 0
+        return 0
+
+    @cached_property
     def token_bytes(self) -> list[bytes]:
         """The bytes each token id stands for; special tokens map to b"" (they are never rendered)."""
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        kinds = {step.get("type") for step in self._decoders}
         byte_level = "ByteLevel" in kinds
         alphabet = _bytes_to_unicode()
         table = [b""] * self.vocab_size

@@ -4,21 +4,28 @@ of bounded size, resent records ignored and lost ones failing the request."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from services.detokenizer.assembler import Record, RequestAssembler, frame_records
 from services.detokenizer.logprobs import MIN_LOGPROB
 from services.detokenizer.prompt import PROMPT_TOKENS_PER_PART
 from shared import frames
 from shared.frames import NO_TOKEN, FinishReason, FrameBuilder, FrameKind
+from services.detokenizer.incremental import TokenTable
 from shared.schemas import Chunk, DetokOpen
+from shared.tokenizer import TOKENIZER_FILE, Tokenizer
 from tests.test_detokenizer import record, table, tokenizer  # noqa: F401  (fixtures are used by name)
 
 PROMPT_TEXT = "def read(path):\n    return open(path).read()\n"
 OUTPUT_TEXT = "  # done"
+SENTENCE = "Hello world, the quick brown fox jumps over the lazy dog."
+SPECIALS = ["<unk>", "<s>", "</s>"]
 TOP_K = 2
 RANK = 4
 
@@ -147,3 +154,39 @@ def test_an_impossible_prompt_logprob_is_sent_as_openais_stand_in(tokenizer, tab
     assert part.choice["prompt_logprobs"][1] == {
         str(prompt[1]): {"logprob": MIN_LOGPROB, "rank": RANK, "decoded_token": table.display(prompt[1])[0]}
     }
+
+
+def _sentencepiece_tokenizer(directory: Path, decoder: str) -> Tokenizer:
+    """A small SentencePiece-style tokenizer: words carry their space ("▁Hello"); the decoder drops the first one by a
+    Strip step after Fuse (Llama 2) or by Metaspace's prepend scheme (Mistral v0.3)."""
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    if decoder == "strip":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator([PROMPT_TEXT, SENTENCE] * 20, trainers.BpeTrainer(vocab_size=150, special_tokens=SPECIALS))
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
+    tok.save(str(directory / TOKENIZER_FILE))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return Tokenizer(directory)
+
+
+@pytest.mark.parametrize("decoder", ["strip", "metaspace"])
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token_ids"])
+def test_a_sentencepiece_prompt_echoes_as_the_tokenizer_decodes_it(tmp_path: Path, decoder: str, as_ids: bool) -> None:
+    """The first word's space is dropped as decoding the prompt whole drops it; shown special tokens come first
+    ("<s> Hello"), as they do there; the output after the prompt keeps its spaces."""
+    tokenizer = _sentencepiece_tokenizer(tmp_path, decoder)
+    assert tokenizer.leading_spaces_stripped == 1
+    prompt = tokenizer.encode(SENTENCE)
+    table = TokenTable.from_tokenizer(tokenizer)
+    assembler = RequestAssembler(open_msg(prompt, echo=True, echo_special_tokens=as_ids), table)
+    (part,) = assembler.consume_prompt()
+    assert part.choice["text"] == tokenizer.decode(prompt, skip_special_tokens=not as_ids)
+    output = tokenizer.encode("over the dog", add_special_tokens=False)  # "▁over ...": generated after the prompt
+    assert finish(assembler, output).choice["text"] == " over the dog"

@@ -22,13 +22,14 @@ class TokenTable:
 
     token_bytes: Sequence[bytes]  # per id; b"" for special tokens
     special_names: dict[int, str]  # special id -> its literal text, only shown among top logprobs
+    leading_spaces: int = 0  # spaces the tokenizer's decoder drops from the start of a text (SentencePiece)
     # display() of each id asked for so far: logprobs name the same few thousand tokens over and over.
     _displayed: dict[int, tuple[str, list[int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> "TokenTable":
         names = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.special_ids}
-        return cls(tokenizer.token_bytes, names)
+        return cls(tokenizer.token_bytes, names, tokenizer.leading_spaces_stripped)
 
     @property
     def vocab_size(self) -> int:
@@ -71,8 +72,11 @@ class DecodedStep:
 class IncrementalDecoder:
     """Decodes one request's output; call `step` per engine step and `finish` once at the end."""
 
-    def __init__(self, table: TokenTable, shows_special: bool = False) -> None:
+    def __init__(self, table: TokenTable, shows_special: bool = False, starts_text: bool = False) -> None:
+        """starts_text: these tokens begin the text (a prompt, not an output after it), whose first spaces the
+        tokenizer's decoder drops (TokenTable.leading_spaces), as decoding the prompt whole does."""
         self._table = table
+        self._strip = table.leading_spaces if starts_text else 0
         # Special tokens have no bytes of their own: generated text leaves them out, a prompt echoed as sent shows
         # their literal text.
         self._special = {i: name.encode() for i, name in table.special_names.items()} if shows_special else {}
@@ -90,6 +94,10 @@ class IncrementalDecoder:
         start = self.length
         for token_id in token_ids:
             piece = self._decoder.decode(self._special.get(token_id) or self._table.token_bytes[token_id])
+            if self._strip and piece:
+                cut = min(self._strip, len(piece) - len(piece.lstrip(" ")))
+                piece = piece[cut:]
+                self._strip = 0 if piece else self._strip - cut
             pieces.append(piece)
             spans.append((start, start + len(piece)))
             start += len(piece)
