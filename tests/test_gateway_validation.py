@@ -76,6 +76,9 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.[0].function"),
+        # The test model's template writes no tool-call format the gateway reads: tools are refused, not misread.
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"top_k": -2}}, "top_k"),

@@ -181,6 +181,9 @@ def test_the_format_follows_the_chat_template() -> None:
     assert format_for("... <tool_call> ...").name == "hermes"
     assert format_for("... <|python_tag|> ...").name == "llama3_json"
     assert format_for(None, "llama3_json").name == "llama3_json"
+    # Mistral writes [TOOL_CALLS] [...], a format not read here: none, so that requests with tools are refused.
+    assert format_for("{% if message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}{% endif %}") is None
+    assert format_for(None) is None
 
 
 def test_forced_calls_follow_the_tools_schemas() -> None:

@@ -31,7 +31,7 @@ INTERNAL_ERROR = 500
 
 async def answer(
     request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
-    model: str, tool_format: ToolFormat,
+    model: str, tool_format: ToolFormat | None,
 ) -> web.StreamResponse:
     """The request's answer under `model`'s name: server-sent events as its chunks arrive, or one JSON response
     once its last chunk is in. A chat answer to a request with tools is read for calls in `tool_format`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -34,6 +35,8 @@ from shared.schemas import MAX_REQUEST_CHOICES
 from shared.natsutil import ensure_request_stream, ensure_routed_stream
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 OWNER = "specmesh"
@@ -89,6 +92,11 @@ class Gateway:
             keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
             tool_format=format_for(tokenizer.chat_template, config.tool_call_parser),
         )
+        if self.generator.tool_format is None:
+            log.warning(
+                "the chat template writes tool calls in no format this gateway reads: requests with tools are "
+                "refused (--tool-call-parser names one)"
+            )
         self.readiness = Readiness(nc=nc)
 
     def model_card(self) -> dict:

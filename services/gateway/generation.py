@@ -61,7 +61,7 @@ class Generator:
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
         prefix_router: PrefixRouter | None = None, strict_params: bool = False,
-        tool_format: ToolFormat = FORMATS["hermes"],
+        tool_format: ToolFormat | None = FORMATS["hermes"],
     ) -> None:
         self._tokenizer = tokenizer
         self._router = router
@@ -73,7 +73,7 @@ class Generator:
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._submitter = Submitter(nc, router.subject, prefix_router)
         self._bodies = RequestBodies(max_n, strict_params)
-        self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py)
+        self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py); None: not known
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -89,7 +89,7 @@ class Generator:
             check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         tokenizer = self._tokenizer
         constraint = structured_output(body)
-        tool_calls = tool_constraint(body, self.tool_format) if api == "chat" else None
+        tool_calls = tool_constraint(body, self._tool_format(body)) if api == "chat" else None
         if tool_calls is not None and constraint is not None:
             raise bad_request(
                 f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
@@ -137,6 +137,16 @@ class Generator:
                             await asyncio.shield(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
+
+    def _tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
+        """The format a request's tools are called in; a 400 for a request with tools when the gateway knows none."""
+        if self.tool_format is None and body.tool_fields.parses_calls:
+            raise bad_request(
+                f"This model's chat template does not write tool calls in a format this server reads "
+                f"({', '.join(FORMATS)}); start the server with --tool-call-parser to name one, or send "
+                "tool_choice \"none\"", param="tools",
+            )
+        return self.tool_format
 
     async def _prompts_off_loop(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The prompts' token ids, computed on a thread where there is text to render or tokenize (a long one would

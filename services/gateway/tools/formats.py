@@ -188,8 +188,10 @@ def tool_constraint(body: Any, format: ToolFormat) -> tuple[str, StructuredOutpu
     return "tool_choice", StructuredOutput(kind="grammar", spec=grammar)
 
 
-def format_for(chat_template: str | None, configured: str = "auto") -> ToolFormat:
-    """The configured format (--tool-call-parser), or the one the chat template writes calls in."""
+def format_for(chat_template: str | None, configured: str = "auto") -> ToolFormat | None:
+    """The configured format (--tool-call-parser), or the one the chat template writes calls in; None when the
+    template shows neither (no tools, or another format, such as Mistral's [TOOL_CALLS]): requests with tools are
+    then refused rather than read in a format the model does not write."""
     if configured != "auto":
         return FORMATS[configured]
     template = chat_template or ""
@@ -197,4 +199,4 @@ def format_for(chat_template: str | None, configured: str = "auto") -> ToolForma
         return FORMATS["hermes"]
     if Llama3Json.python_tag in template or '"parameters"' in template:
         return FORMATS["llama3_json"]
-    return FORMATS["hermes"]
+    return None
