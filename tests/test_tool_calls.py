@@ -106,10 +106,14 @@ def test_a_call_cut_short_keeps_its_name_and_the_arguments_written() -> None:
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
 
 
-@pytest.mark.parametrize("ending", ["\n</tool_ca", "\n</tool_call>\n<", "\n</tool_call>\n<tool"])
+@pytest.mark.parametrize(
+    "ending",
+    ["\n</tool_ca", "\n</tool_call>\n<", "\n</tool_call>\n<tool", "\n</tool_call>\n<tool_call>\n{",
+     '\n</tool_call>\n<tool_call>\n{"na'],
+)
 @pytest.mark.parametrize("cut", [[], [1] * 80], ids=["whole", "characters"])
 def test_a_call_written_whole_but_cut_short_keeps_its_whole_arguments_and_nothing_else(ending, cut) -> None:
-    """max_tokens may end an answer inside the closing tag, or inside the opening tag of a next call: the arguments
+    """max_tokens may end an answer inside the closing tag, or inside a next call before its name: the arguments
     are the JSON written, without the call's closing brace or a tag's start, and no tag's start becomes content."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
     text = call + ending

@@ -77,9 +77,9 @@ class Hermes:
             end = rest.find(self.close_tag, start)
             if end < 0:  # cut short (max_tokens): a call whose name is written keeps the arguments written so far
                 truncated = self.partial_call(rest[start + len(self.open_tag) :])
-                if truncated is not None:
+                if truncated is not None or calls:  # else a next call cut before its name: dropped, as its tag
                     content.append(rest[:start])
-                    calls.append(truncated)
+                    calls += [truncated] if truncated is not None else []
                     rest = ""
                 break
             block = rest[start + len(self.open_tag) : end]

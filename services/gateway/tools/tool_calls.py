@@ -96,7 +96,8 @@ class ToolCallStream:
                 if final:  # cut short (max_tokens): a named call keeps the arguments written so far
                     partial = fmt.partial_call(self._buffer)
                     if partial is None:
-                        content.append(fmt.open_tag + self._buffer)
+                        if not self.called:  # after calls, the start of a next one cut before its name: dropped
+                            content.append(fmt.open_tag + self._buffer)
                     else:
                         if not self._named:
                             deltas.append(self._open_call(partial.name))
