@@ -137,6 +137,9 @@ class ChoiceProgress(_Message):
     next_seq_no: int = Field(0, ge=0, le=MAX_RESUMED_SEQ_NO)  # seq_no of the choice's next TARGET record
 
 
+MAX_DELIVERY_ID_CHARS = 64  # a stream name and a sequence number
+
+
 class HandoffTicket(BaseModel):
     """On a request a prefill worker hands to a decode worker (services/worker/handoff/): the transfer that carried
     its KV blocks there; none when the transfer failed, and the decode worker recomputes them."""
@@ -145,6 +148,9 @@ class HandoffTicket(BaseModel):
 
     transfer_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     from_worker: int = Field(ge=0, le=MAX_WORKER_ID)
+    # The work-queue delivery the prefill worker held (takeover.delivery_id): this handoff supersedes it, so that
+    # one redelivered because the prefill worker died before acknowledging it is not taken for a lost request.
+    superseded: str | None = Field(None, max_length=MAX_DELIVERY_ID_CHARS)
 
 
 class WorkRequest(_Message):
@@ -259,6 +265,8 @@ class ProgressQuery(_Message):
     # A decode worker taking a request its prefill worker (this id) handed it (services/worker/handoff/): planned, so
     # not a migration, neither counted nor bounded by --max-migrations, when that worker still owns the request
     handoff_from: int | None = Field(None, ge=0, le=MAX_WORKER_ID)
+    delivery: str | None = Field(None, max_length=MAX_DELIVERY_ID_CHARS)  # the message it holds (takeover.delivery_id)
+    superseded: str | None = Field(None, max_length=MAX_DELIVERY_ID_CHARS)  # a handoff's HandoffTicket.superseded
 
 
 class TakeOver(StrEnum):

@@ -27,6 +27,9 @@ ROUTED_SUBJECTS = f"{PREFIX}.routed.*"
 # The header of a routed request moved to the shared queue after a delivery: it may have started somewhere, so the
 # worker that takes it asks its detokenizer where its output stands (services/worker/takeover.py).
 DELIVERED_BEFORE_HEADER = "Specmesh-Delivered-Before"
+# On a routed message moved to the shared queue: the delivery it was (services/worker/takeover.py delivery_id), so
+# that a handoff that replaced it is still known to have.
+DELIVERY_HEADER = "Specmesh-Delivery"
 
 
 def routed(worker_id: int) -> str:

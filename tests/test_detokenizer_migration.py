@@ -30,9 +30,9 @@ async def publish_target(nc: Client, worker_id: int, step: int, request_id: str,
 
 
 async def ask_progress(
-    nc: Client, request_id: str, worker_id: int, handoff_from: int | None = None
+    nc: Client, request_id: str, worker_id: int, handoff_from: int | None = None, **fields
 ) -> ProgressReport:
-    query = ProgressQuery(request_id=request_id, worker_id=worker_id, handoff_from=handoff_from)
+    query = ProgressQuery(request_id=request_id, worker_id=worker_id, handoff_from=handoff_from, **fields)
     reply = await nc.request(subjects.progress(DETOK_ID), query.to_bytes(), timeout=RECEIVE_TIMEOUT_S)
     return ProgressReport.from_bytes(reply.data)
 
@@ -94,6 +94,27 @@ async def test_a_handoff_from_the_owner_is_no_migration_and_one_from_another_is(
     stale = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, handoff_from=WORKER_ID)
     assert stale.outcome is TakeOver.CONTINUE and stale.migrations == 1
     # Closed here: an open request would hold the module's detokenizer in its drain (60 s) when the module ends.
+    await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+
+
+async def test_a_delivery_its_handoff_replaced_is_closed_not_taken_over(nc: Client, tokenizer: Tokenizer) -> None:
+    """A prefill worker that dies after handing its request off, before acknowledging its own delivery of it: that
+    delivery comes back to another worker, whose take-over is closed (the request lives on where it was handed),
+    not a migration that would take the request from its decode worker."""
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
+                         seq_no=0, offset=0)
+    await next_chunk(chunks)
+    prefill_delivery = "SPECMESH_REQUESTS:7"
+    handed = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID, delivery="ROUTED:3",
+                                superseded=prefill_delivery)
+    assert handed.outcome is TakeOver.CONTINUE and handed.migrations == 0
+    again = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, delivery=prefill_delivery)
+    assert again.outcome is TakeOver.CLOSED and again.migrations == 0
+    # A delivery the handoff did not replace (the decode worker's own, redelivered when it dies) is taken over.
+    lost = await ask_progress(nc, request_id, NEW_WORKER_ID + 2, delivery="ROUTED:3")
+    assert lost.outcome is TakeOver.CONTINUE and lost.migrations == 1
     await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
 
 

@@ -28,6 +28,7 @@ class RequestChoices:
         # worker that lost the request (stalled past ack_wait, but alive) may still send frames; they are dropped.
         self.owner: int | None = None
         self.migrations = 0  # times a worker took the request over
+        self.superseded: set[str] = set()  # deliveries a handoff replaced (migration.py)
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this record produces for its choice, numbered in the request's stream, or None."""

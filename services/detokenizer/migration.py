@@ -54,6 +54,14 @@ class Migrations:
         """The answer to the querying worker, and the error chunk to send when the request is given up on."""
         if request is None:
             return ProgressReport(outcome=TakeOver.CLOSED), None
+        if query.delivery is not None and query.delivery in request.superseded:
+            # The prefill worker died after handing the request off, before acknowledging its own delivery: the
+            # request lives on where it was handed, and this delivery of it is over.
+            log.info("request %s: worker %d took a delivery its handoff replaced; closed", query.request_id,
+                     query.worker_id)
+            return ProgressReport(outcome=TakeOver.CLOSED, migrations=request.migrations), None
+        if query.superseded is not None:
+            request.superseded.add(query.superseded)
         if query.handoff_from is not None and request.owner in (None, query.handoff_from):
             HANDOFFS.inc()
             progress = request.take_over(query.worker_id, migration=False)

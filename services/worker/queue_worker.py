@@ -38,7 +38,7 @@ from services.worker.metrics import (
 from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
 from services.worker.routing import Routing
-from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, take_over
+from services.worker.takeover import RETRY_DELAY_S, Outcome, came_back, delivery_id, take_over
 
 log = logging.getLogger("specmesh.worker")
 
@@ -202,7 +202,7 @@ class QueueWorker:
         ticket = request.handoff if self.role == "decode" else None
         handed = ticket is not None
         request = request.model_copy(update={"handoff": None})
-        taken = await take_over(self.nc, request, self.worker_id, handoff_from=ticket.from_worker if handed else None)
+        taken = await take_over(self.nc, request, self.worker_id, delivery_id(msg), ticket)
         if not handed:
             self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
@@ -317,7 +317,7 @@ class QueueWorker:
         request, msg = self._requests.get(request_id), self._messages.get(request_id)
         if request is None or msg is None:
             return
-        await self.sender.hand_off(request, payload, lambda: request_id in self._recent_cancels)
+        await self.sender.hand_off(request, payload, lambda: request_id in self._recent_cancels, delivery_id(msg))
         self._requests.pop(request_id, None)
         self._messages.pop(request_id, None)
         self._acked.set()

@@ -33,6 +33,7 @@ from shared.config import EngineConfig
 from shared.natsutil import REQUEST_ACK_WAIT_S, ensure_routed_consumer, ensure_routed_stream, routed_consumer
 from shared.schemas import WorkerState
 from services.worker.metrics import BAD_WORKER_STATES, ROUTED_MOVED, WorkerMetrics
+from services.worker.takeover import delivery_id
 
 log = logging.getLogger("specmesh.worker")
 
@@ -148,7 +149,9 @@ class Routing:
     async def move(self, msg: Msg) -> None:
         """Moves a routed message to the shared queue, marked when it was delivered before; then acknowledges it."""
         delivered_before = msg.metadata.num_delivered > 1
-        headers = {subjects.DELIVERED_BEFORE_HEADER: "1"} if delivered_before else None
+        headers = {subjects.DELIVERY_HEADER: delivery_id(msg)}
+        if delivered_before:
+            headers[subjects.DELIVERED_BEFORE_HEADER] = "1"
         await self.js.publish(subjects.RESUMED_REQUESTS, msg.data, headers=headers)
         await msg.ack()
         self.metrics.child(ROUTED_MOVED, delivered_before=str(delivered_before).lower()).inc()

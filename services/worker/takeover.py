@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from shared import subjects
-from shared.schemas import ProgressQuery, ProgressReport, TakeOver, WorkRequest
+from shared.schemas import HandoffTicket, ProgressQuery, ProgressReport, TakeOver, WorkRequest
 
 log = logging.getLogger("specmesh.worker")
 
@@ -55,9 +55,25 @@ def came_back(msg: Msg, request: WorkRequest) -> bool:
     return msg.metadata.num_delivered > 1 or bool(request.progress) or delivered_before
 
 
-async def take_over(nc: Client, request: WorkRequest, worker_id: int, handoff_from: int | None = None) -> TakenOver:
-    """Asks the request's detokenizer where its output stands and makes this worker the one it takes frames from."""
-    query = ProgressQuery(request_id=request.request_id, worker_id=worker_id, handoff_from=handoff_from)
+def delivery_id(msg: Msg) -> str:
+    """The identity of a work-queue message, the same on every delivery of it: its stream and sequence there, or,
+    for a routed message moved to the shared queue, those of the routed message it was."""
+    if msg.headers and (moved_from := msg.headers.get(subjects.DELIVERY_HEADER)):
+        return moved_from
+    return f"{msg.metadata.stream}:{msg.metadata.sequence.stream}"
+
+
+async def take_over(
+    nc: Client, request: WorkRequest, worker_id: int, delivery: str, handoff: HandoffTicket | None = None
+) -> TakenOver:
+    """Asks the request's detokenizer where its output stands and makes this worker the one it takes frames from.
+    `delivery` names the message taken (delivery_id); `handoff`, the ticket of a decode worker taking a request its
+    prefill worker handed it."""
+    query = ProgressQuery(
+        request_id=request.request_id, worker_id=worker_id, delivery=delivery,
+        handoff_from=handoff.from_worker if handoff is not None else None,
+        superseded=handoff.superseded if handoff is not None else None,
+    )
     try:
         reply = await nc.request(subjects.progress(request.detok_id), query.to_bytes(), timeout=PROGRESS_TIMEOUT_S)
     except nats.errors.NoRespondersError:

@@ -45,9 +45,11 @@ class HandoffSender:
         self.router = router
         self.metrics = metrics
 
-    async def hand_off(self, request: WorkRequest, payload: bytes, cancelled: Callable[[], bool]) -> bool:
+    async def hand_off(
+        self, request: WorkRequest, payload: bytes, cancelled: Callable[[], bool], superseded: str
+    ) -> bool:
         """Hands `request` (with its progress and seed) to a decode worker; True once one holds it, False when it was
-        cancelled meanwhile."""
+        cancelled meanwhile. `superseded`: the delivery this worker held, which the handoff replaces."""
         started = time.perf_counter()
         js = self.nc.jetstream()
         tried: set[int] = set()
@@ -74,7 +76,9 @@ class HandoffSender:
                 log.warning("request %s goes to worker %d without its KV: %s", request.request_id, worker_id, exc)
                 transfer_id = None
             handed = request.model_copy(
-                update={"handoff": HandoffTicket(transfer_id=transfer_id, from_worker=self.worker_id)}
+                update={"handoff": HandoffTicket(
+                    transfer_id=transfer_id, from_worker=self.worker_id, superseded=superseded
+                )}
             )
             try:
                 await js.publish(subjects.routed(worker_id), handed.to_bytes())
