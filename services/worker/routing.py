@@ -177,8 +177,9 @@ class Routing:
             return  # too young to tell a silent worker from one not heard yet
         for owner, count in counts.items():
             if owner is not None and owner != self.worker_id and count and not self._alive(owner):
-                moved = await self._move_all(owner)
-                log.info("adopted %d routed requests of worker %d", moved, owner)
+                # A draining worker's own messages may all be taken (delivered, not yet settled): nothing to say.
+                if moved := await self._move_all(owner):
+                    log.info("adopted %d routed requests of worker %d", moved, owner)
         await self._delete_gone_consumers()
 
     def _alive(self, owner: int) -> bool:
