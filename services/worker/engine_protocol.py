@@ -116,7 +116,10 @@ class StepResult:
     # A prefill worker's requests handed off this step: (request id, each unfinished choice's (index, output token
     # ids, next TARGET record number), the seed, the handoff's bytes); acknowledged once a decode worker has them
     handed_off: list[tuple[str, list[tuple[int, list[int], int]], int, bytes]] = field(default_factory=list)
-    handoffs_recomputed: int = 0  # handoffs that did not fit here: their requests are recomputed
+    # A decode worker's handed-off choices admitted this step: recomputed (their handoff did not fit, or the cached
+    # blocks it starts from were gone), or with the handoff's KV
+    handoffs_recomputed: int = 0
+    handoffs_imported: int = 0
 
     def to_wire(self) -> tuple:
         """The result as nested tuples of builtins (decode() takes it back): encoded in a few microseconds, where
@@ -130,19 +133,19 @@ class StepResult:
                 stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
-            self.stored, self.removed, self.handed_off, self.handoffs_recomputed,
+            self.stored, self.removed, self.handed_off, self.handoffs_recomputed, self.handoffs_imported,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepResult:
         (step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed, handed_off,
-         recomputed) = wire
+         recomputed, imported) = wire
         if stats is not None:
             stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
             [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed, handed_off,
-            recomputed,
+            recomputed, imported,
         )
 
 

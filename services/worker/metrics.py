@@ -61,8 +61,9 @@ REQUESTS_HANDED_BACK = Counter(
 )
 HANDOFFS = Counter(
     "specmesh_worker_handoffs",
-    "Prefill/decode handoffs, by outcome: sent (a prefill worker's, with its KV), sent_without_kv (the transfer "
-    "failed: recomputed there), imported and recomputed (a decode worker's)", _LABELS + ["outcome"],
+    "Prefill/decode handoffs, by outcome: sent (a prefill worker's requests, with their KV), sent_without_kv (the "
+    "transfer failed: recomputed there), imported and recomputed (a decode worker's choices, each counted once, as "
+    "it is admitted)", _LABELS + ["outcome"],
 )
 HANDOFF_BYTES = Counter("specmesh_worker_handoff_bytes", "KV handoff bytes sent to decode workers", _LABELS)
 HANDOFF_SECONDS = Histogram(

@@ -212,7 +212,8 @@ class QueueWorker:
                 # Taken only now: a request that comes back later (its detokenizer did not answer) still finds it.
                 kv = self.transport.take(ticket.transfer_id) if ticket.transfer_id and self.transport else None
                 payload = kv if taken.request.progress == request.progress else None
-                self.metrics.child(HANDOFFS, outcome="imported" if payload is not None else "recomputed").inc()
+                if payload is None:  # else counted as the engine admits its choices, imported or not after all
+                    self.metrics.child(HANDOFFS, outcome="recomputed").inc(len(taken.request.choices()))
             else:
                 log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
             self._requests[request.request_id] = taken.request
@@ -281,6 +282,8 @@ class QueueWorker:
             await self.routing.publish_events(result.stored, result.removed)
         if result.handoffs_recomputed:
             self.metrics.child(HANDOFFS, outcome="recomputed").inc(result.handoffs_recomputed)
+        if result.handoffs_imported:
+            self.metrics.child(HANDOFFS, outcome="imported").inc(result.handoffs_imported)
         for request_id, progress, seed, payload in result.handed_off:
             self._with_progress(request_id, progress, seed)  # at once: a hand-back meanwhile carries it
             task = asyncio.create_task(self._hand_off(request_id, payload))

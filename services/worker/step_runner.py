@@ -41,8 +41,10 @@ class StepRunner:
         self._num_live: dict[str, int] = {}
         self._guard: StepGuard = StepGuard(engine)
         self._lookups = (0, 0)  # the scheduler's prefix cache counters at the last step
-        self._recomputed = 0  # handoffs of this step's new requests that did not fit
-        self._gone_on_admission = 0  # the scheduler's count of handoffs whose cached blocks were gone, at the last step
+        self._recomputed = 0  # handed-off choices of this step's new requests whose handoff did not fit
+        # The scheduler's counts of handed-off choices admitted with their KV, and recomputed because the cached
+        # blocks they start from were gone, at the last step
+        self._imported_before = self._gone_before = 0
 
     def step(
         self, new: list[WorkRequest], cancels: list[Cancel], handoffs: dict[str, bytes] | None = None
@@ -92,11 +94,12 @@ class StepRunner:
         gauges = Gauges(len(scheduler.running), len(scheduler.waiting), self.engine.kv_usage)
         step = self.engine.step_no if seconds is not None else 0
         stored, removed = scheduler.blocks.cache.take_journal()
-        recomputed = self._recomputed + scheduler.handoffs_recomputed - self._gone_on_admission
-        self._gone_on_admission = scheduler.handoffs_recomputed
+        recomputed = self._recomputed + scheduler.handoffs_recomputed - self._gone_before
+        imported = scheduler.handoffs_imported - self._imported_before
+        self._gone_before, self._imported_before = scheduler.handoffs_recomputed, scheduler.handoffs_imported
         return StepResult(
             step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed, handed_off,
-            recomputed,
+            recomputed, imported,
         )
 
     def _take_handoffs(self) -> list[tuple[str, list[tuple[int, list[int], int]], int, bytes]]:
@@ -126,7 +129,7 @@ class StepRunner:
                 seqs = self._guard.admit(request, handoff)
             except HandoffMismatch as exc:
                 log.warning("recomputing request %s: its handoff does not fit: %s", request.request_id, exc)
-                self._recomputed += 1
+                self._recomputed += len(request.choices())
                 seqs = self._guard.admit(request)
         except OutOfLimits as exc:
             log.warning("refusing request %s: %s is out of the model's limits: %s", request.request_id, exc.param, exc)

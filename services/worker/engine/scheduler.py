@@ -78,6 +78,7 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.handoffs_recomputed = 0  # handed-off sequences whose cached blocks were gone on admission
+        self.handoffs_imported = 0  # handed-off sequences admitted with their handoff's KV
 
     @property
     def num_unfinished(self) -> int:
@@ -236,6 +237,7 @@ class Scheduler:
             if not s.is_finished and (not s.is_prefilling or (s.output_ids and id(s) in completing))
         ] if self.decode else self._stranded(prefills, admitted)
         imports = [s for s in admitted if s.imported is not None]
+        self.handoffs_imported += len(imports)
         return StepPlan(prefills=prefills, chunks=chunks, decodes=decodes, preempted=preempted, imports=imports)
 
     def _stranded(self, prefills: list[Sequence], admitted: list[Sequence]) -> list[Sequence]:
