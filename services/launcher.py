@@ -46,7 +46,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
 from shared.nats_server import credentials_dir, default_store_dir, start_nats_server
-from shared.ports import free_port
+from shared.ports import can_listen, free_port
 from shared.nats_settings import NatsSettings
 from shared.tokenizer import TOKENIZER_FILE
 
@@ -162,6 +162,12 @@ def resolve_args(args: argparse.Namespace) -> None:
         # The workers draw on one host's memory: each gets its share of the default (kv_budget.py)
         args.kv_cache_memory = default_cpu_budget() // args.workers
     args.cpu_plan = cpu_plan.plan_for(args, args.workers)
+    # Last of the checks, still before anything starts: else the start-up probe, API key and all, would reach
+    # whatever holds the port, and report the mesh up.
+    if not can_listen(args.host, args.port):
+        raise UsageError(f"--port {args.port}: {args.host}:{args.port} is already in use by another program")
+    if args.nats_url is None and not can_listen("127.0.0.1", args.nats_port):  # where start_nats_server listens
+        raise UsageError(f"--nats-port {args.nats_port}: already in use by another program")
 
 
 def worker_roles(workers: int | None, prefill_workers: int, decode_workers: int) -> list[str]:
@@ -214,7 +220,8 @@ def _child_nats(
         settings = NatsSettings(url=nats_url, role=role, credentials=credentials[role])
     else:
         settings = NatsSettings.from_args(args, role)
-    env = dict(os.environ)
+    # The API keys are the gateway's alone (the launcher hands them to it below), whatever started the launcher with.
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
     if settings.credentials is not None:
         env.update(settings.credentials.environment())
     return settings.command_line(), env

@@ -40,6 +40,22 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def can_listen(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now. Bound as servers bind (SO_REUSEADDR: a port whose last
+    connections linger in TIME_WAIT is free); a host that does not resolve is left for the server to report."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return True
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A loopback port free now, chosen at random below the ephemeral range (or from the kernel where that range starts
     too low to leave room)."""

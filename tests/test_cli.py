@@ -3,18 +3,25 @@ or model is one line on stderr and exit status 2; --max-model-len defaults to th
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from services import cli
+from services import cli, launcher
+from services.gateway import service as gateway_service
+from services.gateway.auth import API_KEY_ENV
 from services.startup_checks import MODEL_CONFIG_FILE
 from shared.config import DEFAULT_MODEL_DIR
+from shared.nats_credentials import MeshCredentials
+from shared.nats_roles import NatsRole
+from shared.ports import free_port
 from shared.tokenizer import TOKENIZER_FILE
 
 DEMO_CONTEXT = json.loads((DEFAULT_MODEL_DIR / MODEL_CONFIG_FILE).read_text())["max_position_embeddings"]
@@ -88,6 +95,18 @@ def test_a_bad_option_or_model_is_one_line_and_exit_status_2(
     assert named in _refused(argv, capsys)
 
 
+@pytest.mark.parametrize("option", ["--port", "--nats-port"])
+def test_a_port_another_program_listens_on_is_refused_before_anything_starts(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Else the start-up probe, API key included, would reach that program, and report the mesh up."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        assert f"{option} {port}: " in _refused(["up", option, str(port)], capsys)
+
+
 def test_an_unsupported_model_is_refused_by_name(unsupported_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for command in ("up", "worker"):
         assert "unsupported architecture ['MambaForCausalLM']" in _refused([command, "--model", str(unsupported_model)], capsys)
@@ -102,9 +121,11 @@ def test_a_refusal_from_the_real_process_is_one_line_without_traceback(tmp_path:
 
 @pytest.mark.parametrize("command", ["up", "worker", "gateway"])
 def test_max_model_len_defaults_to_the_models_context_length(command: str) -> None:
-    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR)])
+    # up checks that its ports are free: ports of its own, whatever listens on the defaults on this machine.
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())] if command == "up" else []
+    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR), *ports])
     assert args.max_model_len == DEMO_CONTEXT
-    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR), "--max-model-len", "256"])
+    _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR), "--max-model-len", "256", *ports])
     assert args.max_model_len == 256
 
 
@@ -112,3 +133,23 @@ def test_log_level_is_taken_before_or_after_the_command() -> None:
     assert cli.parse(["--log-level", "debug", "detokenizer"])[1].log_level == "DEBUG"
     assert cli.parse(["detokenizer", "--log-level", "warning"])[1].log_level == "WARNING"
     assert cli.parse(["detokenizer"])[1].log_level == cli.DEFAULT_LOG_LEVEL
+
+
+def test_the_api_keys_go_to_the_gateway_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys the launcher was started with (its environment) are not inherited by the workers and detokenizers; the
+    launcher hands the gateway its keys itself."""
+    monkeypatch.setenv(API_KEY_ENV, "sk-secret")
+    credentials = MeshCredentials.generate()
+    for role in (NatsRole.WORKER, NatsRole.DETOKENIZER, NatsRole.GATEWAY):
+        _, env = launcher._child_nats(argparse.Namespace(), "nats://127.0.0.1:4222", credentials, role)
+        assert API_KEY_ENV not in env and "sk-secret" not in env.values()
+
+
+@pytest.mark.parametrize(
+    "host, loopback",
+    [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("::", False),
+     ("10.0.0.5", False), ("gateway.example", False)],
+)
+def test_a_gateway_reachable_from_elsewhere_is_told_apart(host: str, loopback: bool) -> None:
+    """What decides the warning a gateway logs when it listens beyond this machine with no API key."""
+    assert gateway_service._loopback(host) is loopback

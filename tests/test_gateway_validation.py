@@ -7,6 +7,7 @@ stdlib files (fixtures in gatewayfixture.py), and the real `openai` client.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import OpenAIError
 from services.gateway.response_size import check_response_size
 from services.gateway.structured_request import ResponseFormat
+from services.gateway.unknown_fields import MAX_LOGGED_NAMES, UnknownFields
 from tests.gatewayfixture import (
     MAX_MODEL_LEN, MODEL, VOCAB_SIZE, NatsServer, client, gateway, model_dir, nats_server, start_gateway,
 )
@@ -272,3 +274,15 @@ def test_the_response_size_bound_counts_prompt_logprobs_only_as_shown() -> None:
     check_response_size(ChatCompletionRequest.model_validate({**scored, "messages": hi}), [90_000])
     with pytest.raises(OpenAIError):
         check_response_size(CompletionRequest.model_validate({**scored, "prompt": "hi"}), [90_000])
+
+
+def test_unknown_field_names_are_logged_once_each_and_boundedly(caplog: pytest.LogCaptureFixture) -> None:
+    """Each unknown name is logged once, and at most MAX_LOGGED_NAMES of them are remembered: a client sending
+    thousands of new names per request grows neither the gateway's memory nor its log without bound."""
+    fields = UnknownFields(strict=False, declared={"completion": frozenset({"model"})})
+    with caplog.at_level(logging.WARNING, logger="services.gateway.unknown_fields"):
+        for batch in range(3):
+            fields.check({"model": "m", **{f"x{batch}-{i}": 1 for i in range(MAX_LOGGED_NAMES)}}, "completion")
+        fields.check({"x0-0": 1}, "completion")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == MAX_LOGGED_NAMES + 1 and "no more are logged" in lines[-1]

@@ -22,6 +22,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.kv_cache import lazy_zeros
 from services.worker.model.config import ModelConfig
 from shared.config import DEFAULT_MODEL_DIR, DTYPE_BYTES, EngineConfig, SpeculativeConfig
+from shared.ports import free_port
 from shared.schemas import SamplingParams, WorkRequest
 
 MAX_MODEL_LEN = 128
@@ -95,9 +96,10 @@ def test_the_cpus_default_budget_is_4_gib_or_a_quarter_of_what_is_available_shar
 
 
 def test_several_cpu_workers_share_the_default_budget() -> None:
-    _, args = cli.parse(["up", "--workers", "2", "--max-model-len", "256"])
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]  # up checks that its ports are free
+    _, args = cli.parse(["up", "--workers", "2", "--max-model-len", "256", *ports])
     assert args.kv_cache_memory == pytest.approx(kv_budget.default_cpu_budget() // 2, rel=0.05)  # memory moves
-    _, args = cli.parse(["up", "--max-model-len", "256"])
+    _, args = cli.parse(["up", "--max-model-len", "256", *ports])
     assert args.kv_cache_memory is None  # one worker: its own default
 
 

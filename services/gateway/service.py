@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 from pathlib import Path
@@ -90,6 +91,16 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+def _loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (a name other than localhost counts as reachable)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def run(args: argparse.Namespace) -> None:
     """Serves until cancelled; then lets in-flight requests finish (up to --shutdown-timeout), ends the rest with a
     503, stops accepting, and drains NATS."""
@@ -104,6 +115,11 @@ async def run(args: argparse.Namespace) -> None:
         try:
             await web.TCPSite(runner, args.host, args.port).start()
             log.info("gateway serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+            if not config.api_keys and not _loopback(args.host):
+                log.warning(
+                    "the gateway listens on %s with no API key: anyone who can reach it can use it (--api-key)",
+                    args.host,
+                )
             await asyncio.Event().wait()
         finally:
             await app[GATEWAY].drain(args.shutdown_timeout)

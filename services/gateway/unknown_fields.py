@@ -17,6 +17,11 @@ from services.gateway.extensions import known_names
 
 log = logging.getLogger(__name__)
 
+# Field names logged, at most: each is remembered so that it is logged once, and a client could send thousands of
+# new ones per request (memory and log without bound).
+MAX_LOGGED_NAMES = 256
+SHOWN_CHARS = 80  # of a field name in the log
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -46,6 +51,10 @@ class UnknownFields:
         if self._strict:
             raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
         for name in unknown:
-            if name not in self._logged:
-                self._logged.add(name)
-                log.warning("ignoring the unknown request field %r (logged once per field name)", name)
+            if name in self._logged or len(self._logged) > MAX_LOGGED_NAMES:
+                continue
+            self._logged.add(name)
+            if len(self._logged) > MAX_LOGGED_NAMES:
+                log.warning("more unknown request fields are ignored; no more are logged (%d were)", MAX_LOGGED_NAMES)
+            else:
+                log.warning("ignoring the unknown request field %r (logged once per field name)", name[:SHOWN_CHARS])
