@@ -11,6 +11,8 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
+from pydantic import ValidationError
+
 from services.startup_checks import UsageError
 
 # Each command's module offers add_arguments(parser) and run(args), and may offer resolve_args(args), which checks
@@ -95,7 +97,16 @@ def parse(argv: list[str], resolve: bool = True) -> tuple[ModuleType, argparse.N
             resolve_args(args)
         except UsageError as exc:
             parser.error(str(exc))
+        except ValidationError as exc:  # an option a config model bounds (EngineConfig's max_model_len >= 16, ...)
+            parser.error(_option_error(exc))
     return module, args
+
+
+def _option_error(exc: ValidationError) -> str:
+    """A config model's refusal of a value in the words of the option that gave it (its field's name, dashed)."""
+    error = exc.errors()[0]
+    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "an option"
+    return f"{option}: {error['msg']}, got {error.get('input')!r}"
 
 
 async def _run_until_signalled(coro) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from shared import option_types
 from shared import nats_settings
 from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.tools import tool_options
@@ -59,29 +60,33 @@ SUPERVISE_INTERVAL_S = 0.1  # how often the launcher looks for exited children o
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="a local Hugging Face checkpoint directory (Llama, Qwen2)"
+        "--model", type=Path, default=DEFAULT_MODEL_DIR,
+        help="a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    parser.add_argument("--port", type=option_types.port, default=8000, help="the gateway's HTTP port")
     parser.add_argument(
-        "--workers", type=int, default=None, help="worker processes sharing the request queue (default 1)"
+        "--workers", type=option_types.at_least(1), default=None,
+        help="worker processes sharing the request queue (default 1)"
     )
     parser.add_argument(
-        "--prefill-workers", type=int, default=0,
+        "--prefill-workers", type=option_types.at_least(0), default=0,
         help="prefill/decode disaggregation: workers that compute prompts and first tokens, then hand each request "
         "with its KV to a decode worker (with --decode-workers, instead of --workers)",
     )
     parser.add_argument(
-        "--decode-workers", type=int, default=0, help="workers that continue the requests prefill workers hand them"
+        "--decode-workers", type=option_types.at_least(0), default=0,
+        help="workers that continue the requests prefill workers hand them"
     )
     parser.add_argument(
-        "--detokenizers", type=int, default=1, help="detokenizer processes; each request is owned by one of them"
+        "--detokenizers", type=option_types.at_least(1), default=1,
+        help="detokenizer processes; each request is owned by one of them"
     )
     nats_settings.add_arguments(
         parser, url_default=None, url_help="use this NATS server instead of starting one (then --nats-credentials and "
         "--nats-tls-* are handed to every service)",
     )
-    parser.add_argument("--nats-port", type=int, default=4222, help="the embedded NATS server's port")
+    parser.add_argument("--nats-port", type=option_types.port, default=4222, help="the embedded NATS server's port")
     parser.add_argument(
         "--nats-store-dir", type=Path, default=default_store_dir(), help="the embedded NATS server's JetStream store"
     )
@@ -90,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (README: Speculative decoding)',
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
+        "--max-num-seqs", type=option_types.at_least(1), default=EngineConfig.model_fields["max_num_seqs"].default,
         help="sequences each worker batches together",
     )
     parser.add_argument(
@@ -98,11 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
     )
     parser.add_argument(
-        "--num-kv-blocks", type=int, default=None,
+        "--num-kv-blocks", type=option_types.at_least(1), default=None,
         help="KV-cache blocks per worker (default: --max-num-seqs full-length sequences, within --kv-cache-memory)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
+        "--block-size", type=option_types.at_least(1), default=EngineConfig.model_fields["block_size"].default,
         help="positions per KV-cache block",
     )
     parser.add_argument("--device", default="cpu", help="the workers' torch device: cpu or cuda")
@@ -117,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
     parser.add_argument(
-        "--max-n", type=int, default=None,
+        "--max-n", type=option_types.at_least(1), default=None,
         help="the most choices per prompt a request may ask for (`n`) (default: the gateway's own)",
     )
     parser.add_argument(
@@ -130,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     auth.add_arguments(parser)
     parser.add_argument(
-        "--max-restarts", type=int, default=RestartPolicy.max_restarts,
+        "--max-restarts", type=option_types.at_least(0), default=RestartPolicy.max_restarts,
         help="restarts in a row of a crashing child (with backoff) before the mesh gives up; 0: any exit ends it",
     )
     limits.add_arguments(

@@ -16,6 +16,8 @@ import argparse
 from nats.js.api import DiscardPolicy
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared import option_types
+
 MIB = 1024 * 1024
 DEFAULT_MAX_MSGS = 10_000
 DEFAULT_MAX_BYTES = 1024 * MIB
@@ -54,14 +56,14 @@ class StreamLimits(BaseModel):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--queue-max-msgs", type=int, default=DEFAULT_MAX_MSGS,
+        "--queue-max-msgs", type=option_types.at_least(1), default=DEFAULT_MAX_MSGS,
         help="work queue: the most requests queued or in progress; past it new requests get 503",
     )
     parser.add_argument(
-        "--queue-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+        "--queue-max-bytes", type=option_types.at_least(1), default=DEFAULT_MAX_BYTES,
         help="work queue: the most bytes of requests stored; past it new requests get 503",
     )
     parser.add_argument(
-        "--queue-max-age", type=float, default=DEFAULT_MAX_AGE_S,
+        "--queue-max-age", type=option_types.seconds, default=DEFAULT_MAX_AGE_S,
         help="work queue: seconds a request may stay in the stream before JetStream removes it",
     )

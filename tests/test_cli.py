@@ -83,6 +83,15 @@ def unsupported_model(tmp_path: Path) -> Path:
         (["up", "--max-model-len", str(DEMO_CONTEXT * 2)], f"--max-model-len {DEMO_CONTEXT * 2} exceeds"),
         (["gateway", "--max-model-len", str(DEMO_CONTEXT + 1)], "max_position_embeddings"),
         (["gateway", "--max-n", "100000"], "--max-n 100000: must be between 1 and"),
+        # Numeric options out of range: one line naming the option, not a traceback or a mesh half started.
+        (["up", "--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
+        (["up", "--max-model-len", "8"], "--max-model-len: Input should be greater than or equal to 16"),
+        (["up", "--port", "70000"], "argument --port: must be a port between 1 and 65535"),
+        (["up", "--detokenizers", "0"], "argument --detokenizers: must be at least 1"),
+        (["up", "--queue-max-msgs", "0"], "argument --queue-max-msgs: must be at least 1"),
+        (["up", "--max-n", "0"], "argument --max-n: must be at least 1"),
+        (["worker", "--block-size", "0"], "argument --block-size: must be at least 1"),
+        (["gateway", "--request-timeout", "0"], "argument --request-timeout: must be more than 0 seconds"),
         # Each take-over is a redelivery of the work queue's message, which JetStream makes 5 times at most.
         (["up", "--max-migrations", "4"], "--max-migrations: must be between 0 and 3"),
         (["detokenizer", "--max-migrations", "10"], "--max-migrations: must be between 0 and 3"),

@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from shared import option_types
 from services.detokenizer.handlers import Detokenizer
 from services.detokenizer.incremental import TokenTable
 from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, max_migrations_arg
@@ -35,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=config.DEFAULT_MODEL_DIR, help="model directory holding tokenizer.json"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /health and /ready")
-    parser.add_argument("--metrics-port", type=int, default=9101, help="/metrics, /health and /ready; 0 picks one")
+    parser.add_argument(
+        "--metrics-port", type=option_types.port_or_any, default=9101,
+        help="/metrics, /health and /ready; 0 picks one",
+    )
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds open requests may finish on SIGTERM")
     parser.add_argument("--detokenizer-id", default=None, help="names this instance's frames subject (default: random)")
     parser.add_argument(

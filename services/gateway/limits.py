@@ -10,6 +10,7 @@ import argparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared import option_types
 from shared import stream_limits
 from shared.stream_limits import StreamLimits
 
@@ -61,19 +62,19 @@ def add_arguments(
     parser: argparse.ArgumentParser, *, in_flight_default: int | None = NO_LIMIT, in_flight_help: str | None = None
 ) -> None:
     parser.add_argument(
-        "--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+        "--idle-timeout", type=option_types.seconds, default=DEFAULT_IDLE_TIMEOUT_S,
         help="seconds a connection may stay open without a complete request (idle keep-alive or slow headers)",
     )
     parser.add_argument(
-        "--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+        "--body-timeout", type=option_types.seconds, default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request's body may take to arrive; slower ones get 408 and the connection is closed",
     )
     parser.add_argument(
-        "--max-concurrent-per-key", type=int, default=DEFAULT_MAX_CONCURRENT_PER_KEY,
+        "--max-concurrent-per-key", type=option_types.at_least(1), default=DEFAULT_MAX_CONCURRENT_PER_KEY,
         help="streams one client (its API key, else its address) may hold at once; past it, 429",
     )
     parser.add_argument(
-        "--max-in-flight", type=int, default=in_flight_default,
+        "--max-in-flight", type=option_types.at_least(0), default=in_flight_default,
         help=in_flight_help or "sequences (prompts x n) in the mesh at once; more wait at the gateway and are admitted "
         "round robin between clients (0: no bound, no fairness)",
     )

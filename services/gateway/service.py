@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from shared import option_types
 from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.tools import tool_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
@@ -38,13 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="model directory (for the tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--port", type=option_types.port, default=8000, help="HTTP port")
     parser.add_argument(
         "--max-model-len", type=int, default=None,
         help="prompt + generated tokens, at most (default: the model's max_position_embeddings)",
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds without any output before a request fails"
+        "--request-timeout", type=option_types.seconds, default=600.0,
+        help="seconds without any output before a request fails"
     )
     parser.add_argument(
         "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from shared import option_types
 from shared import nats_settings, subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_roles import NatsRole
@@ -45,14 +46,15 @@ log = logging.getLogger("specmesh.worker")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     nats_settings.add_arguments(parser)
     parser.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="a local Hugging Face checkpoint directory (Llama, Qwen2)"
+        "--model", type=Path, default=DEFAULT_MODEL_DIR,
+        help="a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral)"
     )
     parser.add_argument(
         "--speculative-config", type=speculative_config, default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (README: Speculative decoding)',
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
+        "--max-num-seqs", type=option_types.at_least(1), default=EngineConfig.model_fields["max_num_seqs"].default,
         help="sequences batched together",
     )
     parser.add_argument(
@@ -60,12 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt + generated tokens per sequence (default: the model's max_position_embeddings)",
     )
     parser.add_argument(
-        "--num-kv-blocks", type=int, default=None,
+        "--num-kv-blocks", type=option_types.at_least(1), default=None,
         help="KV cache blocks (default: enough for max-num-seqs full-length sequences, within --kv-cache-memory); "
         "fewer preempt sequences",
     )
     parser.add_argument(
-        "--block-size", type=int, default=EngineConfig.model_fields["block_size"].default,
+        "--block-size", type=option_types.at_least(1), default=EngineConfig.model_fields["block_size"].default,
         help="positions per KV cache block",
     )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
@@ -91,7 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-id", type=int, default=None, help="numeric id in frame headers and metrics (default: from host and pid)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /health and /ready")
-    parser.add_argument("--metrics-port", type=int, default=9100, help="/metrics, /health and /ready; 0 picks one")
+    parser.add_argument(
+        "--metrics-port", type=option_types.port_or_any, default=9100,
+        help="/metrics, /health and /ready; 0 picks one",
+    )
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests may finish on SIGTERM")
 
 
