@@ -40,6 +40,7 @@ HELP = {
 USAGE_ERROR = 2  # argparse's exit status for a command line it refuses
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_LOG_LEVEL = "INFO"
+VALUE_ERROR_PREFIX = "Value error, "  # pydantic's, on the message of a ValueError a validator raised
 LOG_LEVEL_HELP = f"logging threshold (default {DEFAULT_LOG_LEVEL}); also accepted before the command"
 
 
@@ -103,10 +104,13 @@ def parse(argv: list[str], resolve: bool = True) -> tuple[ModuleType, argparse.N
 
 
 def _option_error(exc: ValidationError) -> str:
-    """A config model's refusal of a value in the words of the option that gave it (its field's name, dashed)."""
+    """A config model's refusal in the words of the option that gave the value (its field's name, dashed), or, for
+    options that do not go together (a check of the whole model), its own message."""
     error = exc.errors()[0]
-    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "an option"
-    return f"{option}: {error['msg']}, got {error.get('input')!r}"
+    message = error["msg"].removeprefix(VALUE_ERROR_PREFIX)
+    if not error["loc"]:
+        return message
+    return f"--{str(error['loc'][0]).replace('_', '-')}: {message}, got {error.get('input')!r}"
 
 
 async def _run_until_signalled(coro) -> None:

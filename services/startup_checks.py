@@ -108,8 +108,9 @@ def check_split_roles(roles: list[str], tensor_parallel_size: int) -> None:
     """Prefill and decode workers run unsplit: a handoff carries one process's whole KV cache."""
     if tensor_parallel_size > 1 and any(role != "both" for role in roles):
         raise UsageError(
-            f"--tensor-parallel-size {tensor_parallel_size} does not go with --prefill-workers and --decode-workers: "
-            "a handoff carries one process's whole KV cache"
+            f"--tensor-parallel-size {tensor_parallel_size} does not go with prefill or decode workers (--role "
+            "prefill|decode, or specmesh up's --prefill-workers and --decode-workers): a handoff carries one "
+            "process's whole KV cache"
         )
 
 

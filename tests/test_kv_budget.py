@@ -71,6 +71,15 @@ def test_a_shard_costs_its_share_of_the_kv_heads() -> None:
     assert split - hidden == (whole - hidden) // 2
 
 
+def test_an_explicit_budget_is_the_whole_workers_however_many_ranks_share_it() -> None:
+    """--kv-cache-memory is what a worker's cache may take: split over two ranks, each plans with half, so the
+    worker's caches together take what one rank's would (they took twice as much)."""
+    budget = 64 * MIB
+    split = _config(max_num_seqs=512, kv_cache_memory=budget, tensor_parallel_size=2)
+    per_rank = kv_budget._block_cost(split)[0] * (kv_budget.planned_blocks(split) + 1)
+    assert 2 * per_rank <= budget < 3 * per_rank
+
+
 def test_full_length_for_every_slot_when_it_fits_else_what_the_budget_holds() -> None:
     config = _config(max_num_seqs=8)
     per_block = 1000

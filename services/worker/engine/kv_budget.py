@@ -134,17 +134,24 @@ def planned_blocks(config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block, target, draft = _block_cost(config)
-    budget = config.kv_cache_memory
-    if budget is None:
+    if config.kv_cache_memory is None:
         budget = default_budget(config, lambda: weight_bytes(config, target, draft), target.vocab_size)
+    else:
+        budget = _rank_share(config)
     return num_kv_blocks(config, per_block, budget)
+
+
+def _rank_share(config: EngineConfig) -> int:
+    """What one rank's shard of the cache may take of an explicit kv_cache_memory, which is the worker's whole (all
+    its ranks'): per_block is one shard's cost, so each rank plans with its share, as the default budget does."""
+    return config.kv_cache_memory // config.tensor_parallel_size
 
 
 def check_budget(config: EngineConfig) -> None:
     """Refuses (ValueError) an explicit kv_cache_memory too small for one sequence of max_model_len, before any
     process starts; torch-free."""
     if config.num_kv_blocks is None and config.kv_cache_memory is not None:
-        num_kv_blocks(config, _block_cost(config)[0], config.kv_cache_memory)
+        num_kv_blocks(config, _block_cost(config)[0], _rank_share(config))
 
 
 def _block_cost(config: EngineConfig) -> tuple[int, ModelConfig, ModelConfig | None]:
