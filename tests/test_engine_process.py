@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.engine_process import EngineError, EngineProcess
+from services.worker.engine_process import SPOOL_PREFIX, EngineError, EngineProcess, remove_stale_spools
 from services.worker.engine_protocol import Work, encode
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.schemas import SamplingParams, WorkRequest
@@ -131,3 +131,17 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_spools_of_engines_no_longer_running_are_removed(tmp_path: Path) -> None:
+    """A worker killed before its engine cleaned up leaves that engine's handoff spool; the next engine's start
+    removes it, and leaves a running engine's alone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"{SPOOL_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{SPOOL_PREFIX}{os.getpid()}-def"
+    for spool in (stale, live):
+        spool.mkdir()
+        (spool / "request").write_bytes(b"kv")
+    remove_stale_spools(tmp_path)
+    assert not stale.exists() and live.exists()

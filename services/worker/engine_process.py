@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from services.process_tree import is_running
 from shared.config import EngineConfig
 from services.worker.engine_protocol import (
     Counters, EngineFailed, EngineReady, StepResult, Stop, Stopped, Work, decode, encode,
@@ -31,6 +33,7 @@ from services.worker.engine_protocol import (
 
 log = logging.getLogger("specmesh.worker")
 
+SPOOL_PREFIX = "specmesh-handoffs-"  # then the engine process's pid: a directory of handoffs on their way to it
 JOIN_TIMEOUT_S = 10.0  # an engine told to stop exits at its next step's end
 
 
@@ -51,7 +54,8 @@ class EngineProcess:
         self._outbox = outbox  # our end: we read
         self._counters = counters
         self._stopping = False
-        self._spool = tempfile.TemporaryDirectory(prefix=f"specmesh-handoffs-{process.pid}-")
+        remove_stale_spools(Path(tempfile.gettempdir()))
+        self._spool = tempfile.TemporaryDirectory(prefix=f"{SPOOL_PREFIX}{process.pid}-")
 
     @classmethod
     async def start(
@@ -156,6 +160,15 @@ class EngineProcess:
         self._inbox.close()
         self._outbox.close()
         self._spool.cleanup()
+
+
+def remove_stale_spools(directory: Path) -> None:
+    """Removes the handoff spools of engine processes no longer running: one killed, or whose worker was killed
+    before it could clean up (a stop past the launcher's grace), leaves its spool, and handoffs may be large."""
+    for spool in directory.glob(f"{SPOOL_PREFIX}*-*"):
+        pid = spool.name.removeprefix(SPOOL_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not is_running(int(pid)):
+            shutil.rmtree(spool, ignore_errors=True)
 
 
 def _failure(message: object, process: multiprocessing.process.BaseProcess) -> str:
