@@ -6,16 +6,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from shared import option_types
 from shared.config import MAX_TENSOR_PARALLEL_SIZE, MIN_NUM_BATCHED_TOKENS, EngineConfig
-
-
-def _batched_tokens(text: str) -> int:
-    value = int(text)
-    if value < MIN_NUM_BATCHED_TOKENS:
-        raise argparse.ArgumentTypeError(
-            f"must be at least {MIN_NUM_BATCHED_TOKENS} (a block of prompt tokens), got {value}"
-        )
-    return value
 
 
 def _tensor_parallel_size(text: str) -> int:
@@ -72,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt from its first token",
     )
     parser.add_argument(
-        "--max-num-batched-tokens", type=_batched_tokens, default=fields["max_num_batched_tokens"].default,
+        "--max-num-batched-tokens", type=option_types.at_least(MIN_NUM_BATCHED_TOKENS),
+        default=fields["max_num_batched_tokens"].default,
         help="rows an engine step computes: every decoding sequence's, then pieces of prompts (chunked prefill)",
     )
     parser.add_argument(

@@ -11,7 +11,6 @@ import random
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -145,10 +144,13 @@ async def fair_gateway(mesh: Mesh) -> AsyncIterator[TestServer]:
     await nc.drain()
 
 
-async def _first_token_and_end(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, float]:
-    """Seconds from sending to the first token, and to the end of the stream."""
+async def _stream_times(
+    session: aiohttp.ClientSession, url: str, prompt: str | list[str], max_tokens: int, seen: bytes = b""
+) -> tuple[float, float]:
+    """Seconds from sending to the first event holding `seen` (by default the first event: the first token), and to
+    the end of the stream."""
     body = {
-        "model": DEFAULT_MODEL_DIR.name, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+        "model": DEFAULT_MODEL_DIR.name, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
         "ignore_eos": True, "temperature": 0,
     }
     started = time.monotonic()
@@ -156,8 +158,10 @@ async def _first_token_and_end(session: aiohttp.ClientSession, url: str, max_tok
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
-            if first is None and line.startswith(b"data: {"):
+            assert not line.startswith(b'data: {"error"'), line
+            if first is None and line.startswith(b"data: {") and seen in line:
                 first = time.monotonic() - started
+    assert first is not None, f"no event held {seen!r}"
     return first, time.monotonic() - started
 
 
@@ -168,10 +172,10 @@ async def test_one_clients_crowd_does_not_delay_anothers_first_token(fair_gatewa
     async with crowd_session, other_session:
         started = time.monotonic()
         crowd = [
-            asyncio.create_task(_first_token_and_end(crowd_session, url, CROWD_TOKENS)) for _ in range(CROWD)
+            asyncio.create_task(_stream_times(crowd_session, url, PROMPT, CROWD_TOKENS)) for _ in range(CROWD)
         ]
         await asyncio.sleep(0.5)  # the crowd fills the worker and queues behind it
-        other_first, _ = await _first_token_and_end(other_session, url, 1)
+        other_first, _ = await _stream_times(other_session, url, PROMPT, 1)
         ends = [end for _, end in await asyncio.gather(*crowd)]
     makespan = time.monotonic() - started
     one_batch = min(ends)  # the crowd's first batch of MAX_NUM_SEQS requests
@@ -183,24 +187,6 @@ async def test_one_clients_crowd_does_not_delay_anothers_first_token(fair_gatewa
     )
 
 
-async def _batch_first_end_and_end(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, float]:
-    """One request of CROWD prompts, streamed: seconds to its first choice's end, and to the end of the stream."""
-    body = {
-        "model": DEFAULT_MODEL_DIR.name, "prompt": [PROMPT] * CROWD, "max_tokens": max_tokens, "stream": True,
-        "ignore_eos": True, "temperature": 0,
-    }
-    started = time.monotonic()
-    first_end = None
-    async with session.post(url, json=body) as response:
-        assert response.status == 200, await response.text()
-        async for line in response.content:
-            assert not line.startswith(b'data: {"error"'), line
-            if first_end is None and b'"finish_reason":"length"' in line:
-                first_end = time.monotonic() - started
-    assert first_end is not None, "no choice ended"
-    return first_end, time.monotonic() - started
-
-
 async def test_one_clients_batch_request_does_not_delay_anothers_first_token(fair_gateway: TestServer) -> None:
     """The crowd as one request of CROWD prompts: its prompts enter in turns with other clients' requests, so it
     does not hold the mesh until its last prompt ends."""
@@ -208,9 +194,12 @@ async def test_one_clients_batch_request_does_not_delay_anothers_first_token(fai
     batch_session = aiohttp.ClientSession()
     other_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(OTHER_PEER, 0)))
     async with batch_session, other_session:
-        batch = asyncio.create_task(_batch_first_end_and_end(batch_session, url, CROWD_TOKENS))
+        # One request of CROWD prompts: how long until its first choice ends, and until it all ends.
+        batch = asyncio.create_task(
+            _stream_times(batch_session, url, [PROMPT] * CROWD, CROWD_TOKENS, seen=b'"finish_reason":"length"')
+        )
         await asyncio.sleep(0.5)  # the batch's first prompts fill the worker
-        other_first, _ = await _first_token_and_end(other_session, url, 1)
+        other_first, _ = await _stream_times(other_session, url, PROMPT, 1)
         one_batch, makespan = await batch
     # Admitted whole, the batch held the mesh for all five of its batches while the other client waited.
     assert other_first < FAIR_WAIT_BATCHES * one_batch, (

@@ -77,6 +77,26 @@ def test_a_killed_child_is_restarted_and_the_mesh_serves_again(mesh: Mesh, servi
     print(f"{service}: served again {elapsed:.1f}s after kill -9")
 
 
+def _generating_streams(mesh: Mesh, api_key: str) -> list:
+    """Two long streams, each of which has begun generating."""
+    client = openai.OpenAI(base_url=mesh.base_url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    streams = [
+        client.completions.create(model=mesh.model, prompt="def", max_tokens=200, stream=True,
+                                  extra_body={"ignore_eos": True})
+        for _ in range(2)
+    ]
+    for stream in streams:
+        next(iter(stream))
+    return streams
+
+
+def _left_running(processes: dict[int, str], since: float) -> dict[int, str]:
+    """Those of the processes still running STOP_DEADLINE_S after `since` (sooner when none is)."""
+    while any(is_running(pid) for pid in processes) and time.monotonic() - since < STOP_DEADLINE_S:
+        time.sleep(0.05)
+    return {pid: cmd for pid, cmd in processes.items() if is_running(pid)}
+
+
 def test_sigterm_stops_every_process_of_the_mesh_within_five_seconds(mesh: Mesh) -> None:
     """Open streams are told why they end: the gateway ends them with a 503 error event, which cancels their
     requests in the mesh while NATS is still up."""
@@ -84,24 +104,15 @@ def test_sigterm_stops_every_process_of_the_mesh_within_five_seconds(mesh: Mesh)
     assert {"worker", "detokenizer", "gateway", "nats-server"} <= {
         name for cmd in processes.values() for name in ("worker", "detokenizer", "gateway", "nats-server") if name in cmd
     }
-    client = openai.OpenAI(base_url=mesh.base_url, api_key=API_KEY, max_retries=0, timeout=REQUEST_TIMEOUT_S)
-    streams = [
-        client.completions.create(model=mesh.model, prompt="def", max_tokens=200, stream=True,
-                                  extra_body={"ignore_eos": True})
-        for _ in range(2)
-    ]
-    for stream in streams:
-        next(iter(stream))  # each is generating
+    streams = _generating_streams(mesh, API_KEY)
     sent = time.monotonic()
     mesh.proc.send_signal(signal.SIGTERM)
     for stream in streams:
         with pytest.raises(openai.APIError, match="shutting down"):
             list(stream)
     assert mesh.proc.wait(timeout=STOP_DEADLINE_S) == 0
-    while any(is_running(pid) for pid in processes) and time.monotonic() - sent < STOP_DEADLINE_S:
-        time.sleep(0.05)
+    left = _left_running(processes, sent)
     elapsed = time.monotonic() - sent
-    left = {pid: cmd for pid, cmd in processes.items() if is_running(pid)}
     assert not left, f"left running after SIGTERM: {left}"
     assert elapsed < STOP_DEADLINE_S
     print(f"specmesh up and its {len(processes)} processes stopped {elapsed:.2f}s after SIGTERM")
@@ -113,20 +124,11 @@ def test_a_killed_specmesh_up_takes_every_process_with_it_while_streams_are_open
     mesh = start_mesh(tmp_path, "--max-num-seqs", "2", "--max-model-len", "256", "--torch-threads", "1",
                       model=E2E_MODEL)
     processes = mesh.children()
-    client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-    streams = [
-        client.completions.create(model=mesh.model, prompt="def", max_tokens=200, stream=True,
-                                  extra_body={"ignore_eos": True})
-        for _ in range(2)
-    ]
-    for stream in streams:
-        next(iter(stream))  # each is generating
+    _generating_streams(mesh, "unused")
     sent = time.monotonic()
     mesh.proc.kill()
     mesh.proc.wait()
-    while any(is_running(pid) for pid in processes) and time.monotonic() - sent < STOP_DEADLINE_S:
-        time.sleep(0.05)
-    left = {pid: cmd for pid, cmd in processes.items() if is_running(pid)}
+    left = _left_running(processes, sent)
     assert not left, f"left running {STOP_DEADLINE_S:g} s after kill -9 of specmesh up: {left}"
 
 
