@@ -28,7 +28,8 @@ from tests.natsfixture import running_nats_server
 from tests.test_drain import Service
 from tests.test_e2e import E2E_MODEL
 
-WORKER_OPTIONS = ("--torch-threads", "1", "--max-num-seqs", "8")
+ENGINE_STALL_S = 4.0  # the workers' --engine-stall-timeout: short, so that a test can wait it out
+WORKER_OPTIONS = ("--torch-threads", "1", "--max-num-seqs", "8", "--engine-stall-timeout", str(ENGINE_STALL_S))
 CLIENT_TIMEOUT_S = 60.0
 ID_PREFIX = "cmpl-"  # a completion's id is this and its request id
 DETOKENIZER_IDS = ("detok-a", "detok-b")  # FailoverMesh.detokenizers, in this order

@@ -9,14 +9,17 @@ every stream finishes or ends with an error, none is silent for 10 s, and the me
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import openai
 import pytest
 
+from services.process_tree import descendants
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from tests.failoverfixture import (
-    DETOKENIZER_IDS, FailoverMesh, QueuedRequests, Streamed, failover_mesh, kill, stream, until_streaming,
+    DETOKENIZER_IDS, ENGINE_STALL_S, FailoverMesh, QueuedRequests, Streamed, failover_mesh, kill, stream, until_streaming,
 )
 from tests.test_e2e import E2E_MODEL
 
@@ -47,6 +50,32 @@ async def _undisturbed(mesh: FailoverMesh, streamed: Streamed, seed: int | None)
     params = {"seed": seed, **streamed.params}  # the seed it was given, else the one the gateway fixed
     r = await mesh.client.completions.create(model=E2E_MODEL.name, **params)
     return r.choices[0].text
+
+
+async def test_a_hung_engines_streams_continue_exactly_on_the_other(failover_mesh: FailoverMesh) -> None:
+    """An engine that neither answers nor dies (stopped, as a frozen tensor-parallel rank holds it in a collective):
+    after --engine-stall-timeout its worker stops heartbeating the requests, and the other worker continues them."""
+    mesh = failover_mesh
+    queued = QueuedRequests()
+    admin = await queued.watch(mesh)
+    worker = mesh.workers[0]
+    [engine] = [pid for pid, cmd in descendants(worker.proc.pid).items() if "spawn_main" in cmd]
+    streams = _streams()
+    tasks = [asyncio.create_task(stream(mesh.client, s)) for s in streams]
+    try:
+        await until_streaming(streams, MIN_CHUNKS_BEFORE_KILL)
+        os.kill(engine, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        await asyncio.gather(*tasks)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+        await admin.drain()
+    stalls = [s.longest_silence_after(stopped_at) for s in streams]
+    print(f"\nan engine stopped: stall per stream (s) {[round(s, 2) for s in stalls]}, worst {max(stalls):.2f}")
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert worker.metric("specmesh_worker_engine_stalls_total") >= 1, "the stopped engine held some of the streams"
+    assert max(stalls) <= ENGINE_STALL_S + MAX_STALL_S
+    await _equal_to_undisturbed_runs(mesh, streams, queued)
 
 
 async def test_a_dead_workers_streams_continue_exactly_on_the_other(failover_mesh: FailoverMesh) -> None:

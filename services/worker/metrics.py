@@ -88,6 +88,11 @@ TAKE_OVERS = Counter(
     "Requests that came back from another worker (it died, stalled or drained), by what became of them here",
     _LABELS + ["outcome"],
 )
+ENGINE_STALLS = Counter(
+    "specmesh_worker_engine_stalls",
+    "Times the engine, holding requests, returned no step for --engine-stall-timeout (its requests then left it)",
+    _LABELS,
+)
 DEAD_LETTERS = Counter(
     "specmesh_worker_dead_letters",
     "Requests moved to the dead-letter subject after the work queue delivered them max_deliver times", _LABELS,

@@ -33,7 +33,7 @@ from services.worker.fail_reason import FailReason
 from services.worker.handoff.sender import HandoffSender
 from services.worker.handoff.transport import KvTransport
 from services.worker.metrics import (
-    FAILED_REQUESTS, HANDOFFS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics,
+    ENGINE_STALLS, FAILED_REQUESTS, HANDOFFS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics,
 )
 from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
@@ -47,8 +47,14 @@ RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arr
 CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 
 
+# An engine holding requests that returns no step for this long is taken to hang: a step is at most
+# max_num_batched_tokens rows, milliseconds to seconds.
+ENGINE_STALL_S = 60.0
+
 class QueueWorker:
-    def __init__(self, engine: EngineProcess, nc, worker_id: int, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, engine: EngineProcess, nc, worker_id: int, metrics: WorkerMetrics, stall_after_s: float = ENGINE_STALL_S
+    ) -> None:
         self.engine = engine
         self.nc = nc
         self.worker_id = worker_id
@@ -64,6 +70,10 @@ class QueueWorker:
         self.sender: HandoffSender | None = None
         self.transport: KvTransport | None = None
         self._handing_off: dict[asyncio.Task, str] = {}  # a prefill worker's handoffs in progress: their request ids
+        self._stall_after_s = stall_after_s
+        # When the engine last returned a step, or was last given work while it held none (stalled).
+        self._last_progress = time.monotonic()
+        self._stall_reported = False
 
     @property
     def num_choices(self) -> int:
@@ -73,8 +83,20 @@ class QueueWorker:
     @property
     def capacity(self) -> int:
         """Requests worth fetching now: free slots plus one batch of waiting sequences (one per choice) to keep
-        steps full."""
-        return 2 * self.engine.config.max_num_seqs - self.num_choices
+        steps full; none while the engine is stalled."""
+        return 0 if self.stalled else 2 * self.engine.config.max_num_seqs - self.num_choices
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the engine, holding requests, has returned no step for stall_after_s: it hangs (a tensor-parallel
+        rank that neither answers nor dies holds it in a collective for minutes). Its requests are then no longer
+        heartbeated, so the work queue gives them to other workers after ack_wait, which continue their output."""
+        return bool(self._in_engine()) and time.monotonic() - self._last_progress > self._stall_after_s
+
+    def _in_engine(self) -> set[str]:
+        """The requests taken that the engine holds: not those a prefill worker is handing off (it may wait long
+        for a decode worker with room, with nothing to step)."""
+        return self._messages.keys() - set(self._handing_off.values())
 
     def has_room_for_handoff(self) -> bool:
         """Whether this decode worker accepts another KV transfer: room for its request beside those it runs and the
@@ -193,6 +215,8 @@ class QueueWorker:
             self.transport.take(ticket.transfer_id)
 
     def _start(self, request: WorkRequest, handoff: bytes | None = None) -> None:
+        if not self._in_engine() - {request.request_id}:
+            self._last_progress = time.monotonic()  # work for an idle engine: its silence so far is no stall
         self.engine.send(Work(new=[request], handoffs={request.request_id: handoff} if handoff else {}))
 
     async def _take_over(self, msg: Msg, request: WorkRequest) -> None:
@@ -238,6 +262,24 @@ class QueueWorker:
         computes in its own process, so a long step does not delay it (tests/test_heartbeat.py)."""
         while True:
             await asyncio.sleep(REQUEST_HEARTBEAT_S)
+            if self.stalled:
+                if not self._stall_reported:
+                    log.error(
+                        "the engine has returned no step for %.0f s while holding %d requests: they are no longer "
+                        "heartbeated, and other workers take them over", self._stall_after_s, len(self._in_engine()),
+                    )
+                    self._stall_reported = True
+                    self.metrics.child(ENGINE_STALLS).inc()
+                    if self.routing is not None:
+                        self.routing.stalled = True  # sent with the next state at the latest
+                        try:
+                            await self.routing.publish_state()
+                        except nats.errors.Error as exc:
+                            log.debug("no state sent: %r", exc)
+                continue
+            self._stall_reported = False
+            if self.routing is not None:
+                self.routing.stalled = False
             for msg in list(self._messages.values()):
                 try:
                     await msg.in_progress()
@@ -251,6 +293,7 @@ class QueueWorker:
     async def publish_loop(self) -> None:
         """Sends each engine step's results, in step order, until the engine stopped."""
         async for result in self.engine.results():
+            self._last_progress = time.monotonic()
             await self._send(result)
             self.engine.published()
 

@@ -72,6 +72,9 @@ class Routing:
         self.epoch = secrets.randbits(63)
         self.metrics = metrics
         self.draining = False
+        # The engine hangs (QueueWorker.stalled): said as draining, so that gateways stop routing here and peers
+        # adopt the routed requests, which only this worker's own consumer would take again.
+        self.stalled = False
         self._config = config
         self._revision = revision
         self._in_flight = in_flight
@@ -97,7 +100,7 @@ class Routing:
             worker_id=self.worker_id, epoch=self.epoch, revision=self._revision,
             block_size=self._config.block_size, caching=self._config.enable_prefix_caching,
             max_num_seqs=self._config.max_num_seqs, in_flight=self._in_flight(), routed_backlog=self._backlog,
-            draining=self.draining, role=self._config.role,
+            draining=self.draining or self.stalled, role=self._config.role,
         )
 
     async def publish_state(self) -> None:

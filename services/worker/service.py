@@ -37,7 +37,7 @@ from services.worker.engine_process import EngineProcess
 from services.worker.handoff.nats_transport import NatsKvTransport
 from services.worker.handoff.sender import HandoffSender
 from services.worker.metrics import BAD_WORKER_STATES, HANDOFF_TRANSFERS_HELD, WorkerMetrics
-from services.worker.queue_worker import QueueWorker
+from services.worker.queue_worker import ENGINE_STALL_S, QueueWorker
 from services.worker.routing import Routing
 
 log = logging.getLogger("specmesh.worker")
@@ -98,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="/metrics, /health and /ready; 0 picks one",
     )
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests may finish on SIGTERM")
+    parser.add_argument(
+        "--engine-stall-timeout", type=option_types.seconds, default=ENGINE_STALL_S,
+        help="seconds an engine holding requests may return no step before it is taken to hang: its requests are "
+        "then left for other workers to take over",
+    )
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -183,7 +188,7 @@ async def _serve(
     await ensure_dead_letter_stream(js)
     metrics = WorkerMetrics(Path(config.model).name, config.speculative.method, worker_id)
     metrics.observe_engine(engine.ready.kv_cache_bytes)
-    worker = QueueWorker(engine, nc, worker_id, metrics)
+    worker = QueueWorker(engine, nc, worker_id, metrics, args.engine_stall_timeout)
     routing = Routing(
         nc, worker_id, config, engine.ready.revision, lambda: worker.num_choices, lambda: worker.num_routed_held,
         metrics,
