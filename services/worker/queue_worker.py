@@ -48,8 +48,9 @@ CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 
 
 # An engine holding requests that returns no step for this long is taken to hang: a step is at most
-# max_num_batched_tokens rows, milliseconds to seconds.
-ENGINE_STALL_S = 60.0
+# max_num_batched_tokens rows, milliseconds to seconds, but on a GPU the first steps of each shape also compile
+# their Triton kernels (seconds each).
+ENGINE_STALL_S = 120.0
 
 class QueueWorker:
     def __init__(
