@@ -45,12 +45,11 @@ log = logging.getLogger("specmesh.worker")
 FETCH_TIMEOUT_S = 0.5  # how long an idle worker waits on the queue before looking again
 RECENT_CANCELS = 4096  # cancellations remembered for requests that have not arrived yet
 CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
-
-
 # An engine holding requests that returns no step for this long is taken to hang: a step is at most
 # max_num_batched_tokens rows, milliseconds to seconds, but on a GPU the first steps of each shape also compile
 # their Triton kernels (seconds each).
 ENGINE_STALL_S = 120.0
+
 
 class QueueWorker:
     def __init__(
