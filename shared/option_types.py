@@ -1,6 +1,6 @@
-"""argparse types for the numeric options of every command (and of the services' shared options): a value out of range is refused by argparse, in one line
-naming the option, before anything starts (a zero --max-num-seqs was a traceback from a config model, a --port
-70000 a gateway dying after the rest of the mesh had started)."""
+"""argparse types for the numeric options of every command and of the options the services share: a value out of
+range is refused by argparse, in one line naming the option, before anything starts (a zero --max-num-seqs was a
+traceback from a config model, a --port 70000 a gateway dying after the rest of the mesh had started)."""
 
 from __future__ import annotations
 

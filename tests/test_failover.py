@@ -19,7 +19,8 @@ import pytest
 from services.process_tree import descendants
 from shared.natsutil import REQUEST_ACK_WAIT_S
 from tests.failoverfixture import (
-    DETOKENIZER_IDS, ENGINE_STALL_S, FailoverMesh, QueuedRequests, Streamed, failover_mesh, kill, stream, until_streaming,
+    DETOKENIZER_IDS, ENGINE_STALL_S, FailoverMesh, QueuedRequests, Streamed, failover_mesh, kill, stream,
+    until_streaming,
 )
 from tests.test_e2e import E2E_MODEL
 
