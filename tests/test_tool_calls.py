@@ -228,3 +228,25 @@ def test_a_malformed_call_reads_the_same_whole_and_streamed() -> None:
     entries = [e for c in _streamed(text, [7] * 10) for e in c["delta"].get("tool_calls", [])]
     streamed = [(entries[0]["function"]["name"], "".join(e["function"].get("arguments", "") for e in entries))]
     assert whole == streamed == [("get_weather", '{"city":"Paris"}')]  # written whole: as a parsed call's
+
+
+THINKING_ANSWER = (
+    "<think>\nThe user wants the weather. Maybe the <tool_call> format.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("cut", [[1] * 400, [7, 5, 9, 70, 3], [1000]], ids=["characters", "pieces", "whole"])
+def test_call_tags_in_qwen3s_reasoning_are_text_and_the_call_after_it_is_read(cut) -> None:
+    """A tag written while reasoning is thought about, not called: it swallowed the real call after </think>."""
+    reasoning = THINKING_ANSWER[: THINKING_ANSWER.index("</think>") + len("</think>")]
+    message = {"role": "assistant", "content": THINKING_ANSWER}
+    assert message_with_calls(message, "stop", FORMATS["hermes"]) == "tool_calls"
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert (message["content"], whole) == (reasoning, EXPECTED[:1])
+    content, calls, finish, _ = _assembled(_streamed(THINKING_ANSWER, cut))
+    assert (content.strip(), calls, finish) == (reasoning, EXPECTED[:1], "tool_calls")
+    # Reasoning cut short by max_tokens holds no call, whole or streamed.
+    unclosed = THINKING_ANSWER[:60]
+    assert _assembled(_streamed(unclosed, cut, finish="length"))[:3] == (unclosed, [], "length")
+    assert message_with_calls({"role": "assistant", "content": unclosed}, "length", FORMATS["hermes"]) == "length"

@@ -64,6 +64,8 @@ class Hermes:
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
     arguments_key = "arguments"
+    # Qwen3's reasoning, which the answer may open with: a call tag written there is thought about, not called.
+    think_open, think_close = "<think>", "</think>"
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         schema = json.dumps(_call_schema(functions, self.arguments_key))
@@ -71,7 +73,26 @@ class Hermes:
         return f'start: {calls}\ncall: "{self.open_tag}\\n" %json {schema} "\\n{self.close_tag}"\n'
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text outside the calls, the calls); a block that is not a call stays in the text."""
+        """(the text outside the calls, the calls); a block that is not a call stays in the text, and calls are read
+        only after a leading reasoning block (none while it is unclosed)."""
+        reasoning, rest = self.reasoning(text)
+        if reasoning is None:
+            return text, []
+        content, calls = self._split_calls(rest)
+        return ((reasoning + content).strip() if calls else text), calls
+
+    def reasoning(self, text: str) -> tuple[str | None, str]:
+        """(the leading reasoning block with its tags, the rest): ("", text) without one, (None, text) while it is
+        not closed."""
+        if not text.lstrip().startswith(self.think_open):
+            return "", text
+        end = text.find(self.think_close)
+        if end < 0:
+            return None, text
+        end += len(self.think_close)
+        return text[:end], text[end:]
+
+    def _split_calls(self, text: str) -> tuple[str, list[ParsedCall]]:
         content, calls, rest = [], [], text
         while (start := rest.find(self.open_tag)) >= 0:
             end = rest.find(self.close_tag, start)
@@ -93,7 +114,7 @@ class Hermes:
         if calls and self.dangling_tag(rest):
             rest = ""
         content.append(rest)
-        return "".join(content).strip() if calls else text, calls
+        return "".join(content), calls
 
     def partial_call(self, block: str) -> ParsedCall | None:
         """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole

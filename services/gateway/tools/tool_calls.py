@@ -55,6 +55,8 @@ class ToolCallStream:
         self._text_after_calls = False  # text other than line breaks streamed since the last call
         self._ids: list[str] = []
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
+        # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
+        self._reasoning: bool | None = None
 
     @property
     def called(self) -> bool:
@@ -72,7 +74,10 @@ class ToolCallStream:
     def _feed_blocks(self, text: str, final: bool) -> tuple[str, list[dict]]:
         fmt = self.format
         self._buffer += text
-        content, deltas = [], []
+        reasoning = self._take_reasoning(final)
+        if reasoning is None or self._reasoning:  # not known yet, or all of it reasoning so far
+            return reasoning or "", []
+        content, deltas = [reasoning], []
         while True:
             if not self._inside:
                 start = self._buffer.find(fmt.open_tag)
@@ -117,6 +122,31 @@ class ToolCallStream:
         if self.called and not self._text_after_calls and not streamed.strip():
             streamed = ""  # the line breaks between calls (a space within text after them is text)
         return streamed, deltas
+
+    def _take_reasoning(self, final: bool) -> str | None:
+        """The buffer's part of a leading reasoning block, streamed as content, tags included, and never read for
+        calls (as Hermes.split reads a whole answer); None while it is not known yet whether the answer opens with
+        one."""
+        fmt = self.format
+        if self._reasoning is None:
+            head = self._buffer.lstrip()
+            if head.startswith(fmt.think_open):
+                self._reasoning = True
+            elif fmt.think_open.startswith(head) and not final:
+                return None  # blank, or the start of a tag: the next piece tells
+            else:
+                self._reasoning = False
+        if not self._reasoning:
+            return ""
+        end = self._buffer.find(fmt.think_close)
+        if end < 0:
+            keep = 0 if final else _partial_suffix(self._buffer, fmt.think_close)
+            cut = len(self._buffer) - keep
+        else:
+            cut = end + len(fmt.think_close)
+            self._reasoning = False
+        reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return reasoning
 
     def _open_call(self, name: str) -> dict:
         self._calls += 1
