@@ -34,6 +34,7 @@ from services.gateway.errors import RATE_LIMIT, RATE_LIMIT_EXCEEDED, UNAVAILABLE
 TOO_MANY_REQUESTS = 429
 SERVICE_UNAVAILABLE = 503
 RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}  # the headers that tell it (OpenAIError copies them)
 NEVER_ADMITTED = -1  # the turn of a client none of whose current streams has been admitted yet
 
 
@@ -95,7 +96,7 @@ class Admission:
                 f"Too many concurrent requests from this client: at most {self._max_per_key} at once",
                 type=RATE_LIMIT,
                 code=RATE_LIMIT_EXCEEDED,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                headers=RETRY_AFTER,
             )
         self._requests[key] += 1
         places = Places(self, key)
@@ -133,7 +134,7 @@ class Admission:
                     SERVICE_UNAVAILABLE,
                     f"The mesh is at capacity: no room for this request within {self._max_wait_s:g} s",
                     type=UNAVAILABLE,
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                    headers=RETRY_AFTER,
                 ) from None
             raise
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
 from services.gateway.tools.formats import format_for
-from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.admission import RETRY_AFTER, Admission
 from services.gateway.auth import require_api_key
 from services.gateway.body import body_limits
 from services.gateway.disconnects import quiet_disconnects
@@ -141,7 +141,7 @@ class Gateway:
             await asyncio.sleep(DRAIN_POLL_S)
         self.router.fail_all(OpenAIError(
             SERVICE_UNAVAILABLE, "The gateway is shutting down; retry the request", type=UNAVAILABLE,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            headers=RETRY_AFTER,
         ))
 
     async def stop(self, app: web.Application) -> None:

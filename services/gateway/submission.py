@@ -23,7 +23,7 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from services.gateway import metrics
-from services.gateway.admission import RETRY_AFTER_S, Places
+from services.gateway.admission import RETRY_AFTER, Places
 from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import SERVER_ERROR, UNAVAILABLE, OpenAIError
 from services.gateway.in_flight import Generation
@@ -39,7 +39,6 @@ PUBLISH_ACK_TIMEOUT_S = 5.0
 DETOK_OPEN_TIMEOUT_S = 5.0
 SERVICE_UNAVAILABLE = 503
 INTERNAL_ERROR = 500
-RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class Submitter:
@@ -141,7 +140,8 @@ class Submission:
         self._submitter = submitter
         self._gens = gens
         self._places = places
-        self._holding: dict[str, int] = {}  # request id -> places held by that prompt, until its final chunk
+        self._weight = gens[0].body.num_choices  # places each prompt holds: its n choices
+        self._holding: set[str] = set()  # the prompts holding their places, until their final chunk
         self._rest: asyncio.Task[None] | None = None
 
     async def start(self, chunks: ResponseStream) -> None:
@@ -153,27 +153,30 @@ class Submission:
 
     def ended(self, request_id: str) -> None:
         """A prompt's final chunk arrived: its places go to whoever waits for them."""
-        if weight := self._holding.pop(request_id, 0):
-            self._places.give_back(weight)
+        if request_id in self._holding:
+            self._holding.remove(request_id)
+            self._places.give_back(self._weight)
 
     def holds(self, unfinished: list[str]) -> bool:
         """Whether closing has anything to do: prompts still to submit, or submitted and not finished."""
         submitting = self._rest is not None and not self._rest.done()
-        live = set(unfinished)
-        return submitting or any(g.opened and g.request_id in live for g in self._gens)
+        return submitting or bool(self._opened(unfinished))
 
     async def close(self, unfinished: list[str], reason: str) -> None:
         """Stops submitting, and cancels the prompts the mesh may still hold (of `unfinished`, those opened)."""
         if self._rest is not None:
             self._rest.cancel()
             await asyncio.gather(self._rest, return_exceptions=True)
+        await self._submitter.cancel(self._opened(unfinished), reason)
+
+    def _opened(self, unfinished: list[str]) -> list[str]:
+        """Those of the `unfinished` prompts a detokenizer may hold: their DetokOpen went out."""
         live = set(unfinished)
-        await self._submitter.cancel([g.request_id for g in self._gens if g.opened and g.request_id in live], reason)
+        return [g.request_id for g in self._gens if g.opened and g.request_id in live]
 
     async def _enter(self, gen: Generation, chunks: ResponseStream) -> None:
-        weight = gen.body.num_choices
-        await self._places.take(weight)
-        self._holding[gen.request_id] = weight
+        await self._places.take(self._weight)
+        self._holding.add(gen.request_id)
         await self._submitter.submit(gen)
         chunks.liveness.owned_by(gen.request_id, gen.detok_id)
 

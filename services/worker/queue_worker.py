@@ -91,7 +91,8 @@ class QueueWorker:
         """Whether the engine, holding requests, has returned no step for stall_after_s: it hangs (a tensor-parallel
         rank that neither answers nor dies holds it in a collective for minutes). Its requests are then no longer
         heartbeated, so the work queue gives them to other workers after ack_wait, which continue their output."""
-        return bool(self._in_engine()) and time.monotonic() - self._last_progress > self._stall_after_s
+        # The clock first: the fetch loop asks every CAPACITY_POLL_S while full, and the set is built only past it.
+        return time.monotonic() - self._last_progress > self._stall_after_s and bool(self._in_engine())
 
     def _in_engine(self) -> set[str]:
         """The requests taken that the engine holds: not those a prefill worker is handing off (it may wait long

@@ -174,9 +174,8 @@ class Llama3Json:
                 obj, end = JSON_PREFIX.raw_decode(rest)
             except json.JSONDecodeError:
                 return text, []
-            if not isinstance(obj, dict) or self.arguments_key not in obj and "arguments" not in obj:
-                return text, []
-            if (call := _call(obj, self.arguments_key)) is None:
+            call = _call(obj, self.arguments_key)  # None when obj is no object with a name
+            if call is None or self.arguments_key not in obj and "arguments" not in obj:
                 return text, []
             calls.append(call)
             rest = rest[end:].lstrip()
