@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import time
@@ -24,12 +25,16 @@ pytestmark = pytest.mark.e2e
 E2E_MODEL = Path(os.environ.get("SPECMESH_E2E_MODEL", DEFAULT_MODEL_DIR))
 REPETITIVE = "import os\nimport sys\nimport os\nimport sys\nimport os\nimport sys\nimport os\n"
 CODE_PROMPT = "def fibonacci(n):\n    "
+FIXED_NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
+    # Fixed ngram drafts: the draft_logprobs tests need drafts, and adaptive speculation (the default) drafts none
+    # when the steps it measures say drafting does not pay, which a loaded machine can make them say.
     m = start_mesh(
-        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024", model=E2E_MODEL
+        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024",
+        "--speculative-config", FIXED_NGRAM, model=E2E_MODEL,
     )
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
