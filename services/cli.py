@@ -27,6 +27,7 @@ COMMANDS = {
     **SERVICES,
     "up": "services.launcher",
     "nats": "services.embedded_nats",
+    "streams": "services.declare_streams",
     "demo-model": "services.worker.demo_model.train",
 }
 HELP = {
@@ -35,6 +36,7 @@ HELP = {
     "worker": "a model worker (continuous batching, speculative decoding)",
     "detokenizer": "turns worker frames into text chunks",
     "nats": "the embedded NATS server with JetStream",
+    "streams": "declare the mesh's streams on a NATS server of your own (admin credentials)",
     "demo-model": "train the embedded demo model (deterministic; CPU)",
 }
 USAGE_ERROR = 2  # argparse's exit status for a command line it refuses

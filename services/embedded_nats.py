@@ -2,7 +2,8 @@
 
 Its users' credentials live in `<store-dir>/credentials/<role>.json`: made at the first start, kept across restarts
 so that services started separately (`--nats-credentials <store-dir>/credentials/<role>.json`) reconnect after one.
-Delete the directory to change them.
+Delete the directory to change them. Once the server listens, its admin user declares the mesh's streams with the
+--queue-max-* limits (shared/streams.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ import sys
 import time
 from pathlib import Path
 
+import nats.errors
+
 from services.supervisor import STOP_SIGNALS, die_with_parent
 from shared.nats_credentials import MeshCredentials
-from shared.nats_server import credentials_dir, default_store_dir, server_command
+from shared import stream_limits
+from shared.nats_server import (
+    READY_TIMEOUT_S, credentials_dir, declare_as_admin, default_store_dir, server_command,
+)
+from shared.ports import wait_for_port
+from shared.stream_limits import StreamLimits
 
 LAME_DUCK_SIGNAL = signal.SIGUSR2  # nats-server: take no new clients, close the connected ones gradually, exit
 WAIT_INTERVAL_S = 0.1
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listening on every address; the declaration connects over loopback
 SIGNAL_EXIT_BASE = 128  # a process killed by signal N exits with 128 + N, as shells report it
 
 
@@ -35,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the server may spend in lame-duck mode after SIGTERM or SIGINT before it is killed "
         "(a second signal kills it at once)",
     )
+    stream_limits.add_arguments(parser)
 
 
 class LameDuckStop:
@@ -45,6 +55,10 @@ class LameDuckStop:
         self.server = server
         self.timeout_s = timeout_s
         self.deadline: float | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.deadline is not None
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.deadline is None:
@@ -76,4 +90,14 @@ def run(args: argparse.Namespace) -> None:
     stop = LameDuckStop(server, args.stop_timeout)
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop.on_signal)
+    host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
+    try:
+        wait_for_port(host, args.port, READY_TIMEOUT_S, server)
+        declare_as_admin(f"nats://{host}:{args.port}", credentials, StreamLimits.from_args(args))
+    except (RuntimeError, TimeoutError, OSError, nats.errors.Error) as exc:
+        if not stop.stopping:  # else the server is closing its clients, the declaration's among them
+            os.killpg(server.pid, signal.SIGKILL)
+            raise SystemExit(f"specmesh nats: the server did not start with the mesh's streams: {exc!r}") from exc
+    else:
+        print("specmesh nats: streams declared", flush=True)
     raise SystemExit(stop.wait())

@@ -2,8 +2,9 @@
 
 NATS (embedded, unless --nats-url names one), a detokenizer, the workers and a gateway start in that order.
 The embedded server gets new passwords at every start, one NATS user per role (shared/nats_roles.py); each child
-receives its role's credentials in its environment. With --nats-url, every child connects with the credentials and
-TLS options given to `specmesh up` (or the URL's own).
+receives its role's credentials in its environment, and the server's admin user declares the streams (shared/
+streams.py). With --nats-url, every child connects with the credentials and TLS options given to `specmesh up` (or
+the URL's own), and so does the declaration; where they are not the admin's, the streams must be declared already.
 The URL is printed once a one-token completion has travelled the whole path. From then on a child that exits is
 started again with backoff (services/supervisor.py) and the mesh keeps serving; only a child that crashes more than
 --max-restarts times in a row ends it. SIGINT or SIGTERM stops the services, then NATS, within a few seconds
@@ -24,10 +25,10 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import nats.errors
 from pydantic import SecretStr
 
-from shared import option_types
-from shared import nats_settings
+from shared import nats_settings, option_types, stream_limits, streams
 from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.tools import tool_options
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
@@ -49,6 +50,7 @@ from shared.nats_roles import SERVICE_ROLES, NatsRole
 from shared.nats_server import credentials_dir, default_store_dir, start_nats_server
 from shared.ports import can_listen, free_port
 from shared.nats_settings import NatsSettings
+from shared.stream_limits import StreamLimits
 from shared.tokenizer import TOKENIZER_FILE
 
 # Stopping takes at most SERVICE_STOP_GRACE_S + NATS_STOP_GRACE_S: a service still draining after its grace is
@@ -143,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         in_flight_help="sequences (prompts x n) in the mesh at once; more wait at the gateway and are admitted round "
         "robin between clients (default: workers x max-num-seqs, the workers' batch slots; 0: no bound)",
     )
+    stream_limits.add_arguments(parser)
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
     tool_options.add_arguments(parser)
@@ -242,6 +245,19 @@ def _refuse_external_only_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} apply to an external NATS server: give --nats-url too")
 
 
+def _declare_external_streams(args: argparse.Namespace) -> None:
+    """Declares the streams on --nats-url with the credentials given; a user that may not (one of a service role)
+    leaves them to the server's admin, and the services wait for them."""
+    settings = NatsSettings.from_args(args, NatsRole.ADMIN)
+    try:
+        streams.declare_blocking(settings, StreamLimits.from_args(args), args.startup_timeout)
+    except TimeoutError as exc:  # no server there
+        raise RuntimeError(str(exc)) from exc
+    except nats.errors.Error as exc:
+        print(f"specmesh: could not declare the streams on {args.nats_url} ({exc!r}); the services wait for them: "
+              f"{streams.HOW_TO_DECLARE}", file=sys.stderr, flush=True)
+
+
 def _probe(url: str, model: str, api_keys: tuple[SecretStr, ...]) -> bool:
     body = json.dumps({"model": model, "prompt": "def", "max_tokens": 1}).encode()
     headers = {"Content-Type": "application/json"}
@@ -280,10 +296,13 @@ def run(args: argparse.Namespace) -> None:
             _refuse_external_only_options(args)
             credentials = MeshCredentials.generate()
             nats = Child(lambda: start_nats_server(
-                args.nats_port, args.nats_store_dir, credentials, start_new_session=True, preexec_fn=_child_setup(rest)
+                args.nats_port, args.nats_store_dir, credentials, limits=StreamLimits.from_args(args),
+                start_new_session=True, preexec_fn=_child_setup(rest),
             ))
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
+        else:
+            _declare_external_streams(args)
         nats_of = {role: _child_nats(args, nats_url, credentials, role) for role in SERVICE_ROLES}
         death_signal = _service_death_signal(args)
         common = ["--model", str(args.model)]

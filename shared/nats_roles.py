@@ -6,7 +6,8 @@ The gateway alone queues requests, opens them at a detokenizer and cancels them;
 ended at them. Replies go to inboxes under a per-role prefix (`_INBOX.<role>`) that only that role may read. A
 detokenizer answers the gateway's DetokOpen through `allow_responses`: it may publish to the reply subject of a
 request it received, once, and nowhere else under `_INBOX`. The JetStream API is open to each role only for the
-calls its service makes on the request stream and the workers' consumer.
+calls its service makes: looking up the streams and shared consumers (never creating or changing them: the admin
+user declares those, shared/streams.py), pulling and acknowledging, and a worker's own consumer of routed requests.
 
 The server's `authorization` block is rendered from this table, for the embedded server (shared/nats_server.py)
 and for Kubernetes (k8s/base/nats/config.yaml, which tests/test_k8s.py checks against it).
@@ -52,15 +53,25 @@ class Permissions:
     allow_responses: bool = False  # may publish once to the reply subject of each request it receives
 
 
-def _declares_request_stream() -> tuple[str, ...]:
-    """The API calls of natsutil.ensure_request_stream: create or update the stream, create the workers' consumer
-    (nats-py names durable consumers in the legacy or the current subject, depending on its version)."""
-    stream, consumer = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
+def _stream_info(stream: str) -> str:
+    return f"{JS_API}.STREAM.INFO.{stream}"
+
+
+def _consumer_info(stream: str, consumer: str) -> str:
+    return f"{JS_API}.CONSUMER.INFO.{stream}.{consumer}"
+
+
+def _gateway_waits_for_streams() -> tuple[str, ...]:
+    """streams.wait_for(GATEWAY_NEEDS): the streams it publishes to exist."""
+    return _stream_info(subjects.REQUEST_STREAM), _stream_info(subjects.ROUTED_STREAM)
+
+
+def _worker_waits_for_streams() -> tuple[str, ...]:
+    """streams.wait_for(WORKER_NEEDS): the shared consumers it pulls from exist (the routed stream's lookup is
+    among _serves_routed_requests)."""
     return (
-        f"{JS_API}.STREAM.CREATE.{stream}",
-        f"{JS_API}.STREAM.UPDATE.{stream}",
-        f"{JS_API}.CONSUMER.CREATE.{stream}.{consumer}",
-        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        _consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER),
+        _consumer_info(subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER),
     )
 
 
@@ -71,11 +82,6 @@ def _pulls_requests() -> tuple[str, ...]:
     return (f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}", f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}")
 
 
-def _declares_routed_stream() -> tuple[str, ...]:
-    """natsutil.ensure_routed_stream: create or update the routed requests' stream."""
-    return (f"{JS_API}.STREAM.CREATE.{subjects.ROUTED_STREAM}", f"{JS_API}.STREAM.UPDATE.{subjects.ROUTED_STREAM}")
-
-
 def _hands_off() -> tuple[str, ...]:
     """services/worker/handoff/: a prefill worker sends KV chunks to a decode worker, then the request to its routed
     subject; it asks decode workers it meets for what they hold."""
@@ -84,17 +90,17 @@ def _hands_off() -> tuple[str, ...]:
 
 def _serves_routed_requests() -> tuple[str, ...]:
     """services/worker/routing.py: declare a worker's consumer of its routed subject (its own, or a gone worker's it
-    adopts), pull and acknowledge from it, count the stream's messages per subject, list and delete the consumers
+    adopts; nats-py names durable consumers in the legacy or the current subject, depending on its version), pull
+    and acknowledge from it, count the stream's messages per subject, list and delete the consumers
     of workers gone; the cache events and state it publishes."""
     stream = subjects.ROUTED_STREAM
     return (
-        *_declares_routed_stream(),
         f"{JS_API}.CONSUMER.CREATE.{stream}.{ANY_REST}",
         f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{ANY_TOKEN}",
         f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{ANY_TOKEN}",
         f"{JS_API}.CONSUMER.LIST.{stream}",
         f"{JS_API}.CONSUMER.DELETE.{stream}.{ANY_TOKEN}",
-        f"{JS_API}.STREAM.INFO.{stream}",
+        _stream_info(stream),
         f"{JS_ACK}.{stream}.{ANY_REST}",
         subjects.cache_events(ANY_TOKEN),
         subjects.worker_state(ANY_TOKEN),
@@ -102,14 +108,10 @@ def _serves_routed_requests() -> tuple[str, ...]:
 
 
 def _moves_dead_letters() -> tuple[str, ...]:
-    """The API calls of services/worker/dead_letters.py: declare the dead-letter stream and its consumer, pull and
-    acknowledge its advisories, read and delete the work-queue message one names, store its copy."""
+    """The API calls of services/worker/dead_letters.py: pull and acknowledge the dead-letter stream's advisories,
+    read and delete the work-queue message one names, store its copy."""
     stream, consumer, requests = subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER, subjects.REQUEST_STREAM
     return (
-        f"{JS_API}.STREAM.CREATE.{stream}",
-        f"{JS_API}.STREAM.UPDATE.{stream}",
-        f"{JS_API}.CONSUMER.CREATE.{stream}.{consumer}.{ANY_REST}",
-        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
         f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"{JS_ACK}.{stream}.{consumer}.{ANY_REST}",
         f"{JS_API}.STREAM.MSG.GET.{requests}",
@@ -127,8 +129,7 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
     NatsRole.GATEWAY: Permissions(
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
-            *_declares_request_stream(), subjects.ROUTED_SUBJECTS, *_declares_routed_stream(),
-            subjects.cache_sync(ANY_TOKEN),
+            *_gateway_waits_for_streams(), subjects.ROUTED_SUBJECTS, subjects.cache_sync(ANY_TOKEN),
         ),
         subscribe=(
             subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
@@ -138,7 +139,7 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
     NatsRole.WORKER: Permissions(
         publish=(
             subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.RESUMED_REQUESTS,
-            *_declares_request_stream(), *_pulls_requests(),
+            *_worker_waits_for_streams(), *_pulls_requests(),
             *_moves_dead_letters(), *_serves_routed_requests(), *_hands_off(),
         ),
         subscribe=(

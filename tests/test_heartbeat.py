@@ -19,7 +19,8 @@ from shared import subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.frames import FrameKind, decode
 from shared.nats_roles import NatsRole
-from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S, ensure_request_stream
+from shared import streams
+from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S
 from shared.schemas import SamplingParams, WorkRequest
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (fixtures are used by name)
 
@@ -44,7 +45,7 @@ async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: Na
     engine = await EngineProcess.start(config, WORKER_ID, torch_threads=1)
     worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
     admin = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
-    await ensure_request_stream(worker_nc.jetstream())
+    await streams.wait_for(worker_nc.jetstream(), streams.WORKER_NEEDS, "worker")
     await admin.jetstream().purge_stream(subjects.REQUEST_STREAM)
     beats: dict[str, list[float]] = defaultdict(list)  # per message (its ack subject), when each heartbeat arrived
     step_ends: list[float] = []  # when each step that sent frames ended, from the frames' headers (seconds)

@@ -477,3 +477,22 @@ def test_pd_runs_one_prefill_and_one_decode_deployment():
         return spec
 
     assert without_role(prefill) == gpu_worker["spec"] == without_role(decode)
+
+
+def test_the_streams_are_declared_by_a_job_as_the_nats_admin(rendered):
+    """The services' NATS users may not create or change streams (shared/streams.py): the Job declares them."""
+    _, objects = rendered
+    job = one(objects, "Job", "specmesh-streams")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = container_env(objects, container)
+    command, args, _ = parse_command_line([expand(a, env) for a in container["args"]])
+    assert command == "streams"
+    nats_service = one(objects, "Service", "specmesh-nats")
+    assert urlsplit(args.nats_url).hostname == nats_service["metadata"]["name"]
+    credentials = NatsSettings.from_args(args, NatsRole.ADMIN, env).credentials
+    passwords = secret_data(one(objects, "Secret", "specmesh-nats"))
+    assert (credentials.user, credentials.password.get_secret_value()) == (
+        NatsRole.ADMIN, passwords[password_variable(NatsRole.ADMIN)]
+    )
+    images = {c["image"] for _, c in specmesh_containers(objects)}
+    assert images == {container["image"]}, "the Job runs the services' own image"

@@ -14,7 +14,8 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.nats_roles import PERMISSIONS, SERVICE_ROLES, NatsRole
-from shared.natsutil import PERMISSIONS_VIOLATION, ensure_request_stream
+from shared import streams
+from shared.natsutil import PERMISSIONS_VIOLATION
 from shared.schemas import Cancel
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
 
@@ -24,6 +25,7 @@ GATEWAY_ID = "gw-under-test"
 DETOK_ID = "detok-under-test"
 FORGED = b"forged"
 STREAM, CONSUMER = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
+ROUTED, DEAD_LETTERS = subjects.ROUTED_STREAM, subjects.DEAD_LETTER_STREAM
 
 # (role, subject): messages each role's user must not be able to publish, and why it matters.
 FORGERIES = [
@@ -33,12 +35,24 @@ FORGERIES = [
     (NatsRole.GATEWAY, subjects.RESUMED_REQUESTS),
     (NatsRole.GATEWAY, f"$JS.API.STREAM.DELETE.{STREAM}"),
     (NatsRole.GATEWAY, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}"),  # taking requests off the queue
+    # Declaring streams is the admin's (shared/streams.py): an update could seal the queue or shrink its limits.
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.UPDATE.{STREAM}"),
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.CREATE.{STREAM}"),
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.UPDATE.{ROUTED}"),
+    (NatsRole.GATEWAY, f"$JS.API.CONSUMER.CREATE.{STREAM}.{CONSUMER}"),
     (NatsRole.WORKER, subjects.responses(GATEWAY_ID)),  # a chunk on a gateway's reply subject
     (NatsRole.WORKER, "_INBOX.gateway.forged.reply"),  # an answer to the gateway's DetokOpen
     (NatsRole.WORKER, subjects.CANCEL),
     (NatsRole.WORKER, subjects.REQUESTS),
     (NatsRole.WORKER, subjects.DETOK_OPEN),
     (NatsRole.WORKER, f"$JS.API.STREAM.PURGE.{STREAM}"),
+    (NatsRole.WORKER, f"$JS.API.STREAM.UPDATE.{STREAM}"),
+    (NatsRole.WORKER, f"$JS.API.STREAM.UPDATE.{ROUTED}"),
+    (NatsRole.WORKER, f"$JS.API.STREAM.UPDATE.{DEAD_LETTERS}"),
+    # Re-filtering or re-timing the consumer every worker shares.
+    (NatsRole.WORKER, f"$JS.API.CONSUMER.CREATE.{STREAM}.{CONSUMER}"),
+    (NatsRole.WORKER, f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{CONSUMER}"),
+    (NatsRole.WORKER, f"$JS.API.CONSUMER.CREATE.{DEAD_LETTERS}.{subjects.DEAD_LETTER_CONSUMER}"),
     (NatsRole.DETOKENIZER, subjects.CANCEL),  # would close the request at its detokenizer: the client hangs
     (NatsRole.DETOKENIZER, subjects.REQUESTS),
     (NatsRole.DETOKENIZER, subjects.RESUMED_REQUESTS),
@@ -114,8 +128,9 @@ async def test_anonymous_and_wrong_password_connections_are_refused(nats_server:
 async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> None:
     errors = {role: Errors() for role in SERVICE_ROLES}
     gateway, worker, detok = [await connect(role, errors[role]) for role in SERVICE_ROLES]
-    await ensure_request_stream(gateway.jetstream())
-    await ensure_request_stream(worker.jetstream())
+    # The admin declared the streams (tests/natsfixture.py, as `specmesh up`); each service may look them up.
+    await streams.wait_for(gateway.jetstream(), streams.GATEWAY_NEEDS, "gateway")
+    await streams.wait_for(worker.jetstream(), streams.WORKER_NEEDS, "worker")
 
     async def answer_open(msg) -> None:
         await msg.respond(DETOK_ID.encode())  # allow_responses: the one publish under _INBOX.gateway it may make

@@ -23,7 +23,7 @@ from shared import subjects
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
 from shared.nats_roles import NatsRole
-from shared.natsutil import ensure_request_stream
+from shared import streams
 from shared.schemas import SamplingParams, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
@@ -74,7 +74,7 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     worker_nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.WORKER).connect_options())
     nc = await nats.connect(nats_server.url, **nats_server.settings(NatsRole.ADMIN).connect_options())
     js = worker_nc.jetstream()
-    await ensure_request_stream(js)
+    await streams.wait_for(js, streams.WORKER_NEEDS, "worker")
     await nc.jetstream().purge_stream(subjects.REQUEST_STREAM)
     received = Received()
     await nc.subscribe(subjects.frames(DETOK_ID), cb=received.on_frame)

@@ -32,7 +32,7 @@ from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared.schemas import MAX_REQUEST_CHOICES
-from shared.natsutil import ensure_request_stream, ensure_routed_stream
+from shared import streams
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
 
@@ -124,8 +124,7 @@ class Gateway:
         return web.json_response(self.model_card())
 
     async def start(self, app: web.Application) -> None:
-        await ensure_request_stream(self.nc.jetstream(), self.config.limits.queue)
-        await ensure_routed_stream(self.nc.jetstream(), self.config.limits.queue)
+        await streams.wait_for(self.nc.jetstream(), streams.GATEWAY_NEEDS, "gateway")
         await self.router.start()
         if self.prefix_router is not None:
             await self.prefix_router.start()

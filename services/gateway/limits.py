@@ -1,4 +1,5 @@
-"""The gateway's bounds on what one client may hold: connection and body time, concurrent streams, queued work.
+"""The gateway's bounds on what one client may hold: connection and body time, concurrent streams, sequences in
+the mesh. (The work queue's own limits are the streams' declarer's: shared/stream_limits.py.)
 
 `specmesh gateway` takes them as options and `specmesh up` passes them on (`command_line`), so both accept the same
 flags with the same defaults.
@@ -11,8 +12,6 @@ import argparse
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared import option_types
-from shared import stream_limits
-from shared.stream_limits import StreamLimits
 
 DEFAULT_IDLE_TIMEOUT_S = 15.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -31,7 +30,6 @@ class GatewayLimits(BaseModel):
     # Sequences (prompts x n) this gateway keeps in the mesh at once; more wait here, taken round robin by client
     # (admission.py). None: no bound.
     max_in_flight: int | None = Field(None, ge=1)
-    queue: StreamLimits = StreamLimits()  # the JetStream work queue's limits, which the gateway declares
 
     def runner_options(self) -> dict[str, float]:
         """aiohttp's server options that enforce these limits (for web.AppRunner or a TestServer)."""
@@ -46,7 +44,6 @@ class GatewayLimits(BaseModel):
             body_timeout_s=args.body_timeout,
             max_concurrent_per_key=args.max_concurrent_per_key,
             max_in_flight=args.max_in_flight or None,
-            queue=StreamLimits.from_args(args),
         )
 
     def command_line(self) -> list[str]:
@@ -54,7 +51,7 @@ class GatewayLimits(BaseModel):
         return [
             "--idle-timeout", str(self.idle_timeout_s), "--body-timeout", str(self.body_timeout_s),
             "--max-concurrent-per-key", str(self.max_concurrent_per_key),
-            "--max-in-flight", str(self.max_in_flight or NO_LIMIT), *self.queue.command_line(),
+            "--max-in-flight", str(self.max_in_flight or NO_LIMIT),
         ]
 
 
@@ -78,4 +75,3 @@ def add_arguments(
         help=in_flight_help or "sequences (prompts x n) in the mesh at once; more wait at the gateway and are admitted "
         "round robin between clients (0: no bound, no fairness)",
     )
-    stream_limits.add_arguments(parser)

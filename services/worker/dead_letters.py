@@ -7,7 +7,7 @@ stream stores those advisories, so none is lost while no worker runs. The worker
 them: for each, a worker copies the request to subjects.DEAD_REQUESTS in the same stream (headers say where it came
 from and how often it was delivered), removes it from the work queue, ends it at its detokenizer with an ABORT
 record that holds wherever its output stands (shared/frames.WHEREVER), so that its client gets an error rather than
-a timeout, and counts it.
+a timeout, and counts it. The stream and its consumer are declared with the others (shared/streams.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import logging
 import nats.errors
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared import subjects
@@ -30,13 +28,8 @@ from services.worker.publisher import end_wherever_frame
 
 log = logging.getLogger("specmesh.worker")
 
-MAX_DEAD_LETTERS = 10_000  # advisories and requests kept for operators to look at; the oldest go first
-DEAD_LETTER_MAX_AGE_S = 7 * 24 * 3600.0
-HANDLING_ACK_WAIT_S = 30.0  # a worker that dies while moving a request leaves its advisory to another
-MAX_HANDLING_DELIVERIES = 5  # an advisory whose handling keeps failing is given up on too
 FETCH_BATCH = 16
 FETCH_TIMEOUT_S = 1.0
-STREAM_NAME_IN_USE = 10058  # JetStream's error code for a stream that exists with another configuration
 HEADER_STREAM_SEQ = "Specmesh-Stream-Seq"
 HEADER_DELIVERIES = "Specmesh-Deliveries"
 HEADER_MSG_ID = "Nats-Msg-Id"  # JetStream drops a second copy with the same id (a handler that died half-way)
@@ -51,35 +44,6 @@ class MaxDeliveriesAdvisory(BaseModel):
     consumer: str
     stream_seq: int = Field(ge=1)
     deliveries: int = Field(ge=1)
-
-
-async def ensure_dead_letter_stream(js: JetStreamContext) -> None:
-    """Declares the dead-letter stream and the workers' consumer of its advisories; safe to call from every worker."""
-    config = StreamConfig(
-        name=subjects.DEAD_LETTER_STREAM,
-        subjects=[subjects.MAX_DELIVERIES_ADVISORY, subjects.DEAD_REQUESTS],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_msgs=MAX_DEAD_LETTERS,
-        max_age=DEAD_LETTER_MAX_AGE_S,
-        discard=DiscardPolicy.OLD,
-    )
-    try:
-        await js.add_stream(config)
-    except BadRequestError as exc:
-        if exc.err_code != STREAM_NAME_IN_USE:
-            raise
-        await js.update_stream(config)
-    await js.add_consumer(
-        subjects.DEAD_LETTER_STREAM,
-        ConsumerConfig(
-            durable_name=subjects.DEAD_LETTER_CONSUMER,
-            filter_subject=subjects.MAX_DELIVERIES_ADVISORY,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=HANDLING_ACK_WAIT_S,
-            max_deliver=MAX_HANDLING_DELIVERIES,
-        ),
-    )
 
 
 class DeadLetters:
@@ -104,7 +68,8 @@ class DeadLetters:
                     try:
                         await self.handle(msg.data)
                     except nats.errors.Error as exc:
-                        # Unacknowledged, the advisory comes back after HANDLING_ACK_WAIT_S, to this worker or another.
+                        # Unacknowledged, the advisory comes back after the consumer's ack_wait (shared/streams.py),
+                        # to this worker or another.
                         log.warning("could not move a dead letter now: %r", exc)
                         continue
                     await msg.ack()

@@ -24,7 +24,8 @@ from shared import nats_settings, subjects
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
-from shared.natsutil import connect, ensure_request_stream
+from shared import streams
+from shared.natsutil import connect
 from shared.observability import Readiness, start_http
 from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
@@ -32,7 +33,7 @@ from services.cpu_affinity import pin
 from services.startup_checks import (
     check_kv_cache_memory, check_split_roles, check_tensor_parallel, servable_max_model_len, speculative_config,
 )
-from services.worker.dead_letters import DeadLetters, ensure_dead_letter_stream
+from services.worker.dead_letters import DeadLetters
 from services.worker.engine_process import EngineProcess
 from services.worker.handoff.nats_transport import NatsKvTransport
 from services.worker.handoff.sender import HandoffSender
@@ -184,8 +185,7 @@ async def _serve(
     nc = await connect(NatsSettings.from_args(args, NatsRole.WORKER), "worker")
     readiness.nc = nc
     js = nc.jetstream()
-    await ensure_request_stream(js)
-    await ensure_dead_letter_stream(js)
+    await streams.wait_for(js, streams.WORKER_NEEDS, "worker")
     metrics = WorkerMetrics(Path(config.model).name, config.speculative.method, worker_id)
     metrics.observe_engine(engine.ready.kv_cache_bytes)
     worker = QueueWorker(engine, nc, worker_id, metrics, args.engine_stall_timeout)

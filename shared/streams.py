@@ -1,0 +1,168 @@
+"""The mesh's JetStream streams and shared durable consumers, declared by the one who holds the admin credentials.
+
+`specmesh up` and `specmesh nats` declare them as soon as their embedded server listens; `specmesh streams` does it
+for a server of one's own (Kubernetes runs it as the Job in k8s/base/nats/streams-job.yaml). Services never create
+or change them: their NATS users may only look them up (shared/nats_roles.py), so that a stolen service credential
+cannot seal the work queue, shrink its limits or re-filter the workers' consumer, changes that would outlive every
+restart. A service waits at start until what it uses exists (`wait_for`).
+
+Declaring is idempotent and authoritative: an existing stream takes the limits given (shared/stream_limits.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+
+from shared import subjects
+from shared.nats_settings import NatsSettings
+from shared.natsutil import request_consumer_config
+from shared.stream_limits import StreamLimits
+
+log = logging.getLogger(__name__)
+
+STREAM_NAME_IN_USE = 10058  # JetStream API error code: a stream of this name exists with another configuration
+MAX_DEAD_LETTERS = 10_000  # advisories and requests kept for operators to look at; the oldest go first
+DEAD_LETTER_MAX_AGE_S = 7 * 24 * 3600.0
+DEAD_LETTER_HANDLING_ACK_WAIT_S = 30.0  # a worker that dies while moving a request leaves its advisory to another
+MAX_DEAD_LETTER_HANDLINGS = 5  # an advisory whose handling keeps failing is given up on too
+WAIT_POLL_S = 0.5
+WAIT_WARN_EVERY_S = 10.0
+CONNECT_RETRY_S = 0.5
+DEFAULT_DECLARE_TIMEOUT_S = 120.0  # `specmesh streams` may start before its server (a Kubernetes Job beside it)
+# A server still starting: nothing listens yet, or JetStream does not answer its API yet.
+NOT_UP_YET = (OSError, nats.errors.NoServersError, nats.errors.NoRespondersError, ServiceUnavailableError)
+HOW_TO_DECLARE = (
+    "`specmesh up` and `specmesh nats` declare them at start; for a NATS server of your own run `specmesh streams` "
+    "with the admin user's credentials (the Kubernetes Job specmesh-streams)"
+)
+
+
+@dataclass(frozen=True)
+class Needed:
+    """A stream a service uses, and the shared durable consumer of it it binds to, if any."""
+
+    stream: str
+    consumer: str | None = None
+
+    def __str__(self) -> str:
+        return self.stream if self.consumer is None else f"{self.stream} (consumer {self.consumer})"
+
+
+GATEWAY_NEEDS = (Needed(subjects.REQUEST_STREAM), Needed(subjects.ROUTED_STREAM))
+WORKER_NEEDS = (
+    Needed(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER),
+    Needed(subjects.ROUTED_STREAM),
+    Needed(subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER),
+)
+
+
+def _work_queue(name: str, stream_subjects: list[str], limits: StreamLimits) -> StreamConfig:
+    return StreamConfig(
+        name=name, subjects=stream_subjects, retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+        **limits.stream_options(),
+    )
+
+
+def _dead_letters() -> StreamConfig:
+    return StreamConfig(
+        name=subjects.DEAD_LETTER_STREAM, subjects=[subjects.MAX_DELIVERIES_ADVISORY, subjects.DEAD_REQUESTS],
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_msgs=MAX_DEAD_LETTERS,
+        max_age=DEAD_LETTER_MAX_AGE_S, discard=DiscardPolicy.OLD,
+    )
+
+
+def _dead_letter_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=subjects.DEAD_LETTER_CONSUMER, filter_subject=subjects.MAX_DELIVERIES_ADVISORY,
+        ack_policy=AckPolicy.EXPLICIT, ack_wait=DEAD_LETTER_HANDLING_ACK_WAIT_S, max_deliver=MAX_DEAD_LETTER_HANDLINGS,
+    )
+
+
+async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError as exc:
+        if exc.err_code != STREAM_NAME_IN_USE:
+            raise
+        await js.update_stream(config)
+
+
+async def declare_streams(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> None:
+    """Creates the request, routed and dead-letter streams and their shared consumers, or brings existing ones to
+    this configuration. Needs the admin user."""
+    await _create_or_update(js, _work_queue(subjects.REQUEST_STREAM, list(subjects.REQUEST_SUBJECTS), limits))
+    await js.add_consumer(subjects.REQUEST_STREAM, request_consumer_config(subjects.WORKER_CONSUMER))
+    await _create_or_update(js, _work_queue(subjects.ROUTED_STREAM, [subjects.ROUTED_SUBJECTS], limits))
+    await _create_or_update(js, _dead_letters())
+    await js.add_consumer(subjects.DEAD_LETTER_STREAM, _dead_letter_consumer())
+
+
+async def _missing(js: JetStreamContext, needs: tuple[Needed, ...]) -> list[Needed]:
+    missing = []
+    for need in needs:
+        try:
+            if need.consumer is None:
+                await js.stream_info(need.stream)
+            else:
+                await js.consumer_info(need.stream, need.consumer)
+        except NotFoundError:
+            missing.append(need)
+    return missing
+
+
+async def wait_for(js: JetStreamContext, needs: tuple[Needed, ...], service: str) -> None:
+    """Returns once every stream and consumer in `needs` exists, warning now and then of what is still missing."""
+    warned_at = None
+    while missing := await _missing(js, needs):
+        now = time.monotonic()
+        if warned_at is None or now - warned_at >= WAIT_WARN_EVERY_S:
+            warned_at = now
+            log.warning("%s: waiting for %s to be declared: %s", service, ", ".join(map(str, missing)), HOW_TO_DECLARE)
+        await asyncio.sleep(WAIT_POLL_S)
+
+
+async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S) -> None:
+    """Connects as `settings` say and declares, retrying while the server or its JetStream is not up yet, for up
+    to `timeout_s`. A refusal (wrong credentials, a user without the admin's permissions) is raised at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            nc = await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
+            try:
+                await declare_streams(nc.jetstream(), limits)
+                return
+            finally:
+                await nc.close()
+        except NOT_UP_YET as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"NATS at {settings.url} did not take the streams within {timeout_s:g}s: {exc!r}")
+            await asyncio.sleep(CONNECT_RETRY_S)
+
+
+def declare_blocking(
+    settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S
+) -> None:
+    """`declare` from synchronous code, on a thread of its own: the caller may be inside an event loop (a test)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(declare(settings, limits, timeout_s))
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="declare-streams")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,90 @@
+"""The mesh's streams are the admin's to declare (shared/streams.py), on a real nats-server: services wait for them,
+a second declaration brings an existing stream to the limits given, and `specmesh streams` does it for a server of
+one's own, refusing by name when its credentials are not the admin's."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from shared import streams, subjects
+from shared.nats_roles import NatsRole
+from shared.stream_limits import StreamLimits
+from tests.natsfixture import NatsServer, running_nats_server
+
+WAIT_S = 5.0
+NOT_YET_S = 3 * streams.WAIT_POLL_S
+LIMITS = StreamLimits(max_msgs=7, max_bytes=1 << 20, max_age_s=60.0)
+ALL_STREAMS = (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM, subjects.DEAD_LETTER_STREAM)
+
+
+async def _connect(server: NatsServer, role: NatsRole) -> nats.NATS:
+    settings = server.settings(role)
+    return await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
+
+
+@pytest.fixture
+def nats_server_with_defaults(tmp_path: Path) -> Iterator[NatsServer]:
+    with running_nats_server(tmp_path / "nats") as server:
+        yield server
+
+
+async def test_a_service_waits_for_the_streams_and_starts_once_they_are_declared(tmp_path: Path) -> None:
+    with running_nats_server(tmp_path / "nats") as server:
+        admin, worker = await _connect(server, NatsRole.ADMIN), await _connect(server, NatsRole.WORKER)
+        try:
+            for name in ALL_STREAMS:  # a server of one's own, before anyone declared the streams
+                await admin.jetstream().delete_stream(name)
+            waiting = asyncio.create_task(streams.wait_for(worker.jetstream(), streams.WORKER_NEEDS, "worker"))
+            await asyncio.sleep(NOT_YET_S)
+            assert not waiting.done()
+            await streams.declare_streams(admin.jetstream())
+            await asyncio.wait_for(waiting, WAIT_S)
+        finally:
+            await worker.close()
+            await admin.close()
+
+
+async def test_declaring_again_sets_the_limits_of_existing_streams(nats_server_with_defaults: NatsServer) -> None:
+    admin = await _connect(nats_server_with_defaults, NatsRole.ADMIN)
+    try:
+        js = admin.jetstream()
+        assert (await js.stream_info(subjects.REQUEST_STREAM)).config.max_msgs == StreamLimits().max_msgs
+        await streams.declare_streams(js, LIMITS)
+        for name in (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM):
+            config = (await js.stream_info(name)).config
+            assert (config.max_msgs, config.max_bytes, config.max_age) == (7, 1 << 20, 60.0)
+        consumer = (await js.consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)).config
+        assert consumer.filter_subject is None  # the shared consumer takes every request subject
+    finally:
+        await admin.close()
+
+
+def _specmesh_streams(server: NatsServer, role: NatsRole, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "streams", "--nats-url", server.url,
+         "--nats-credentials", str(server.credentials_file(role)), "--wait", "5", *extra],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+async def test_specmesh_streams_declares_as_the_admin_and_names_a_user_that_may_not(
+    nats_server_with_defaults: NatsServer,
+) -> None:
+    server = nats_server_with_defaults
+    done = await asyncio.to_thread(_specmesh_streams, server, NatsRole.ADMIN, "--queue-max-msgs", "9")
+    assert done.returncode == 0, done.stderr
+    refused = await asyncio.to_thread(_specmesh_streams, server, NatsRole.GATEWAY, "--queue-max-msgs", "1")
+    assert refused.returncode != 0 and "admin user's credentials" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    admin = await _connect(server, NatsRole.ADMIN)
+    try:
+        assert (await admin.jetstream().stream_info(subjects.REQUEST_STREAM)).config.max_msgs == 9
+    finally:
+        await admin.close()
