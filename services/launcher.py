@@ -30,6 +30,7 @@ from pydantic import SecretStr
 
 from shared import nats_settings, option_types, stream_limits, streams
 from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway.reasoning import options as reasoning_options
 from services.gateway.tools import tool_options
 from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
@@ -149,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
     tool_options.add_arguments(parser)
+    reasoning_options.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -351,6 +353,7 @@ def run(args: argparse.Namespace) -> None:
         gateway_args += routing_options.forwarded(args)
         gateway_args += unknown_fields.forwarded(args)
         gateway_args += tool_options.forwarded(args)
+        gateway_args += reasoning_options.forwarded(args)
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make
             gateway_args += ["--speculative-config", args.speculative_config]
         # Stopping, the whole mesh stops at once: open requests cannot finish, so the gateway ends them with a 503

@@ -19,6 +19,7 @@ from services.gateway.choices import ResponseChoices
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
 from services.gateway.latency import ResponseLatency
+from services.gateway.reasoning.parser import ReasoningFormat, StreamedReasoning, message_with_reasoning
 from services.gateway.router import ResponseStream
 from services.gateway.tools.formats import ToolFormat
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
@@ -31,20 +32,23 @@ INTERNAL_ERROR = 500
 
 async def answer(
     request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
-    model: str, tool_format: ToolFormat | None,
+    model: str, tool_format: ToolFormat | None, reasoning_format: ReasoningFormat | None = None,
 ) -> web.StreamResponse:
     """The request's answer under `model`'s name: server-sent events as its chunks arrive, or one JSON response
-    once its last chunk is in. A chat answer to a request with tools is read for calls in `tool_format`."""
+    once its last chunk is in. A chat answer has its reasoning set apart in `reasoning_format`, then what follows it
+    read for calls in `tool_format` when the request offers tools."""
     body = gens[0].body
-    tools = tool_format if gens[0].api == "chat" and body.tool_fields.parses_calls else None
+    chat = gens[0].api == "chat"
+    tools = tool_format if chat and body.tool_fields.parses_calls else None
+    reasoning = reasoning_format if chat else None
     if body.stream:
-        return await _stream(request, gens, choices, chunks, model, tools)
-    return await _respond(gens, choices, chunks, model, tools)
+        return await _stream(request, gens, choices, chunks, model, tools, reasoning)
+    return await _respond(gens, choices, chunks, model, tools, reasoning)
 
 
 async def _stream(
     request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
-    model: str, tools: ToolFormat | None,
+    model: str, tools: ToolFormat | None, reasoning: ReasoningFormat | None,
 ) -> web.StreamResponse:
     response = await sse.open_stream(request)
     gen = gens[0]  # the body, the api and the envelope are every prompt's
@@ -63,6 +67,7 @@ async def _stream(
     if tools is not None:
         fields = gen.body.tool_fields
         calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
+    thinking = None if reasoning is None else StreamedReasoning(reasoning, gen.body.include_reasoning)
     try:
         if gen.api == "chat":
             for opening in _chat_openings(gen, choices.num_choices):
@@ -73,6 +78,8 @@ async def _stream(
             latency.observe(chunk)
             choices.observe(chunk)
             streamed = choices.streamed(chunk)
+            if thinking is not None:
+                streamed = thinking.choice(streamed)
             data = {**envelope, "choices": [calls.choice(streamed) if calls is not None else streamed]}
             if every_chunk:
                 data["usage"] = usage_body(choices.running_usage())
@@ -121,7 +128,8 @@ def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:
 
 
 async def _respond(
-    gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str, tools: ToolFormat | None
+    gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream, model: str, tools: ToolFormat | None,
+    reasoning: ReasoningFormat | None,
 ) -> web.Response:
     gen = gens[0]  # the body, the api and the envelope are every prompt's
     latency = ResponseLatency(gen.api, gen.started)
@@ -136,7 +144,10 @@ async def _respond(
     body = {**gen.envelope(model, stream=False), "choices": merged, "usage": usage_body(choices.usage())}
     if gen.api == "chat":
         for choice in merged:
-            choice["message"]["content"] = gen.body.echoed_text + choice["message"]["content"]
+            if reasoning is not None:
+                message_with_reasoning(choice["message"], reasoning, gen.body.include_reasoning)
+            if gen.body.echoed_text:
+                choice["message"]["content"] = gen.body.echoed_text + (choice["message"]["content"] or "")
             if tools is not None:
                 fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway import metrics
+from services.gateway.reasoning.parser import FORMATS as REASONING_FORMATS
 from services.gateway.tools.formats import format_for
 from services.gateway.admission import RETRY_AFTER, Admission
 from services.gateway.auth import require_api_key
@@ -62,6 +63,7 @@ class GatewayConfig(BaseModel):
     routing_busy_margin: float = Field(DEFAULT_BUSY_MARGIN, ge=0.0)
     strict_params: bool = False  # unknown request fields: a 400, as OpenAI answers (unknown_fields.py)
     tool_call_parser: str = "auto"  # how the model writes tool calls (tools/formats.py)
+    reasoning_parser: str | None = None  # how it sets its thinking apart (reasoning/parser.py); None: it does not
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -91,6 +93,7 @@ class Gateway:
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
             keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
             tool_format=format_for(tokenizer.chat_template, config.tool_call_parser),
+            reasoning_format=None if config.reasoning_parser is None else REASONING_FORMATS[config.reasoning_parser],
         )
         if self.generator.tool_format is None:
             log.warning(

@@ -34,6 +34,10 @@ class ChatMessage(Body):
     name: str | None = None
     tool_call_id: str | None = None  # on `tool` messages: the call they answer
     tool_calls: list[dict] | None = None  # on an assistant message: the calls it made, rendered by the template
+    # On an assistant message: its thinking, as a reasoning parser set it apart (either name; templates read the
+    # second)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -69,6 +73,8 @@ class ChatMessage(Body):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [_with_parsed_arguments(call) for call in self.tool_calls]
+        if (reasoning := self.reasoning_content or self.reasoning) is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -100,6 +106,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the final message open, to be continued
     echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out of the answer
     # More variables for the chat template (Qwen3's enable_thinking, ...); the ones specmesh sets are refused
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -66,9 +66,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
         Refused("guided_whitespace_pattern", (), "JSON is generated compact, with no free whitespace"),
         Refused("structural_tag", (), "structural tags are not implemented"),
-        Refused(
-            "include_reasoning", (True,), "no reasoning parser sets the reasoning apart from the content", ("chat",)
-        ),
         # OpenAI's own chat fields that the request models do not declare: refused in the same way.
         Refused(
             "functions", (), "the legacy functions are not supported; offer them as tools, each "

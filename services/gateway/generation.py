@@ -33,6 +33,7 @@ from services.gateway.errors import (
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
 from services.gateway.submission import Submission, Submitter
+from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.structured_request import compiled, structured_output
 from services.gateway.tools.formats import FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
@@ -61,7 +62,7 @@ class Generator:
         self, nc: Client, tokenizer: Tokenizer, router: ChunkRouter, served_model_name: str, max_model_len: int,
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
         prefix_router: PrefixRouter | None = None, strict_params: bool = False,
-        tool_format: ToolFormat | None = FORMATS["hermes"],
+        tool_format: ToolFormat | None = FORMATS["hermes"], reasoning_format: ReasoningFormat | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._router = router
@@ -74,6 +75,7 @@ class Generator:
         self._submitter = Submitter(nc, router.subject, prefix_router)
         self._bodies = RequestBodies(max_n, strict_params)
         self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py); None: not known
+        self.reasoning_format = reasoning_format  # how it sets its thinking apart (reasoning/); None: it does not
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -90,6 +92,8 @@ class Generator:
         tokenizer = self._tokenizer
         constraint = structured_output(body)
         tool_calls = tool_constraint(body, self._tool_format(body)) if api == "chat" else None
+        if api == "chat":
+            self._check_include_reasoning(body)
         if tool_calls is not None and constraint is not None:
             raise bad_request(
                 f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
@@ -123,7 +127,9 @@ class Generator:
                     reason = FAILED
                     try:
                         await submission.start(chunks)
-                        return await answer(request, gens, choices, chunks, self._model, self.tool_format)
+                        return await answer(
+                            request, gens, choices, chunks, self._model, self.tool_format, self.reasoning_format
+                        )
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED
                         metrics.CLIENT_DISCONNECTS.inc()
@@ -137,6 +143,13 @@ class Generator:
                             await asyncio.shield(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
+
+    def _check_include_reasoning(self, body: ChatCompletionRequest) -> None:
+        if not body.include_reasoning and self.reasoning_format is None:
+            raise bad_request(
+                "include_reasoning false needs the reasoning set apart from the content: start the server with "
+                "--reasoning-parser", param="include_reasoning",
+            )
 
     def _tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
         """The format a request's tools are called in; a 400 for a request with tools when the gateway knows none."""

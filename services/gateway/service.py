@@ -13,6 +13,7 @@ from aiohttp import web
 
 from shared import option_types
 from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway.reasoning import options as reasoning_options
 from services.gateway.tools import tool_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
@@ -65,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
     tool_options.add_arguments(parser)
+    reasoning_options.add_arguments(parser)
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -90,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         routing_busy_margin=args.routing_busy_margin,
         strict_params=args.strict_params,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

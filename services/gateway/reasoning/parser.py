@@ -1,0 +1,146 @@
+"""A reasoning model's thinking set apart from its answer: `--reasoning-parser`, vLLM's option and parser names.
+
+The model thinks inside `<think>...</think>` and answers after it. A chat message carries the thinking as `reasoning`
+(vLLM's current name) and `reasoning_content` (DeepSeek's API and vLLM before it: clients read one or the other), and
+the answer as `content`; a stream sends each piece in the delta field it belongs to, as soon as it is known.
+
+- `qwen3`: the answer may open with the block (after blank lines); one that does not is all answer, as Qwen3 writes
+  with `enable_thinking` false.
+- `deepseek_r1`: the chat template opens the block in the prompt, so the answer starts inside it (an opening tag the
+  model writes again is dropped); without a closing tag, all of it is reasoning.
+
+Line breaks around the thinking are layout, not text, as the chat templates themselves write them back: those just
+inside the tags and those that open the answer are dropped. The whole answer and the streamed one read the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+LAYOUT = "\n"  # the line breaks around the thinking
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    starts_inside: bool  # the prompt opened the block: the answer begins as reasoning
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole answer; None where there is none."""
+        stream = ReasoningStream(self)
+        reasoning, content = stream.feed(text, final=True)
+        return reasoning or None, content or None
+
+
+FORMATS = {f.name: f for f in (ReasoningFormat("qwen3", starts_inside=False), ReasoningFormat("deepseek_r1", True))}
+
+
+class Part(Enum):
+    UNKNOWN = "unknown"  # whether the answer opens with the block is not known yet
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+class ReasoningStream:
+    """One choice's answer, piece by piece, split into reasoning and content. A piece that could still turn into a
+    tag, or line breaks that may turn out to be layout, are held back until the next piece tells."""
+
+    def __init__(self, format: ReasoningFormat) -> None:
+        self.format = format
+        self._part = Part.UNKNOWN
+        self._buffer = ""
+        self._reasoning_started = False  # text other than layout went out as reasoning
+        self._content_started = False
+        self._after_block = False  # the content follows a reasoning block: its opening line breaks are layout
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) to send for the next piece of the answer's text; `final` for its last piece."""
+        self._buffer += text
+        reasoning = content = ""
+        if self._part is Part.UNKNOWN:
+            head = self._buffer.lstrip(LAYOUT)
+            if head.startswith(THINK_OPEN):
+                self._buffer = head[len(THINK_OPEN) :]
+                self._part = Part.REASONING
+                self._after_block = True
+            elif THINK_OPEN.startswith(head) and not final:
+                return "", ""
+            else:
+                self._part = Part.REASONING if self.format.starts_inside else Part.CONTENT
+                self._after_block = self.format.starts_inside
+        if self._part is Part.REASONING:
+            reasoning = self._take_reasoning(final)
+        if self._part is Part.CONTENT:
+            content = self._take_content()
+        return reasoning, content
+
+    def _take_reasoning(self, final: bool) -> str:
+        end = self._buffer.find(THINK_CLOSE)
+        if end >= 0:
+            body, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_CLOSE) :]
+            self._part = Part.CONTENT
+            return self._reasoning_text(body.rstrip(LAYOUT))
+        if final:
+            body, self._buffer = self._buffer.rstrip(LAYOUT), ""
+            return self._reasoning_text(body)
+        # Held: the start of a closing tag, and the line breaks before it, which are layout if the tag follows them.
+        body = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, THINK_CLOSE)].rstrip(LAYOUT)
+        self._buffer = self._buffer[len(body) :]
+        return self._reasoning_text(body)
+
+    def _reasoning_text(self, body: str) -> str:
+        if not self._reasoning_started:
+            body = body.lstrip(LAYOUT)
+            self._reasoning_started = bool(body)
+        return body
+
+    def _take_content(self) -> str:
+        text, self._buffer = self._buffer, ""
+        if not self._content_started:
+            text = text.lstrip(LAYOUT) if self._after_block else text
+            self._content_started = bool(text)
+        return text
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that `tag` starts with (what may become a tag with the next piece)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A message's or delta's reasoning, under both names clients read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def message_with_reasoning(message: dict, format: ReasoningFormat, include: bool) -> None:
+    """Moves a whole chat answer's reasoning out of message["content"]; with `include` false it is left out."""
+    reasoning, message["content"] = format.split(message.get("content") or "")
+    if reasoning is not None and include:
+        message.update(reasoning_fields(reasoning))
+
+
+class StreamedReasoning:
+    """Every choice of a streamed chat answer split into reasoning and content: each chunk's choice with its delta
+    rewritten. With `include` false the reasoning is left out."""
+
+    def __init__(self, format: ReasoningFormat, include: bool) -> None:
+        self.format = format
+        self.include = include
+        self._streams: dict[int, ReasoningStream] = {}
+
+    def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        stream = self._streams.setdefault(choice["index"], ReasoningStream(self.format))
+        delta = dict(choice.get("delta") or {})
+        reasoning, content = stream.feed(delta.get("content") or "", final=choice.get("finish_reason") is not None)
+        if reasoning and self.include:
+            delta.update(reasoning_fields(reasoning))
+            delta["content"] = content or None
+        else:
+            delta["content"] = content
+        return {**choice, "delta": delta}

@@ -1,0 +1,94 @@
+"""--reasoning-parser without a model: a whole answer's reasoning and content, and the same streamed in any cut
+(speculative decoding sends several tokens a chunk, a tag may straddle two), for both parsers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.chat_request import ChatMessage
+from services.gateway.reasoning.parser import FORMATS, ReasoningStream, StreamedReasoning, message_with_reasoning
+
+QWEN3, DEEPSEEK_R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
+THOUGHT = "<think>\nThe user wants 2 + 2.\n\nThat is 4.\n</think>\n\nIt is 4."
+
+# (format, answer, (reasoning, content))
+WHOLE = [
+    (QWEN3, THOUGHT, ("The user wants 2 + 2.\n\nThat is 4.", "It is 4.")),
+    (DEEPSEEK_R1, THOUGHT, ("The user wants 2 + 2.\n\nThat is 4.", "It is 4.")),
+    # The prompt opened the block: the answer starts inside it.
+    (DEEPSEEK_R1, "The user wants 4.\n</think>\n\nIt is 4.", ("The user wants 4.", "It is 4.")),
+    (QWEN3, "\n\n<think>\nhm\n</think>\nok", ("hm", "ok")),
+    # No block: all answer for qwen3 (enable_thinking false), exactly as written; cut short inside the block.
+    (QWEN3, "\nIt is 4.\n", (None, "\nIt is 4.\n")),
+    (QWEN3, "<think>\nstill thinking", ("still thinking", None)),
+    (DEEPSEEK_R1, "still thinking\n", ("still thinking", None)),
+    (QWEN3, "<think>\n\n</think>\n\nIt is 4.", (None, "It is 4.")),  # an empty block
+    (QWEN3, "Not <think> at the start", (None, "Not <think> at the start")),
+    (QWEN3, "<think>a</think>b</think>c", ("a", "b</think>c")),  # only the first closing tag ends the block
+    (QWEN3, "<thin", (None, "<thin")),
+]
+
+
+@pytest.mark.parametrize(("format", "answer", "expected"), WHOLE)
+def test_a_whole_answer_splits_into_reasoning_and_content(format, answer, expected) -> None:
+    assert format.split(answer) == expected
+
+
+def _streamed(format, pieces: list[str]) -> tuple[str, str]:
+    stream = ReasoningStream(format)
+    reasoning = content = ""
+    for i, piece in enumerate(pieces):
+        r, c = stream.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    case=st.sampled_from(WHOLE),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=12),
+)
+def test_streamed_in_any_cut_it_reads_as_the_whole_answer(case, cuts) -> None:
+    format, answer, (reasoning, content) = case
+    points = sorted({min(c, len(answer)) for c in cuts})
+    pieces = [answer[a:b] for a, b in zip([0, *points], [*points, len(answer)])]
+    assert _streamed(format, pieces) == (reasoning or "", content or "")
+
+
+def test_a_stream_sends_reasoning_as_it_comes_and_holds_back_only_what_may_be_a_tag() -> None:
+    stream = ReasoningStream(QWEN3)
+    assert stream.feed("<thi", final=False) == ("", "")  # may open the block
+    assert stream.feed("nk>\nStep one", final=False) == ("Step one", "")
+    assert stream.feed(".\n</th", final=False) == (".", "")  # the line break may be layout before the tag
+    assert stream.feed("ink>\n\nDone", final=False) == ("", "Done")
+    assert stream.feed("!", final=True) == ("", "!")
+
+
+def test_deltas_carry_reasoning_under_both_names_or_leave_it_out() -> None:
+    chunk = {"index": 0, "delta": {"content": "<think>\nwhy\n</think>\n\nbecause"}, "finish_reason": "stop"}
+    shown = StreamedReasoning(QWEN3, include=True).choice(chunk)
+    assert shown["delta"] == {"content": "because", "reasoning": "why", "reasoning_content": "why"}
+    hidden = StreamedReasoning(QWEN3, include=False).choice(chunk)
+    assert hidden["delta"] == {"content": "because"}
+    thinking = {"index": 1, "delta": {"role": "assistant", "content": "<think>\nwhy"}, "finish_reason": None}
+    assert StreamedReasoning(QWEN3, include=True).choice(thinking)["delta"] == {
+        "role": "assistant", "content": None, "reasoning": "why", "reasoning_content": "why"
+    }
+
+
+def test_a_whole_message_gets_its_reasoning_fields() -> None:
+    message = {"role": "assistant", "content": THOUGHT}
+    message_with_reasoning(message, QWEN3, include=True)
+    assert message == {"role": "assistant", "content": "It is 4.", "reasoning": "The user wants 2 + 2.\n\nThat is 4.",
+                       "reasoning_content": "The user wants 2 + 2.\n\nThat is 4."}
+    hidden = {"role": "assistant", "content": THOUGHT}
+    message_with_reasoning(hidden, QWEN3, include=False)
+    assert hidden == {"role": "assistant", "content": "It is 4."}
+
+
+def test_an_earlier_answers_reasoning_reaches_the_chat_template_under_the_name_templates_read() -> None:
+    for name in ("reasoning", "reasoning_content"):
+        message = ChatMessage.model_validate({"role": "assistant", "content": "It is 4.", name: "2 + 2"})
+        assert message.for_template() == {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2"}
