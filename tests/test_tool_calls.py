@@ -12,6 +12,9 @@ from pathlib import Path
 import llguidance
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.tools.formats import FORMATS, format_for
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
@@ -69,7 +72,7 @@ def test_streamed_calls_add_up_to_the_whole_answers(cut) -> None:
         "tags_split": [16, 3, 40, 9, 30],
     }[cut]
     content, calls, finish, _ = _assembled(_streamed(HERMES_ANSWER, pieces))
-    assert (content.strip(), calls, finish) == ("Let me check.", EXPECTED, "tool_calls")
+    assert (content, calls, finish) == ("Let me check.", EXPECTED, "tool_calls")
     message = {"role": "assistant", "content": HERMES_ANSWER}
     assert message_with_calls(message, "stop", FORMATS["hermes"]) == "tool_calls"
     assert message["content"] == "Let me check."
@@ -80,7 +83,7 @@ def test_streamed_calls_add_up_to_the_whole_answers(cut) -> None:
 def test_without_parallel_tool_calls_only_the_first_call_is_returned(cut) -> None:
     """Under tool_choice auto nothing forces one call: parallel_tool_calls false keeps the first, whole and streamed."""
     content, calls, finish, _ = _assembled(_streamed(HERMES_ANSWER, cut, parallel=False))
-    assert (content.strip(), calls, finish) == ("Let me check.", EXPECTED[:1], "tool_calls")
+    assert (content, calls, finish) == ("Let me check.", EXPECTED[:1], "tool_calls")
     message = {"role": "assistant", "content": HERMES_ANSWER}
     assert message_with_calls(message, "stop", FORMATS["hermes"], parallel=False) == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == (
@@ -134,7 +137,7 @@ def test_text_after_the_calls_keeps_a_trailing_tag_start_whole_and_streamed(cut)
     content, calls, _, _ = _assembled(_streamed(text, cut, finish="length"))
     message = {"role": "assistant", "content": text}
     message_with_calls(message, "length", FORMATS["hermes"])
-    assert calls == EXPECTED[:1] and content.strip() == message["content"] == "see <"
+    assert calls == EXPECTED[:1] and content == message["content"] == "see <"
 
 
 def test_a_named_tool_choice_finishes_with_stop_as_openai_does() -> None:
@@ -245,8 +248,41 @@ def test_call_tags_in_qwen3s_reasoning_are_text_and_the_call_after_it_is_read(cu
     whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
     assert (message["content"], whole) == (reasoning, EXPECTED[:1])
     content, calls, finish, _ = _assembled(_streamed(THINKING_ANSWER, cut))
-    assert (content.strip(), calls, finish) == (reasoning, EXPECTED[:1], "tool_calls")
+    assert (content, calls, finish) == (reasoning, EXPECTED[:1], "tool_calls")
     # Reasoning cut short by max_tokens holds no call, whole or streamed.
     unclosed = THINKING_ANSWER[:60]
     assert _assembled(_streamed(unclosed, cut, finish="length"))[:3] == (unclosed, [], "length")
     assert message_with_calls({"role": "assistant", "content": unclosed}, "length", FORMATS["hermes"]) == "length"
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+BOGUS = "<tool_call>\nnot json\n</tool_call>"
+# Answers with whitespace in every place it can stand around calls, text and blocks that are not calls.
+LAYOUTS = [
+    f"\n Let me check.  \n{CALL}\n\n{CALL} \n",
+    f"{CALL}\n  Done, see above.\n\n",
+    f"Before\n{BOGUS}\n after \n{CALL}\n",
+    f"{CALL}\n\n{BOGUS}  {CALL}",
+    f"Text, then a call cut short:\n{CALL[:40]}",
+    f"{CALL}\n<tool_c",
+    f"{CALL}\nand text, then a tag cut before its name: <tool_call>\n",
+    f"  <think>\nhm <tool_call>\n</think>\n \n{CALL}\nok ",
+    "No calls at all:\n  <tool is a word>  \n",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(answer=st.sampled_from(LAYOUTS), cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=10))
+def test_a_streamed_answer_reads_exactly_as_the_whole_one_whitespace_included(answer, cuts) -> None:
+    points = sorted({min(c, len(answer)) for c in cuts})
+    sizes = [b - a for a, b in zip([0, *points], points)]
+    choices = _streamed(answer, sizes, finish="length")
+    content = "".join(choice["delta"].get("content") or "" for choice in choices)
+    calls: dict[int, list[str]] = {}
+    for entry in (e for choice in choices for e in choice["delta"].get("tool_calls", ())):
+        name, arguments = calls.setdefault(entry["index"], ["", ""])
+        calls[entry["index"]] = [name + entry["function"].get("name", ""), arguments + entry["function"]["arguments"]]
+    message = {"role": "assistant", "content": answer}
+    message_with_calls(message, "length", FORMATS["hermes"])
+    whole = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", ())]
+    assert (content, [calls[i] for i in sorted(calls)]) == (message["content"] or "", whole)

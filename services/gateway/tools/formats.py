@@ -60,6 +60,29 @@ def _call(obj: Any, arguments_key: str) -> ParsedCall | None:
     return ParsedCall(obj["name"], _json_text(obj.get(arguments_key, obj.get("arguments", {}))))
 
 
+class TextAroundCalls:
+    """The text of an answer outside its calls, as a whole answer and a stream both read it: the whitespace next to a
+    call (the line breaks around its tags) is layout, dropped; any other whitespace is text."""
+
+    def __init__(self, start: str = "") -> None:
+        self._parts = [start]
+        self.after_call = False  # nothing but whitespace since the last call
+
+    def add(self, piece: str) -> None:
+        if self.after_call:
+            piece = piece.lstrip()
+            self.after_call = not piece
+        self._parts.append(piece)
+
+    def call(self) -> None:
+        self._parts = ["".join(self._parts).rstrip()]
+        self.after_call = True
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
 class Hermes:
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
@@ -78,8 +101,8 @@ class Hermes:
         reasoning, rest = self.reasoning(text)
         if reasoning is None:
             return text, []
-        content, calls = self._split_calls(rest)
-        return ((reasoning + content).strip() if calls else text), calls
+        content, calls = self._split_calls(rest, reasoning)
+        return (content if calls else text), calls
 
     def reasoning(self, text: str) -> tuple[str | None, str]:
         """(the leading reasoning block with its tags, the rest): ("", text) without one, (None, text) while it is
@@ -92,29 +115,32 @@ class Hermes:
         end += len(self.think_close)
         return text[:end], text[end:]
 
-    def _split_calls(self, text: str) -> tuple[str, list[ParsedCall]]:
-        content, calls, rest = [], [], text
+    def _split_calls(self, text: str, before: str) -> tuple[str, list[ParsedCall]]:
+        content, calls, rest = TextAroundCalls(before), [], text
         while (start := rest.find(self.open_tag)) >= 0:
             end = rest.find(self.close_tag, start)
             if end < 0:  # cut short (max_tokens): a call whose name is written keeps the arguments written so far
                 truncated = self.partial_call(rest[start + len(self.open_tag) :])
                 if truncated is not None or calls:  # else a next call cut before its name: dropped, as its tag
-                    content.append(rest[:start])
-                    calls += [truncated] if truncated is not None else []
+                    content.add(rest[:start])
+                    if truncated is not None:
+                        content.call()
+                        calls.append(truncated)
                     rest = ""
                 break
             block = rest[start + len(self.open_tag) : end]
             call = self.parse_block(block) or self.partial_call(block)
             if call is None:
-                content.append(rest[: end + len(self.close_tag)])
+                content.add(rest[: end + len(self.close_tag)])
             else:
-                content.append(rest[:start])
+                content.add(rest[:start])
+                content.call()
                 calls.append(call)
             rest = rest[end + len(self.close_tag) :]
         if calls and self.dangling_tag(rest):
             rest = ""
-        content.append(rest)
-        return "".join(content), calls
+        content.add(rest)
+        return content.text, calls
 
     def partial_call(self, block: str) -> ParsedCall | None:
         """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole

@@ -52,7 +52,8 @@ class ToolCallStream:
         self._inside = False  # within a call's block
         self._named = False  # the open call's name went out
         self._calls = 0  # calls started
-        self._text_after_calls = False  # text other than line breaks streamed since the last call
+        self._after_call = False  # nothing but whitespace since the last call (tools/formats.TextAroundCalls)
+        self._held_space = ""  # whitespace at the end of the text so far: layout if a call follows it
         self._ids: list[str] = []
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
@@ -82,15 +83,13 @@ class ToolCallStream:
             if not self._inside:
                 start = self._buffer.find(fmt.open_tag)
                 if start < 0:
-                    if final and self.called and not self._text_after_calls and fmt.dangling_tag(self._buffer):
+                    if final and self.called and self._after_call and fmt.dangling_tag(self._buffer):
                         self._buffer = ""  # as Hermes.split drops it from a whole answer
                     keep = 0 if final else _partial_suffix(self._buffer, fmt.open_tag)
-                    content.append(self._buffer[: len(self._buffer) - keep])
-                    self._text_after_calls |= bool(content[-1].strip())
+                    content.append(self._text(self._buffer[: len(self._buffer) - keep], final))
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
-                content.append(self._buffer[:start])
-                self._text_after_calls = False
+                content.append(self._text(self._buffer[:start], final=False))
                 self._buffer = self._buffer[start + len(fmt.open_tag) :]
                 self._inside, self._named = True, False
                 continue
@@ -101,9 +100,10 @@ class ToolCallStream:
                 if final:  # cut short (max_tokens): a named call keeps the arguments written so far
                     partial = fmt.partial_call(self._buffer)
                     if partial is None:
-                        if not self.called:  # after calls, the start of a next one cut before its name: dropped
-                            content.append(fmt.open_tag + self._buffer)
+                        # After calls, the start of a next one cut before its name is dropped.
+                        content.append(self._text("" if self.called else fmt.open_tag + self._buffer, final=True))
                     else:
+                        self._called()
                         if not self._named:
                             deltas.append(self._open_call(partial.name))
                         deltas.append({"index": self._calls - 1, "function": {"arguments": partial.arguments}})
@@ -113,15 +113,31 @@ class ToolCallStream:
             self._inside = False
             call = fmt.parse_block(block) or fmt.partial_call(block)  # as a whole answer reads it
             if call is None:
-                content.append(fmt.open_tag + block + fmt.close_tag)
+                content.append(self._text(fmt.open_tag + block + fmt.close_tag, final=False))
                 continue
+            self._called()
             if not self._named:
                 deltas.append(self._open_call(call.name))
             deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
-        streamed = "".join(content)
-        if self.called and not self._text_after_calls and not streamed.strip():
-            streamed = ""  # the line breaks between calls (a space within text after them is text)
-        return streamed, deltas
+        return "".join(content), deltas
+
+    def _text(self, piece: str, final: bool) -> str:
+        """What goes out of a piece of text outside calls: the whitespace after a call is dropped, and the whitespace
+        it ends with is held until what follows tells (dropped before a call, sent before more text or at the end)."""
+        text, self._held_space = self._held_space + piece, ""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if final:
+            return text
+        body = text.rstrip()
+        self._held_space = text[len(body) :]
+        return body
+
+    def _called(self) -> None:
+        """A block turned out to be a call: the whitespace before it was layout."""
+        self._held_space = ""
+        self._after_call = True
 
     def _take_reasoning(self, final: bool) -> str | None:
         """The buffer's part of a leading reasoning block, streamed as content, tags included, and never read for
