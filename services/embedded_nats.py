@@ -16,14 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import nats.errors
-
 from services.supervisor import STOP_SIGNALS, die_with_parent
 from shared.nats_credentials import MeshCredentials
 from shared import stream_limits
-from shared.nats_server import (
-    READY_TIMEOUT_S, credentials_dir, declare_as_admin, default_store_dir, server_command,
-)
+from shared.nats_roles import NatsRole
+from shared.nats_server import READY_TIMEOUT_S, credentials_dir, default_store_dir, server_command
+from shared.nats_settings import NatsSettings
+from shared.streams import Declaring
 from shared.ports import wait_for_port
 from shared.stream_limits import StreamLimits
 
@@ -55,6 +54,8 @@ class LameDuckStop:
         self.server = server
         self.timeout_s = timeout_s
         self.deadline: float | None = None
+        self.declaring: Declaring | None = None  # the streams' declaration, while it may still be running
+        self._lame_duck_sent = False
 
     @property
     def stopping(self) -> bool:
@@ -64,14 +65,20 @@ class LameDuckStop:
         if self.deadline is None:
             print(f"specmesh nats: lame-duck mode; the server has {self.timeout_s:g}s to close its clients",
                   file=sys.stderr, flush=True)
-            self.server.send_signal(LAME_DUCK_SIGNAL)
             self.deadline = time.monotonic() + self.timeout_s
+            self._lame_duck()
         else:
             self.deadline = time.monotonic()
 
     def wait(self) -> int:
-        """The server's exit status, shell-style (128 + N when a signal ended it)."""
+        """The server's exit status, shell-style (128 + N when a signal ended it); once the streams are declared,
+        says so, and kills the server and exits if they could not be."""
         while True:
+            if self.declaring is not None and self.declaring.future.done():
+                self._declared(self.declaring)
+                self.declaring = None
+            if self.stopping:
+                self._lame_duck()
             try:
                 code = self.server.wait(timeout=WAIT_INTERVAL_S)
                 return code if code >= 0 else SIGNAL_EXIT_BASE - code
@@ -79,6 +86,21 @@ class LameDuckStop:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     print("specmesh nats: killing the server", file=sys.stderr, flush=True)
                     os.killpg(self.server.pid, signal.SIGKILL)
+
+    def _lame_duck(self) -> None:
+        """Once the streams' declaration is over (a few milliseconds): its connection, cut by lame-duck mode, would
+        hold the server through its grace period."""
+        if not self._lame_duck_sent and self.declaring is None:
+            self.server.send_signal(LAME_DUCK_SIGNAL)
+            self._lame_duck_sent = True
+
+    def _declared(self, declaring: Declaring) -> None:
+        if self.stopping:
+            return
+        if (error := declaring.future.exception()) is not None:
+            os.killpg(self.server.pid, signal.SIGKILL)
+            raise SystemExit(f"specmesh nats: the server did not take the mesh's streams: {error!r}")
+        print("specmesh nats: streams declared", flush=True)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -93,11 +115,14 @@ def run(args: argparse.Namespace) -> None:
     host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
     try:
         wait_for_port(host, args.port, READY_TIMEOUT_S, server)
-        declare_as_admin(f"nats://{host}:{args.port}", credentials, StreamLimits.from_args(args))
-    except (RuntimeError, TimeoutError, OSError, nats.errors.Error) as exc:
-        if not stop.stopping:  # else the server is closing its clients, the declaration's among them
+    except (RuntimeError, TimeoutError) as exc:
+        if not stop.stopping:
             os.killpg(server.pid, signal.SIGKILL)
-            raise SystemExit(f"specmesh nats: the server did not start with the mesh's streams: {exc!r}") from exc
-    else:
-        print("specmesh nats: streams declared", flush=True)
+            raise SystemExit(f"specmesh nats: the server did not start: {exc}") from exc
+    if not stop.stopping:
+        # On a thread: a stop signal meanwhile is taken at once, and cuts the declaration short.
+        url, admin = f"nats://{host}:{args.port}", credentials[NatsRole.ADMIN]
+        stop.declaring = Declaring(
+            NatsSettings(url=url, role=NatsRole.ADMIN, credentials=admin), StreamLimits.from_args(args), READY_TIMEOUT_S
+        )
     raise SystemExit(stop.wait())

@@ -149,20 +149,27 @@ async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float
             await asyncio.sleep(CONNECT_RETRY_S)
 
 
+class Declaring:
+    """`declare` on an event loop of its own thread, so that synchronous code (a launcher; a test inside its own event
+    loop) can wait for it (`result`) or go on meanwhile (`future`)."""
+
+    def __init__(self, settings: NatsSettings, limits: StreamLimits, timeout_s: float) -> None:
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._run, name="declare-streams", daemon=True).start()
+        self.future = asyncio.run_coroutine_threadsafe(declare(settings, limits, timeout_s), self._loop)
+        self.future.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._loop.stop))
+
+    def _run(self) -> None:
+        self._loop.run_forever()
+        self._loop.close()
+
+    def result(self) -> None:
+        """Waits for the declaration; raises what it raised."""
+        self.future.result()
+
+
 def declare_blocking(
     settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S
 ) -> None:
-    """`declare` from synchronous code, on a thread of its own: the caller may be inside an event loop (a test)."""
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(declare(settings, limits, timeout_s))
-        except BaseException as exc:  # handed to the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="declare-streams")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    """`declare` from synchronous code."""
+    Declaring(settings, limits, timeout_s).result()
