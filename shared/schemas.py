@@ -55,6 +55,9 @@ class SpeculationParams(_Message):
     # Report this request's drafted and accepted tokens in usage.speculative: the worker sends a DRAFT record for
     # every step that drafted, which the detokenizer counts.
     return_stats: bool = False
+    # OpenAI's predicted outputs: tokens the answer is expected to mostly repeat, drafted wherever it follows them
+    # (services/worker/drafting/prediction.py); they change the number of steps, never a token.
+    prediction_token_ids: tuple[TokenId, ...] = ()
 
 
 class SamplingParams(_Message):
@@ -220,6 +223,7 @@ class DetokOpen(_Message):
     echo_special_tokens: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # vLLM's prompt_logprobs: top-n per prompt token
     prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
+    prediction_token_ids: tuple[int, ...] = ()  # the request's prediction, to count what its answer used
 
     @model_validator(mode="after")
     def _prompt_when_needed(self) -> "DetokOpen":
@@ -322,11 +326,25 @@ class PromptTokensDetails(_Message):
     cached_tokens: int = Field(0, ge=0)  # prompt tokens whose cache the worker found computed (prefix caching)
 
 
+class CompletionTokensDetails(_Message):
+    """OpenAI's, for a request with a prediction (shared/prediction.py)."""
+
+    accepted_prediction_tokens: int = Field(ge=0)  # the prediction's tokens the answer has
+    rejected_prediction_tokens: int = Field(ge=0)  # the others
+
+    def __add__(self, other: "CompletionTokensDetails") -> "CompletionTokensDetails":
+        return CompletionTokensDetails(
+            accepted_prediction_tokens=self.accepted_prediction_tokens + other.accepted_prediction_tokens,
+            rejected_prediction_tokens=self.rejected_prediction_tokens + other.rejected_prediction_tokens,
+        )
+
+
 class Usage(_Message):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails | None = None  # only for a request with a prediction
     speculative: SpeculativeUsage | None = None  # only when the request asked (speculative.return_stats)
 
 

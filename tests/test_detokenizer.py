@@ -259,9 +259,10 @@ def test_completion_logprobs_and_draft_logprobs_shape(tokenizer, table) -> None:
     assert last.choice["draft_logprobs"]["tokens"] == []
     usage = {
         "prompt_tokens": PROMPT_TOKENS, "completion_tokens": 4, "total_tokens": 11,
-        "prompt_tokens_details": {"cached_tokens": 0}, "speculative": None,
+        "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": None, "speculative": None,
     }
-    assert last.usage.model_dump() == usage  # no speculation summary unless the request asked for one
+    # No speculation summary unless the request asked for one, no prediction counts without a prediction.
+    assert last.usage.model_dump() == usage
 
 
 def test_unused_top_slots_and_impossible_logprobs(tokenizer, table) -> None:

@@ -166,3 +166,38 @@ def test_more_drafts_than_the_server_makes_is_a_400(client: openai.OpenAI, mesh:
         _create(client, mesh, "completion", extra_body={"speculative": {"num_speculative_tokens": SERVER_DRAFTS + 1}})
     assert info.value.param == "speculative.num_speculative_tokens"
     assert str(SERVER_DRAFTS + 1) in info.value.body["message"]
+
+
+PREDICTED_MESSAGES = [{"role": "user", "content": "Write a function that parses a config file."}]
+PREDICTED_TOKENS = 48
+
+
+def test_a_prediction_keeps_the_answer_takes_fewer_steps_and_is_counted_in_usage(
+    client: openai.OpenAI, mesh: Mesh, tokenizer: Tokenizer
+) -> None:
+    """OpenAI's predicted outputs: the answer rewritten from its own text, as a client edits a file."""
+    request = dict(
+        model=mesh.model, messages=PREDICTED_MESSAGES, max_tokens=PREDICTED_TOKENS, temperature=0,
+        extra_body={"speculative": {"return_stats": True}},
+    )
+    plain = client.chat.completions.create(**request)
+    text = plain.choices[0].message.content
+    prediction = {"type": "content", "content": text}
+    predicted = client.chat.completions.create(**request, prediction=prediction)
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    predicted_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted_tokens
+    assert details.accepted_prediction_tokens >= 0.9 * predicted.usage.completion_tokens
+    # Every step verifies 3 drafts the answer follows, where prompt lookup finds fewer.
+    assert _summary(predicted)["mean_acceptance_length"] > max(2.5, _summary(plain)["mean_acceptance_length"])
+    assert plain.usage.completion_tokens_details is None
+    streamed = client.chat.completions.create(
+        **request, prediction=prediction, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details == details
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request, prediction={"type": "file", "content": text})
+    assert info.value.param == "prediction.type"

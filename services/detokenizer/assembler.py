@@ -15,7 +15,8 @@ from services.detokenizer.prompt import PromptAssembler, PromptLogprob, PromptPa
 from services.detokenizer.speculation import SpeculationTally
 from services.detokenizer.stop import Released, StopMatcher
 from shared.frames import NO_TOKEN, WHEREVER, FinishReason, Frame, SeqStatus
-from shared.schemas import ChoiceProgress, Chunk, DetokOpen, PromptTokensDetails, Usage
+from shared.prediction import prediction_usage
+from shared.schemas import ChoiceProgress, Chunk, CompletionTokensDetails, DetokOpen, PromptTokensDetails, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.COMPLETE: "stop"}
 STOP_STRING_FINISH = "stop"
@@ -342,5 +343,11 @@ class RequestAssembler:
         return Usage(
             prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+            completion_tokens_details=self.prediction_usage(),
             speculative=None if self.speculation is None else self.speculation.usage(),
         )
+
+    def prediction_usage(self) -> CompletionTokensDetails | None:
+        """How much of the request's prediction this choice's answer used; None without a prediction."""
+        prediction = self._open.prediction_token_ids
+        return prediction_usage(prediction, self._output_ids) if prediction else None

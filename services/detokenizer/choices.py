@@ -113,9 +113,11 @@ class RequestChoices:
         completion = sum(c.num_output_tokens for c in self._choices)
         prompt = self._num_prompt_tokens
         tallies = [c.speculation for c in self._choices if c.speculation is not None]
+        predicted = [details for c in self._choices if (details := c.prediction_usage()) is not None]
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
             # The prompt is counted once, as its first choice found it.
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self._choices[0].num_cached_tokens),
+            completion_tokens_details=sum(predicted[1:], predicted[0]) if predicted else None,
             speculative=SpeculationTally.merged(tallies).usage() if tallies else None,
         )

@@ -163,5 +163,7 @@ async def _respond(
 
 
 def usage_body(usage: Usage) -> dict:
-    """`usage` as a response shows it: `speculative` only for a request that asked for its summary."""
-    return usage.model_dump(exclude={"speculative"} if usage.speculative is None else None)
+    """`usage` as a response shows it: `speculative` only for a request that asked for its summary,
+    `completion_tokens_details` only for one with a prediction."""
+    absent = {"speculative": usage.speculative, "completion_tokens_details": usage.completion_tokens_details}
+    return usage.model_dump(exclude={name for name, value in absent.items() if value is None})

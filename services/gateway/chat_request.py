@@ -14,6 +14,7 @@ from functools import cached_property
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from services.gateway.prediction import Prediction
 from services.gateway.protocol import Body, GenerationRequest, shown
 from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
 from shared.frames import MAX_TOP_K
@@ -107,6 +108,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False  # leave the final message open, to be continued
     echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out of the answer
+    prediction: Prediction | None = None  # OpenAI's predicted outputs (prediction.py)
     # More variables for the chat template (Qwen3's enable_thinking, ...); the ones specmesh sets are refused
     chat_template_kwargs: dict[str, Any] | None = None
 

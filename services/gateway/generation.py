@@ -33,6 +33,7 @@ from services.gateway.errors import (
 )
 from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
 from services.gateway.submission import Submission, Submitter
+from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.structured_request import compiled, structured_output
 from services.gateway.tools.formats import FORMATS, ToolFormat, tool_constraint
@@ -106,12 +107,18 @@ class Generator:
             # on a thread, this gateway's other streams go on meanwhile.
             structured = await asyncio.to_thread(compiled, constrained_by, tokenizer.model_dir,
                                                  tokenizer.vocab_size, tokenizer.eos_token_ids)
+        prediction = ()
+        if api == "chat" and body.prediction is not None:
+            prediction = await asyncio.to_thread(
+                prediction_token_ids, body.prediction, tokenizer, self._max_model_len
+            )
         gens = []
         for prompt_ids in await self._prompts_off_loop(body):
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
-            gens.append(Generation(api, body, prompt_ids, self._sampling(body, max_tokens, structured), started))
+            sampling = self._sampling(body, max_tokens, structured, prediction)
+            gens.append(Generation(api, body, prompt_ids, sampling, started))
         check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
@@ -201,12 +208,13 @@ class Generator:
             raise bad_request(str(exc), param="messages") from exc
 
     def _sampling(
-        self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None
+        self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None,
+        prediction: tuple[int, ...] = (),
     ) -> SamplingParams:
         """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
         worker checks again, so that a request the gateway queued is never one the worker refuses."""
         try:
-            sampling = body.sampling_params(max_tokens, structured)
+            sampling = body.sampling_params(max_tokens, structured, prediction)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         try:

@@ -254,8 +254,11 @@ class GenerationRequest(Body):
         """Choices per prompt: `n`."""
         return self.n or 1
 
-    def sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
-        """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway."""
+    def sampling_params(
+        self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] = ()
+    ) -> SamplingParams:
+        """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway;
+        `prediction`: the tokens of its predicted output (chat's `prediction`)."""
         logprobs = self.logprobs_count
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -275,6 +278,8 @@ class GenerationRequest(Body):
             min_tokens=self.min_tokens or 0,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias_ids,
-            speculative=SpeculationParams(**(self.speculative.model_dump() if self.speculative else {})),
+            speculative=SpeculationParams(
+                **(self.speculative.model_dump() if self.speculative else {}), prediction_token_ids=prediction
+            ),
             structured=structured,
         )

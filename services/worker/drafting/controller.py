@@ -24,8 +24,9 @@ CALIBRATION_MAX_ROWS = 32
 CALIBRATION_REPEATS = 3
 # The adaptive model's kinds of request, each with its own pooled acceptance: the same drafts are accepted far
 # more often when the target's choice is its argmax than when it samples, and a constrained request's drafts include
-# the tokens its grammar forces, always accepted (engine.py), which must not raise the others' estimates.
-GREEDY, SAMPLED, CONSTRAINED = "greedy", "sampled", "constrained"
+# the tokens its grammar forces, always accepted (engine.py), which must not raise the others' estimates; a request
+# with a prediction drafts from it (drafting/prediction.py), far more often accepted than prompt lookup.
+GREEDY, SAMPLED, CONSTRAINED, PREDICTED = "greedy", "sampled", "constrained", "predicted"
 
 
 class SpeculationController:
@@ -105,4 +106,6 @@ class SpeculationController:
 def _kind(seq: Sequence) -> str:
     if seq.sampling.structured is not None:
         return CONSTRAINED
+    if seq.sampling.speculative.prediction_token_ids:
+        return PREDICTED
     return GREEDY if seq.sampling.greedy else SAMPLED

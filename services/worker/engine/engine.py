@@ -42,6 +42,7 @@ from services.worker.drafting.controller import SpeculationController
 from services.worker.drafting.draft import DraftBatch
 from services.worker.drafting.draft_model import load_draft_model
 from services.worker.drafting.mtp import MtpDrafter
+from services.worker.drafting.prediction import PredictedOutputs
 from services.worker.drafting.proposer import NaiveProposer, Proposer, build_proposer
 from services.worker.engine.host_copy import fetch
 from services.worker.engine.kv_budget import planned_blocks
@@ -121,6 +122,8 @@ class Engine:
             self.proposer = build_proposer(
                 spec, self.mtp, self.runner.device, config.max_num_seqs, config.max_model_len
             )
+        if spec.num_drafts > 0 and config.role != "prefill":  # a request's prediction drafts under any method
+            self.proposer = PredictedOutputs(self.proposer, spec.max_ngram_size)
         self.controller = SpeculationController(spec, config.max_model_len)
         self.controller.calibrate(self._calibration_step, config.max_num_seqs)
         self.eos_token_ids = model_eos_ids(config.model)
