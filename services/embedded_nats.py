@@ -22,7 +22,7 @@ from shared import stream_limits
 from shared.nats_roles import NatsRole
 from shared.nats_server import READY_TIMEOUT_S, credentials_dir, default_store_dir, server_command
 from shared.nats_settings import NatsSettings
-from shared.streams import Declaring
+from shared.streams import OnThread, declare
 from shared.ports import wait_for_port
 from shared.stream_limits import StreamLimits
 
@@ -54,7 +54,7 @@ class LameDuckStop:
         self.server = server
         self.timeout_s = timeout_s
         self.deadline: float | None = None
-        self.declaring: Declaring | None = None  # the streams' declaration, while it may still be running
+        self.declaring: OnThread | None = None  # the streams' declaration, while it may still be running
         self._lame_duck_sent = False
 
     @property
@@ -94,7 +94,7 @@ class LameDuckStop:
             self.server.send_signal(LAME_DUCK_SIGNAL)
             self._lame_duck_sent = True
 
-    def _declared(self, declaring: Declaring) -> None:
+    def _declared(self, declaring: OnThread) -> None:
         if self.stopping:
             return
         if (error := declaring.future.exception()) is not None:
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     if not stop.stopping:
         # On a thread: a stop signal meanwhile is taken at once, and cuts the declaration short.
         url, admin = f"nats://{host}:{args.port}", credentials[NatsRole.ADMIN]
-        stop.declaring = Declaring(
+        stop.declaring = OnThread(declare(
             NatsSettings(url=url, role=NatsRole.ADMIN, credentials=admin), StreamLimits.from_args(args), READY_TIMEOUT_S
-        )
+        ))
     raise SystemExit(stop.wait())

@@ -247,6 +247,15 @@ def _refuse_external_only_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} apply to an external NATS server: give --nats-url too")
 
 
+def _drop_orphaned_requests(nats_url: str, credentials: MeshCredentials, store_dir: Path) -> None:
+    """Requests an earlier `up` on this store left (it was killed): their clients are gone with its gateway."""
+    admin = NatsSettings(url=nats_url, role=NatsRole.ADMIN, credentials=credentials[NatsRole.ADMIN])
+    dropped = streams.OnThread(streams.drop_orphaned_requests(admin)).result()
+    if dropped:
+        print(f"specmesh: dropped {dropped} requests an earlier run left in {store_dir} (their clients are gone)",
+              flush=True)
+
+
 def _declare_external_streams(args: argparse.Namespace) -> None:
     """Declares the streams on --nats-url with the credentials given; a user that may not (one of a service role)
     leaves them to the server's admin, and the services wait for them."""
@@ -303,6 +312,7 @@ def run(args: argparse.Namespace) -> None:
             ))
             children.append(("nats", nats))
             nats_url = f"nats://127.0.0.1:{args.nats_port}"
+            _drop_orphaned_requests(nats_url, credentials, args.nats_store_dir)
         else:
             _declare_external_streams(args)
         nats_of = {role: _child_nats(args, nats_url, credentials, role) for role in SERVICE_ROLES}

@@ -15,7 +15,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import nats
 import nats.errors
@@ -29,6 +31,7 @@ from shared.natsutil import request_consumer_config
 from shared.stream_limits import StreamLimits
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STREAM_NAME_IN_USE = 10058  # JetStream API error code: a stream of this name exists with another configuration
 MAX_DEAD_LETTERS = 10_000  # advisories and requests kept for operators to look at; the oldest go first
@@ -149,27 +152,42 @@ async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float
             await asyncio.sleep(CONNECT_RETRY_S)
 
 
-class Declaring:
-    """`declare` on an event loop of its own thread, so that synchronous code (a launcher; a test inside its own event
-    loop) can wait for it (`result`) or go on meanwhile (`future`)."""
+async def drop_orphaned_requests(settings: NatsSettings) -> int:
+    """Empties the request and routed streams; returns how many requests they held. For `specmesh up` starting its
+    own server: every request stored by an earlier run (one killed without a chance to stop its requests) lost its
+    client with that run's gateway, and would only be retried until it is dead-lettered."""
+    nc = await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
+    try:
+        js, dropped = nc.jetstream(), 0
+        for stream in (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM):
+            dropped += (await js.stream_info(stream)).state.messages
+            await js.purge_stream(stream)
+        return dropped
+    finally:
+        await nc.close()
 
-    def __init__(self, settings: NatsSettings, limits: StreamLimits, timeout_s: float) -> None:
+
+class OnThread(Generic[T]):
+    """A coroutine on an event loop of its own thread, so that synchronous code (a launcher; a test inside its own
+    event loop) can wait for it (`result`) or go on meanwhile (`future`)."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T]) -> None:
         self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._run, name="declare-streams", daemon=True).start()
-        self.future = asyncio.run_coroutine_threadsafe(declare(settings, limits, timeout_s), self._loop)
+        threading.Thread(target=self._run, name="streams", daemon=True).start()
+        self.future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         self.future.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._loop.stop))
 
     def _run(self) -> None:
         self._loop.run_forever()
         self._loop.close()
 
-    def result(self) -> None:
-        """Waits for the declaration; raises what it raised."""
-        self.future.result()
+    def result(self) -> T:
+        """Waits for the coroutine; returns what it returned, raises what it raised."""
+        return self.future.result()
 
 
 def declare_blocking(
     settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S
 ) -> None:
     """`declare` from synchronous code."""
-    Declaring(settings, limits, timeout_s).result()
+    OnThread(declare(settings, limits, timeout_s)).result()

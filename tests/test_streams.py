@@ -88,3 +88,21 @@ async def test_specmesh_streams_declares_as_the_admin_and_names_a_user_that_may_
         assert (await admin.jetstream().stream_info(subjects.REQUEST_STREAM)).config.max_msgs == 9
     finally:
         await admin.close()
+
+
+async def test_the_requests_an_earlier_run_left_are_dropped(nats_server_with_defaults: NatsServer) -> None:
+    """`specmesh up` starting its own server: a request stored by a run killed outright has no client left."""
+    server = nats_server_with_defaults
+    admin = await _connect(server, NatsRole.ADMIN)
+    try:
+        js = admin.jetstream()
+        for subject in (subjects.REQUESTS, subjects.REQUESTS, subjects.routed(3)):
+            await js.publish(subject, b"left by a killed run")
+        dropped = await asyncio.to_thread(
+            lambda: streams.OnThread(streams.drop_orphaned_requests(server.settings(NatsRole.ADMIN))).result()
+        )
+        assert dropped == 3
+        for name in (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM):
+            assert (await js.stream_info(name)).state.messages == 0
+    finally:
+        await admin.close()
