@@ -165,3 +165,9 @@ def test_strict_params_refuse_unknown_fields(strict_mesh) -> None:
     # vLLM's extensions, honoured or neutral, are known fields.
     known = _chat(strict, strict_mesh, extra_body={"top_k": 2, "use_beam_search": False, "request_id": "r"})
     assert known.choices[0].message.content is not None
+    # So are OpenAI's own fields that change nothing a generation shows, as its SDK sends them.
+    openai_fields = _chat(
+        strict, strict_mesh, store=False, metadata={"team": "a"}, service_tier="auto", prompt_cache_key="k",
+        safety_identifier="user-1",
+    )
+    assert openai_fields.choices[0].message.content is not None

@@ -93,6 +93,12 @@ IGNORED: dict[str, Ignored] = {
     for rule in (
         Ignored("spaces_between_special_tokens", "special tokens never reach the generated text"),
         Ignored("request_id", "the response's id is the mesh's own"),
+        # OpenAI's chat fields that ask for nothing a generation would show.
+        Ignored("store", "completions are not stored for later retrieval"),
+        Ignored("metadata", "it tags stored completions, and none are stored"),
+        Ignored("service_tier", "every request is served on the one tier this server has"),
+        Ignored("prompt_cache_key", "prefix caching and prefix-aware routing find a cached prompt by its tokens"),
+        Ignored("safety_identifier", "no usage-policy monitoring runs here"),
     )
 }
 
