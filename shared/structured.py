@@ -23,6 +23,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.tokenizer import TOKENIZER_FILE
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# Where a reasoning model's <think> block stands before the constrained answer (the gateway's --reasoning-parser):
+# the answer may open with one (qwen3), or starts inside one its prompt opened (deepseek_r1).
+ThinkFirst = Literal["may_open", "inside"]
+CONSTRAINT_GRAMMAR = "constraint"  # the request's own grammar, under a reasoning block's
+# The block: its text up to the first closing tag (a lazy lexeme, as the reasoning parser reads it), then line
+# breaks before the answer.
+THOUGHT = 'thought[lazy]: /(.|\\n)*<\\/think>/\n'
+THINK_FIRST_LARK: dict[str, str] = {
+    "may_open": 'start: think @constraint | @constraint\nthink: "<think>" thought "\\n"*\n' + THOUGHT,
+    # The template opened the block: the answer is inside it until its closing tag, as deepseek_r1 reads it.
+    "inside": 'start: think @constraint\nthink: "<think>"? thought "\\n"*\n' + THOUGHT,
+}
 # Compact JSON, no free whitespace between tokens: what OpenAI's strict mode returns, and what lets the grammar
 # force every key and punctuation token (free drafts, see services/worker/grammar/).
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -42,11 +54,13 @@ class StructuredOutput(BaseModel):
 
     kind: StructuredKind
     spec: str = Field("", max_length=MAX_SPEC_CHARS)
+    think_first: ThinkFirst | None = None  # the constraint holds after a reasoning block; None: from the first token
 
     @property
     def key(self) -> str:
-        """Names the compiled grammar in caches: a hash of the kind and spec."""
-        return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
+        """Names the compiled grammar in caches: a hash of the kind, spec and reasoning block."""
+        text = f"{self.kind}\0{self.spec}\0{self.think_first}"
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def choice_regex(choices: list) -> str:
@@ -63,6 +77,21 @@ def _regex_literal(text: str) -> str:
 
 def grammar_of(structured: StructuredOutput) -> str:
     """llguidance's grammar for the constraint (not yet checked against a tokenizer: see check)."""
+    grammar = _constraint_grammar(structured)
+    return grammar if structured.think_first is None else _after_reasoning(grammar, structured.think_first)
+
+
+def _after_reasoning(grammar: str, think_first: ThinkFirst) -> str:
+    """The constraint's grammar behind an optional reasoning block, vLLM's structured outputs under a reasoning
+    parser: the model may think first, and its answer (what the parser leaves as content) follows the constraint."""
+    # llguidance writes a Lark grammar as its text, the others as a TopLevelGrammar's JSON.
+    top = orjson.loads(grammar) if grammar.startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    top["grammars"][0]["name"] = CONSTRAINT_GRAMMAR
+    reasoning = {"name": "reasoning", "json_schema": None, "lark_grammar": THINK_FIRST_LARK[think_first]}
+    return orjson.dumps({**top, "grammars": [reasoning, *top["grammars"]]}).decode()
+
+
+def _constraint_grammar(structured: StructuredOutput) -> str:
     kind, spec = structured.kind, structured.spec
     try:
         if kind == "json_schema":

@@ -18,9 +18,8 @@ from services.mesh_process import Mesh
 from tests.demomeshfixture import client_of, running_mesh
 
 # Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context than the shared
-# demo mesh's. The qwen3 reasoning parser reads an answer without a leading <think> block as all content, so it
-# changes nothing for the demo model's answers, except the ones a regex makes think.
-MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024", "--reasoning-parser", "qwen3")
+# demo mesh's.
+MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 
 
 @pytest.fixture(scope="module")
@@ -209,44 +208,3 @@ def test_langchain_structured_output_and_bound_tools(mesh: Mesh) -> None:
     strict = chat.bind_tools([get_weather], tool_choice="required", strict=True).invoke("The weather in Paris?")
     assert set(strict.tool_calls[0]["args"]) == {"city", "unit"}
 
-
-THINKING = (
-    "<think>\nParis, so get_weather.\n</think>\n\n<tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
-)
-
-
-def test_reasoning_is_set_apart_from_the_answer_and_the_call_after_it(mesh: Mesh, client: openai.OpenAI) -> None:
-    """The regex makes the demo model think first, as Qwen3 does; the whole answer and the stream read the same."""
-    request = dict(
-        model=mesh.model, messages=MESSAGES, tools=[WEATHER_TOOL], max_tokens=96, temperature=0,
-        extra_body={"guided_regex": re.escape(THINKING)},
-    )
-    whole = client.chat.completions.create(**request).choices[0]
-    assert whole.message.model_extra["reasoning"] == whole.message.model_extra["reasoning_content"] == (
-        "Paris, so get_weather."
-    )
-    assert whole.message.content is None and whole.finish_reason == "tool_calls"
-    assert _calls(whole.message) == [("get_weather", {"city": "Paris", "unit": "c"})]
-    reasoning, content, arguments, finish = "", "", "", None
-    for chunk in client.chat.completions.create(**request, stream=True):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        reasoning += (delta.model_extra or {}).get("reasoning") or ""
-        content += delta.content or ""
-        arguments += "".join(call.function.arguments or "" for call in delta.tool_calls or ())
-        finish = chunk.choices[0].finish_reason or finish
-    assert (reasoning, content, json.loads(arguments), finish) == (
-        "Paris, so get_weather.", "", {"city": "Paris", "unit": "c"}, "tool_calls"
-    )
-    hidden = client.chat.completions.create(
-        **{**request, "extra_body": {**request["extra_body"], "include_reasoning": False}}
-    ).choices[0]
-    assert "reasoning" not in (hidden.message.model_extra or {}) and hidden.message.tool_calls
-    # The thinking goes back into the conversation as the chat template reads it.
-    again = client.chat.completions.create(
-        model=mesh.model, messages=MESSAGES + [whole.message.model_dump(exclude_none=True)], max_tokens=4,
-        temperature=0,
-    )
-    assert again.choices[0].message.content is not None

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import llguidance
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.chat_request import ChatMessage
+from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
+from shared.tokenizer import Tokenizer
 from services.gateway.reasoning.parser import FORMATS, ReasoningStream, StreamedReasoning, message_with_reasoning
 
 QWEN3, DEEPSEEK_R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
@@ -92,3 +97,36 @@ def test_an_earlier_answers_reasoning_reaches_the_chat_template_under_the_name_t
     for name in ("reasoning", "reasoning_content"):
         message = ChatMessage.model_validate({"role": "assistant", "content": "It is 4.", name: "2 + 2"})
         assert message.for_template() == {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2"}
+
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "specmesh-demo"
+CONSTRAINTS = [
+    (StructuredOutput(kind="json_schema", spec='{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+     '{"a":1}'),
+    (StructuredOutput(kind="regex", spec="[a-z]+"), "abc"),
+    (StructuredOutput(kind="choice", spec='["yes", "no"]'), "no"),
+    (StructuredOutput(kind="grammar", spec='start: "x" | "y"'), "y"),
+]
+
+
+def _follows(structured: StructuredOutput, text: str) -> bool:
+    tokenizer = Tokenizer(DEMO)
+    ll = ll_tokenizer(DEMO, tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    matcher = llguidance.LLMatcher(ll, grammar_of(structured), log_level=0)
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and (
+        matcher.is_accepting()
+    )
+
+
+@pytest.mark.parametrize(("constraint", "answer"), CONSTRAINTS, ids=[c.kind for c, _ in CONSTRAINTS])
+def test_a_constraint_holds_for_the_answer_after_the_reasoning_block(constraint, answer) -> None:
+    """vLLM's structured outputs under a reasoning parser: the model may think first, freely."""
+    thought = "<think>\nA tag <tool_call> and a </th are text here.\n</think>\n\n"
+    may_open = constraint.model_copy(update={"think_first": QWEN3.think_first})
+    assert _follows(may_open, thought + answer) and _follows(may_open, answer)
+    assert not _follows(may_open, "plain text, then " + answer)  # no block: the constraint from the first token
+    inside = constraint.model_copy(update={"think_first": DEEPSEEK_R1.think_first})
+    assert _follows(inside, "thinking, the prompt opened the block</think>\n" + answer)
+    assert not _follows(inside, answer)  # the block the prompt opened closes before the answer
+    assert not _follows(constraint, thought + answer)  # without a parser, from the first token
+    assert len({c.key for c in (constraint, may_open, inside)}) == 3  # compiled and cached apart

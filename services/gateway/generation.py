@@ -102,6 +102,10 @@ class Generator:
             )
         structured = None
         constrained_by = tool_calls or constraint  # (the parameter, its constraint)
+        if constrained_by and api == "chat" and self.reasoning_format is not None:
+            # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.
+            param, unwrapped = constrained_by
+            constrained_by = param, unwrapped.model_copy(update={"think_first": self.reasoning_format.think_first})
         if constrained_by:
             # A constraint new to this gateway takes up to seconds to compile, in llguidance, which lets the GIL go:
             # on a thread, this gateway's other streams go on meanwhile.

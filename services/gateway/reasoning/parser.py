@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from shared.structured import ThinkFirst
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 LAYOUT = "\n"  # the line breaks around the thinking
 
@@ -27,6 +29,12 @@ LAYOUT = "\n"  # the line breaks around the thinking
 class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block: the answer begins as reasoning
+
+    @property
+    def think_first(self) -> ThinkFirst:
+        """Where the block stands before an output constraint, which holds for what follows it
+        (shared/structured.py)."""
+        return "inside" if self.starts_inside else "may_open"
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer; None where there is none."""

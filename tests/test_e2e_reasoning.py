@@ -1,0 +1,64 @@
+"""--reasoning-parser through the whole mesh with the real openai client: `specmesh up --reasoning-parser deepseek_r1`
+on the demo model, whose prompt is taken to open the <think> block. The demo model never closes it, so its whole
+answer is reasoning: whole and streamed answers carry it in `reasoning` and `reasoning_content` with no content,
+include_reasoning false leaves it out, an output constraint holds only after the block (the model thinks freely
+first), and an earlier answer's reasoning goes back into the conversation. How answers that close the block split,
+and the constraint after it, are tested without a model (tests/test_reasoning.py)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from services.mesh_process import Mesh
+from tests.demomeshfixture import client_of, running_mesh
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [{"role": "user", "content": "Describe the weather in Paris as a record."}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", "--max-model-len", "512",
+                            "--reasoning-parser", "deepseek_r1")
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return client_of(mesh)
+
+
+def _create(client: openai.OpenAI, mesh: Mesh, **body):
+    return client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, **body
+    )
+
+
+def test_an_answer_inside_its_block_is_reasoning_whole_and_streamed(mesh: Mesh, client: openai.OpenAI) -> None:
+    whole = _create(client, mesh).choices[0]
+    reasoning = whole.message.model_extra["reasoning"]
+    assert reasoning and whole.message.model_extra["reasoning_content"] == reasoning
+    assert whole.message.content is None and whole.finish_reason == "length"
+    streamed, content = "", ""
+    for chunk in _create(client, mesh, stream=True):
+        if chunk.choices:
+            streamed += (chunk.choices[0].delta.model_extra or {}).get("reasoning") or ""
+            content += chunk.choices[0].delta.content or ""
+    assert (streamed, content) == (reasoning, "")
+    hidden = _create(client, mesh, extra_body={"include_reasoning": False}).choices[0].message
+    assert "reasoning" not in (hidden.model_extra or {}) and hidden.content is None
+    # The reasoning goes back into the conversation, as the chat template reads it.
+    again = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES + [whole.message.model_dump(exclude_none=True)], max_tokens=2
+    )
+    assert again.choices[0].message.model_extra["reasoning"]
+
+
+def test_a_constraint_holds_after_the_reasoning_not_from_the_first_token(mesh: Mesh, client: openai.OpenAI) -> None:
+    constrained = _create(client, mesh, extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+    # The block never closes, so the answer the choice constrains never begins: the model thought freely.
+    thought = constrained.message.model_extra["reasoning"]
+    assert constrained.finish_reason == "length" and constrained.message.content is None
+    assert thought not in ("yes", "no") and len(thought) > len("yes")
