@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.drafting.prediction import PredictionCursor
-from shared.prediction import prediction_usage
+from shared.prediction import PredictionCursor, prediction_usage
 from shared.schemas import SpeculationParams
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHODS, greedy_reference, make_engine, make_request, model_dirs, mtp_model_dir, mtp_model_dirs,
@@ -23,7 +22,11 @@ PREDICTION = [10, 11, 12, 13, 14, 15, 16, 17]
 def _drafts(prediction: list[int], answers: list[list[int]], num_drafts: int = 3) -> list[list[int]]:
     """The drafts of one cursor as the answer grows through `answers` (each the answer so far)."""
     cursor = PredictionCursor(prediction, 5)
-    return [cursor.drafts(answer, num_drafts) for answer in answers]
+    drafts = []
+    for answer in answers:
+        cursor.advance(answer)
+        drafts.append(cursor.next_tokens(num_drafts))
+    return drafts
 
 
 def test_drafts_follow_where_the_answer_stands_in_the_prediction() -> None:
@@ -103,3 +106,12 @@ def test_a_seeded_sampled_answer_is_the_same_with_a_prediction(tiny_model_dir, p
     steps = run(engine, {0: [predicted]})
     assert tokens_of(steps, predicted) == answer
     assert any(o.num_accepted for o in outputs_of(steps, predicted))
+
+
+def test_a_repetitive_prediction_counts_each_answer_token_once() -> None:
+    """A prediction of one phrase repeated offers every answer token many places: each counts once."""
+    prediction, answer = [1, 2, 3] * 50, [1, 2, 7] * 40
+    usage = prediction_usage(prediction, answer)
+    assert usage.accepted_prediction_tokens <= len(answer)
+    assert usage.accepted_prediction_tokens + usage.rejected_prediction_tokens == len(prediction)
+    assert _drafts(prediction, [[1, 2, 3] * 20]) == [[1, 2, 3]]  # it follows the repeats in order
