@@ -268,6 +268,10 @@ LAYOUTS = [
     f"{CALL}\nand text, then a tag cut before its name: <tool_call>\n",
     f"  <think>\nhm <tool_call>\n</think>\n \n{CALL}\nok ",
     "No calls at all:\n  <tool is a word>  \n",
+    # Cut short after the calls: a tag's start is dropped right after a call, kept as text after other text.
+    f"{CALL}\n{BOGUS}\n<tool",
+    f"{CALL}\n<tool ",
+    f"{CALL}<\n\n ",
 ]
 
 

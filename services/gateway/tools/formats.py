@@ -137,7 +137,7 @@ class Hermes:
                 content.call()
                 calls.append(call)
             rest = rest[end + len(self.close_tag) :]
-        if calls and self.dangling_tag(rest):
+        if calls and content.after_call and self.dangling_tag(rest):  # as a stream drops it: nothing since the call
             rest = ""
         content.add(rest)
         return content.text, calls
@@ -168,7 +168,7 @@ class Hermes:
     def dangling_tag(self, text: str) -> bool:
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
         ends with, never content."""
-        stripped = text.strip()
+        stripped = text.lstrip()  # the whitespace after the call is layout; any after the tag's start is text
         return bool(stripped) and self.open_tag.startswith(stripped)
 
     def parse_block(self, block: str) -> ParsedCall | None:
