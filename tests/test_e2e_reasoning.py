@@ -2,8 +2,9 @@
 on the demo model, whose prompt is taken to open the <think> block. The demo model never closes it, so its whole
 answer is reasoning: whole and streamed answers carry it in `reasoning` and `reasoning_content` with no content,
 include_reasoning false leaves it out, an output constraint holds only after the block (the model thinks freely
-first), and an earlier answer's reasoning goes back into the conversation. How answers that close the block split,
-and the constraint after it, are tested without a model (tests/test_reasoning.py)."""
+first), an earlier answer's reasoning goes back into the conversation, and a continued message goes on as content.
+How answers that close the block split, and the constraint after it, are tested without a model
+(tests/test_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,16 @@ def test_a_constraint_holds_after_the_reasoning_not_from_the_first_token(mesh: M
     thought = constrained.message.model_extra["reasoning"]
     assert constrained.finish_reason == "length" and constrained.message.content is None
     assert thought not in ("yes", "no") and len(thought) > len("yes")
+
+
+def test_a_continued_message_goes_on_as_content_not_in_the_block_a_new_answer_opens(
+    mesh: Mesh, client: openai.OpenAI
+) -> None:
+    """continue_final_message: the answer goes on from the message (one that left a block open goes on inside it:
+    tests/test_reasoning.py; the demo template renders no assistant message with a block as written)."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "The weather in Paris is"}]
+    answer = client.chat.completions.create(
+        model=mesh.model, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    ).choices[0].message
+    assert answer.content and "reasoning" not in (answer.model_extra or {})

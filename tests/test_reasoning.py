@@ -130,3 +130,11 @@ def test_a_constraint_holds_for_the_answer_after_the_reasoning_block(constraint,
     assert not _follows(inside, answer)  # the block the prompt opened closes before the answer
     assert not _follows(constraint, thought + answer)  # without a parser, from the first token
     assert len({c.key for c in (constraint, may_open, inside)}) == 3  # compiled and cached apart
+
+
+def test_a_continued_message_is_inside_a_block_only_where_it_left_one_open() -> None:
+    """continue_final_message: the answer goes on from the message, not from a prompt that opened a block."""
+    assert DEEPSEEK_R1.for_chat(None) is DEEPSEEK_R1
+    assert DEEPSEEK_R1.for_chat("The answer is").split(" 42.") == (None, " 42.")
+    assert QWEN3.for_chat("<think>\nLet me see").split(", 6 x 7.</think>\n42") == (", 6 x 7.", "42")
+    assert DEEPSEEK_R1.for_chat("<think>a</think>The answer is").think_first == "may_open"

@@ -102,10 +102,14 @@ class Generator:
             )
         structured = None
         constrained_by = tool_calls or constraint  # (the parameter, its constraint)
-        if constrained_by and api == "chat" and self.reasoning_format is not None:
+        reasoning = None
+        if api == "chat" and self.reasoning_format is not None:
+            final = body.messages[-1]
+            reasoning = self.reasoning_format.for_chat(final.content if body.continue_final_message else None)
+        if constrained_by and reasoning is not None:
             # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.
             param, unwrapped = constrained_by
-            constrained_by = param, unwrapped.model_copy(update={"think_first": self.reasoning_format.think_first})
+            constrained_by = param, unwrapped.model_copy(update={"think_first": reasoning.think_first})
         if constrained_by:
             # A constraint new to this gateway takes up to seconds to compile, in llguidance, which lets the GIL go:
             # on a thread, this gateway's other streams go on meanwhile.
@@ -139,7 +143,7 @@ class Generator:
                     try:
                         await submission.start(chunks)
                         return await answer(
-                            request, gens, choices, chunks, self._model, self.tool_format, self.reasoning_format
+                            request, gens, choices, chunks, self._model, self.tool_format, reasoning
                         )
                     except (asyncio.CancelledError, ConnectionResetError):
                         reason = CLIENT_DISCONNECTED

@@ -15,7 +15,7 @@ inside the tags and those that open the answer are dropped. The whole answer and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -29,6 +29,13 @@ LAYOUT = "\n"  # the line breaks around the thinking
 class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block: the answer begins as reasoning
+
+    def for_chat(self, continued: str | None) -> "ReasoningFormat":
+        """The format of one chat's answer: one continuing its final message (`continued`, continue_final_message)
+        starts inside a block only where that message left one open, whatever the prompt of a new answer opens."""
+        if continued is None:
+            return self
+        return replace(self, starts_inside=continued.rfind(THINK_OPEN) > continued.rfind(THINK_CLOSE))
 
     @property
     def think_first(self) -> ThinkFirst:
