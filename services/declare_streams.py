@@ -32,6 +32,6 @@ def run(args: argparse.Namespace) -> None:
     limits = StreamLimits.from_args(args)
     try:
         streams.declare_blocking(settings, limits, args.wait)
-    except (TimeoutError, nats.errors.Error) as exc:
+    except (TimeoutError, PermissionError, nats.errors.Error) as exc:
         raise SystemExit(f"specmesh streams: {args.nats_url}: {exc!r} (this needs the admin user's credentials)")
     print(f"specmesh streams: declared on {args.nats_url} with {limits.model_dump_json()}", file=sys.stderr)

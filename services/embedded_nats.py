@@ -55,6 +55,7 @@ class LameDuckStop:
         self.timeout_s = timeout_s
         self.deadline: float | None = None
         self.declaring: OnThread | None = None  # the streams' declaration, while it may still be running
+        self.listening = False  # the server takes clients (and signals: one sent before is lost)
         self._lame_duck_sent = False
 
     @property
@@ -88,9 +89,10 @@ class LameDuckStop:
                     os.killpg(self.server.pid, signal.SIGKILL)
 
     def _lame_duck(self) -> None:
-        """Once the streams' declaration is over (a few milliseconds): its connection, cut by lame-duck mode, would
-        hold the server through its grace period."""
-        if not self._lame_duck_sent and self.declaring is None:
+        """Once the server listens, and the streams' declaration is over (a few milliseconds): a server still
+        starting ignores the signal, and the declaration's connection, cut by lame-duck mode, would hold the server
+        through its grace period."""
+        if not self._lame_duck_sent and self.listening and self.declaring is None:
             self.server.send_signal(LAME_DUCK_SIGNAL)
             self._lame_duck_sent = True
 
@@ -115,12 +117,13 @@ def run(args: argparse.Namespace) -> None:
     host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
     try:
         wait_for_port(host, args.port, READY_TIMEOUT_S, server)
+        stop.listening = True
     except (RuntimeError, TimeoutError) as exc:
         if not stop.stopping:
             os.killpg(server.pid, signal.SIGKILL)
             raise SystemExit(f"specmesh nats: the server did not start: {exc}") from exc
     if not stop.stopping:
-        # On a thread: a stop signal meanwhile is taken at once, and cuts the declaration short.
+        # On a thread: a stop signal meanwhile is taken at once, and lame-duck mode waits for the declaration's end.
         url, admin = f"nats://{host}:{args.port}", credentials[NatsRole.ADMIN]
         stop.declaring = OnThread(declare(
             NatsSettings(url=url, role=NatsRole.ADMIN, credentials=admin), StreamLimits.from_args(args), READY_TIMEOUT_S

@@ -264,7 +264,7 @@ def _declare_external_streams(args: argparse.Namespace) -> None:
         streams.declare_blocking(settings, StreamLimits.from_args(args), args.startup_timeout)
     except TimeoutError as exc:  # no server there
         raise RuntimeError(str(exc)) from exc
-    except nats.errors.Error as exc:
+    except (nats.errors.Error, PermissionError) as exc:
         print(f"specmesh: could not declare the streams on {args.nats_url} ({exc!r}); the services wait for them: "
               f"{streams.HOW_TO_DECLARE}", file=sys.stderr, flush=True)
 

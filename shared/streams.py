@@ -27,7 +27,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 
 from shared import subjects
 from shared.nats_settings import NatsSettings
-from shared.natsutil import request_consumer_config
+from shared.natsutil import PERMISSIONS_VIOLATION, request_consumer_config
 from shared.stream_limits import StreamLimits
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ MAX_DEAD_LETTER_HANDLINGS = 5  # an advisory whose handling keeps failing is giv
 WAIT_POLL_S = 0.5
 WAIT_WARN_EVERY_S = 10.0
 CONNECT_RETRY_S = 0.5
+CONNECT_TIMEOUT_S = 2.0
 DEFAULT_DECLARE_TIMEOUT_S = 120.0  # `specmesh streams` may start before its server (a Kubernetes Job beside it)
 # A server still starting: nothing listens yet, or JetStream does not answer its API yet.
 NOT_UP_YET = (OSError, nats.errors.NoServersError, nats.errors.NoRespondersError, ServiceUnavailableError)
@@ -136,17 +137,32 @@ async def wait_for(js: JetStreamContext, needs: tuple[Needed, ...], service: str
 
 async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S) -> None:
     """Connects as `settings` say and declares, retrying while the server or its JetStream is not up yet, for up
-    to `timeout_s`. A refusal (wrong credentials, a user without the admin's permissions) is raised at once."""
+    to `timeout_s`. A refusal is raised with the first answer: wrong credentials (nats.errors.Error), or a user
+    without the admin's permissions (PermissionError; the server refuses its API calls, which then time out)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        refused: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:  # also keeps nats-py from logging each failed attempt
+            if PERMISSIONS_VIOLATION in str(exc).lower():
+                refused.append(exc)
+
         try:
-            nc = await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
+            nc = await nats.connect(
+                settings.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=CONNECT_TIMEOUT_S,
+                error_cb=on_error, **settings.connect_options(),
+            )
             try:
                 await declare_streams(nc.jetstream(), limits)
                 return
             finally:
                 await nc.close()
         except NOT_UP_YET as exc:
+            if refused:
+                raise PermissionError(
+                    f"the NATS user {settings.credentials.user if settings.credentials else '(none)'} may not "
+                    f"declare the streams: {refused[0]}"
+                ) from exc
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"NATS at {settings.url} did not take the streams within {timeout_s:g}s: {exc!r}")
             await asyncio.sleep(CONNECT_RETRY_S)

@@ -7,15 +7,20 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import nats
 import pytest
 
+from services import cli, launcher
 from shared import streams, subjects
 from shared.nats_roles import NatsRole
+from shared.ports import free_port
 from shared.stream_limits import StreamLimits
+from tests.gatewayfixture import model_dir, start_gateway  # noqa: F401  (a fixture is used by name)
 from tests.natsfixture import NatsServer, running_nats_server
 
 WAIT_S = 5.0
@@ -106,3 +111,45 @@ async def test_the_requests_an_earlier_run_left_are_dropped(nats_server_with_def
             assert (await js.stream_info(name)).state.messages == 0
     finally:
         await admin.close()
+
+
+def test_up_on_a_server_of_ones_own_leaves_the_streams_to_its_admin_when_its_user_may_not(
+    nats_server_with_defaults: NatsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specmesh up --nats-url` with a service's credentials: refused at the first answer, said, and the mesh goes on
+    (the services wait for the streams), rather than retried until --startup-timeout as if no server were there."""
+    server = nats_server_with_defaults
+    _, args = cli.parse([
+        "up", "--nats-url", server.url, "--nats-credentials", str(server.credentials_file(NatsRole.GATEWAY)),
+        "--port", str(free_port()),
+    ])
+    started = time.monotonic()
+    launcher._declare_external_streams(args)
+    assert time.monotonic() - started < args.startup_timeout / 10
+    assert "may not declare the streams" in capsys.readouterr().err
+
+
+async def test_a_gateway_waiting_for_the_streams_is_alive_and_not_ready(
+    tmp_path: Path, model_dir: Path  # noqa: F811
+) -> None:
+    """It listens meanwhile: a probe of /health finds it alive (Kubernetes would restart one that did not answer),
+    /ready says what it waits for."""
+    with running_nats_server(tmp_path / "nats") as server:
+        admin = await _connect(server, NatsRole.ADMIN)
+        for name in ALL_STREAMS:
+            await admin.jetstream().delete_stream(name)
+        gateway, nc = await start_gateway(server, model_dir)
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert (await http.get(gateway.make_url("/health"))).status == 200
+                waiting = await http.get(gateway.make_url("/ready"))
+                assert waiting.status == 503 and (await waiting.json())["started"] is False
+                await streams.declare_streams(admin.jetstream())
+                deadline = time.monotonic() + WAIT_S
+                while (await http.get(gateway.make_url("/ready"))).status != 200:
+                    assert time.monotonic() < deadline, "not ready once the streams exist"
+                    await asyncio.sleep(streams.WAIT_POLL_S / 5)
+        finally:
+            await gateway.close()
+            await nc.drain()
+            await admin.close()

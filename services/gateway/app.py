@@ -101,6 +101,7 @@ class Gateway:
                 "refused (--tool-call-parser names one)"
             )
         self.readiness = Readiness(nc=nc)
+        self._streams_waited: asyncio.Task | None = None
 
     def model_card(self) -> dict:
         return {
@@ -127,10 +128,15 @@ class Gateway:
         return web.json_response(self.model_card())
 
     async def start(self, app: web.Application) -> None:
-        await streams.wait_for(self.nc.jetstream(), streams.GATEWAY_NEEDS, "gateway")
         await self.router.start()
         if self.prefix_router is not None:
             await self.prefix_router.start()
+        # Ready once the streams exist (the admin declares them, shared/streams.py). Waited for apart, so that the
+        # gateway listens meanwhile: /health answers, and /ready says what it waits for.
+        self._streams_waited = asyncio.create_task(self._ready_with_streams())
+
+    async def _ready_with_streams(self) -> None:
+        await streams.wait_for(self.nc.jetstream(), streams.GATEWAY_NEEDS, "gateway")
         self.readiness.started = True
 
     async def drain(self, timeout_s: float) -> None:
@@ -148,6 +154,8 @@ class Gateway:
 
     async def stop(self, app: web.Application) -> None:
         self.readiness.draining = True
+        if self._streams_waited is not None:
+            self._streams_waited.cancel()
         await self.router.stop()
 
 
