@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from prometheus_client import Counter
 from nats.errors import SlowConsumerError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -29,6 +31,13 @@ REQUEST_HEARTBEAT_S = REQUEST_ACK_WAIT_S / 5  # four heartbeats may go astray be
 # usually ends a request that keeps losing its worker first; this bounds the rest, e.g. a message retried because its
 # detokenizer did not answer, or one every worker dies on before asking.
 REQUEST_MAX_DELIVER = 5
+JETSTREAM_DELIVERY = "$JS.ACK."  # how the reply subject of every message a JetStream consumer delivers begins
+MAX_REFUSALS_LOGGED = 16
+_REFUSED_ON: set[str] = set()
+DELIVERIES_REFUSED = Counter(
+    "specmesh_nats_jetstream_deliveries_refused",
+    "Messages a JetStream consumer delivered on a subject only services publish to, dropped (a consumer made to forge)",
+)
 
 
 class NatsErrors:
@@ -78,6 +87,26 @@ async def connect(settings: NatsSettings, service: str, on_reconnect: Callable[[
     )
     errors.metrics.watch(nc)
     return nc
+
+
+def core_only(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+    """A core subscription's handler that drops what a JetStream consumer delivers. A push consumer delivers its
+    stream's messages on whatever subject its creator names, past the creator's own publish permissions: a worker's
+    user may create consumers of the routed stream (services/worker/routing.py), and one could deliver a message it
+    stored there as a chunk to a gateway, or as a cancel. What services publish on these subjects never carries a
+    JetStream reply subject."""
+
+    async def handle(msg: Msg) -> None:
+        if msg.reply.startswith(JETSTREAM_DELIVERY):
+            DELIVERIES_REFUSED.inc()
+            if msg.subject not in _REFUSED_ON and len(_REFUSED_ON) < MAX_REFUSALS_LOGGED:  # each subject once
+                _REFUSED_ON.add(msg.subject)
+                log.error("dropped a JetStream delivery on %s (reply %s): a consumer made to forge delivers there "
+                          "(counted in specmesh_nats_jetstream_deliveries_refused)", msg.subject, msg.reply)
+            return
+        await handler(msg)
+
+    return handle
 
 
 def request_consumer_config(durable_name: str, filter_subject: str | None = None) -> ConsumerConfig:

@@ -41,6 +41,7 @@ from shared import subjects
 from shared.cache_events import CacheEventError, CacheEvents
 from shared.prefix_hash import BlockHash, cacheable_blocks, extend_hashes, root_hash
 from shared.schemas import WorkerState
+from shared.natsutil import core_only
 
 log = logging.getLogger("specmesh.gateway")
 
@@ -91,8 +92,8 @@ class PrefixRouter:
         self._holders: dict[BlockHash, set[int]] = {}  # block name -> the workers holding it
 
     async def start(self) -> None:
-        await self.nc.subscribe(subjects.worker_state("*"), cb=self._on_state)
-        await self.nc.subscribe(subjects.cache_events("*"), cb=self._on_events)
+        await self.nc.subscribe(subjects.worker_state("*"), cb=core_only(self._on_state))
+        await self.nc.subscribe(subjects.cache_events("*"), cb=core_only(self._on_events))
 
     async def _on_state(self, msg: Msg) -> None:
         try:

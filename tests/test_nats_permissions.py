@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig
+from prometheus_client import REGISTRY
 
 from shared import subjects
 from shared.nats_roles import PERMISSIONS, SERVICE_ROLES, NatsRole
 from shared import streams
-from shared.natsutil import PERMISSIONS_VIOLATION
+from shared.natsutil import PERMISSIONS_VIOLATION, core_only
 from shared.schemas import Cancel
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
 
@@ -24,6 +28,7 @@ REPORT_POLL_S = 0.01
 GATEWAY_ID = "gw-under-test"
 DETOK_ID = "detok-under-test"
 FORGED = b"forged"
+FORGING_WORKER = 91  # a routed subject nobody serves
 STREAM, CONSUMER = subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER
 ROUTED, DEAD_LETTERS = subjects.ROUTED_STREAM, subjects.DEAD_LETTER_STREAM
 
@@ -218,3 +223,47 @@ def test_every_subject_of_the_mesh_has_a_publisher_and_nobody_publishes_outside_
         for pattern in PERMISSIONS[role].publish:
             if not pattern.startswith("$JS."):
                 assert any(_matches(pattern, subject) for subject in used), f"{role} may publish {pattern}, unused"
+
+
+async def test_what_a_jetstream_consumer_delivers_on_a_services_subject_is_dropped(connect: Callable) -> None:
+    """A worker's user may create consumers of the routed stream (its own, and a gone worker's it adopts). A push
+    consumer delivers on any subject its creator names, past the creator's publish permissions: here, a cancel of
+    someone else's request. Every core subscription's handler drops such deliveries (natsutil.core_only)."""
+    worker, detok, gateway = await connect(NatsRole.WORKER), await connect(NatsRole.DETOKENIZER), await connect(
+        NatsRole.GATEWAY
+    )
+    received: list[bytes] = []
+
+    async def on_cancel(msg) -> None:
+        received.append(msg.data)
+
+    await detok.subscribe(subjects.CANCEL, cb=core_only(on_cancel))
+    await detok.flush()
+    refused = _refusals()
+    js = worker.jetstream()
+    await js.add_consumer(subjects.ROUTED_STREAM, ConsumerConfig(
+        durable_name="forger", deliver_subject=subjects.CANCEL, filter_subject=subjects.routed(FORGING_WORKER),
+        ack_policy=AckPolicy.EXPLICIT,
+    ))
+    try:
+        await js.publish(subjects.routed(FORGING_WORKER), FORGED, timeout=WAIT_S)
+        await gateway.publish(subjects.CANCEL, b"a real cancel")
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while _refusals() == refused or not received:
+            assert asyncio.get_running_loop().time() < deadline, "the forged delivery never came"
+            await asyncio.sleep(REPORT_POLL_S)
+        assert received == [b"a real cancel"]
+    finally:
+        await js.delete_consumer(subjects.ROUTED_STREAM, "forger")
+
+
+def _refusals() -> float:
+    return REGISTRY.get_sample_value("specmesh_nats_jetstream_deliveries_refused_total") or 0.0
+
+
+def test_every_core_subscription_of_the_services_drops_jetstream_deliveries() -> None:
+    """A subscription added without core_only would take forged deliveries again."""
+    root = Path(__file__).resolve().parents[1]
+    for path in [*root.glob("services/**/*.py"), *root.glob("shared/*.py")]:
+        for call in re.findall(r"\.subscribe\((.*?)\)\n", path.read_text(), re.S):
+            assert "cb=core_only(" in call, f"{path.relative_to(root)}: subscribe({call.strip()[:80]}...)"

@@ -24,6 +24,7 @@ from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared.observability import Readiness, start_http
 from shared.tokenizer import Tokenizer
+from shared.natsutil import core_only
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,11 @@ async def run(args: argparse.Namespace) -> None:
     detok = Detokenizer(
         nc, table, args.detokenizer_id or uuid.uuid4().hex[:12], args.idle_request_timeout, args.max_migrations
     )
-    await nc.subscribe(subjects.frames(detok.detok_id), cb=detok.on_frame)
-    await nc.subscribe(subjects.progress(detok.detok_id), cb=detok.on_progress)
-    await nc.subscribe(subjects.held(detok.detok_id), cb=detok.on_held)
-    await nc.subscribe(subjects.CANCEL, cb=detok.on_cancel)
-    opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=detok.on_open)
+    await nc.subscribe(subjects.frames(detok.detok_id), cb=core_only(detok.on_frame))
+    await nc.subscribe(subjects.progress(detok.detok_id), cb=core_only(detok.on_progress))
+    await nc.subscribe(subjects.held(detok.detok_id), cb=core_only(detok.on_held))
+    await nc.subscribe(subjects.CANCEL, cb=core_only(detok.on_cancel))
+    opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=core_only(detok.on_open))
     reaping = asyncio.create_task(detok.reap_loop())
     watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:

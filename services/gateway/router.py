@@ -25,7 +25,7 @@ from services.gateway import metrics
 from services.gateway.errors import SERVER_ERROR, TIMEOUT, OpenAIError
 from services.gateway.liveness import CHECK_AFTER_S, LATE_CHUNK_GRACE_S, DetokenizerLost, Liveness
 from shared import subjects
-from shared.natsutil import MAX_PENDING_BYTES
+from shared.natsutil import MAX_PENDING_BYTES, core_only
 from shared.schemas import Chunk
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class ChunkRouter:
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(
-            self.subject, cb=self._on_message, pending_bytes_limit=MAX_PENDING_BYTES
+            self.subject, cb=core_only(self._on_message), pending_bytes_limit=MAX_PENDING_BYTES
         )
 
     async def stop(self) -> None:

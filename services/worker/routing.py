@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.cache_events import CacheEvents
 from shared.config import EngineConfig
-from shared.natsutil import REQUEST_ACK_WAIT_S, ensure_routed_consumer, routed_consumer
+from shared.natsutil import REQUEST_ACK_WAIT_S, core_only, ensure_routed_consumer, routed_consumer
 from shared.schemas import WorkerState
 from services.worker.metrics import BAD_WORKER_STATES, ROUTED_MOVED, WorkerMetrics
 from services.worker.takeover import delivery_id
@@ -90,8 +90,8 @@ class Routing:
         """Declares this worker's consumer of the routed stream, listens to the others' states; returns the pull
         subscription of its own routed requests."""
         await ensure_routed_consumer(self.js, self.worker_id)
-        await self.nc.subscribe(subjects.worker_state("*"), cb=self._on_state)
-        await self.nc.subscribe(subjects.cache_sync(self.worker_id), cb=self._on_sync)
+        await self.nc.subscribe(subjects.worker_state("*"), cb=core_only(self._on_state))
+        await self.nc.subscribe(subjects.cache_sync(self.worker_id), cb=core_only(self._on_sync))
         return await self.js.pull_subscribe_bind(routed_consumer(self.worker_id), subjects.ROUTED_STREAM)
 
     def state(self) -> WorkerState:

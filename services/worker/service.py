@@ -25,7 +25,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_roles import NatsRole
 from shared.nats_settings import NatsSettings
 from shared import streams
-from shared.natsutil import connect
+from shared.natsutil import connect, core_only
 from shared.observability import Readiness, start_http
 from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
@@ -195,8 +195,8 @@ async def _serve(
     )
     worker.routing = routing
     await _start_handoffs(nc, worker, worker_id, metrics)
-    await nc.subscribe(subjects.CANCEL, cb=worker.on_cancel)
-    await nc.subscribe(subjects.STOP, cb=worker.on_cancel)
+    await nc.subscribe(subjects.CANCEL, cb=core_only(worker.on_cancel))
+    await nc.subscribe(subjects.STOP, cb=core_only(worker.on_cancel))
     # A decode worker takes only the requests handed to it, on its routed subject.
     psub = None if config.role == "decode" else await js.pull_subscribe_bind(
         subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 
 from shared import subjects
 from services.worker.handoff.transport import TransferFailed
+from shared.natsutil import core_only
 
 log = logging.getLogger("specmesh.worker")
 
@@ -64,7 +65,7 @@ class NatsKvTransport:
         self.bad_chunks = 0
 
     async def start(self) -> None:
-        await self.nc.subscribe(subjects.kv_transfer(self.worker_id), cb=self._on_chunk)
+        await self.nc.subscribe(subjects.kv_transfer(self.worker_id), cb=core_only(self._on_chunk))
         await self.nc.flush()  # the server knows of the subscription before anyone is told this worker is up
 
     @property
