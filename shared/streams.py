@@ -42,6 +42,9 @@ WAIT_POLL_S = 0.5
 WAIT_WARN_EVERY_S = 10.0
 CONNECT_RETRY_S = 0.5
 CONNECT_TIMEOUT_S = 2.0
+# An admin's API call takes milliseconds; one a user may not make is refused by the server and never answered, so
+# this is how long a refusal takes to show.
+API_TIMEOUT_S = 2.0
 DEFAULT_DECLARE_TIMEOUT_S = 120.0  # `specmesh streams` may start before its server (a Kubernetes Job beside it)
 # A server still starting: nothing listens yet, or JetStream does not answer its API yet.
 NOT_UP_YET = (OSError, nats.errors.NoServersError, nats.errors.NoRespondersError, ServiceUnavailableError)
@@ -153,7 +156,7 @@ async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float
                 error_cb=on_error, **settings.connect_options(),
             )
             try:
-                await declare_streams(nc.jetstream(), limits)
+                await declare_streams(nc.jetstream(timeout=API_TIMEOUT_S), limits)
                 return
             finally:
                 await nc.close()
