@@ -134,7 +134,19 @@ def test_a_constraint_holds_for_the_answer_after_the_reasoning_block(constraint,
 
 def test_a_continued_message_is_inside_a_block_only_where_it_left_one_open() -> None:
     """continue_final_message: the answer goes on from the message, not from a prompt that opened a block."""
-    assert DEEPSEEK_R1.for_chat(None) is DEEPSEEK_R1
-    assert DEEPSEEK_R1.for_chat("The answer is").split(" 42.") == (None, " 42.")
-    assert QWEN3.for_chat("<think>\nLet me see").split(", 6 x 7.</think>\n42") == (", 6 x 7.", "42")
-    assert DEEPSEEK_R1.for_chat("<think>a</think>The answer is").think_first == "may_open"
+    prompt_end = "Assistant: <think>\n"  # a new answer's prompt would open a block: the continued one does not
+    assert DEEPSEEK_R1.for_chat(prompt_end, "The answer is").split(" 42.") == (None, " 42.")
+    assert QWEN3.for_chat(prompt_end, "<think>\nLet me see").split(", 6 x 7.</think>\n42") == (", 6 x 7.", "42")
+    assert DEEPSEEK_R1.for_chat(prompt_end, "<think>a</think>The answer is").think_first == "may_open"
+
+
+def test_the_end_of_the_prompt_says_whether_the_answer_thinks() -> None:
+    """A template may open the block (the answer starts inside it) or hold it whole (Qwen3's enable_thinking false:
+    no block to write, and an output constraint from the first token)."""
+    assert QWEN3.for_chat("<|im_start|>assistant\n", None) is QWEN3
+    assert DEEPSEEK_R1.for_chat("<｜Assistant｜>", None) is DEEPSEEK_R1
+    opened = QWEN3.for_chat("<|im_start|>assistant\n<think>\n", None)
+    assert opened.split("hm</think>\n\nok") == ("hm", "ok") and opened.think_first == "inside"
+    for format in (QWEN3, DEEPSEEK_R1):
+        closed = format.for_chat("<|im_start|>assistant\n<think>\n\n</think>\n\n", None)
+        assert closed.split("<think>x</think>y") == (None, "<think>x</think>y") and closed.think_first is None

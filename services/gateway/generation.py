@@ -54,6 +54,9 @@ from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
 CLIENT_DISCONNECTED = "client_disconnected"
 FAILED = "error"
+# Tokens at the end of a chat prompt read for the reasoning block its template opened or closed (the tags and the
+# line breaks after them).
+PROMPT_END_TOKENS = 8
 
 
 class Generator:
@@ -102,10 +105,8 @@ class Generator:
             )
         structured = None
         constrained_by = tool_calls or constraint  # (the parameter, its constraint)
-        reasoning = None
-        if api == "chat" and self.reasoning_format is not None:
-            final = body.messages[-1]
-            reasoning = self.reasoning_format.for_chat(final.content if body.continue_final_message else None)
+        prompts = await self._prompts_off_loop(body)
+        reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
         if constrained_by and reasoning is not None:
             # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.
             param, unwrapped = constrained_by
@@ -121,7 +122,7 @@ class Generator:
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
         gens = []
-        for prompt_ids in await self._prompts_off_loop(body):
+        for prompt_ids in prompts:
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
@@ -158,6 +159,14 @@ class Generator:
                             await asyncio.shield(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
+
+    def _reasoning(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> ReasoningFormat | None:
+        """How this chat's answer sets its thinking apart, from the end of its prompt (reasoning/parser.py)."""
+        if self.reasoning_format is None:
+            return None
+        end = self._tokenizer.decode(prompt_ids[-PROMPT_END_TOKENS:], skip_special_tokens=False)
+        continued = body.messages[-1].content if body.continue_final_message else None
+        return self.reasoning_format.for_chat(end, continued)
 
     def _check_include_reasoning(self, body: ChatCompletionRequest) -> None:
         if not body.include_reasoning and self.reasoning_format is None:

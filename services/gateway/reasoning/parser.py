@@ -29,18 +29,28 @@ LAYOUT = "\n"  # the line breaks around the thinking
 class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block: the answer begins as reasoning
+    closed: bool = False  # the prompt holds the whole block (thinking turned off): the answer is all content
 
-    def for_chat(self, continued: str | None) -> "ReasoningFormat":
-        """The format of one chat's answer: one continuing its final message (`continued`, continue_final_message)
-        starts inside a block only where that message left one open, whatever the prompt of a new answer opens."""
-        if continued is None:
-            return self
-        return replace(self, starts_inside=continued.rfind(THINK_OPEN) > continued.rfind(THINK_CLOSE))
+    def for_chat(self, prompt_end: str, continued: str | None) -> "ReasoningFormat":
+        """The format of one chat's answer, from the end of its rendered prompt: a block the prompt opens (a
+        template that starts the thinking) puts the answer inside it, one it closes (Qwen3's enable_thinking false)
+        leaves none to write. An answer continuing its final message (`continued`, continue_final_message) starts
+        inside a block only where that message left one open."""
+        if continued is not None:
+            return replace(self, starts_inside=continued.rfind(THINK_OPEN) > continued.rfind(THINK_CLOSE))
+        end = prompt_end.rstrip()
+        if end.endswith(THINK_CLOSE):
+            return replace(self, starts_inside=False, closed=True)
+        if end.endswith(THINK_OPEN):
+            return replace(self, starts_inside=True)
+        return self
 
     @property
-    def think_first(self) -> ThinkFirst:
+    def think_first(self) -> ThinkFirst | None:
         """Where the block stands before an output constraint, which holds for what follows it
-        (shared/structured.py)."""
+        (shared/structured.py); None where the prompt closed it."""
+        if self.closed:
+            return None
         return "inside" if self.starts_inside else "may_open"
 
     def split(self, text: str) -> tuple[str | None, str | None]:
@@ -75,6 +85,8 @@ class ReasoningStream:
         """(reasoning, content) to send for the next piece of the answer's text; `final` for its last piece."""
         self._buffer += text
         reasoning = content = ""
+        if self._part is Part.UNKNOWN and self.format.closed:  # the prompt held the whole block
+            self._part = Part.CONTENT
         if self._part is Part.UNKNOWN:
             head = self._buffer.lstrip(LAYOUT)
             if head.startswith(THINK_OPEN):
