@@ -47,7 +47,7 @@ def check_sampling(sampling: SamplingParams, limits: ModelLimits) -> None:
     _check_ids("stop_token_ids", sampling.stop_token_ids, vocab)
     _check_ids("logit_bias", sampling.logit_bias, vocab)
     _check_ids("logprob_token_ids", sampling.logprob_token_ids, vocab)
-    _check_ids("prediction", sampling.speculative.prediction_token_ids, vocab)
+    _check_ids("prediction", sampling.speculative.prediction_token_ids or (), vocab)
 
 
 def check_work_request(request: WorkRequest, limits: ModelLimits) -> None:

@@ -57,7 +57,7 @@ class SpeculationParams(_Message):
     return_stats: bool = False
     # OpenAI's predicted outputs: tokens the answer is expected to mostly repeat, drafted wherever it follows them
     # (services/worker/drafting/prediction.py); they change the number of steps, never a token.
-    prediction_token_ids: tuple[TokenId, ...] = ()
+    prediction_token_ids: tuple[TokenId, ...] | None = None  # None: no prediction; (): an empty one
 
 
 class SamplingParams(_Message):
@@ -223,7 +223,8 @@ class DetokOpen(_Message):
     echo_special_tokens: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)  # vLLM's prompt_logprobs: top-n per prompt token
     prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
-    prediction_token_ids: tuple[int, ...] = ()  # the request's prediction, to count what its answer used
+    # The request's prediction, to count what its answer used; None: it has none (an empty one still counts zeros)
+    prediction_token_ids: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
     def _prompt_when_needed(self) -> "DetokOpen":

@@ -198,6 +198,10 @@ def test_a_prediction_keeps_the_answer_takes_fewer_steps_and_is_counted_in_usage
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens_details == details
+    empty = client.chat.completions.create(**request, prediction={"type": "content", "content": ""})
+    assert empty.choices[0].message.content == text
+    assert (empty.usage.completion_tokens_details.accepted_prediction_tokens,
+            empty.usage.completion_tokens_details.rejected_prediction_tokens) == (0, 0)  # as OpenAI counts it
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**request, prediction={"type": "file", "content": text})
     assert info.value.param == "prediction.type"

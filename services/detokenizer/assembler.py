@@ -350,4 +350,4 @@ class RequestAssembler:
     def prediction_usage(self) -> CompletionTokensDetails | None:
         """How much of the request's prediction this choice's answer used; None without a prediction."""
         prediction = self._open.prediction_token_ids
-        return prediction_usage(prediction, self._output_ids) if prediction else None
+        return None if prediction is None else prediction_usage(prediction, self._output_ids)

@@ -116,7 +116,7 @@ class Generator:
             # on a thread, this gateway's other streams go on meanwhile.
             structured = await asyncio.to_thread(compiled, constrained_by, tokenizer.model_dir,
                                                  tokenizer.vocab_size, tokenizer.eos_token_ids)
-        prediction = ()
+        prediction = None
         if api == "chat" and body.prediction is not None:
             prediction = await asyncio.to_thread(
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
@@ -226,7 +226,7 @@ class Generator:
 
     def _sampling(
         self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None,
-        prediction: tuple[int, ...] = (),
+        prediction: tuple[int, ...] | None = None,
     ) -> SamplingParams:
         """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
         worker checks again, so that a request the gateway queued is never one the worker refuses."""

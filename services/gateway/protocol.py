@@ -255,7 +255,7 @@ class GenerationRequest(Body):
         return self.n or 1
 
     def sampling_params(
-        self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] = ()
+        self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] | None = None
     ) -> SamplingParams:
         """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway;
         `prediction`: the tokens of its predicted output (chat's `prediction`)."""
