@@ -19,9 +19,7 @@ from pathlib import Path
 from services.supervisor import STOP_SIGNALS, die_with_parent
 from shared.nats_credentials import MeshCredentials
 from shared import stream_limits
-from shared.nats_roles import NatsRole
-from shared.nats_server import READY_TIMEOUT_S, credentials_dir, default_store_dir, server_command
-from shared.nats_settings import NatsSettings
+from shared.nats_server import READY_TIMEOUT_S, admin_settings, credentials_dir, default_store_dir, server_command
 from shared.streams import OnThread, declare
 from shared.ports import wait_for_port
 from shared.stream_limits import StreamLimits
@@ -124,8 +122,6 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"specmesh nats: the server did not start: {exc}") from exc
     if not stop.stopping:
         # On a thread: a stop signal meanwhile is taken at once, and lame-duck mode waits for the declaration's end.
-        url, admin = f"nats://{host}:{args.port}", credentials[NatsRole.ADMIN]
-        stop.declaring = OnThread(declare(
-            NatsSettings(url=url, role=NatsRole.ADMIN, credentials=admin), StreamLimits.from_args(args), READY_TIMEOUT_S
-        ))
+        admin = admin_settings(f"nats://{host}:{args.port}", credentials)
+        stop.declaring = OnThread(declare(admin, StreamLimits.from_args(args), READY_TIMEOUT_S))
     raise SystemExit(stop.wait())

@@ -48,7 +48,7 @@ from services.supervisor import (
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.nats_credentials import MeshCredentials
 from shared.nats_roles import SERVICE_ROLES, NatsRole
-from shared.nats_server import credentials_dir, default_store_dir, start_nats_server
+from shared.nats_server import admin_settings, credentials_dir, default_store_dir, start_nats_server
 from shared.ports import can_listen, free_port
 from shared.nats_settings import NatsSettings
 from shared.stream_limits import StreamLimits
@@ -249,8 +249,7 @@ def _refuse_external_only_options(args: argparse.Namespace) -> None:
 
 def _drop_orphaned_requests(nats_url: str, credentials: MeshCredentials, store_dir: Path) -> None:
     """Requests an earlier `up` on this store left (it was killed): their clients are gone with its gateway."""
-    admin = NatsSettings(url=nats_url, role=NatsRole.ADMIN, credentials=credentials[NatsRole.ADMIN])
-    dropped = streams.OnThread(streams.drop_orphaned_requests(admin)).result()
+    dropped = streams.OnThread(streams.drop_orphaned_requests(admin_settings(nats_url, credentials))).result()
     if dropped:
         print(f"specmesh: dropped {dropped} requests an earlier run left in {store_dir} (their clients are gone)",
               flush=True)

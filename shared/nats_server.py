@@ -82,7 +82,11 @@ def start_nats_server(
     return proc
 
 
+def admin_settings(url: str, credentials: MeshCredentials) -> NatsSettings:
+    """How to reach a server this process started as its admin user: to declare its streams (shared/streams.py)."""
+    return NatsSettings(url=url, role=NatsRole.ADMIN, credentials=credentials[NatsRole.ADMIN])
+
+
 def declare_as_admin(url: str, credentials: MeshCredentials, limits: StreamLimits) -> None:
     """The streams of a server this process started, with its admin user (shared/streams.py)."""
-    admin = NatsSettings(url=url, role=NatsRole.ADMIN, credentials=credentials[NatsRole.ADMIN])
-    streams.declare_blocking(admin, limits, READY_TIMEOUT_S)
+    streams.declare_blocking(admin_settings(url, credentials), limits, READY_TIMEOUT_S)

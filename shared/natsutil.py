@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from prometheus_client import Counter
 from nats.errors import SlowConsumerError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
+from prometheus_client import Counter
 
 from shared import subjects
 from shared.nats_settings import NatsSettings

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -138,6 +138,21 @@ async def wait_for(js: JetStreamContext, needs: tuple[Needed, ...], service: str
         await asyncio.sleep(WAIT_POLL_S)
 
 
+async def _ignore(exc: Exception) -> None:
+    """nats-py logs every error with a traceback unless its error callback takes them."""
+
+
+async def _connect_once(
+    settings: NatsSettings, on_error: Callable[[Exception], Awaitable[None]] = _ignore
+) -> nats.NATS:
+    """One connection for one job (a declaration, a purge): a single attempt, no reconnects; what goes wrong is
+    raised to the caller, errors reported on the way go to `on_error`."""
+    return await nats.connect(
+        settings.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=CONNECT_TIMEOUT_S,
+        error_cb=on_error, **settings.connect_options(),
+    )
+
+
 async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float = DEFAULT_DECLARE_TIMEOUT_S) -> None:
     """Connects as `settings` say and declares, retrying while the server or its JetStream is not up yet, for up
     to `timeout_s`. A refusal is raised with the first answer: wrong credentials (nats.errors.Error), or a user
@@ -146,15 +161,12 @@ async def declare(settings: NatsSettings, limits: StreamLimits, timeout_s: float
     while True:
         refused: list[Exception] = []
 
-        async def on_error(exc: Exception) -> None:  # also keeps nats-py from logging each failed attempt
+        async def on_error(exc: Exception) -> None:
             if PERMISSIONS_VIOLATION in str(exc).lower():
                 refused.append(exc)
 
         try:
-            nc = await nats.connect(
-                settings.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=CONNECT_TIMEOUT_S,
-                error_cb=on_error, **settings.connect_options(),
-            )
+            nc = await _connect_once(settings, on_error)
             try:
                 await declare_streams(nc.jetstream(timeout=API_TIMEOUT_S), limits)
                 return
@@ -175,7 +187,7 @@ async def drop_orphaned_requests(settings: NatsSettings) -> int:
     """Empties the request and routed streams; returns how many requests they held. For `specmesh up` starting its
     own server: every request stored by an earlier run (one killed without a chance to stop its requests) lost its
     client with that run's gateway, and would only be retried until it is dead-lettered."""
-    nc = await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
+    nc = await _connect_once(settings)
     try:
         js, dropped = nc.jetstream(), 0
         for stream in (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM):

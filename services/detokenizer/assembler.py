@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -343,11 +344,13 @@ class RequestAssembler:
         return Usage(
             prompt_tokens=prompt, completion_tokens=self._tokens_seen, total_tokens=prompt + self._tokens_seen,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-            completion_tokens_details=self.prediction_usage(),
+            completion_tokens_details=self.prediction_details,
             speculative=None if self.speculation is None else self.speculation.usage(),
         )
 
-    def prediction_usage(self) -> CompletionTokensDetails | None:
-        """How much of the request's prediction this choice's answer used; None without a prediction."""
+    @cached_property
+    def prediction_details(self) -> CompletionTokensDetails | None:
+        """How much of the request's prediction this choice's answer used; None without a prediction. Read once the
+        choice has finished (its final chunk's usage, then the request's over all its choices), counted once."""
         prediction = self._open.prediction_token_ids
         return None if prediction is None else prediction_usage(prediction, self._output_ids)

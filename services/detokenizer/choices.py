@@ -113,7 +113,7 @@ class RequestChoices:
         completion = sum(c.num_output_tokens for c in self._choices)
         prompt = self._num_prompt_tokens
         tallies = [c.speculation for c in self._choices if c.speculation is not None]
-        predicted = [details for c in self._choices if (details := c.prediction_usage()) is not None]
+        predicted = [details for c in self._choices if (details := c.prediction_details) is not None]
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
             # The prompt is counted once, as its first choice found it.

@@ -15,7 +15,7 @@ from functools import cached_property
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.gateway.prediction import Prediction
-from services.gateway.protocol import Body, GenerationRequest, shown
+from services.gateway.protocol import Body, GenerationRequest, joined_text_parts
 from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
 from shared.frames import MAX_TOP_K
 from shared.tokenizer import TEMPLATE_VARIABLES
@@ -43,27 +43,12 @@ class ChatMessage(Body):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any, info: ValidationInfo) -> str:
-        """Text parts are joined with line breaks, as vLLM joins them: the mesh serves text-only models."""
-        if isinstance(value, str):
-            return value
+        """Text parts are joined with line breaks (protocol.joined_text_parts); null only on an assistant message."""
         if value is None:
             if info.data.get("role") != ASSISTANT_ROLE:
                 raise ValueError("content may be null only on an assistant message")
             return ""
-        if not isinstance(value, list):
-            raise ValueError(f"content must be a string or a list of text parts, got {shown(value)}")
-        texts = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(
-                    f"content part [{i}] has type {kind!r}: this model reads text only, "
-                    'as parts {"type": "text", "text": "..."}'
-                )
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {shown(part)}')
-            texts.append(part["text"])
-        return "\n".join(texts)
+        return joined_text_parts(value)
 
     def for_template(self) -> dict[str, str]:
         """The message as the chat template reads it."""

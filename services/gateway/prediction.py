@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import ConfigDict, field_validator
 
 from services.gateway.errors import bad_request
-from services.gateway.protocol import Body, shown
+from services.gateway.protocol import Body, joined_text_parts
 from shared.tokenizer import Tokenizer
 
 PARAM = "prediction"
@@ -25,19 +25,7 @@ class Prediction(Body):
     # Normalized to a string: text parts are joined with line breaks, as a message's are.
     content: str
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text(cls, value: object) -> str:
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError(f"content must be a string or a list of text parts, got {shown(value)}")
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f'content part [{i}] must be {{"type": "text", "text": "..."}}, got {shown(part)}')
-            texts.append(part["text"])
-        return "\n".join(texts)
+    _text = field_validator("content", mode="before")(joined_text_parts)
 
 
 def prediction_token_ids(prediction: Prediction, tokenizer: Tokenizer, max_model_len: int) -> tuple[int, ...]:

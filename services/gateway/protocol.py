@@ -74,6 +74,27 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
 
+def joined_text_parts(value: Any) -> str:
+    """A content field's text: a string, or a list of text parts joined with line breaks, as vLLM joins them (the
+    mesh serves text-only models); anything else is a ValueError saying what is wrong."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"content must be a string or a list of text parts, got {shown(value)}")
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(
+                f"content part [{i}] has type {kind!r}: this model reads text only, "
+                'as parts {"type": "text", "text": "..."}'
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {shown(part)}')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 class GenerationRequest(Body):
     """What both endpoints share: the model, sampling, stop conditions and streaming.
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN, partial_suffix
 from shared.structured import ThinkFirst
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 LAYOUT = "\n"  # the line breaks around the thinking
 
 
@@ -114,7 +114,7 @@ class ReasoningStream:
             body, self._buffer = self._buffer.rstrip(LAYOUT), ""
             return self._reasoning_text(body)
         # Held: the start of a closing tag, and the line breaks before it, which are layout if the tag follows them.
-        body = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, THINK_CLOSE)].rstrip(LAYOUT)
+        body = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, THINK_CLOSE)].rstrip(LAYOUT)
         self._buffer = self._buffer[len(body) :]
         return self._reasoning_text(body)
 
@@ -130,14 +130,6 @@ class ReasoningStream:
             text = text.lstrip(LAYOUT) if self._after_block else text
             self._content_started = bool(text)
         return text
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that `tag` starts with (what may become a tag with the next piece)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def reasoning_fields(reasoning: str) -> dict[str, str]:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN
 from shared.structured import StructuredOutput
 from services.gateway.tools.tool_request import FunctionDefinition
 
@@ -88,7 +89,7 @@ class Hermes:
     open_tag, close_tag = "<tool_call>", "</tool_call>"
     arguments_key = "arguments"
     # Qwen3's reasoning, which the answer may open with: a call tag written there is thought about, not called.
-    think_open, think_close = "<think>", "</think>"
+    think_open, think_close = THINK_OPEN, THINK_CLOSE
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         schema = json.dumps(_call_schema(functions, self.arguments_key))

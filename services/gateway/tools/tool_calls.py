@@ -12,6 +12,7 @@ import json
 import uuid
 from typing import Any
 
+from services.gateway.tags import partial_suffix
 from services.gateway.tools.formats import NAME, Hermes, Llama3Json
 
 TOOL_CALLS_FINISH = "tool_calls"
@@ -85,7 +86,7 @@ class ToolCallStream:
                 if start < 0:
                     if final and self.called and self._after_call and fmt.dangling_tag(self._buffer):
                         self._buffer = ""  # as Hermes.split drops it from a whole answer
-                    keep = 0 if final else _partial_suffix(self._buffer, fmt.open_tag)
+                    keep = 0 if final else partial_suffix(self._buffer, fmt.open_tag)
                     content.append(self._text(self._buffer[: len(self._buffer) - keep], final))
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
@@ -156,7 +157,7 @@ class ToolCallStream:
             return ""
         end = self._buffer.find(fmt.think_close)
         if end < 0:
-            keep = 0 if final else _partial_suffix(self._buffer, fmt.think_close)
+            keep = 0 if final else partial_suffix(self._buffer, fmt.think_close)
             cut = len(self._buffer) - keep
         else:
             cut = end + len(fmt.think_close)
@@ -188,18 +189,10 @@ class ToolCallStream:
             return content, deltas
         tag = Llama3Json.python_tag
         starts = [i for i in (self._held.find("{"), self._held.find(tag)) if i >= 0]
-        cut = min(starts) if starts else len(self._held) - _partial_suffix(self._held, tag)
+        cut = min(starts) if starts else len(self._held) - partial_suffix(self._held, tag)
         cut = len(self._held[:cut].rstrip())
         streamed, self._held = self._held[:cut], self._held[cut:]
         return streamed, []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that `tag` starts with (what may become a tag with the next piece)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict[str, Any]:

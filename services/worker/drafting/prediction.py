@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from services.worker.drafting.draft import Draft
+from services.worker.drafting.proposer import Proposer
 from services.worker.engine.sequence import Sequence
 from shared.prediction import PredictionCursor
 
@@ -20,7 +21,7 @@ class PredictedOutputs:
     """Wraps the method's proposer: a sequence whose request has a prediction drafts from it while the answer follows
     it; the others, and it where its prediction drafts nothing, get the method's own drafts."""
 
-    def __init__(self, inner, max_ngram_size: int) -> None:
+    def __init__(self, inner: Proposer, max_ngram_size: int) -> None:
         self._inner = inner
         self._max_ngram_size = max_ngram_size
         self._cursors: dict[str, PredictionCursor] = {}
