@@ -198,6 +198,11 @@ def test_a_prediction_keeps_the_answer_takes_fewer_steps_and_is_counted_in_usage
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens_details == details
+    # With n, each choice counts against the prediction and usage sums them (greedy: two equal answers).
+    both = client.chat.completions.create(**request, prediction=prediction, n=2).usage.completion_tokens_details
+    assert (both.accepted_prediction_tokens, both.rejected_prediction_tokens) == (
+        2 * details.accepted_prediction_tokens, 2 * details.rejected_prediction_tokens
+    )
     empty = client.chat.completions.create(**request, prediction={"type": "content", "content": ""})
     assert empty.choices[0].message.content == text
     assert (empty.usage.completion_tokens_details.accepted_prediction_tokens,
