@@ -118,6 +118,30 @@ async def test_a_delivery_its_handoff_replaced_is_closed_not_taken_over(nc: Clie
     await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
 
 
+async def test_a_handoff_asked_after_its_replaced_delivery_was_taken_over_is_closed(
+    nc: Client, tokenizer: Tokenizer
+) -> None:
+    """The other order: the prefill worker's delivery came back to another worker, which asked first and took the
+    request over. The decode worker the handoff reached is told the request is closed, so that one worker runs it,
+    and the take-over stays the only migration."""
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
+                         seq_no=0, offset=0)
+    await next_chunk(chunks)
+    prefill_delivery = "SPECMESH_REQUESTS:8"
+    taken = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, delivery=prefill_delivery)
+    assert taken.outcome is TakeOver.CONTINUE and taken.migrations == 1
+    handed = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID, delivery="ROUTED:4",
+                                superseded=prefill_delivery)
+    assert handed.outcome is TakeOver.CLOSED and handed.migrations == 1
+    # The worker that took the delivery over, a prefill worker, hands the request on itself: that handoff is its own.
+    handed_on = await ask_progress(nc, request_id, NEW_WORKER_ID + 2, handoff_from=NEW_WORKER_ID + 1,
+                                   delivery="ROUTED:5", superseded=prefill_delivery)
+    assert handed_on.outcome is TakeOver.CONTINUE and handed_on.migrations == 1
+    await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+
+
 async def test_a_gateway_learns_which_requests_are_held(nc: Client) -> None:
     held, _ = await open_request(nc, api="completion")
     gone = "0" * 32

@@ -29,6 +29,7 @@ class RequestChoices:
         self.owner: int | None = None
         self.migrations = 0  # times a worker took the request over
         self.superseded: set[str] = set()  # deliveries a handoff replaced (migration.py)
+        self.taken_through: set[str] = set()  # the work-queue deliveries workers took it over through
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this record produces for its choice, numbered in the request's stream, or None."""
@@ -68,10 +69,15 @@ class RequestChoices:
             self.owner = worker_id
         return worker_id == self.owner
 
-    def take_over(self, worker_id: int, migration: bool = True) -> tuple[ChoiceProgress, ...]:
-        """Makes `worker_id` the owner and returns where each unfinished choice stands, for it to continue from;
-        counts a migration unless the move was planned (a prefill worker's handoff)."""
+    def take_over(
+        self, worker_id: int, delivery: str | None, migration: bool = True
+    ) -> tuple[ChoiceProgress, ...]:
+        """Makes `worker_id`, holding `delivery` of the request, the owner and returns where each unfinished choice
+        stands, for it to continue from; counts a migration unless the move was planned (a prefill worker's
+        handoff)."""
         self.owner = worker_id
+        if delivery is not None:
+            self.taken_through.add(delivery)
         self.migrations += migration
         return tuple(c.progress() for c in self._choices if not c.finished)
 

@@ -60,11 +60,19 @@ class Migrations:
             log.info("request %s: worker %d took a delivery its handoff replaced; closed", query.request_id,
                      query.worker_id)
             return ProgressReport(outcome=TakeOver.CLOSED, migrations=request.migrations), None
+        if query.superseded in request.taken_through and query.handoff_from != request.owner:
+            # The other order of the same race: the prefill worker's delivery came back to a worker that took it
+            # over before its handoff's decode worker asked. That worker continues the request; the decode worker
+            # drops it, rather than take it over again and leave both running it. (A handoff from the owner is the
+            # owner's own: a prefill worker handing on a request it took over.)
+            log.info("request %s: worker %d took the delivery handed to worker %d first; closed for the latter",
+                     query.request_id, request.owner, query.worker_id)
+            return ProgressReport(outcome=TakeOver.CLOSED, migrations=request.migrations), None
         if query.superseded is not None:
             request.superseded.add(query.superseded)
         if query.handoff_from is not None and request.owner in (None, query.handoff_from):
             HANDOFFS.inc()
-            progress = request.take_over(query.worker_id, migration=False)
+            progress = request.take_over(query.worker_id, query.delivery, migration=False)
             log.debug("request %s handed to worker %d at %s tokens", query.request_id, query.worker_id,
                       [len(p.output_token_ids) for p in progress])
             return ProgressReport(outcome=TakeOver.CONTINUE, progress=progress, migrations=request.migrations), None
@@ -76,7 +84,7 @@ class Migrations:
             )
             return ProgressReport(outcome=TakeOver.REFUSED, migrations=request.migrations), request.fail(error)
         previous = request.owner
-        progress = request.take_over(query.worker_id)
+        progress = request.take_over(query.worker_id, query.delivery)
         MIGRATIONS.inc()
         log.info(
             "request %s taken over by worker %d from worker %s (migration %d) at %s tokens", query.request_id,
