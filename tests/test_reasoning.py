@@ -14,6 +14,7 @@ from services.gateway.chat_request import ChatMessage
 from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
 from services.gateway.reasoning.parser import FORMATS, ReasoningStream, StreamedReasoning, message_with_reasoning
+from services.gateway.tags import opens_with
 
 QWEN3, DEEPSEEK_R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
 THOUGHT = "<think>\nThe user wants 2 + 2.\n\nThat is 4.\n</think>\n\nIt is 4."
@@ -150,3 +151,20 @@ def test_the_end_of_the_prompt_says_whether_the_answer_thinks() -> None:
     for format in (QWEN3, DEEPSEEK_R1):
         closed = format.for_chat("<|im_start|>assistant\n<think>\n\n</think>\n\n", None)
         assert closed.split("<think>x</think>y") == (None, "<think>x</think>y") and closed.think_first is None
+
+
+@pytest.mark.parametrize(
+    ("text", "final", "blank", "opens"),
+    [
+        ("\n<think>x", False, "\n", True),
+        ("\n <think>", False, "\n", False),  # a space is no layout for the reasoning parser
+        ("\n <think>", False, None, True),  # but blank before a tool-call answer's block
+        ("\n\n<thi", False, "\n", None),
+        ("\n\n<thi", True, "\n", False),
+        ("", False, None, None),
+        ("<tool_call>", False, None, False),
+    ],
+)
+def test_a_stream_opens_with_a_tag_once_its_pieces_tell(text: str, final: bool, blank: str | None,
+                                                        opens: bool | None) -> None:
+    assert opens_with(text, "<think>", final, blank) is opens

@@ -13,3 +13,14 @@ def partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
+
+
+def opens_with(text: str, tag: str, final: bool, blank: str | None = None) -> bool | None:
+    """Whether `text`, its leading `blank` characters (whitespace by default) aside, opens with `tag`; None while
+    more of a stream may still tell (all blank, or the start of the tag, and not the `final` piece)."""
+    head = text.lstrip(blank)
+    if head.startswith(tag):
+        return True
+    if tag.startswith(head) and not final:
+        return None
+    return False

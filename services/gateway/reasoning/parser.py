@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from services.gateway.tags import THINK_CLOSE, THINK_OPEN, partial_suffix
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import ThinkFirst
 
 LAYOUT = "\n"  # the line breaks around the thinking
@@ -88,13 +88,13 @@ class ReasoningStream:
         if self._part is Part.UNKNOWN and self.format.closed:  # the prompt held the whole block
             self._part = Part.CONTENT
         if self._part is Part.UNKNOWN:
-            head = self._buffer.lstrip(LAYOUT)
-            if head.startswith(THINK_OPEN):
-                self._buffer = head[len(THINK_OPEN) :]
+            opens = opens_with(self._buffer, THINK_OPEN, final, LAYOUT)
+            if opens is None:
+                return "", ""
+            if opens:
+                self._buffer = self._buffer.lstrip(LAYOUT)[len(THINK_OPEN) :]
                 self._part = Part.REASONING
                 self._after_block = True
-            elif THINK_OPEN.startswith(head) and not final:
-                return "", ""
             else:
                 self._part = Part.REASONING if self.format.starts_inside else Part.CONTENT
                 self._after_block = self.format.starts_inside

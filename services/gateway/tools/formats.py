@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.tags import THINK_CLOSE, THINK_OPEN
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with
 from shared.structured import StructuredOutput
 from services.gateway.tools.tool_request import FunctionDefinition
 
@@ -108,7 +108,7 @@ class Hermes:
     def reasoning(self, text: str) -> tuple[str | None, str]:
         """(the leading reasoning block with its tags, the rest): ("", text) without one, (None, text) while it is
         not closed."""
-        if not text.lstrip().startswith(self.think_open):
+        if not opens_with(text, self.think_open, final=True):
             return "", text
         end = text.find(self.think_close)
         if end < 0:

@@ -12,7 +12,7 @@ import json
 import uuid
 from typing import Any
 
-from services.gateway.tags import partial_suffix
+from services.gateway.tags import opens_with, partial_suffix
 from services.gateway.tools.formats import NAME, Hermes, Llama3Json
 
 TOOL_CALLS_FINISH = "tool_calls"
@@ -146,13 +146,9 @@ class ToolCallStream:
         one."""
         fmt = self.format
         if self._reasoning is None:
-            head = self._buffer.lstrip()
-            if head.startswith(fmt.think_open):
-                self._reasoning = True
-            elif fmt.think_open.startswith(head) and not final:
-                return None  # blank, or the start of a tag: the next piece tells
-            else:
-                self._reasoning = False
+            self._reasoning = opens_with(self._buffer, fmt.think_open, final)
+            if self._reasoning is None:
+                return None
         if not self._reasoning:
             return ""
         end = self._buffer.find(fmt.think_close)
