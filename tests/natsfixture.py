@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
 import pytest
 
 from shared.nats_credentials import MeshCredentials, credentials_file
@@ -40,6 +41,11 @@ class NatsServer:
     def settings(self, role: NatsRole) -> NatsSettings:
         """How a service of this role connects (natsutil.connect)."""
         return NatsSettings(url=self.url, role=role, credentials=self.credentials[role])
+
+    async def connect_as(self, role: NatsRole, **options) -> nats.NATS:
+        """A client of this role that does not reconnect: a test sees a refusal or a dropped server at once."""
+        settings = self.settings(role)
+        return await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options(), **options)
 
     def credentials_file(self, role: NatsRole) -> Path:
         """The role's --nats-credentials file, for services started as processes."""

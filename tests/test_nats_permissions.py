@@ -101,18 +101,12 @@ class Errors:
         return self.violations
 
 
-async def connect_as(server: NatsServer, role: NatsRole, errors: Errors) -> Client:
-    settings = server.settings(role)
-    options = settings.connect_options()
-    return await nats.connect(settings.url, allow_reconnect=False, error_cb=errors.record, **options)
-
-
 @pytest.fixture
 async def connect(nats_server: NatsServer) -> AsyncIterator[Callable]:  # noqa: F811
     clients: list[Client] = []
 
     async def connected(role: NatsRole, errors: Errors | None = None) -> Client:
-        clients.append(await connect_as(nats_server, role, Errors() if errors is None else errors))
+        clients.append(await nats_server.connect_as(role, error_cb=(Errors() if errors is None else errors).record))
         return clients[-1]
 
     yield connected

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import nats
 import pytest
 
 from services import cli, launcher
@@ -29,11 +28,6 @@ LIMITS = StreamLimits(max_msgs=7, max_bytes=1 << 20, max_age_s=60.0)
 ALL_STREAMS = (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM, subjects.DEAD_LETTER_STREAM)
 
 
-async def _connect(server: NatsServer, role: NatsRole) -> nats.NATS:
-    settings = server.settings(role)
-    return await nats.connect(settings.url, allow_reconnect=False, **settings.connect_options())
-
-
 @pytest.fixture
 def nats_server_with_defaults(tmp_path: Path) -> Iterator[NatsServer]:
     with running_nats_server(tmp_path / "nats") as server:
@@ -42,7 +36,7 @@ def nats_server_with_defaults(tmp_path: Path) -> Iterator[NatsServer]:
 
 async def test_a_service_waits_for_the_streams_and_starts_once_they_are_declared(tmp_path: Path) -> None:
     with running_nats_server(tmp_path / "nats") as server:
-        admin, worker = await _connect(server, NatsRole.ADMIN), await _connect(server, NatsRole.WORKER)
+        admin, worker = await server.connect_as(NatsRole.ADMIN), await server.connect_as(NatsRole.WORKER)
         try:
             for name in ALL_STREAMS:  # a server of one's own, before anyone declared the streams
                 await admin.jetstream().delete_stream(name)
@@ -57,7 +51,7 @@ async def test_a_service_waits_for_the_streams_and_starts_once_they_are_declared
 
 
 async def test_declaring_again_sets_the_limits_of_existing_streams(nats_server_with_defaults: NatsServer) -> None:
-    admin = await _connect(nats_server_with_defaults, NatsRole.ADMIN)
+    admin = await nats_server_with_defaults.connect_as(NatsRole.ADMIN)
     try:
         js = admin.jetstream()
         assert (await js.stream_info(subjects.REQUEST_STREAM)).config.max_msgs == StreamLimits().max_msgs
@@ -88,7 +82,7 @@ async def test_specmesh_streams_declares_as_the_admin_and_names_a_user_that_may_
     refused = await asyncio.to_thread(_specmesh_streams, server, NatsRole.GATEWAY, "--queue-max-msgs", "1")
     assert refused.returncode != 0 and "admin user's credentials" in refused.stderr
     assert "Traceback" not in refused.stderr
-    admin = await _connect(server, NatsRole.ADMIN)
+    admin = await server.connect_as(NatsRole.ADMIN)
     try:
         assert (await admin.jetstream().stream_info(subjects.REQUEST_STREAM)).config.max_msgs == 9
     finally:
@@ -98,7 +92,7 @@ async def test_specmesh_streams_declares_as_the_admin_and_names_a_user_that_may_
 async def test_the_requests_an_earlier_run_left_are_dropped(nats_server_with_defaults: NatsServer) -> None:
     """`specmesh up` starting its own server: a request stored by a run killed outright has no client left."""
     server = nats_server_with_defaults
-    admin = await _connect(server, NatsRole.ADMIN)
+    admin = await server.connect_as(NatsRole.ADMIN)
     try:
         js = admin.jetstream()
         for subject in (subjects.REQUESTS, subjects.REQUESTS, subjects.routed(3)):
@@ -135,7 +129,7 @@ async def test_a_gateway_waiting_for_the_streams_is_alive_and_not_ready(
     """It listens meanwhile: a probe of /health finds it alive (Kubernetes would restart one that did not answer),
     /ready says what it waits for."""
     with running_nats_server(tmp_path / "nats") as server:
-        admin = await _connect(server, NatsRole.ADMIN)
+        admin = await server.connect_as(NatsRole.ADMIN)
         for name in ALL_STREAMS:
             await admin.jetstream().delete_stream(name)
         gateway, nc = await start_gateway(server, model_dir)
