@@ -141,6 +141,7 @@ class ChoiceProgress(_Message):
 
 
 MAX_DELIVERY_ID_CHARS = 64  # a stream name and a sequence number
+MAX_SHOWN_SPECIAL_IDS = 16  # a tool-call format has a few tags
 
 
 class HandoffTicket(BaseModel):
@@ -225,6 +226,9 @@ class DetokOpen(_Message):
     prompt_token_ids: tuple[int, ...] = ()  # given exactly when echo or prompt_logprobs needs the prompt
     # The request's prediction, to count what its answer used; None: it has none (an empty one still counts zeros)
     prediction_token_ids: tuple[int, ...] | None = None
+    # Special tokens whose text the output keeps, where generated text leaves the others out: the tags of a
+    # tool-call format that writes them as control tokens (Mistral's [TOOL_CALLS]), on a request read for calls
+    shown_special_ids: tuple[TokenId, ...] = Field((), max_length=MAX_SHOWN_SPECIAL_IDS)
 
     @model_validator(mode="after")
     def _prompt_when_needed(self) -> "DetokOpen":

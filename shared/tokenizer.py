@@ -101,7 +101,9 @@ class Tokenizer:
         self.eos_token = _token_content(self._config.get("eos_token"))
         self.chat_template: str | None = self._config.get("chat_template")
         self.eos_token_ids = self._eos_ids(model_dir)
-        self.special_ids = frozenset(t["id"] for t in self._added_tokens() if t.get("special", False))
+        # Special tokens by their text ([TOOL_CALLS], <|im_end|>, ...): control tokens generated text leaves out
+        self.special_tokens = {t["content"]: t["id"] for t in self._added_tokens() if t.get("special", False)}
+        self.special_ids = frozenset(self.special_tokens.values())
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def _added_tokens(self) -> list[dict]:

@@ -73,10 +73,19 @@ def _build_model(kind: str, vocab_size: int, eos_id: int):
         return random_causal_lm(kind, **common)
 
 
-def make_tiny_model_dir(path: Path, kind: str = "llama") -> Path:
-    """Writes tokenizer files, config.json (eos = <|endoftext|>) and float32 random weights to `path`."""
+def make_tiny_model_dir(
+    path: Path, kind: str = "llama", special_tokens: tuple[str, ...] = (), chat_template: str | None = None
+) -> Path:
+    """Writes tokenizer files, config.json (eos = <|endoftext|>) and float32 random weights to `path`; the tokenizer
+    with more special tokens (a family's control tokens) and another chat template, if given."""
     path = Path(path)
     tok = train_tokenizer(_corpus(), TOKENIZER_VOCAB_SIZE, path)
+    if special_tokens:
+        tok.add_special_tokens(list(special_tokens))
+        tok.save(str(path / "tokenizer.json"))
+    if chat_template is not None:
+        config_path = path / "tokenizer_config.json"
+        config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": chat_template}))
     eos_id = tok.token_to_id(END_OF_TEXT)
     model = _build_model(kind, tok.get_vocab_size(with_added_tokens=True), eos_id)
     model.save_pretrained(path)

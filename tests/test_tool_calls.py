@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
-from services.gateway.tools.formats import FORMATS, format_for
+from services.gateway.chat_request import ChatCompletionRequest
+from services.gateway.tools.formats import FORMATS, format_for, tool_constraint
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 
@@ -188,8 +189,11 @@ def test_the_format_follows_the_chat_template() -> None:
     assert format_for("... <tool_call> ...").name == "hermes"
     assert format_for("... <|python_tag|> ...").name == "llama3_json"
     assert format_for(None, "llama3_json").name == "llama3_json"
-    # Mistral writes [TOOL_CALLS] [...], a format not read here: none, so that requests with tools are refused.
-    assert format_for("{% if message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}{% endif %}") is None
+    assert format_for("{% if message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}{% endif %}").name \
+        == "mistral"
+    # A template that writes calls in a format not read here (Granite's <|tool_call|>): none, so that requests with
+    # tools are refused.
+    assert format_for("{% if message.tool_calls %}<|tool_call|>{{ message.tool_calls | tojson }}{% endif %}") is None
     assert format_for(None) is None
 
 
@@ -290,3 +294,19 @@ def test_a_streamed_answer_reads_exactly_as_the_whole_one_whitespace_included(an
     message_with_calls(message, "length", FORMATS["hermes"])
     whole = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", ())]
     assert (content, [calls[i] for i in sorted(calls)]) == (message["content"] or "", whole)
+
+
+@pytest.mark.parametrize(("tool_choice", "two_calls"), [
+    ("required", True), ({"type": "function", "function": {"name": "get_weather"}}, False),
+])
+def test_a_named_function_is_called_once_whatever_parallel_tool_calls_says(tool_choice, two_calls: bool) -> None:
+    """OpenAI and vLLM answer a named tool_choice with one call; `required` calls as often as parallel_tool_calls
+    allows."""
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "?"}],
+                                                 "tools": [WEATHER, TIME], "tool_choice": tool_choice})
+    _, structured = tool_constraint(body, FORMATS["hermes"])
+    tokenizer = ll_tokenizer(DEMO, 4096, (0,))
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    matcher = llguidance.LLMatcher(tokenizer, grammar_of(structured))
+    assert matcher.consume_tokens(tokenizer.tokenize_str(call)) and matcher.is_accepting()
+    assert bool(matcher.consume_tokens(tokenizer.tokenize_str("\n" + call))) is two_calls

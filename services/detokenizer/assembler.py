@@ -109,7 +109,7 @@ class RequestAssembler:
         self.reply_subject = open_msg.reply_subject
         self._open = open_msg
         self._table = table
-        self._decoder = IncrementalDecoder(table)
+        self._decoder = IncrementalDecoder(table, open_msg.shown_special_ids)
         self._stop = StopMatcher(open_msg.stop)
         self._top_k = open_msg.logprobs
         self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None

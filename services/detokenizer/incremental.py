@@ -8,7 +8,7 @@ the token that completes it arrives, and only bytes that can never become valid 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shared.tokenizer import Tokenizer
@@ -72,14 +72,16 @@ class DecodedStep:
 class IncrementalDecoder:
     """Decodes one request's output; call `step` per engine step and `finish` once at the end."""
 
-    def __init__(self, table: TokenTable, shows_special: bool = False, starts_text: bool = False) -> None:
-        """starts_text: these tokens begin the text (a prompt, not an output after it), whose first spaces the
-        tokenizer's decoder drops (TokenTable.leading_spaces), as decoding the prompt whole does."""
+    def __init__(self, table: TokenTable, shown_special: Iterable[int] = (), starts_text: bool = False) -> None:
+        """shown_special: the special tokens whose text this text shows; starts_text: these tokens begin the text (a
+        prompt, not an output after it), whose first spaces the tokenizer's decoder drops
+        (TokenTable.leading_spaces), as decoding the prompt whole does."""
         self._table = table
         self._strip = table.leading_spaces if starts_text else 0
-        # Special tokens have no bytes of their own: generated text leaves them out, a prompt echoed as sent shows
-        # their literal text.
-        self._special = {i: name.encode() for i, name in table.special_names.items()} if shows_special else {}
+        # Special tokens have no bytes of their own: generated text leaves them out, except the tags of a tool-call
+        # format that writes them as tokens, and a prompt echoed as sent shows their literal text.
+        names = table.special_names
+        self._special = {i: names[i].encode() for i in shown_special if i in names}
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.length = 0  # characters produced so far
 

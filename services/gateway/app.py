@@ -92,7 +92,7 @@ class Gateway:
             nc, tokenizer, self.router, config.served_model_name, config.max_model_len,
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
             keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
-            tool_format=format_for(tokenizer.chat_template, config.tool_call_parser),
+            tool_format=format_for(tokenizer.chat_template, config.tool_call_parser, tokenizer.special_tokens),
             reasoning_format=None if config.reasoning_parser is None else REASONING_FORMATS[config.reasoning_parser],
         )
         if self.generator.tool_format is None:

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from services.gateway.prediction import Prediction
 from services.gateway.protocol import Body, GenerationRequest, joined_text_parts
+from services.gateway.tools.call import CallIds
 from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
 from shared.frames import MAX_TOP_K
 from shared.tokenizer import TEMPLATE_VARIABLES
@@ -23,6 +24,7 @@ from shared.tokenizer import TEMPLATE_VARIABLES
 DEVELOPER_ROLE = "developer"  # the OpenAI SDK's current name for the system role
 SYSTEM_ROLE = "system"
 ASSISTANT_ROLE = "assistant"
+AS_SENT = CallIds()  # call ids as the client sent them
 
 
 class ChatMessage(Body):
@@ -50,24 +52,26 @@ class ChatMessage(Body):
             return ""
         return joined_text_parts(value)
 
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it."""
+    def for_template(self, call_ids: CallIds = AS_SENT) -> dict[str, str]:
+        """The message as the chat template reads it, the ids of calls as `call_ids` hands them to it."""
         message = {"role": SYSTEM_ROLE if self.role == DEVELOPER_ROLE else self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
+            message["tool_call_id"] = call_ids.template_call_id(self.tool_call_id)
         if self.tool_calls:
-            message["tool_calls"] = [_with_parsed_arguments(call) for call in self.tool_calls]
+            message["tool_calls"] = [_for_template(call, call_ids) for call in self.tool_calls]
         if (reasoning := self.reasoning_content or self.reasoning) is not None:
             message["reasoning_content"] = reasoning
         return message
 
 
-def _with_parsed_arguments(call: dict) -> dict:
+def _for_template(call: dict, call_ids: CallIds) -> dict:
     """An earlier call as templates read it: OpenAI sends its arguments as a JSON string, and templates write them
     with `arguments | tojson` (Llama 3.x, Qwen2.5), which would quote that string again; vLLM hands them the
     object, and so does this. Arguments that are not JSON stay the string they are."""
+    if isinstance(call.get("id"), str):
+        call = {**call, "id": call_ids.template_call_id(call["id"])}
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
@@ -153,9 +157,10 @@ class ChatCompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation as the chat template expects it."""
-        return [m.for_template() for m in self.messages]
+    def chat(self, call_ids: CallIds | None = None) -> list[dict[str, str]]:
+        """The conversation as the chat template expects it, earlier calls' ids as the tool-call format (if any)
+        hands them to it."""
+        return [m.for_template(call_ids or AS_SENT) for m in self.messages]
 
     @property
     def echoed_text(self) -> str:

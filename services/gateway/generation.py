@@ -36,7 +36,7 @@ from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.structured_request import compiled, structured_output
-from services.gateway.tools.formats import FORMATS, ToolFormat, tool_constraint
+from services.gateway.tools.formats import FORMAT_NAMES, FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
 from services.gateway.named_logprobs import check_logprob_token_ids
@@ -127,7 +127,7 @@ class Generator:
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             sampling = self._sampling(body, max_tokens, structured, prediction)
-            gens.append(Generation(api, body, prompt_ids, sampling, started))
+            gens.append(Generation(api, body, prompt_ids, sampling, started, self._shown_special_ids(body)))
         check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
@@ -175,12 +175,18 @@ class Generator:
                 "--reasoning-parser", param="include_reasoning",
             )
 
+    def _shown_special_ids(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[int, ...]:
+        """The control tokens an answer read for tool calls keeps in its text: a format's tags ([TOOL_CALLS])."""
+        if not isinstance(body, ChatCompletionRequest) or self.tool_format is None:
+            return ()
+        return self.tool_format.shown_special_ids if body.tool_fields.parses_calls else ()
+
     def _tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
         """The format a request's tools are called in; a 400 for a request with tools when the gateway knows none."""
         if self.tool_format is None and body.tool_fields.parses_calls:
             raise bad_request(
                 f"This model's chat template does not write tool calls in a format this server reads "
-                f"({', '.join(FORMATS)}); start the server with --tool-call-parser to name one, or send "
+                f"({', '.join(FORMAT_NAMES)}); start the server with --tool-call-parser to name one, or send "
                 "tool_choice \"none\"", param="tools",
             )
         return self.tool_format
@@ -212,7 +218,7 @@ class Generator:
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         try:
             return self._tokenizer.apply_chat_template(
-                body.chat(), body.add_generation_prompt, body.continue_final_message, body.template_tools(),
+                body.chat(self.tool_format), body.add_generation_prompt, body.continue_final_message, body.template_tools(),
                 body.chat_template_kwargs,
             )
         except jinja2.TemplateError as exc:

@@ -29,6 +29,7 @@ class Generation:
     prompt_ids: list[int]
     sampling: SamplingParams
     started: float  # monotonic, for latency metrics
+    shown_special_ids: tuple[int, ...] = ()  # control tokens its text keeps (a tool-call format's tags)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     opened: bool = False  # its DetokOpen went out: from then on a detokenizer may hold it, and must be told to let go

@@ -68,6 +68,7 @@ class Submitter:
             prompt_logprobs=gen.body.shown_prompt_logprobs,
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
             prediction_token_ids=gen.sampling.speculative.prediction_token_ids,
+            shown_special_ids=gen.shown_special_ids,
         )
         prompt_param = "messages" if gen.api == "chat" else "prompt"
         opening_bytes = opening.to_bytes()

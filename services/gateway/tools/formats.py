@@ -15,50 +15,20 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput
+from services.gateway.tools.call import CallIds, JSON_PREFIX, ParsedCall, call_schema, json_text, parsed_call
+from services.gateway.tools.mistral import CALLS_TAG, Mistral
 from services.gateway.tools.tool_request import FunctionDefinition
 
-COMPACT = {"whitespace_flexible": False}
 # A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
 NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
-JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI's tool_calls carry it
-
-
-def _call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict[str, Any]:
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f.name}, arguments_key: f.schema},
-            "required": ["name", arguments_key],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": COMPACT}
-
-
-def _json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _call(obj: Any, arguments_key: str) -> ParsedCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return ParsedCall(obj["name"], _json_text(obj.get(arguments_key, obj.get("arguments", {}))))
 
 
 class TextAroundCalls:
@@ -84,15 +54,17 @@ class TextAroundCalls:
         return "".join(self._parts)
 
 
-class Hermes:
+class Hermes(CallIds):
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
     arguments_key = "arguments"
+    streams_whole = False  # each call goes out as its block closes (tool_calls.ToolCallStream)
+    shown_special_ids = ()  # its tags are text
     # Qwen3's reasoning, which the answer may open with: a call tag written there is thought about, not called.
     think_open, think_close = THINK_OPEN, THINK_CLOSE
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
-        schema = json.dumps(_call_schema(functions, self.arguments_key))
+        schema = json.dumps(call_schema(functions, self.arguments_key))
         calls = 'call ("\\n" call)*' if parallel else "call"
         return f'start: {calls}\ncall: "{self.open_tag}\\n" %json {schema} "\\n{self.close_tag}"\n'
 
@@ -152,7 +124,7 @@ class Hermes:
             return None
         name = json.loads(match.group(1))
         try:
-            call = _call(JSON_PREFIX.raw_decode(block.lstrip())[0], self.arguments_key)
+            call = parsed_call(JSON_PREFIX.raw_decode(block.lstrip())[0], self.arguments_key)
         except json.JSONDecodeError:
             call = None
         if call is not None:
@@ -164,7 +136,7 @@ class Hermes:
             value = JSON_PREFIX.raw_decode(arguments.group(1))[0]
         except json.JSONDecodeError:
             return ParsedCall(name, arguments.group(1).rstrip())
-        return ParsedCall(name, _json_text(value))
+        return ParsedCall(name, json_text(value))
 
     def dangling_tag(self, text: str) -> bool:
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
@@ -174,19 +146,21 @@ class Hermes:
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:
-            return _call(json.loads(block), self.arguments_key)
+            return parsed_call(json.loads(block), self.arguments_key)
         except json.JSONDecodeError:
             return None
 
 
-class Llama3Json:
+class Llama3Json(CallIds):
     name = "llama3_json"
     python_tag = "<|python_tag|>"
     arguments_key = "parameters"
+    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+    shown_special_ids = ()
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         # Llama 3.x calls one function per answer: parallel calls do not exist in this format.
-        return f"start: %json {json.dumps(_call_schema(functions, self.arguments_key))}\n"
+        return f"start: %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text before the calls, the calls): one call, or several chained with ";" as some answers write
@@ -201,7 +175,7 @@ class Llama3Json:
                 obj, end = JSON_PREFIX.raw_decode(rest)
             except json.JSONDecodeError:
                 return text, []
-            call = _call(obj, self.arguments_key)  # None when obj is no object with a name
+            call = parsed_call(obj, self.arguments_key)  # None when obj is no object with a name
             if call is None or self.arguments_key not in obj and "arguments" not in obj:
                 return text, []
             calls.append(call)
@@ -212,6 +186,13 @@ class Llama3Json:
                 return text, []  # text after the calls: not an answer of calls
         return text[:start].rstrip(), calls
 
+    def content_until(self, held: str) -> int:
+        """How much of a streamed answer's text held so far goes out as content: what precedes the first "{" or
+        python tag, or what may become the tag, and the whitespace before that."""
+        starts = [i for i in (held.find("{"), held.find(self.python_tag)) if i >= 0]
+        end = min(starts) if starts else len(held) - partial_suffix(held, self.python_tag)
+        return len(held[:end].rstrip())
+
     def _calls_start(self, text: str) -> int | None:
         """Where the calls begin: the python tag, else the first object that opens with its "name" key."""
         tag = text.find(self.python_tag)
@@ -221,8 +202,19 @@ class Llama3Json:
         return match.start() if match is not None else None
 
 
-ToolFormat = Hermes | Llama3Json
-FORMATS: dict[str, ToolFormat] = {format.name: format for format in (Hermes(), Llama3Json())}
+ToolFormat = Hermes | Llama3Json | Mistral
+FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name)
+
+
+def make_format(name: str, special_tokens: Mapping[str, int] | None = None) -> ToolFormat:
+    """The format `name` for a tokenizer with these special tokens (by text): Mistral writes its tags as tokens."""
+    if name == Mistral.name:
+        return Mistral(special_tokens)
+    return {Hermes.name: Hermes, Llama3Json.name: Llama3Json}[name]()
+
+
+# Each format as a tokenizer without special tokens of its own writes it
+FORMATS: dict[str, ToolFormat] = {name: make_format(name) for name in FORMAT_NAMES}
 
 
 def tool_constraint(body: Any, format: ToolFormat) -> tuple[str, StructuredOutput] | None:
@@ -231,19 +223,23 @@ def tool_constraint(body: Any, format: ToolFormat) -> tuple[str, StructuredOutpu
     fields = body.tool_fields
     if not fields.forces_calls:
         return None
-    grammar = format.grammar(fields.callable, fields.parallel_tool_calls)
+    grammar = format.grammar(fields.callable, fields.forced_calls_parallel)
     return "tool_choice", StructuredOutput(kind="grammar", spec=grammar)
 
 
-def format_for(chat_template: str | None, configured: str = "auto") -> ToolFormat | None:
+def format_for(
+    chat_template: str | None, configured: str = "auto", special_tokens: Mapping[str, int] | None = None
+) -> ToolFormat | None:
     """The configured format (--tool-call-parser), or the one the chat template writes calls in; None when the
-    template shows neither (no tools, or another format, such as Mistral's [TOOL_CALLS]): requests with tools are
-    then refused rather than read in a format the model does not write."""
+    template shows none this server reads (no tools, or another format): requests with tools are then refused rather
+    than read in a format the model does not write."""
     if configured != "auto":
-        return FORMATS[configured]
+        return make_format(configured, special_tokens)
     template = chat_template or ""
     if Hermes.open_tag in template:
-        return FORMATS["hermes"]
+        return make_format(Hermes.name)
+    if CALLS_TAG in template:
+        return make_format(Mistral.name, special_tokens)
     if Llama3Json.python_tag in template or '"parameters"' in template:
-        return FORMATS["llama3_json"]
+        return make_format(Llama3Json.name)
     return None

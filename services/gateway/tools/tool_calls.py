@@ -9,21 +9,16 @@ accepts many tokens a step): each call gets its own entry, by index, in order.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
-from services.gateway.tools.formats import NAME, Hermes, Llama3Json
+from services.gateway.tools.formats import NAME, ToolFormat
 
 TOOL_CALLS_FINISH = "tool_calls"
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def message_with_calls(
-    message: dict, finish_reason: str | None, format: Hermes | Llama3Json, parallel: bool = True, named: bool = False
+    message: dict, finish_reason: str | None, format: ToolFormat, parallel: bool = True, named: bool = False
 ) -> str | None:
     """Moves the calls in a whole answer's content into message["tool_calls"]; returns the finish reason
     (`tool_calls` when the answer called tools and stopped on its own, unless tool_choice `named` the function: then
@@ -35,7 +30,7 @@ def message_with_calls(
     calls = calls if parallel else calls[:1]
     message["content"] = content or None
     message["tool_calls"] = [
-        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        {"id": format.new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
     ]
     return _finish(finish_reason, named)
 
@@ -47,7 +42,7 @@ def _finish(finish_reason: str | None, named: bool) -> str | None:
 class ToolCallStream:
     """One streamed choice's text, split into content and tool-call deltas."""
 
-    def __init__(self, format: Hermes | Llama3Json) -> None:
+    def __init__(self, format: ToolFormat) -> None:
         self.format = format
         self._buffer = ""
         self._inside = False  # within a call's block
@@ -66,7 +61,7 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to stream, tool_calls delta entries) for the next piece of the answer's text."""
-        if isinstance(self.format, Llama3Json):
+        if self.format.streams_whole:
             return self._feed_whole(text, final)
         return self._feed_blocks(text, final)
 
@@ -164,14 +159,14 @@ class ToolCallStream:
     def _open_call(self, name: str) -> dict:
         self._calls += 1
         self._named = True
-        self._ids.append(call_id())
+        self._ids.append(self.format.new_call_id())
         return {"index": self._calls - 1, "id": self._ids[-1], "type": "function",
                 "function": {"name": name, "arguments": ""}}
 
     def _feed_whole(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """Llama 3 JSON: text streams as content up to where a call may begin (the first "{" or python tag, with the
-        whitespace before it); from there the answer is held to its end, then read as a whole answer is: calls and
-        the text before them, or all content."""
+        """Llama 3 JSON and Mistral: text streams as content up to where a call may begin (format.content_until);
+        from there the answer is held to its end, then read as a whole answer is: calls and the text before them,
+        or all content."""
         self._held += text
         if final:
             held, self._held = self._held, ""
@@ -183,10 +178,7 @@ class ToolCallStream:
                 deltas.append(self._open_call(call.name))
                 deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
             return content, deltas
-        tag = Llama3Json.python_tag
-        starts = [i for i in (self._held.find("{"), self._held.find(tag)) if i >= 0]
-        cut = min(starts) if starts else len(self._held) - partial_suffix(self._held, tag)
-        cut = len(self._held[:cut].rstrip())
+        cut = self.format.content_until(self._held)
         streamed, self._held = self._held[:cut], self._held[cut:]
         return streamed, []
 
@@ -206,7 +198,7 @@ def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict
 class StreamedToolCalls:
     """Every choice of a streamed chat answer read for tool calls: each chunk's choice with its delta split."""
 
-    def __init__(self, format: Hermes | Llama3Json, parallel: bool = True, named: bool = False) -> None:
+    def __init__(self, format: ToolFormat, parallel: bool = True, named: bool = False) -> None:
         """parallel: false keeps the first call of each choice only; named: tool_choice named the function (both as
         message_with_calls)."""
         self.format = format

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from services.gateway.tools.formats import FORMATS
+from services.gateway.tools.formats import FORMAT_NAMES
 
 AUTO = "auto"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--tool-call-parser", choices=[AUTO, *FORMATS], default=AUTO,
-        help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, the demo model) or "
-        "llama3_json (one JSON call with parameters: Llama 3.x); auto reads it off the chat template",
+        "--tool-call-parser", choices=[AUTO, *FORMAT_NAMES], default=AUTO,
+        help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, the demo model), "
+        "llama3_json (one JSON call with parameters: Llama 3.x) or mistral (after [TOOL_CALLS]: Mistral); auto reads "
+        "it off the chat template",
     )
 
 

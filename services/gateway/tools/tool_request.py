@@ -105,6 +105,12 @@ class ToolFields(BaseModel):
         return self.mode != "none"
 
     @property
+    def forced_calls_parallel(self) -> bool:
+        """Whether a forced answer may make several calls: under tool_choice `required` with parallel_tool_calls; a
+        named function is called once, as OpenAI and vLLM answer."""
+        return self.mode == "required" and self.parallel_tool_calls
+
+    @property
     def forces_calls(self) -> bool:
         """Whether a grammar makes the output calls and nothing else."""
         return self.mode in ("required", "named")

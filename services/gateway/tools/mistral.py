@@ -1,0 +1,128 @@
+"""Mistral's tool calls (`--tool-call-parser mistral`): what follows its [TOOL_CALLS] control token, in the layout
+of the model's tokenizer version.
+
+- Before v11 (Mistral-7B-Instruct-v0.3): one JSON array of calls, `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`.
+- v11 and later (Mistral Small 3.1+, Devstral, Magistral): each call as `[TOOL_CALLS]name[ARGS]{...}`, the
+  arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
+
+A tokenizer with an [ARGS] token writes the second. The tags are control tokens, which generated text leaves out:
+a request read for calls keeps them in its text (shown_special_ids), and the calls take them out again. Mistral's
+chat templates refuse call ids other than nine letters and digits: this format makes such ids, and gives the
+template the last nine characters of others' (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Mapping
+
+from services.gateway.tags import partial_suffix
+from services.gateway.tools.call import COMPACT, JSON_PREFIX, CallIds, ParsedCall, call_schema, json_text
+from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
+
+CALLS_TAG, ARGS_TAG, CALL_ID_TAG = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+TAGS = (CALLS_TAG, ARGS_TAG, CALL_ID_TAG)
+CALL_ID_CHARS = 9
+CALL_ID_ALPHABET = string.ascii_letters + string.digits
+ARRAY_SEPARATOR = " "  # between [TOOL_CALLS] and the array of calls, as the v0.3 template writes them
+NAMED_CALL = re.compile(
+    rf"(?P<name>{FUNCTION_NAME.strip('^$')})\s*(?:{re.escape(CALL_ID_TAG)}\s*\w*\s*)?(?:{re.escape(ARGS_TAG)})?\s*"
+)
+
+
+class Mistral(CallIds):
+    name = "mistral"
+    arguments_key = "arguments"
+    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+
+    def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
+        """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens."""
+        self.tag_ids = {tag: special_tokens[tag] for tag in TAGS if tag in (special_tokens or {})}
+        self.per_call_tags = ARGS_TAG in self.tag_ids  # v11 and later
+
+    @property
+    def shown_special_ids(self) -> tuple[int, ...]:
+        """The control tokens a request read for calls keeps in its text."""
+        return tuple(self.tag_ids.values())
+
+    def new_call_id(self) -> str:
+        return "".join(secrets.choice(CALL_ID_ALPHABET) for _ in range(CALL_ID_CHARS))
+
+    def template_call_id(self, call_id: str) -> str:
+        return call_id[-CALL_ID_CHARS:]
+
+    def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        calls_tag = self._tag(CALLS_TAG)
+        if self.per_call_tags:
+            args_tag = self._tag(ARGS_TAG)
+            named = " | ".join(
+                f"{json.dumps(f.name)} {args_tag} %json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
+                for f in functions
+            )
+            return f"start: {'call+' if parallel else 'call'}\ncall: {calls_tag} ({named})\n"
+        items = call_schema(functions, self.arguments_key)
+        del items["x-guidance"]
+        array = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                 "x-guidance": COMPACT}
+        return f"start: {calls_tag} {json.dumps(ARRAY_SEPARATOR)} %json {json.dumps(array)}\n"
+
+    def _tag(self, tag: str) -> str:
+        """A tag in a grammar: its token, or its text where the tokenizer has no such token."""
+        return f"<[{self.tag_ids[tag]}]>" if tag in self.tag_ids else json.dumps(tag)
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(the text before the calls, the calls); all text when what follows [TOOL_CALLS] is not calls."""
+        start = text.find(CALLS_TAG)
+        if start < 0:
+            return text, []
+        calls: list[ParsedCall] = []
+        for piece in text[start + len(CALLS_TAG) :].split(CALLS_TAG):
+            parsed = _calls_in(piece.strip())
+            if parsed is None:
+                return text, []
+            calls += parsed
+        return text[:start].rstrip(), calls
+
+    def content_until(self, held: str) -> int:
+        """How much of a streamed answer's text held so far goes out as content: what precedes [TOOL_CALLS] or
+        what may become it, and the whitespace before that."""
+        start = held.find(CALLS_TAG)
+        end = start if start >= 0 else len(held) - partial_suffix(held, CALLS_TAG)
+        return len(held[:end].rstrip())
+
+
+def _calls_in(piece: str) -> list[ParsedCall] | None:
+    """The calls one [TOOL_CALLS] introduces: a JSON array of them or one call object (before v11), or a name and
+    its arguments (v11 and later); None when the piece is anything else."""
+    if piece.startswith(("[", "{")):
+        return _json_calls(piece)
+    match = NAMED_CALL.match(piece)
+    if match is None:
+        return None
+    arguments = _json_value(piece[match.end() :])
+    if not isinstance(arguments, dict):
+        return None
+    return [ParsedCall(match["name"], json_text(arguments))]
+
+
+def _json_calls(piece: str) -> list[ParsedCall] | None:
+    value = _json_value(piece)
+    objects = value if isinstance(value, list) else [value]
+    calls = []
+    for obj in objects:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+            return None
+        calls.append(ParsedCall(obj["name"], json_text(obj["arguments"])))
+    return calls or None
+
+
+def _json_value(text: str) -> object:
+    """The JSON value that is the whole text (whitespace around it aside), or None."""
+    try:
+        value, end = JSON_PREFIX.raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    return value if not text[end:].strip() else None
