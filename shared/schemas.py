@@ -146,7 +146,8 @@ MAX_SHOWN_SPECIAL_IDS = 16  # a tool-call format has a few tags
 
 class HandoffTicket(BaseModel):
     """On a request a prefill worker hands to a decode worker (services/worker/handoff/): the transfer that carried
-    its KV blocks there; none when the transfer failed, and the decode worker recomputes them."""
+    its KV blocks there. One that failed leaves the decode worker nothing whole to take: it drops what arrived and
+    recomputes the blocks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

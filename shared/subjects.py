@@ -30,6 +30,9 @@ DELIVERED_BEFORE_HEADER = "Specmesh-Delivered-Before"
 # On a routed message moved to the shared queue: the delivery it was (services/worker/takeover.py delivery_id), so
 # that a handoff that replaced it is still known to have.
 DELIVERY_HEADER = "Specmesh-Delivery"
+# JetStream stores one message per id within its duplicate window (2 minutes): a copy published again, after a
+# publish whose answer was lost or a publisher that died between publishing and acknowledging, is dropped.
+MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 def routed(worker_id: int) -> str:

@@ -142,6 +142,30 @@ async def test_a_handoff_asked_after_its_replaced_delivery_was_taken_over_is_clo
     await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
 
 
+async def test_a_second_handoff_of_one_delivery_is_closed_and_the_first_one_come_back_is_taken_over(
+    nc: Client, tokenizer: Tokenizer
+) -> None:
+    """A routed publish whose answer was lost after JetStream stored it, sent again to another decode worker: two
+    handoffs replace one delivery, and only the first runs the request. Its own message come back (its decode worker
+    died or gave up asking) is taken over, not closed: nothing else runs the request then."""
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
+                         seq_no=0, offset=0)
+    await next_chunk(chunks)
+    prefill_delivery = "SPECMESH_REQUESTS:11"
+    first = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID, delivery="ROUTED:1",
+                               superseded=prefill_delivery)
+    assert first.outcome is TakeOver.CONTINUE and first.migrations == 0
+    second = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, handoff_from=WORKER_ID, delivery="ROUTED:2",
+                                superseded=prefill_delivery)
+    assert second.outcome is TakeOver.CLOSED and second.migrations == 0
+    again = await ask_progress(nc, request_id, NEW_WORKER_ID + 2, handoff_from=WORKER_ID, delivery="ROUTED:1",
+                               superseded=prefill_delivery)
+    assert again.outcome is TakeOver.CONTINUE and again.migrations == 1
+    await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+
+
 async def test_a_gateway_learns_which_requests_are_held(nc: Client) -> None:
     held, _ = await open_request(nc, api="completion")
     gone = "0" * 32

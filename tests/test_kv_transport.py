@@ -85,3 +85,17 @@ async def test_transfers_whose_request_never_came_expire(pair, monkeypatch) -> N
     monkeypatch.setattr(nats_transport, "TRANSFER_TTL_S", -1.0)
     await sender.send(RECEIVER, uuid.uuid4().hex, b"kv")  # each chunk received sweeps what expired
     assert receiver.take(transfer_id) is None
+
+
+async def test_a_transfer_its_sender_gave_up_on_is_let_go_when_its_request_comes(pair) -> None:
+    """The first chunk arrived, the rest never will (the sender timed out and sent the request without its KV): the
+    request's take lets the part held go, instead of counting it against the receiver's room for a minute."""
+    sender, receiver, _ = pair
+    transfer_id = uuid.uuid4().hex
+    chunk = b"kv"
+    reply = await sender.nc.request(subjects.kv_transfer(RECEIVER), chunk, headers={
+        nats_transport.TRANSFER_HEADER: transfer_id, nats_transport.CHUNK_HEADER: "0/2",
+        nats_transport.DIGEST_HEADER: nats_transport.digest(chunk),
+    })
+    assert reply.data == Reply.OK and receiver.num_held == 1
+    assert receiver.take(transfer_id) is None and receiver.num_held == 0

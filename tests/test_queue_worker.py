@@ -14,17 +14,19 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from services.worker.engine_process import EngineProcess
 from services.worker.engine_protocol import MAX_UNSENT_STEPS
 from services.worker.metrics import WorkerMetrics
 from services.worker.queue_worker import QueueWorker
+from services.worker.takeover import came_back, delivery_id
 from shared import subjects
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
 from shared.nats_roles import NatsRole
 from shared import streams
-from shared.schemas import SamplingParams, WorkRequest
+from shared.schemas import ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401
@@ -37,6 +39,7 @@ REPETITIVE = "import os\nimport sys\nimport os\nimport sys\nimport os\n"  # prom
 BLOCKS = 3
 BLOCK_S = 0.5  # far longer than a step of the tiny model
 RECEIVE_TIMEOUT_S = 60.0
+STALL_S = 0.3  # an engine stall timeout the tests wait out
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Running:
     received: Received
     nc: Client
     stepping: asyncio.Task
+    fetching: asyncio.Task
 
 
 @pytest.fixture
@@ -83,7 +87,7 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
     stepping = asyncio.create_task(worker.publish_loop())
-    yield Running(worker, engine, received, nc, stepping)
+    yield Running(worker, engine, received, nc, stepping, fetching)
     fetching.cancel()
     worker.stop()
     await asyncio.gather(fetching, stepping, return_exceptions=True)
@@ -174,3 +178,50 @@ async def test_stop_publishes_every_step_taken(running: Running, tiny_model_dir:
     assert sum(int(r["num_tokens"]) for r in records) == len(choice.output_token_ids) < MAX_TOKENS
     assert choice.next_seq_no == len(records)
     assert running.worker.num_in_flight == 1 and await running.worker.hand_back() == 1
+
+
+async def came_back_to(running: Running, model_dir: Path, detok_id: str) -> Msg:
+    """A request another worker had: its message back on the shared queue, marked as delivered before (as a routed
+    one is moved); returns the query this worker sends its detokenizer, unanswered."""
+    queries: asyncio.Queue = asyncio.Queue()
+    await running.nc.subscribe(subjects.progress(detok_id), cb=queries.put)
+    await running.nc.flush()
+    request = WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(Tokenizer(model_dir).encode(REPETITIVE)),
+                          detok_id=detok_id, sampling=SamplingParams(temperature=0.0, max_tokens=8),
+                          created=time.time())
+    await running.nc.jetstream().publish(subjects.RESUMED_REQUESTS, request.to_bytes(),
+                                         headers={subjects.DELIVERED_BEFORE_HEADER: "1"})
+    return await asyncio.wait_for(queries.get(), RECEIVE_TIMEOUT_S)
+
+
+async def test_a_take_over_cut_short_by_a_drain_goes_back_as_a_request_that_came_back(
+    running: Running, tiny_model_dir: Path  # noqa: F811
+) -> None:
+    """A drain hands back a request whose detokenizer has not answered yet: it never reached the engine and carries
+    no progress, so it must go back marked, under the delivery it continues, or the next worker would start it anew
+    without asking, its frames dropped at the detokenizer (not the owner's) and its client left waiting."""
+    asked = ProgressQuery.from_bytes((await came_back_to(running, tiny_model_dir, "slow-detokenizer")).data)
+    running.fetching.cancel()
+    running.worker.stop()
+    await asyncio.wait_for(running.stepping, RECEIVE_TIMEOUT_S)
+    assert await running.worker.hand_back() == 1
+    psub = await running.nc.jetstream().pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
+    (again,) = await psub.fetch(batch=1, timeout=RECEIVE_TIMEOUT_S)
+    await again.ack()
+    await psub.unsubscribe()
+    assert came_back(again, WorkRequest.from_bytes(again.data)) and delivery_id(again) == asked.delivery
+
+
+async def test_an_idle_engine_is_no_hung_one_while_a_request_that_came_back_is_asked_about(
+    running: Running, tiny_model_dir: Path  # noqa: F811
+) -> None:
+    """An engine idle past the stall timeout, and a request that came back (every request a decode worker takes):
+    while its detokenizer is asked, the engine holds nothing, and no stall may be reported (that stops the
+    heartbeats, and every request of the worker runs again elsewhere)."""
+    running.worker._stall_after_s = STALL_S
+    await asyncio.sleep(2 * STALL_S)
+    msg = await came_back_to(running, tiny_model_dir, "asked-detokenizer")
+    stalled = running.worker.stalled
+    await msg.respond(ProgressReport(outcome=TakeOver.CLOSED).to_bytes())
+    await until_acknowledged(running.nc)
+    assert not stalled

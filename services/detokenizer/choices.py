@@ -28,7 +28,8 @@ class RequestChoices:
         # worker that lost the request (stalled past ack_wait, but alive) may still send frames; they are dropped.
         self.owner: int | None = None
         self.migrations = 0  # times a worker took the request over
-        self.superseded: set[str] = set()  # deliveries a handoff replaced (migration.py)
+        # Deliveries a handoff replaced (migration.py), each with the delivery of the handoff that replaced it
+        self.superseded: dict[str, str | None] = {}
         self.taken_through: set[str] = set()  # the work-queue deliveries workers took it over through
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:

@@ -68,8 +68,15 @@ class Migrations:
             log.info("request %s: worker %d took the delivery handed to worker %d first; closed for the latter",
                      query.request_id, request.owner, query.worker_id)
             return ProgressReport(outcome=TakeOver.CLOSED, migrations=request.migrations), None
+        if query.superseded in request.superseded and request.superseded[query.superseded] != query.delivery:
+            # A second handoff of a delivery already handed on (a routed publish whose answer was lost, sent again
+            # to another decode worker): the first one runs the request. (The first handoff's own message, come back
+            # because its worker died or gave up asking, is a take-over like any other.)
+            log.info("request %s: worker %d got a handoff another worker took first; closed", query.request_id,
+                     query.worker_id)
+            return ProgressReport(outcome=TakeOver.CLOSED, migrations=request.migrations), None
         if query.superseded is not None:
-            request.superseded.add(query.superseded)
+            request.superseded.setdefault(query.superseded, query.delivery)
         if query.handoff_from is not None and request.owner in (None, query.handoff_from):
             HANDOFFS.inc()
             progress = request.take_over(query.worker_id, query.delivery, migration=False)

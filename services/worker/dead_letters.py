@@ -32,7 +32,6 @@ FETCH_BATCH = 16
 FETCH_TIMEOUT_S = 1.0
 HEADER_STREAM_SEQ = "Specmesh-Stream-Seq"
 HEADER_DELIVERIES = "Specmesh-Deliveries"
-HEADER_MSG_ID = "Nats-Msg-Id"  # JetStream drops a second copy with the same id (a handler that died half-way)
 
 
 class MaxDeliveriesAdvisory(BaseModel):
@@ -89,7 +88,7 @@ class DeadLetters:
         headers = {
             HEADER_STREAM_SEQ: str(advisory.stream_seq),
             HEADER_DELIVERIES: str(advisory.deliveries),
-            HEADER_MSG_ID: f"{subjects.REQUEST_STREAM}.{advisory.stream_seq}",
+            subjects.MSG_ID_HEADER: f"{subjects.REQUEST_STREAM}.{advisory.stream_seq}",
         }
         await self.js.publish(subjects.DEAD_REQUESTS, original.data or b"", headers=headers)
         await self.js.delete_msg(subjects.REQUEST_STREAM, advisory.stream_seq)

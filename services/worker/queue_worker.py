@@ -64,6 +64,7 @@ class QueueWorker:
         self._requests: dict[str, WorkRequest] = {}  # what each in-flight request asked for
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
+        self._asking: set[str] = set()  # the ids of those requests
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
         self.role = engine.config.role
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
@@ -96,8 +97,9 @@ class QueueWorker:
 
     def _in_engine(self) -> set[str]:
         """The requests taken that the engine holds: not those a prefill worker is handing off (it may wait long
-        for a decode worker with room, with nothing to step)."""
-        return self._messages.keys() - set(self._handing_off.values())
+        for a decode worker with room, with nothing to step), nor those whose detokenizer is still asked where their
+        output stands (an engine idle past the stall timeout would be taken for a hung one meanwhile)."""
+        return self._messages.keys() - set(self._handing_off.values()) - self._asking
 
     def has_room_for_handoff(self) -> bool:
         """Whether this decode worker accepts another KV transfer: room for its request beside those it runs and the
@@ -192,6 +194,7 @@ class QueueWorker:
             self._requests[request.request_id] = request
             if came_back(msg, request):
                 # Heartbeated while its detokenizer is asked where its output stands.
+                self._asking.add(request.request_id)
                 task = asyncio.create_task(self._take_over(msg, request))
                 self._taking_over.add(task)
                 task.add_done_callback(self._taking_over.discard)
@@ -227,7 +230,10 @@ class QueueWorker:
         ticket = request.handoff if self.role == "decode" else None
         handed = ticket is not None
         request = request.model_copy(update={"handoff": None})
-        taken = await take_over(self.nc, request, self.worker_id, delivery_id(msg), ticket)
+        try:
+            taken = await take_over(self.nc, request, self.worker_id, delivery_id(msg), ticket)
+        finally:
+            self._asking.discard(request.request_id)
         if not handed:
             self.metrics.child(TAKE_OVERS, outcome=taken.outcome).inc()
         cancelled = request.request_id in self._recent_cancels
@@ -408,7 +414,11 @@ class QueueWorker:
             request = self._requests[request_id]
             # One being handed off left the engine with its progress, which it carries now.
             resumed = resumed_request(request, stopped.unfinished.get(request_id)) if not request.progress else request
-            await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes())
+            # Marked as delivered before, under the delivery it continues: the next worker asks its detokenizer (a
+            # take-over cut short here never reached the engine, and carries no progress), and a handoff racing this
+            # hand-back is told apart from it (detokenizer/migration.py).
+            headers = {subjects.DELIVERED_BEFORE_HEADER: "1", subjects.DELIVERY_HEADER: delivery_id(msg)}
+            await js.publish(subjects.RESUMED_REQUESTS, resumed.to_bytes(), headers=headers)
             await msg.ack()
             handed += 1
         self.metrics.child(REQUESTS_HANDED_BACK).inc(handed)

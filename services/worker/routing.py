@@ -151,7 +151,10 @@ class Routing:
     async def move(self, msg: Msg) -> None:
         """Moves a routed message to the shared queue, marked when it was delivered before; then acknowledges it."""
         delivered_before = msg.metadata.num_delivered > 1
-        headers = {subjects.DELIVERY_HEADER: delivery_id(msg)}
+        # Stored once however often it is moved: a mover that dies, or is cancelled by its drain, between this
+        # publish and the ack leaves the routed message to be moved again, and two copies would both run.
+        headers = {subjects.DELIVERY_HEADER: delivery_id(msg),
+                   subjects.MSG_ID_HEADER: f"moved:{msg.metadata.stream}:{msg.metadata.sequence.stream}"}
         if delivered_before:
             headers[subjects.DELIVERED_BEFORE_HEADER] = "1"
         await self.js.publish(subjects.RESUMED_REQUESTS, msg.data, headers=headers)

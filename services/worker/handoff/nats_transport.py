@@ -97,6 +97,9 @@ class NatsKvTransport:
             await asyncio.gather(*(one(i) for i in range(first, min(first + WINDOW, count))))
 
     def take(self, transfer_id: str) -> bytes | None:
+        """The bytes of a transfer that arrived whole, for its request, which holds them no longer; a transfer
+        still arriving (its sender gave up on it) is dropped."""
+        self._incoming.pop(transfer_id, None)
         entry = self._complete.pop(transfer_id, None)
         return None if entry is None else entry[1]
 

@@ -33,6 +33,7 @@ from services.worker.metrics import HANDOFF_BYTES, HANDOFF_FAILURES, HANDOFF_SEC
 log = logging.getLogger("specmesh.worker")
 
 RETRY_S = 0.25  # how soon a request no decode worker took is offered again
+PUBLISH_ATTEMPTS = 3  # a handed request's publish to its decode worker, before another is tried
 
 
 class HandoffSender:
@@ -62,8 +63,9 @@ class HandoffSender:
                 await asyncio.sleep(RETRY_S)
                 continue
             worker_id = placement.worker_id
-            transfer_id: str | None = uuid.uuid4().hex
+            transfer_id = uuid.uuid4().hex
             data = trim(payload, placement.depth) if placement.depth else payload
+            kv_sent = True
             try:
                 await self.transport.send(worker_id, transfer_id, data)
             except TransferFailed as exc:
@@ -73,22 +75,35 @@ class HandoffSender:
                     log.info("request %s not handed to worker %d: %s", request.request_id, worker_id, exc)
                     tried.add(worker_id)
                     continue
+                # The ticket still names the transfer: the decode worker drops what arrived of it, or imports it
+                # if it did arrive whole after all.
                 log.warning("request %s goes to worker %d without its KV: %s", request.request_id, worker_id, exc)
-                transfer_id = None
+                kv_sent = False
             handed = request.model_copy(
                 update={"handoff": HandoffTicket(
                     transfer_id=transfer_id, from_worker=self.worker_id, superseded=superseded
                 )}
             )
-            try:
-                await js.publish(subjects.routed(worker_id), handed.to_bytes())
-            except nats.errors.Error as exc:
-                log.warning("request %s not queued for worker %d: %r", request.request_id, worker_id, exc)
+            if not await self._publish(js, worker_id, handed, transfer_id):
                 tried.add(worker_id)
                 continue
-            self.metrics.child(HANDOFFS, outcome="sent" if transfer_id else "sent_without_kv").inc()
-            if transfer_id:
+            self.metrics.child(HANDOFFS, outcome="sent" if kv_sent else "sent_without_kv").inc()
+            if kv_sent:
                 self.metrics.child(HANDOFF_BYTES).inc(len(data))
             self.metrics.child(HANDOFF_SECONDS).observe(time.perf_counter() - started)
             return True
+        return False
+
+    async def _publish(self, js, worker_id: int, handed: WorkRequest, transfer_id: str) -> bool:
+        """Queues the handed request for its decode worker; False when JetStream did not say it stored it. Sent
+        again under the same message id, a copy stored already is not stored twice: the request, and the KV that
+        came for it, stay with the worker they were sent to."""
+        headers = {subjects.MSG_ID_HEADER: f"handoff:{transfer_id}"}
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                await js.publish(subjects.routed(worker_id), handed.to_bytes(), headers=headers)
+                return True
+            except nats.errors.Error as exc:
+                log.warning("request %s not queued for worker %d (attempt %d of %d): %r", handed.request_id,
+                            worker_id, attempt, PUBLISH_ATTEMPTS, exc)
         return False

@@ -30,7 +30,8 @@ class KvTransport(Protocol):
         TransferFailed."""
 
     def take(self, transfer_id: str) -> bytes | None:
-        """The bytes of a completed transfer to this worker, once; None if it never completed here (or expired)."""
+        """The bytes of a completed transfer to this worker, once; None if it never completed here (or expired).
+        Whatever is held of the transfer is let go."""
 
     @property
     def num_held(self) -> int:
