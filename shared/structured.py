@@ -20,6 +20,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.json_schema import closed_objects
 from shared.tokenizer import TOKENIZER_FILE
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -95,7 +96,8 @@ def _constraint_grammar(structured: StructuredOutput) -> str:
     kind, spec = structured.kind, structured.spec
     try:
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            schema = orjson.dumps(closed_objects(orjson.loads(spec))).decode()
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
             any_object = orjson.dumps(ANY_OBJECT).decode()
             return llguidance.LLMatcher.grammar_from_json_schema(any_object, defaults=JSON_OPTIONS)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.json_schema import closed_objects
+
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 ANY_ARGUMENTS = {"type": "object"}  # a function without `parameters` takes any object
 
@@ -22,7 +24,9 @@ class FunctionDefinition(BaseModel):
 
     @property
     def schema(self) -> dict[str, Any]:
-        return self.parameters or ANY_ARGUMENTS
+        """The arguments' schema as a forced call follows it: objects closed to keys they do not list
+        (shared/json_schema.py)."""
+        return closed_objects(self.parameters) if self.parameters else ANY_ARGUMENTS
 
 
 class Tool(BaseModel):
