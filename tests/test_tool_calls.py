@@ -276,6 +276,7 @@ LAYOUTS = [
     f"{CALL}\n{BOGUS}\n<tool",
     f"{CALL}\n<tool ",
     f"{CALL}<\n\n ",
+    f"one{CALL}two\n{CALL}\n three {CALL}\n",  # text meeting text across a call
 ]
 
 
@@ -310,3 +311,15 @@ def test_a_named_function_is_called_once_whatever_parallel_tool_calls_says(tool_
     matcher = llguidance.LLMatcher(tokenizer, grammar_of(structured))
     assert matcher.consume_tokens(tokenizer.tokenize_str(call)) and matcher.is_accepting()
     assert bool(matcher.consume_tokens(tokenizer.tokenize_str("\n" + call))) is two_calls
+
+
+def test_only_line_breaks_next_to_a_call_are_layout() -> None:
+    """The template's line breaks around a call's tags are not text; spaces are, and a line break stands for the
+    layout where text meets text: words on either side of a call never run together."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    text = f"one {call} two\n{call}\nthree"
+    message = {"role": "assistant", "content": text}
+    message_with_calls(message, "stop", FORMATS["hermes"])
+    assert message["content"] == "one  two\nthree" and len(message["tool_calls"]) == 2
+    for pieces in ([], [1] * (len(text) - 1), [4, 60, 5]):
+        assert _assembled(_streamed(text, pieces))[0] == message["content"]

@@ -29,11 +29,19 @@ NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
+LAYOUT = "\n"  # the line breaks around a Hermes call's tags, as chat templates write them: not text
+
+
+def separated(before: str, after: str) -> str:
+    """`after`, the text that follows a call, with a line break in front where the call's layout was all that kept it
+    apart from the text before (their words would run together)."""
+    return LAYOUT + after if before and after and not before[-1].isspace() and not after[0].isspace() else after
 
 
 class TextAroundCalls:
-    """The text of an answer outside its calls, as a whole answer and a stream both read it: the whitespace next to a
-    call (the line breaks around its tags) is layout, dropped; any other whitespace is text."""
+    """The text of an answer outside its calls, as a whole answer and a stream both read it: the line breaks next to
+    a call (around its tags) are layout, dropped, and a line break stands for them where text meets text; any other
+    whitespace is text."""
 
     def __init__(self, start: str = "") -> None:
         self._parts = [start]
@@ -41,12 +49,12 @@ class TextAroundCalls:
 
     def add(self, piece: str) -> None:
         if self.after_call:
-            piece = piece.lstrip()
+            piece = separated(self.text, piece.lstrip(LAYOUT))
             self.after_call = not piece
         self._parts.append(piece)
 
     def call(self) -> None:
-        self._parts = ["".join(self._parts).rstrip()]
+        self._parts = ["".join(self._parts).rstrip(LAYOUT)]
         self.after_call = True
 
     @property
@@ -141,7 +149,7 @@ class Hermes(CallIds):
     def dangling_tag(self, text: str) -> bool:
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
         ends with, never content."""
-        stripped = text.lstrip()  # the whitespace after the call is layout; any after the tag's start is text
+        stripped = text.lstrip(LAYOUT)  # the line breaks after the call are layout; the rest is text
         return bool(stripped) and self.open_tag.startswith(stripped)
 
     def parse_block(self, block: str) -> ParsedCall | None:

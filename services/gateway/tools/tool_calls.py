@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
-from services.gateway.tools.formats import NAME, ToolFormat
+from services.gateway.tools.formats import LAYOUT, NAME, ToolFormat, separated
 
 TOOL_CALLS_FINISH = "tool_calls"
 
@@ -50,6 +50,7 @@ class ToolCallStream:
         self._calls = 0  # calls started
         self._after_call = False  # nothing but whitespace since the last call (tools/formats.TextAroundCalls)
         self._held_space = ""  # whitespace at the end of the text so far: layout if a call follows it
+        self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
@@ -75,6 +76,7 @@ class ToolCallStream:
         if reasoning is None or self._reasoning:  # not known yet, or all of it reasoning so far
             return reasoning or "", []
         content, deltas = [reasoning], []
+        self._sent = (self._sent + reasoning)[-1:]
         while True:
             if not self._inside:
                 start = self._buffer.find(fmt.open_tag)
@@ -118,17 +120,17 @@ class ToolCallStream:
         return "".join(content), deltas
 
     def _text(self, piece: str, final: bool) -> str:
-        """What goes out of a piece of text outside calls: the whitespace after a call is dropped, and the whitespace
-        it ends with is held until what follows tells (dropped before a call, sent before more text or at the end)."""
+        """What goes out of a piece of text outside calls: the line breaks after a call are dropped, and those it
+        ends with are held until what follows tells (dropped before a call, sent before more text or at the end)."""
         text, self._held_space = self._held_space + piece, ""
         if self._after_call:
-            text = text.lstrip()
+            text = separated(self._sent, text.lstrip(LAYOUT))
             self._after_call = not text
-        if final:
-            return text
-        body = text.rstrip()
-        self._held_space = text[len(body) :]
-        return body
+        if not final:
+            body = text.rstrip(LAYOUT)
+            self._held_space, text = text[len(body) :], body
+        self._sent = (self._sent + text)[-1:]
+        return text
 
     def _called(self) -> None:
         """A block turned out to be a call: the whitespace before it was layout."""
