@@ -323,3 +323,16 @@ def test_only_line_breaks_next_to_a_call_are_layout() -> None:
     assert message["content"] == "one  two\nthree" and len(message["tool_calls"]) == 2
     for pieces in ([], [1] * (len(text) - 1), [4, 60, 5]):
         assert _assembled(_streamed(text, pieces))[0] == message["content"]
+
+
+def test_a_hermes_call_with_parameters_keeps_its_arguments_whole_and_streamed() -> None:
+    """Models trained on Llama's format write "parameters" in Hermes blocks too: the arguments are kept, not {}."""
+    text = '<tool_call>\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n</tool_call>'
+    message = {"role": "assistant", "content": text}
+    message_with_calls(message, "stop", FORMATS["hermes"])
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert _assembled(_streamed(text, [1] * (len(text) - 1)))[1] == [("get_weather", {"city": "Oslo"})]
+    cut = text[:-len('"}}\n</tool_call>')]  # cut short by max_tokens inside the arguments
+    message = {"role": "assistant", "content": cut}
+    message_with_calls(message, "length", FORMATS["hermes"])
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo'

@@ -39,10 +39,15 @@ def json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+ARGUMENT_KEYS = ("arguments", "parameters")  # what models name a call's arguments, whatever their format says
+
+
 def parsed_call(obj: Any, arguments_key: str) -> ParsedCall | None:
+    """The call a JSON object is: its arguments under the format's key, else under the other name models use."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    return ParsedCall(obj["name"], json_text(obj.get(arguments_key, obj.get("arguments", {}))))
+    key = next((k for k in (arguments_key, *ARGUMENT_KEYS) if k in obj), None)
+    return ParsedCall(obj["name"], json_text(obj[key] if key is not None else {}))
 
 
 class CallIds:

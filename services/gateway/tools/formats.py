@@ -26,7 +26,7 @@ from services.gateway.tools.tool_request import FunctionDefinition
 
 # A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
 NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
-ARGUMENTS = re.compile(r'"arguments"\s*:\s*(.*)$', re.DOTALL)
+ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 LAYOUT = "\n"  # the line breaks around a Hermes call's tags, as chat templates write them: not text
