@@ -28,13 +28,15 @@ StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 # the answer may open with one (qwen3), or starts inside one its prompt opened (deepseek_r1).
 ThinkFirst = Literal["may_open", "inside"]
 CONSTRAINT_GRAMMAR = "constraint"  # the request's own grammar, under a reasoning block's
-# The block: its text up to the first closing tag (a lazy lexeme, as the reasoning parser reads it), then line
-# breaks before the answer.
+# The block: its text up to the first closing tag (a lazy lexeme, as the reasoning parser reads it), then up to two
+# line breaks before the answer, as templates write them (any number let a sampled answer spend its whole budget on
+# line breaks).
 THOUGHT = 'thought[lazy]: /(.|\\n)*<\\/think>/\n'
+LAYOUT_LARK = '("\\n" "\\n"?)?'
 THINK_FIRST_LARK: dict[str, str] = {
-    "may_open": 'start: think @constraint | @constraint\nthink: "<think>" thought "\\n"*\n' + THOUGHT,
+    "may_open": f'start: think @constraint | @constraint\nthink: "<think>" thought {LAYOUT_LARK}\n' + THOUGHT,
     # The template opened the block: the answer is inside it until its closing tag, as deepseek_r1 reads it.
-    "inside": 'start: think @constraint\nthink: "<think>"? thought "\\n"*\n' + THOUGHT,
+    "inside": f'start: think @constraint\nthink: "<think>"? thought {LAYOUT_LARK}\n' + THOUGHT,
 }
 # Compact JSON, no free whitespace between tokens: what OpenAI's strict mode returns, and what lets the grammar
 # force every key and punctuation token (free drafts, see services/worker/grammar/).

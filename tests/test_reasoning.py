@@ -130,6 +130,9 @@ def test_a_constraint_holds_for_the_answer_after_the_reasoning_block(constraint,
     assert _follows(inside, "thinking, the prompt opened the block</think>\n" + answer)
     assert not _follows(inside, answer)  # the block the prompt opened closes before the answer
     assert not _follows(constraint, thought + answer)  # without a parser, from the first token
+    # Up to two line breaks after the block, as templates write them, not endless ones a sample could spend its
+    # budget on.
+    assert not _follows(may_open, "<think>x</think>\n\n\n" + answer)
     assert len({c.key for c in (constraint, may_open, inside)}) == 3  # compiled and cached apart
 
 
