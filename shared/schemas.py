@@ -309,8 +309,11 @@ class HeldReport(_Message):
 
 class Cancel(_Message):
     request_id: str
-    reason: Literal["client_disconnected", "stop_string", "error"]
+    reason: Literal["client_disconnected", "stop_string", "error", "taken_over"]
     choice: int | None = Field(None, ge=0)  # None: every choice of the request; else that one only
+    # taken_over: this worker lost the request to another (it stalled past ack_wait) and still runs it; only it
+    # drops the request, and without settling its message, which is the new owner's now
+    worker_id: int | None = Field(None, ge=0, le=MAX_WORKER_ID)
 
 
 class SpeculativeUsage(_Message):

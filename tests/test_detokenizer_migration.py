@@ -51,14 +51,21 @@ async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, t
         migrations=1,
     )
     stale_before = counter("specmesh_detokenizer_stale_records_total")
-    # The worker that lost the request is still alive and sends its next step: dropped.
-    await publish_target(nc, WORKER_ID, 2, request_id, tokenizer.encode(" + 1", add_special_tokens=False),
-                         seq_no=1, offset=len(first))
+    stops: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(subjects.STOP, cb=stops.put)
+    await nc.flush()
+    # The worker that lost the request is still alive and sends its next steps: dropped, and it is told, once, to
+    # drop the request without settling its message.
+    for step in (2, 3):
+        await publish_target(nc, WORKER_ID, step, request_id, tokenizer.encode(" + 1", add_special_tokens=False),
+                             seq_no=step - 1, offset=len(first))
     await publish_target(nc, NEW_WORKER_ID, 1, request_id, second, seq_no=1, offset=len(first),
                          finish=FinishReason.LENGTH)
     (chunk,) = await until_final(chunks)
     assert chunk.choice["text"] == "):\n    return x" and chunk.usage.completion_tokens == len(first) + len(second)
-    assert counter("specmesh_detokenizer_stale_records_total") == stale_before + 1
+    assert counter("specmesh_detokenizer_stale_records_total") == stale_before + 2
+    release = Cancel.from_bytes((await asyncio.wait_for(stops.get(), RECEIVE_TIMEOUT_S)).data)
+    assert release == Cancel(request_id=request_id, reason="taken_over", worker_id=WORKER_ID) and stops.empty()
     assert (await ask_progress(nc, request_id, WORKER_ID)).outcome is TakeOver.CLOSED
 
 

@@ -26,7 +26,7 @@ from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
 from shared.nats_roles import NatsRole
 from shared import streams
-from shared.schemas import ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest
+from shared.schemas import Cancel, ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401
@@ -225,3 +225,27 @@ async def test_an_idle_engine_is_no_hung_one_while_a_request_that_came_back_is_a
     await msg.respond(ProgressReport(outcome=TakeOver.CLOSED).to_bytes())
     await until_acknowledged(running.nc)
     assert not stalled
+
+
+async def test_a_worker_told_it_lost_a_request_drops_it_and_leaves_its_message_unsettled(
+    running: Running, tiny_model_dir: Path  # noqa: F811
+) -> None:
+    """The detokenizer's release (a stalled worker's records came after another worker took the request over): the
+    engine drops the request, and its message is not acknowledged, which would take it from the work queue under
+    the new owner. A release for another worker changes nothing here."""
+    prompt = tuple(Tokenizer(tiny_model_dir).encode(REPETITIVE))
+    request = WorkRequest(  # sampled, so that drafts are seldom kept: hundreds of steps, far longer than the test
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, detok_id=DETOK_ID, created=time.time(),
+        sampling=SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_MODEL_LEN - len(prompt), ignore_eos=True),
+    )
+    await running.nc.jetstream().publish(subjects.REQUESTS, request.to_bytes())
+    await until(lambda: running.received.targets(), "the first frame")
+    for worker_id in (WORKER_ID + 1, WORKER_ID):
+        release = Cancel(request_id=request.request_id, reason="taken_over", worker_id=worker_id)
+        await running.worker.on_cancel(Msg(running.nc, subject=subjects.STOP, data=release.to_bytes()))
+        assert running.worker.num_in_flight == (worker_id != WORKER_ID)
+    await asyncio.sleep(0.3)  # the engine's steps in flight come back
+    sent = len(running.received.frames)
+    await asyncio.sleep(0.5)  # hundreds of steps of the tiny model
+    assert len(running.received.frames) == sent, "the engine dropped the request"
+    assert not running.received.finished.is_set() and await num_ack_pending(running.nc) == 1

@@ -31,6 +31,7 @@ class RequestChoices:
         # Deliveries a handoff replaced (migration.py), each with the delivery of the handoff that replaced it
         self.superseded: dict[str, str | None] = {}
         self.taken_through: set[str] = set()  # the work-queue deliveries workers took it over through
+        self.released: set[int] = set()  # workers told to drop it, having sent records after losing it
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this record produces for its choice, numbered in the request's stream, or None."""

@@ -24,7 +24,7 @@ from services.detokenizer.incremental import TokenTable
 from services.detokenizer.metrics import (
     ACTIVE, BAD_MESSAGES, CHUNKS, FRAMES_BY_KIND, LAG, MALFORMED_FRAMES, REAPED, TOKENS, UNKNOWN_REQUEST_FRAMES,
 )
-from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, STALE_RECORDS, Migrations
+from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, RELEASES, STALE_RECORDS, Migrations
 from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
 from shared import subjects
 from shared.frames import WHEREVER, Frame, FrameError, FrameKind, decode
@@ -49,6 +49,7 @@ class Detokenizer:
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         self._nc = nc
+        self._releases: list[Cancel] = []  # to workers sending records of requests they lost
         self._migrations = Migrations(max_migrations)
         self._unheard: set[str] = set()  # open requests that have heard nothing since the last reconnect
         self._idle = IdleRequests(idle_timeout_s)
@@ -88,7 +89,7 @@ class Detokenizer:
             BAD_MESSAGES.labels(subject=subjects.CANCEL).inc()
             log.warning("invalid Cancel dropped: %s", err)
             return
-        if cancel.choice is not None:  # one choice's end is this side's own
+        if cancel.choice is not None or cancel.worker_id is not None:  # not the request's end
             return
         if cancel.request_id in self._requests:
             self._close(cancel.request_id)
@@ -109,6 +110,16 @@ class Detokenizer:
             await self._consume_prompts(frame)
         else:
             await self._consume_targets(frame)
+        await self._send_releases()
+
+    async def _send_releases(self) -> None:
+        """Tells each worker that sent records of a request another worker took over to drop it: it would run the
+        request to its end for nothing, and its acknowledgement would take the message from the work queue under
+        the new owner, which could then die with nothing left to redeliver."""
+        releases, self._releases = self._releases, []
+        for release in releases:
+            RELEASES.inc()
+            await self._nc.publish(subjects.STOP, release.to_bytes())
 
     def _buffer_drafts(self, frame: Frame) -> None:
         drafts = self._drafts.setdefault((frame.worker_id, frame.step), {})
@@ -158,6 +169,9 @@ class Detokenizer:
             return False
         if record.seq_no != WHEREVER and not request.from_owner(worker_id):
             STALE_RECORDS.inc()
+            if worker_id not in request.released:
+                request.released.add(worker_id)
+                self._releases.append(Cancel(request_id=request_id, reason="taken_over", worker_id=worker_id))
             return False
         self._heard(request_id)
         return True

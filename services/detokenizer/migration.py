@@ -40,6 +40,9 @@ HANDOFFS = Counter(
 STALE_RECORDS = Counter(
     "specmesh_detokenizer_stale_records", "Frame records dropped because another worker had taken their request over"
 )
+RELEASES = Counter(
+    "specmesh_detokenizer_releases", "Workers told to drop a request they still ran after another took it over"
+)
 
 
 class Migrations:

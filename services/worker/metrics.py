@@ -56,6 +56,10 @@ ROUTED_MOVED = Counter(
 FRAMES = Counter("specmesh_worker_frames_published", "Frames published, by kind", _LABELS + ["kind"])
 FRAME_BYTES = Counter("specmesh_worker_frame_bytes", "Bytes of frames published, by kind", _LABELS + ["kind"])
 REQUESTS_TAKEN = Counter("specmesh_worker_requests_taken", "Requests taken from the work queue", _LABELS)
+REQUESTS_RELEASED = Counter(
+    "specmesh_worker_requests_released",
+    "Requests dropped because another worker took them over while this one still ran them (it had stalled)", _LABELS,
+)
 REQUESTS_HANDED_BACK = Counter(
     "specmesh_worker_requests_handed_back", "Unfinished requests re-queued with their progress at shutdown", _LABELS
 )

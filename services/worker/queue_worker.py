@@ -33,7 +33,8 @@ from services.worker.fail_reason import FailReason
 from services.worker.handoff.sender import HandoffSender
 from services.worker.handoff.transport import KvTransport
 from services.worker.metrics import (
-    ENGINE_STALLS, FAILED_REQUESTS, HANDOFFS, PREEMPTIONS, REQUESTS_HANDED_BACK, TAKE_OVERS, WorkerMetrics,
+    ENGINE_STALLS, FAILED_REQUESTS, HANDOFFS, PREEMPTIONS, REQUESTS_HANDED_BACK, REQUESTS_RELEASED, TAKE_OVERS,
+    WorkerMetrics,
 )
 from services.worker.hand_back import resumed_request
 from services.worker.publisher import end_wherever_frame
@@ -117,11 +118,26 @@ class QueueWorker:
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring malformed cancel: %s", exc)
             return
+        if cancel.worker_id is not None:
+            if cancel.worker_id == self.worker_id:
+                self._let_go(cancel)
+            return
         if cancel.choice is None:  # one choice's cancel concerns a request that has already run here
             self._recent_cancels[cancel.request_id] = None
             while len(self._recent_cancels) > RECENT_CANCELS:
                 self._recent_cancels.popitem(last=False)
         self.engine.send(Work(cancels=[cancel]))
+
+    def _let_go(self, release: Cancel) -> None:
+        """Drops a request another worker took over while this one still ran it (it stalled past ack_wait): its
+        message is left unsettled, since acknowledging it would take it from the work queue under the new owner."""
+        if self._messages.pop(release.request_id, None) is None:
+            return
+        self._requests.pop(release.request_id, None)
+        log.warning("request %s was taken over by another worker; dropped here", release.request_id)
+        self.metrics.child(REQUESTS_RELEASED).inc()
+        self._acked.set()
+        self.engine.send(Work(cancels=[release]))
 
     async def fetch_loop(self, psub, routed: bool = False) -> None:
         """Takes requests from a pull subscription while there is capacity: the shared queue's, or (routed) this
@@ -251,7 +267,8 @@ class QueueWorker:
             self._start(taken.request, payload)
             return
         self._let_transfer_go(ticket)
-        del self._messages[request.request_id], self._requests[request.request_id]
+        self._messages.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         self._acked.set()
         try:
             if taken.outcome in (Outcome.NO_ANSWER, Outcome.NO_DETOKENIZER):
