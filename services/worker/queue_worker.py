@@ -256,7 +256,8 @@ class QueueWorker:
         if taken.request is not None and not cancelled:
             payload = None
             if handed:
-                # Taken only now: a request that comes back later (its detokenizer did not answer) still finds it.
+                # Taken once the detokenizer answered. One that did not answer lets the KV go too (below): the
+                # routed message comes back delivered twice, and is moved to the shared queue, for any worker.
                 kv = self.transport.take(ticket.transfer_id) if ticket.transfer_id and self.transport else None
                 payload = kv if taken.request.progress == request.progress else None
                 if payload is None:  # else counted as the engine admits its choices, imported or not after all
