@@ -69,6 +69,26 @@ async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, t
     assert (await ask_progress(nc, request_id, WORKER_ID)).outcome is TakeOver.CLOSED
 
 
+async def test_a_worker_that_lost_a_request_again_is_released_again(nc: Client, tokenizer: Tokenizer) -> None:
+    """Released, then the owner again (the request came back to it), then lost once more: a second release, or it
+    would run the request to its end and acknowledge it under the new owner."""
+    request_id, chunks = await open_request(nc, api="completion")
+    stops: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe(subjects.STOP, cb=stops.put)
+    await nc.flush()
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    await publish_target(nc, WORKER_ID, 1, request_id, ids, seq_no=0, offset=0)
+    await next_chunk(chunks)
+    for step, new_owner in ((2, NEW_WORKER_ID), (3, NEW_WORKER_ID + 1)):
+        assert (await ask_progress(nc, request_id, new_owner)).outcome is TakeOver.CONTINUE
+        await publish_target(nc, WORKER_ID, step, request_id, ids, seq_no=1, offset=len(ids))  # stale
+        release = Cancel.from_bytes((await asyncio.wait_for(stops.get(), RECEIVE_TIMEOUT_S)).data)
+        assert release.worker_id == WORKER_ID and release.reason == "taken_over"
+        if step == 2:
+            assert (await ask_progress(nc, request_id, WORKER_ID)).outcome is TakeOver.CONTINUE  # it came back
+    await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+
+
 async def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(nc: Client) -> None:
     request_id, chunks = await open_request(nc, api="completion")
     stops: asyncio.Queue = asyncio.Queue()

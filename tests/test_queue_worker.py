@@ -244,7 +244,10 @@ async def test_a_worker_told_it_lost_a_request_drops_it_and_leaves_its_message_u
         release = Cancel(request_id=request.request_id, reason="taken_over", worker_id=worker_id)
         await running.worker.on_cancel(Msg(running.nc, subject=subjects.STOP, data=release.to_bytes()))
         assert running.worker.num_in_flight == (worker_id != WORKER_ID)
-    await asyncio.sleep(0.3)  # the engine's steps in flight come back
+    # Until the engine reports the abort, the request would not run here again (it would be aborted with the old
+    # run, and the report would settle its new delivery); the report settles nothing.
+    assert running.worker._releasing(request.request_id)
+    await until(lambda: not running.worker._releasing(request.request_id), "the abort's report")
     sent = len(running.received.frames)
     await asyncio.sleep(0.5)  # hundreds of steps of the tiny model
     assert len(running.received.frames) == sent, "the engine dropped the request"

@@ -78,6 +78,7 @@ class RequestChoices:
         stands, for it to continue from; counts a migration unless the move was planned (a prefill worker's
         handoff)."""
         self.owner = worker_id
+        self.released.discard(worker_id)  # it owns the request again: losing it again needs a release again
         if delivery is not None:
             self.taken_through.add(delivery)
         self.migrations += migration

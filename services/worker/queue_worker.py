@@ -50,6 +50,9 @@ CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 # max_num_batched_tokens rows, milliseconds to seconds, but on a GPU the first steps of each shape also compile
 # their Triton kernels (seconds each).
 ENGINE_STALL_S = 120.0
+# A released request's abort is reported at the engine's next step; past this, none is coming (the engine no longer
+# held the request), and the request may run here again.
+RELEASE_SETTLE_S = 30.0
 
 
 class QueueWorker:
@@ -66,6 +69,8 @@ class QueueWorker:
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
         self._asking: set[str] = set()  # the ids of those requests
+        # Requests released to another worker (_let_go), until the engine reports their abort: when: monotonic
+        self._released: dict[str, float] = {}
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
         self.role = engine.config.role
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
@@ -134,10 +139,20 @@ class QueueWorker:
         if self._messages.pop(release.request_id, None) is None:
             return
         self._requests.pop(release.request_id, None)
+        self._released[release.request_id] = time.monotonic()
         log.warning("request %s was taken over by another worker; dropped here", release.request_id)
         self.metrics.child(REQUESTS_RELEASED).inc()
         self._acked.set()
         self.engine.send(Work(cancels=[release]))
+
+    def _releasing(self, request_id: str) -> bool:
+        """Whether a released request's abort has not been reported yet (bounded: one that never is, a request the
+        engine no longer held when the release came, is forgotten after RELEASE_SETTLE_S)."""
+        released = self._released.get(request_id)
+        if released is not None and time.monotonic() - released > RELEASE_SETTLE_S:
+            del self._released[request_id]
+            return False
+        return released is not None
 
     async def fetch_loop(self, psub, routed: bool = False) -> None:
         """Takes requests from a pull subscription while there is capacity: the shared queue's, or (routed) this
@@ -195,6 +210,10 @@ class QueueWorker:
         if request.request_id in self._recent_cancels:
             self._let_transfer_go(request.handoff)
             await msg.ack()
+        elif self._releasing(request.request_id):
+            # Back here before the engine dropped its last run of it: the engine would abort both runs (it aborts
+            # by request id), and the abort's report would settle the new delivery. It comes back in a moment.
+            await msg.nak(delay=RETRY_DELAY_S)
         elif not request.detok_id:
             log.error("dropping work request %s that names no detokenizer", request.request_id)
             self.metrics.child(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
@@ -327,6 +346,8 @@ class QueueWorker:
         for detok_id, frame in result.frames:
             await self.nc.publish(subjects.frames(detok_id), frame)
         for request_id in result.finished:
+            if self._released.pop(request_id, None) is not None:
+                continue  # the abort of a run released to another worker: its message is that worker's
             self._requests.pop(request_id, None)
             msg = self._messages.pop(request_id, None)
             if msg is not None:
