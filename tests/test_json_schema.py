@@ -9,9 +9,10 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from services.gateway.tools.tool_request import FunctionDefinition
+from services.gateway.tools.formats import FORMATS
+from services.gateway.tools.tool_request import FunctionDefinition, ToolFields
 from shared.json_schema import closed_objects
-from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
+from shared.structured import JSON_OPTIONS, StructuredOutput, grammar_of, ll_tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "specmesh-demo"
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -49,10 +50,40 @@ def test_a_schema_that_asks_for_more_keys_keeps_them(open_ended: dict) -> None:
     assert closed_objects({**PERSON, **open_ended}) == {**PERSON, **open_ended}
 
 
-def test_all_of_branches_stay_open_since_each_lists_only_its_own_keys() -> None:
-    schema = {"allOf": [PERSON, {"type": "object", "properties": {"email": {"type": "string"}}}]}
-    assert closed_objects(schema) == schema
+BASE = {"type": "object", "properties": {"id": {"type": "integer"}}}
+EMAIL = {"type": "object", "properties": {"email": {"type": "string"}}}
+# (schema, an object it allows that closing every listed object would refuse), from a review
+EXTENDED = [
+    ({"allOf": [PERSON, EMAIL]}, '{"name":"a","email":"b"}'),
+    ({"$defs": {"B": BASE}, "allOf": [{"$ref": "#/$defs/B"}, EMAIL]}, '{"id":1,"email":"b"}'),
+    ({"definitions": {"B": BASE}, "allOf": [{"$ref": "#/definitions/B"}, EMAIL]}, '{"id":1,"email":"b"}'),
+    ({"$defs": {"B": BASE}, "$ref": "#/$defs/B", "properties": {"email": {"type": "string"}}}, '{"id":1,"email":"b"}'),
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "oneOf": [{"properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"kind": {"const": "b"}, "y": {"type": "integer"}}, "required": ["y"]}]},
+     '{"kind":"a","x":1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a":1,"b":2}'),
+    ({"allOf": [{"allOf": [{"properties": {"a": {"type": "integer"}}}]}, {"properties": {"b": {"type": "integer"}}}]},
+     '{"a":1,"b":2}'),
+]
+
+
+@pytest.mark.parametrize(("schema", "allowed"), EXTENDED)
+def test_an_object_extended_beside_its_properties_stays_open(schema: dict, allowed: str) -> None:
+    """allOf's branches, a definition used as one, anyOf/oneOf beside properties, $ref beside them, a required key
+    not listed: closing would refuse what the schema means (or leave nothing to write)."""
+    assert _accepts(_grammar(closed_objects(schema)), allowed)
+
+
+def test_a_definition_used_as_a_whole_object_is_closed() -> None:
+    schema = {"$defs": {"P": PERSON}, "type": "object", "properties": {"who": {"$ref": "#/$defs/P"}}}
+    closed = closed_objects(schema)
+    assert closed["$defs"]["P"]["additionalProperties"] is False and closed["additionalProperties"] is False
     assert closed_objects({"type": "object"}) == {"type": "object"}  # any object: nothing listed, nothing closed
+
+
+def _grammar(schema: dict) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
 
 
 def _accepts(grammar: str, text: str) -> bool:
@@ -68,3 +99,21 @@ def test_the_grammar_refuses_a_key_the_schema_does_not_list() -> None:
     tool = FunctionDefinition(name="add", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})
     assert tool.schema["additionalProperties"] is False
     assert FunctionDefinition(name="anything").schema == {"type": "object"}
+
+
+@pytest.mark.parametrize("format_name", ["hermes", "llama3_json", "mistral"])
+def test_a_tools_local_definitions_resolve_inside_the_call(format_name: str) -> None:
+    """Parameters generated from pydantic models refer to their own $defs; inside the call object those references
+    would point nowhere, and the forced call would not compile (a 400)."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+        "$defs": {"Address": address}}}}
+    fields = ToolFields(tools=[tool, {"type": "function", "function": {"name": "noop"}}], tool_choice="required")
+    spec = FORMATS[format_name].grammar(fields.callable, False)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=spec))
+    call = {"hermes": '<tool_call>\n{"name":"ship","arguments":{"to":{"city":"Oslo"}}}\n</tool_call>',
+            "llama3_json": '{"name":"ship","parameters":{"to":{"city":"Oslo"}}}',
+            "mistral": '[TOOL_CALLS] [{"name":"ship","arguments":{"to":{"city":"Oslo"}}}]'}[format_name]
+    assert _accepts(grammar, call)
+    assert not _accepts(grammar, call.replace('"Oslo"}', '"Oslo","zip":1}'))  # the definition is closed too

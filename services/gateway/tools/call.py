@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tools.tool_request import FunctionDefinition
+from shared.json_schema import lifted_definitions
 
 COMPACT = {"whitespace_flexible": False}
+DEFINITION_SEPARATOR = "__"  # between a function's name and the name of a definition of its own
 JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
 
 
@@ -21,18 +23,20 @@ class ParsedCall:
 
 
 def call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict[str, Any]:
-    """One call of any of `functions` as a JSON object, `name` first, written compact."""
-    options = [
-        {
+    """One call of any of `functions` as a JSON object, `name` first, written compact. Each function's local
+    definitions move to the root, named after it, where its references find them (shared/json_schema.py)."""
+    options, definitions = [], {}
+    for f in functions:
+        arguments, own = lifted_definitions(f.schema, f"{f.name}{DEFINITION_SEPARATOR}")
+        definitions |= own
+        options.append({
             "type": "object",
-            "properties": {"name": {"const": f.name}, arguments_key: f.schema},
+            "properties": {"name": {"const": f.name}, arguments_key: arguments},
             "required": ["name", arguments_key],
             "additionalProperties": False,
-        }
-        for f in functions
-    ]
+        })
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": COMPACT}
+    return {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
 
 
 def json_text(value: Any) -> str:

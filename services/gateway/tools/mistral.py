@@ -65,8 +65,9 @@ class Mistral(CallIds):
             return f"start: {'call+' if parallel else 'call'}\ncall: {calls_tag} ({named})\n"
         items = call_schema(functions, self.arguments_key)
         del items["x-guidance"]
+        definitions = items.pop("$defs", None)  # at the root, where the references point
         array = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
-                 "x-guidance": COMPACT}
+                 **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
         return f"start: {calls_tag} {json.dumps(ARRAY_SEPARATOR)} %json {json.dumps(array)}\n"
 
     def _tag(self, tag: str) -> str:
