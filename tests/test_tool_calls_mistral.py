@@ -147,6 +147,15 @@ def test_what_the_grammar_allows_reads_back_as_calls(tmp_path: Path, per_call_ta
         assert (ARGS_TAG in text) is per_call_tags
 
 
+def test_a_template_that_writes_calls_without_args_picks_the_layout_before_v11() -> None:
+    """A tokenizer may name [ARGS] before its models write it (Mistral Small 3.1's): the template tells."""
+    special = {tag: 10 + i for i, tag in enumerate(TAGS)}
+    array_template = "{% if message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}{% endif %}"
+    assert not format_for(array_template, "auto", special).per_call_tags
+    assert format_for("[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ args }}", "auto", special).per_call_tags
+    assert format_for(None, "mistral", special).per_call_tags  # no template to tell: the tokenizer's
+
+
 def test_a_tokenizer_without_the_tags_writes_them_as_text() -> None:
     fmt = Mistral({})
     fields = ToolFields(tools=[TIME], tool_choice="required")

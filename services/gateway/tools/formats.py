@@ -214,10 +214,13 @@ ToolFormat = Hermes | Llama3Json | Mistral
 FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name)
 
 
-def make_format(name: str, special_tokens: Mapping[str, int] | None = None) -> ToolFormat:
-    """The format `name` for a tokenizer with these special tokens (by text): Mistral writes its tags as tokens."""
+def make_format(
+    name: str, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None
+) -> ToolFormat:
+    """The format `name` for a tokenizer with these special tokens (by text) and chat template: Mistral writes its
+    tags as tokens, in the layout its template shows."""
     if name == Mistral.name:
-        return Mistral(special_tokens)
+        return Mistral(special_tokens, chat_template)
     return {Hermes.name: Hermes, Llama3Json.name: Llama3Json}[name]()
 
 
@@ -242,12 +245,12 @@ def format_for(
     template shows none this server reads (no tools, or another format): requests with tools are then refused rather
     than read in a format the model does not write."""
     if configured != "auto":
-        return make_format(configured, special_tokens)
+        return make_format(configured, special_tokens, chat_template)
     template = chat_template or ""
     if Hermes.open_tag in template:
         return make_format(Hermes.name)
     if CALLS_TAG in template:
-        return make_format(Mistral.name, special_tokens)
+        return make_format(Mistral.name, special_tokens, template)
     if Llama3Json.python_tag in template or '"parameters"' in template:
         return make_format(Llama3Json.name)
     return None

@@ -5,7 +5,7 @@ of the model's tokenizer version.
 - v11 and later (Mistral Small 3.1+, Devstral, Magistral): each call as `[TOOL_CALLS]name[ARGS]{...}`, the
   arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
 
-A tokenizer with an [ARGS] token writes the second. The tags are control tokens, which generated text leaves out:
+A tokenizer with an [ARGS] token writes the second, unless its chat template writes calls without it. The tags are control tokens, which generated text leaves out:
 a request read for calls keeps them in its text (shown_special_ids), and the calls take them out again. Mistral's
 chat templates refuse call ids other than nine letters and digits: this format makes such ids, and gives the
 template the last nine characters of others' (as vLLM does).
@@ -38,10 +38,12 @@ class Mistral(CallIds):
     arguments_key = "arguments"
     streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
 
-    def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
-        """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens."""
+    def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
+        """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.
+        chat_template: the model's, when known: one that writes calls without [ARGS] is the layout before v11."""
         self.tag_ids = {tag: special_tokens[tag] for tag in TAGS if tag in (special_tokens or {})}
-        self.per_call_tags = ARGS_TAG in self.tag_ids  # v11 and later
+        # v11 and later; a tokenizer may name [ARGS] before its models were trained to write it
+        self.per_call_tags = ARGS_TAG in self.tag_ids and (chat_template is None or ARGS_TAG in chat_template)
 
     @property
     def shown_special_ids(self) -> tuple[int, ...]:
