@@ -135,12 +135,17 @@ class QueueWorker:
 
     def _let_go(self, release: Cancel) -> None:
         """Drops a request another worker took over while this one still ran it (it stalled past ack_wait): its
-        message is left unsettled, since acknowledging it would take it from the work queue under the new owner."""
-        if self._messages.pop(release.request_id, None) is None:
+        message is left unsettled, since acknowledging it would take it from the work queue under the new owner.
+        Not a request the engine does not run: one being handed off (the handoff replaces its delivery, which is
+        acknowledged once it is done), or one whose detokenizer is being asked (the release is about a run before)."""
+        request_id = release.request_id
+        if request_id in self._asking or request_id in self._handing_off.values():
             return
-        self._requests.pop(release.request_id, None)
-        self._released[release.request_id] = time.monotonic()
-        log.warning("request %s was taken over by another worker; dropped here", release.request_id)
+        if self._messages.pop(request_id, None) is None:
+            return
+        self._requests.pop(request_id, None)
+        self._released[request_id] = time.monotonic()
+        log.warning("request %s was taken over by another worker; dropped here", request_id)
         self.metrics.child(REQUESTS_RELEASED).inc()
         self._acked.set()
         self.engine.send(Work(cancels=[release]))
