@@ -37,6 +37,16 @@ async def ask_progress(
     return ProgressReport.from_bytes(reply.data)
 
 
+async def streaming(nc: Client, tokenizer: Tokenizer) -> str:
+    """A request open at the detokenizer whose first piece of output WORKER_ID sent and its client received."""
+    request_id, chunks = await open_request(nc, api="completion")
+    await nc.flush()
+    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
+                         seq_no=0, offset=0)
+    await next_chunk(chunks)
+    return request_id
+
+
 async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, tokenizer: Tokenizer) -> None:
     request_id, chunks = await open_request(nc, api="completion")
     await nc.flush()
@@ -128,11 +138,7 @@ async def test_a_delivery_its_handoff_replaced_is_closed_not_taken_over(nc: Clie
     """A prefill worker that dies after handing its request off, before acknowledging its own delivery of it: that
     delivery comes back to another worker, whose take-over is closed (the request lives on where it was handed),
     not a migration that would take the request from its decode worker."""
-    request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
-    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
-                         seq_no=0, offset=0)
-    await next_chunk(chunks)
+    request_id = await streaming(nc, tokenizer)
     prefill_delivery = "SPECMESH_REQUESTS:7"
     handed = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID, delivery="ROUTED:3",
                                 superseded=prefill_delivery)
@@ -151,11 +157,7 @@ async def test_a_handoff_asked_after_its_replaced_delivery_was_taken_over_is_clo
     """The other order: the prefill worker's delivery came back to another worker, which asked first and took the
     request over. The decode worker the handoff reached is told the request is closed, so that one worker runs it,
     and the take-over stays the only migration."""
-    request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
-    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
-                         seq_no=0, offset=0)
-    await next_chunk(chunks)
+    request_id = await streaming(nc, tokenizer)
     prefill_delivery = "SPECMESH_REQUESTS:8"
     taken = await ask_progress(nc, request_id, NEW_WORKER_ID + 1, delivery=prefill_delivery)
     assert taken.outcome is TakeOver.CONTINUE and taken.migrations == 1
@@ -175,11 +177,7 @@ async def test_a_second_handoff_of_one_delivery_is_closed_and_the_first_one_come
     """A routed publish whose answer was lost after JetStream stored it, sent again to another decode worker: two
     handoffs replace one delivery, and only the first runs the request. Its own message come back (its decode worker
     died or gave up asking) is taken over, not closed: nothing else runs the request then."""
-    request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
-    await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
-                         seq_no=0, offset=0)
-    await next_chunk(chunks)
+    request_id = await streaming(nc, tokenizer)
     prefill_delivery = "SPECMESH_REQUESTS:11"
     first = await ask_progress(nc, request_id, NEW_WORKER_ID, handoff_from=WORKER_ID, delivery="ROUTED:1",
                                superseded=prefill_delivery)
