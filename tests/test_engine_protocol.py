@@ -22,7 +22,7 @@ STATS = StepStats(
     StepResult(
         step=12, frames=[("detok-a", b"\x01frame"), ("detok-b", b"")], finished=["r1"], gauges=Gauges(2, 1, 0.25),
         stats=STATS, seconds=0.004, num_preempted=1, failed=[("r2", FailReason.ENGINE_ERROR)],
-        handoffs_recomputed=1, handoffs_imported=2,
+        handoffs_recomputed=1, handoffs_imported=2, released=["r3"],
     ),
     StepResult(step=0, frames=[], finished=[], gauges=Gauges(0, 0, 0.0), stats=None, seconds=None),
 ], ids=["stepped", "refusals only"])

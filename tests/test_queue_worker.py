@@ -244,10 +244,17 @@ async def test_a_worker_told_it_lost_a_request_drops_it_and_leaves_its_message_u
         release = Cancel(request_id=request.request_id, reason="taken_over", worker_id=worker_id)
         await running.worker.on_cancel(Msg(running.nc, subject=subjects.STOP, data=release.to_bytes()))
         assert running.worker.num_in_flight == (worker_id != WORKER_ID)
-    # Until the engine reports the abort, the request would not run here again (it would be aborted with the old
-    # run, and the report would settle its new delivery); the report settles nothing.
-    assert running.worker._releasing(request.request_id)
-    await until(lambda: not running.worker._releasing(request.request_id), "the abort's report")
+    # Until the engine reports the abort, the request would not run here again (the engine aborts by request id);
+    # the report settles nothing.
+    assert request.request_id in running.worker._released
+    # A delivery of it back here meanwhile (the new owner died) is parked, heartbeated, and taken once the engine
+    # has reported the abort: taken at once, it would be aborted with the old run.
+    back = Msg(running.nc, subject=subjects.RESUMED_REQUESTS, data=request.to_bytes(),
+               reply=f"$JS.ACK.{subjects.REQUEST_STREAM}.{subjects.WORKER_CONSUMER}.2.99.99.0.0")
+    await running.worker._take(back)
+    assert running.worker._parked == {request.request_id: back}
+    await until(lambda: request.request_id not in running.worker._released, "the abort's report")
+    assert not running.worker._parked
     sent = len(running.received.frames)
     await asyncio.sleep(0.5)  # hundreds of steps of the tiny model
     assert len(running.received.frames) == sent, "the engine dropped the request"

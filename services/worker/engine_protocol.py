@@ -120,6 +120,9 @@ class StepResult:
     # blocks it starts from were gone), or with the handoff's KV
     handoffs_recomputed: int = 0
     handoffs_imported: int = 0
+    # Requests released to another worker (a Cancel with worker_id): the engine has dropped whatever it ran of them;
+    # never among `finished`, whose acknowledgement would settle the new owner's message
+    released: list[str] = field(default_factory=list)
 
     def to_wire(self) -> tuple:
         """The result as nested tuples of builtins (decode() takes it back): encoded in a few microseconds, where
@@ -133,19 +136,19 @@ class StepResult:
                 stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
-            self.stored, self.removed, self.handed_off, self.handoffs_recomputed, self.handoffs_imported,
+            self.stored, self.removed, self.handed_off, self.handoffs_recomputed, self.handoffs_imported, self.released,
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepResult:
         (step, frames, finished, gauges, stats, seconds, num_preempted, failed, stored, removed, handed_off,
-         recomputed, imported) = wire
+         recomputed, imported, released) = wire
         if stats is not None:
             stats = StepStats(*stats)
         return cls(
             step, frames, finished, Gauges(*gauges), stats, seconds, num_preempted,
             [(request_id, FailReason(reason)) for request_id, reason in failed], stored, removed, handed_off,
-            recomputed, imported,
+            recomputed, imported, released,
         )
 
 

@@ -50,9 +50,6 @@ CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 # max_num_batched_tokens rows, milliseconds to seconds, but on a GPU the first steps of each shape also compile
 # their Triton kernels (seconds each).
 ENGINE_STALL_S = 120.0
-# A released request's abort is reported at the engine's next step; past this, none is coming (the engine no longer
-# held the request), and the request may run here again.
-RELEASE_SETTLE_S = 30.0
 
 
 class QueueWorker:
@@ -69,8 +66,10 @@ class QueueWorker:
         self._acked = asyncio.Event()  # set whenever requests were acknowledged
         self._taking_over: set[asyncio.Task] = set()  # requests that came back, while their detokenizer is asked
         self._asking: set[str] = set()  # the ids of those requests
-        # Requests released to another worker (_let_go), until the engine reports their abort: when: monotonic
-        self._released: dict[str, float] = {}
+        # Requests released to another worker (_let_go) whose abort the engine has not reported yet, and deliveries
+        # of them that came back here meanwhile, parked (heartbeated) until it has: the engine aborts by request id
+        self._released: set[str] = set()
+        self._parked: dict[str, Msg] = {}
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
         self.role = engine.config.role
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
@@ -136,28 +135,22 @@ class QueueWorker:
     def _let_go(self, release: Cancel) -> None:
         """Drops a request another worker took over while this one still ran it (it stalled past ack_wait): its
         message is left unsettled, since acknowledging it would take it from the work queue under the new owner.
-        Not a request the engine does not run: one being handed off (the handoff replaces its delivery, which is
-        acknowledged once it is done), or one whose detokenizer is being asked (the release is about a run before)."""
+        One being handed off is dropped from the books only (the engine exported it): its handoff then leaves the
+        message unsettled too. One whose detokenizer is being asked is left alone (the release is about a run
+        before)."""
         request_id = release.request_id
-        if request_id in self._asking or request_id in self._handing_off.values():
+        if request_id in self._asking:
             return
         if self._messages.pop(request_id, None) is None:
             return
         self._requests.pop(request_id, None)
-        self._released[request_id] = time.monotonic()
+        if request_id in self._handing_off.values():
+            return
+        self._released.add(request_id)
         log.warning("request %s was taken over by another worker; dropped here", request_id)
         self.metrics.child(REQUESTS_RELEASED).inc()
         self._acked.set()
         self.engine.send(Work(cancels=[release]))
-
-    def _releasing(self, request_id: str) -> bool:
-        """Whether a released request's abort has not been reported yet (bounded: one that never is, a request the
-        engine no longer held when the release came, is forgotten after RELEASE_SETTLE_S)."""
-        released = self._released.get(request_id)
-        if released is not None and time.monotonic() - released > RELEASE_SETTLE_S:
-            del self._released[request_id]
-            return False
-        return released is not None
 
     async def fetch_loop(self, psub, routed: bool = False) -> None:
         """Takes requests from a pull subscription while there is capacity: the shared queue's, or (routed) this
@@ -215,10 +208,9 @@ class QueueWorker:
         if request.request_id in self._recent_cancels:
             self._let_transfer_go(request.handoff)
             await msg.ack()
-        elif self._releasing(request.request_id):
-            # Back here before the engine dropped its last run of it: the engine would abort both runs (it aborts
-            # by request id), and the abort's report would settle the new delivery. It comes back in a moment.
-            await msg.nak(delay=RETRY_DELAY_S)
+        elif request.request_id in self._released:
+            # Back here before the engine dropped its last run of it (it aborts by request id): taken once it has.
+            self._parked[request.request_id] = msg
         elif not request.detok_id:
             log.error("dropping work request %s that names no detokenizer", request.request_id)
             self.metrics.child(FAILED_REQUESTS, reason=FailReason.NO_DETOKENIZER).inc()
@@ -329,7 +321,7 @@ class QueueWorker:
             self._stall_reported = False
             if self.routing is not None:
                 self.routing.stalled = False
-            for msg in list(self._messages.values()):
+            for msg in [*self._messages.values(), *self._parked.values()]:
                 try:
                     await msg.in_progress()
                 except nats.errors.Error as exc:  # settled meanwhile (a hand-back), or the connection closing
@@ -351,8 +343,6 @@ class QueueWorker:
         for detok_id, frame in result.frames:
             await self.nc.publish(subjects.frames(detok_id), frame)
         for request_id in result.finished:
-            if self._released.pop(request_id, None) is not None:
-                continue  # the abort of a run released to another worker: its message is that worker's
             self._requests.pop(request_id, None)
             msg = self._messages.pop(request_id, None)
             if msg is not None:
@@ -365,6 +355,10 @@ class QueueWorker:
                 await msg.term()
         if result.finished or result.failed:
             self._acked.set()
+        for request_id in result.released:
+            self._released.discard(request_id)
+            if (parked := self._parked.pop(request_id, None)) is not None:
+                await self._take(parked)
         self.metrics.observe_gauges(result.gauges)
         if result.stats is not None:
             self.metrics.observe_step(result.stats, result.seconds)
@@ -414,7 +408,10 @@ class QueueWorker:
         request, msg = self._requests.get(request_id), self._messages.get(request_id)
         if request is None or msg is None:
             return
-        await self.sender.hand_off(request, payload, lambda: request_id in self._recent_cancels, delivery_id(msg))
+        await self.sender.hand_off(request, payload, lambda: self._messages.get(request_id) is not msg
+                                   or request_id in self._recent_cancels, delivery_id(msg))
+        if self._messages.get(request_id) is not msg:
+            return  # released meanwhile: the message is another worker's now
         self._requests.pop(request_id, None)
         self._messages.pop(request_id, None)
         self._acked.set()
@@ -446,6 +443,9 @@ class QueueWorker:
         for task in [*self._taking_over, *handing_off]:  # these go back as they stand
             task.cancel()
         await asyncio.gather(*self._taking_over, *handing_off, return_exceptions=True)
+        for msg in self._parked.values():  # never started here
+            await msg.nak()
+        self._parked.clear()
         js = self.nc.jetstream()
         stopped = self.engine.stopped
         unseen = set(stopped.not_started)

@@ -59,8 +59,13 @@ class StepRunner:
             if (reason := self._admit(request, handoffs.get(request.request_id))) is not None
         ]
         finished: list[str] = []
+        released: list[str] = []
         for cancel in cancels:
-            finished += self._ended(self.engine.abort(cancel.request_id, cancel.choice))
+            ended = self._ended(self.engine.abort(cancel.request_id, cancel.choice))
+            if cancel.worker_id is None:
+                finished += ended
+            else:  # reported whether or not the engine still held it: the event loop waits for this
+                released.append(cancel.request_id)
         frames: list[tuple[str, bytes]] = []
         stats = seconds = None
         num_preempted = 0
@@ -99,7 +104,7 @@ class StepRunner:
         self._gone_before, self._imported_before = scheduler.handoffs_recomputed, scheduler.handoffs_imported
         return StepResult(
             step, frames, finished, gauges, stats, seconds, num_preempted, failures, stored, removed, handed_off,
-            recomputed, imported,
+            recomputed, imported, released,
         )
 
     def _take_handoffs(self) -> list[tuple[str, list[tuple[int, list[int], int]], int, bytes]]:
