@@ -8,8 +8,8 @@ closed; so does specmesh, where closing cannot change which objects the schema m
 properties, `$ref` beside them, `if`, `not`, dependent schemas), nor used as such an extension through `$ref`. A
 schema that wants more keys says so (`additionalProperties: true`, or a schema for them, or `patternProperties`).
 
-Also: a schema's local definitions lifted to the root of a schema that embeds it (a tool's parameters inside a
-call object), where its `#/$defs/...` references would no longer resolve.
+Also: a schema that refers to itself or its parts moved under the definitions of a schema that embeds it (a tool's
+parameters inside a call object), where its `#...` references would point into that one.
 """
 
 from __future__ import annotations
@@ -17,45 +17,61 @@ from __future__ import annotations
 from typing import Any
 
 OPEN_ENDED = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-# Keywords that add keys to an object from elsewhere: such an object's own properties are not all its keys
-EXTENDED_BY = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas", "dependencies")
-OWN_SCHEMA_MAPS = ("properties", "patternProperties")  # name -> a schema of its own
-OWN_SCHEMAS = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "unevaluatedItems")
+# Keywords beside which an object's own `properties` are not all its keys (they add some, or rule on them)
+EXTENDED_BY = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas", "dependencies",
+               "propertyNames", "minProperties", "maxProperties")
+ANNOTATIONS = frozenset({"$ref", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly"})
+OWN_SCHEMA_MAPS = ("properties", "patternProperties")  # name -> the schema of that key's value
+OWN_SCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "contains", "unevaluatedItems")
 EXTENSIONS = ("allOf", "if", "then", "else", "not")  # schemas that extend the object they stand in
 EXTENSION_MAPS = ("dependentSchemas", "dependencies")
 DEFINITIONS = ("$defs", "definitions")
-LOCAL_REF_PREFIXES = tuple(f"#/{key}/" for key in DEFINITIONS)
+
+
+class _Unresolved(Exception):
+    """A reference other than to a definition by name: what it extends is not tracked, so nothing is closed."""
 
 
 def closed_objects(schema: Any) -> Any:
-    """The schema with every object whose keys it fully lists closed to others (a copy)."""
-    extended: set[str] = set()
-    _walk(schema, True, extended, close=False)  # the definitions used as extensions: they stay open
+    """The schema with every object whose keys it fully lists closed to others (a copy); the schema as it is where it
+    refers to anything but its definitions by name."""
+    extended: set[tuple[str, str]] = set()  # (definitions keyword, name) used as an extension somewhere
+    try:
+        while True:  # until no more: a definition extended makes those it refers to extensions too
+            before = len(extended)
+            _walk(schema, True, extended, close=False)
+            if len(extended) == before:
+                break
+    except _Unresolved:
+        return schema
     return _walk(schema, True, extended, close=True)
 
 
-def _walk(schema: Any, closable: bool, extended: set[str], close: bool) -> Any:
-    """`closable`: whether this schema describes its objects whole (not an extension of one described beside it)."""
+def _walk(schema: Any, closable: bool, extended: set[tuple[str, str]], close: bool) -> Any:
+    """`closable`: whether this schema describes its objects whole, not an extension of one described beside it
+    (what stands under an extension is one too)."""
     if isinstance(schema, list):  # allOf's, prefixItems, a draft's items list: each as closable as the list
         return [_walk(sub, closable, extended, close) for sub in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith(LOCAL_REF_PREFIXES) and (not closable or "properties" in out):
-        extended.add(ref.split("/", 2)[2])
+    if "$ref" in out and (not closable or set(out) - ANNOTATIONS):
+        extended.add(_definition(out["$ref"]))
+    elif "$ref" in out:
+        _definition(out["$ref"])  # only checks that it is one
     if close and closable and _keys_listed(out):
         out["additionalProperties"] = False
-    lists_properties = "properties" in out
     for key in OWN_SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _walk(sub, True, extended, close) for name, sub in out[key].items()}
-    for key in OWN_SCHEMAS + ("prefixItems",):  # a boolean schema (additionalProperties false) comes back as it is
+            out[key] = {name: _walk(sub, closable, extended, close) for name, sub in out[key].items()}
+    for key in OWN_SCHEMAS:  # a boolean schema (additionalProperties false) comes back as it is
         if key in out:
-            out[key] = _walk(out[key], True, extended, close)
-    for key in ("anyOf", "oneOf"):  # alternatives: each whole, unless they add to the keys listed beside them
+            out[key] = _walk(out[key], closable, extended, close)
+    for key in ("anyOf", "oneOf"):  # alternatives, each whole where nothing beside them rules on the object's keys
         if isinstance(out.get(key), list):
-            out[key] = [_walk(sub, closable and not lists_properties, extended, close) for sub in out[key]]
+            alone = not any(k in out for k in (*OPEN_ENDED, *EXTENDED_BY, "properties", "required") if k != key)
+            out[key] = [_walk(sub, closable and alone, extended, close) for sub in out[key]]
     for key in EXTENSIONS:
         if key in out:
             out[key] = _walk(out[key], False, extended, close)
@@ -64,8 +80,18 @@ def _walk(schema: Any, closable: bool, extended: set[str], close: bool) -> Any:
             out[key] = {name: _walk(sub, False, extended, close) for name, sub in out[key].items()}
     for key in DEFINITIONS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _walk(sub, name not in extended, extended, close) for name, sub in out[key].items()}
+            out[key] = {
+                name: _walk(sub, (key, name) not in extended, extended, close) for name, sub in out[key].items()
+            }
     return out
+
+
+def _definition(ref: Any) -> tuple[str, str]:
+    """(definitions keyword, name) of a reference to a definition by name; _Unresolved for any other."""
+    parts = ref.split("/") if isinstance(ref, str) and "%" not in ref else []  # no URI escapes to decode
+    if len(parts) != 3 or parts[0] != "#" or parts[1] not in DEFINITIONS:
+        raise _Unresolved(ref)
+    return parts[1], parts[2].replace("~1", "/").replace("~0", "~")
 
 
 def _keys_listed(schema: dict) -> bool:
@@ -79,23 +105,29 @@ def _keys_listed(schema: dict) -> bool:
     return named <= set(properties)
 
 
-def lifted_definitions(schema: dict, prefix: str) -> tuple[dict, dict]:
-    """(the schema without its local definitions, those definitions) with each definition renamed `prefix` + its
-    name and every reference to it rewritten, for embedding the schema in another whose root holds them."""
-    definitions = {f"{prefix}{name}": sub for key in DEFINITIONS for name, sub in (schema.get(key) or {}).items()}
-    if not definitions:
+def embedded(schema: dict, name: str) -> tuple[dict, dict]:
+    """(a reference to the schema, the definitions to put at the root of the schema that embeds it) for a schema
+    that refers to itself or its parts: moved whole under `name` ([a-zA-Z0-9_-]), each reference rewritten to point
+    into it, since inside another schema `#...` would point into that one. A schema without references stays as it
+    is (no definitions)."""
+    if not _refers(schema):
         return schema, {}
-    rest = {key: value for key, value in schema.items() if key not in DEFINITIONS}
-    return _renamed(rest, prefix), {name: _renamed(sub, prefix) for name, sub in definitions.items()}
+    return {"$ref": f"#/$defs/{name}"}, {name: _rebased(schema, f"#/$defs/{name}")}
 
 
-def _renamed(value: Any, prefix: str) -> Any:
+def _refers(value: Any) -> bool:
     if isinstance(value, list):
-        return [_renamed(item, prefix) for item in value]
+        return any(_refers(item) for item in value)
+    return isinstance(value, dict) and ("$ref" in value or any(_refers(item) for item in value.values()))
+
+
+def _rebased(value: Any, base: str) -> Any:
+    if isinstance(value, list):
+        return [_rebased(item, base) for item in value]
     if not isinstance(value, dict):
         return value
-    out = {key: _renamed(item, prefix) for key, item in value.items()}
+    out = {key: _rebased(item, base) for key, item in value.items()}
     ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith(LOCAL_REF_PREFIXES):
-        out["$ref"] = f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
     return out

@@ -65,6 +65,15 @@ EXTENDED = [
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a":1,"b":2}'),
     ({"allOf": [{"allOf": [{"properties": {"a": {"type": "integer"}}}]}, {"properties": {"b": {"type": "integer"}}}]},
      '{"a":1,"b":2}'),
+    # From a second review: what stands under an extension is one too; beside anyOf, required or a $ref rule on keys;
+    # a chain of definitions in any order; an escaped definition name
+    ({"allOf": [{"properties": {"x": {"properties": {"a": {"type": "integer"}}}}},
+                {"properties": {"x": {"properties": {"b": {"type": "integer"}}}}}]}, '{"x":{"a":1,"b":2}}'),
+    ({"type": "object", "required": ["x"], "anyOf": [{"properties": {"x": {"type": "integer"}}}]}, '{"x":1}'),
+    ({"$defs": {"B": BASE}, "$ref": "#/$defs/B", "required": ["z"]}, '{"id":1,"z":2}'),
+    ({"$defs": {"C": BASE, "B": {"$ref": "#/$defs/C"}, "A": {"$ref": "#/$defs/B"}},
+      "allOf": [{"$ref": "#/$defs/A"}, EMAIL]}, '{"id":1,"email":"b"}'),
+    ({"$defs": {"a/b": BASE}, "allOf": [{"$ref": "#/$defs/a~1b"}, EMAIL]}, '{"id":1,"email":"b"}'),
 ]
 
 
@@ -73,6 +82,12 @@ def test_an_object_extended_beside_its_properties_stays_open(schema: dict, allow
     """allOf's branches, a definition used as one, anyOf/oneOf beside properties, $ref beside them, a required key
     not listed: closing would refuse what the schema means (or leave nothing to write)."""
     assert _accepts(_grammar(closed_objects(schema)), allowed)
+
+
+@pytest.mark.parametrize("ref", ["#", "#/properties/a", "#/$defs/W/properties/inner", "#/$defs/a%20b"])
+def test_a_schema_that_refers_to_anything_but_a_definition_by_name_is_left_as_it_is(ref: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "kid": {"$ref": ref}}, "$defs": {"W": BASE}}
+    assert closed_objects(schema) == schema
 
 
 def test_a_definition_used_as_a_whole_object_is_closed() -> None:
@@ -117,3 +132,25 @@ def test_a_tools_local_definitions_resolve_inside_the_call(format_name: str) -> 
             "mistral": '[TOOL_CALLS] [{"name":"ship","arguments":{"to":{"city":"Oslo"}}}]'}[format_name]
     assert _accepts(grammar, call)
     assert not _accepts(grammar, call.replace('"Oslo"}', '"Oslo","zip":1}'))  # the definition is closed too
+
+
+@pytest.mark.parametrize("format_name", ["hermes", "mistral"])
+def test_a_tool_that_refers_to_itself_or_its_parts_compiles_and_means_what_it_says(format_name: str) -> None:
+    """A tree (`#` is the parameters' root, not the call's) and a pointer into the parameters: the forced call
+    compiles and takes the tree, not a call object as a child; tools whose names run together do not mix."""
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "w": {"$ref": "#/properties/v"}}, "required": ["v"]}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": tree}},
+             {"type": "function", "function": {"name": "a__b", "parameters": {
+                 "type": "object", "properties": {"p": {"$ref": "#/$defs/c"}}, "$defs": {"c": {"type": "string"}}}}}]
+    spec = FORMATS[format_name].grammar(ToolFields(tools=tools, tool_choice="required").callable, False)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=spec))
+
+    def call(name: str, arguments: str) -> str:
+        if format_name == "hermes":
+            return f'<tool_call>\n{{"name":"{name}","arguments":{arguments}}}\n</tool_call>'
+        return f'[TOOL_CALLS] [{{"name":"{name}","arguments":{arguments}}}]'
+
+    assert _accepts(grammar, call("a", '{"v":1,"kids":[{"v":2,"kids":[]}],"w":3}'))
+    assert not _accepts(grammar, call("a", '{"v":1,"kids":[{"name":"a","arguments":{"v":2}}]}'))
+    assert _accepts(grammar, call("a__b", '{"p":"x"}')) and not _accepts(grammar, call("a__b", '{"p":1}'))

@@ -154,6 +154,10 @@ def test_a_template_that_writes_calls_without_args_picks_the_layout_before_v11()
     assert not format_for(array_template, "auto", special).per_call_tags
     assert format_for("[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ args }}", "auto", special).per_call_tags
     assert format_for(None, "mistral", special).per_call_tags  # no template to tell: the tokenizer's
+    # A template that writes [ARGS] over a tokenizer without it as a token: the layout is the template's, the tag text
+    v11_text = format_for("[TOOL_CALLS]{{ name }}[ARGS]{{ args }}", "auto", {CALLS_TAG: 10})
+    assert v11_text.per_call_tags and json.dumps(ARGS_TAG) in v11_text.grammar(ToolFields(
+        tools=[TIME], tool_choice="required").callable, False)
 
 
 def test_a_tokenizer_without_the_tags_writes_them_as_text() -> None:

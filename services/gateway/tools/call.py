@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tools.tool_request import FunctionDefinition
-from shared.json_schema import lifted_definitions
+from shared.json_schema import embedded
 
 COMPACT = {"whitespace_flexible": False}
-DEFINITION_SEPARATOR = "__"  # between a function's name and the name of a definition of its own
 JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
 
 
@@ -23,11 +22,12 @@ class ParsedCall:
 
 
 def call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict[str, Any]:
-    """One call of any of `functions` as a JSON object, `name` first, written compact. Each function's local
-    definitions move to the root, named after it, where its references find them (shared/json_schema.py)."""
+    """One call of any of `functions` as a JSON object, `name` first, written compact. A function's schema with
+    references moves under the root's definitions, named after it, where they find what they point to
+    (shared/json_schema.py)."""
     options, definitions = [], {}
     for f in functions:
-        arguments, own = lifted_definitions(f.schema, f"{f.name}{DEFINITION_SEPARATOR}")
+        arguments, own = embedded(f.schema, f.name)
         definitions |= own
         options.append({
             "type": "object",

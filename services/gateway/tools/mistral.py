@@ -5,7 +5,7 @@ of the model's tokenizer version.
 - v11 and later (Mistral Small 3.1+, Devstral, Magistral): each call as `[TOOL_CALLS]name[ARGS]{...}`, the
   arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
 
-A tokenizer with an [ARGS] token writes the second, unless its chat template writes calls without it. The tags are control tokens, which generated text leaves out:
+A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. The tags are control tokens, which generated text leaves out:
 a request read for calls keeps them in its text (shown_special_ids), and the calls take them out again. Mistral's
 chat templates refuse call ids other than nine letters and digits: this format makes such ids, and gives the
 template the last nine characters of others' (as vLLM does).
@@ -40,10 +40,11 @@ class Mistral(CallIds):
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
         """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.
-        chat_template: the model's, when known: one that writes calls without [ARGS] is the layout before v11."""
+        chat_template: the model's, when known: whether it writes [ARGS] tells the layout."""
         self.tag_ids = {tag: special_tokens[tag] for tag in TAGS if tag in (special_tokens or {})}
-        # v11 and later; a tokenizer may name [ARGS] before its models were trained to write it
-        self.per_call_tags = ARGS_TAG in self.tag_ids and (chat_template is None or ARGS_TAG in chat_template)
+        # v11 and later. The template says what the model was trained to write (a tokenizer may name [ARGS] before
+        # its models write it); without one, the tokenizer.
+        self.per_call_tags = ARGS_TAG in (chat_template if chat_template is not None else self.tag_ids)
 
     @property
     def shown_special_ids(self) -> tuple[int, ...]:
