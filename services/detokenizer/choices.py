@@ -31,7 +31,8 @@ class RequestChoices:
         # Deliveries a handoff replaced (migration.py), each with the delivery of the handoff that replaced it
         self.superseded: dict[str, str | None] = {}
         self.taken_through: set[str] = set()  # the work-queue deliveries workers took it over through
-        self.released: set[int] = set()  # workers told to drop it, having sent records after losing it
+        # Workers told to drop it, having sent records after losing it: when they were last told (monotonic)
+        self.released: dict[int, float] = {}
 
     def consume(self, target: Record, draft: Record | None = None) -> Chunk | None:
         """The chunk this record produces for its choice, numbered in the request's stream, or None."""
@@ -78,7 +79,7 @@ class RequestChoices:
         stands, for it to continue from; counts a migration unless the move was planned (a prefill worker's
         handoff)."""
         self.owner = worker_id
-        self.released.discard(worker_id)  # it owns the request again: losing it again needs a release again
+        self.released.pop(worker_id, None)  # it owns the request again: losing it again needs a release again
         if delivery is not None:
             self.taken_through.add(delivery)
         self.migrations += migration

@@ -37,6 +37,7 @@ RECENTLY_CLOSED = 65536  # closed request ids remembered, so a worker's late fra
 # reconnect, a request that hears nothing (no frame, no take-over) for this long ends with an error. Above the work
 # queue's ack_wait, so that a request whose worker also died is taken over first.
 RECONNECT_GRACE_S = 5.0
+RELEASE_REPEAT_S = 1.0  # how often a worker that still sends records of a request it lost is told again
 
 DraftKey = tuple[int, int]  # (worker id, step): step numbers are per worker
 
@@ -169,8 +170,10 @@ class Detokenizer:
             return False
         if record.seq_no != WHEREVER and not request.from_owner(worker_id):
             STALE_RECORDS.inc()
-            if worker_id not in request.released:
-                request.released.add(worker_id)
+            now = time.monotonic()
+            if now - request.released.get(worker_id, -RELEASE_REPEAT_S) >= RELEASE_REPEAT_S:
+                # Again while its records keep coming: a release travels on core NATS, and may be lost.
+                request.released[worker_id] = now
                 self._releases.append(Cancel(request_id=request_id, reason="taken_over", worker_id=worker_id))
             return False
         self._heard(request_id)
