@@ -138,8 +138,8 @@ def test_a_tools_local_definitions_resolve_inside_the_call(format_name: str) -> 
 def test_a_tool_that_refers_to_itself_or_its_parts_compiles_and_means_what_it_says(format_name: str) -> None:
     """A tree (`#` is the parameters' root, not the call's) and a pointer into the parameters: the forced call
     compiles and takes the tree, not a call object as a child; tools whose names run together do not mix."""
-    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
-                                             "w": {"$ref": "#/properties/v"}}, "required": ["v"]}
+    tree = {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}, "w": {"$ref": "#/properties/v"}}}
     tools = [{"type": "function", "function": {"name": "a", "parameters": tree}},
              {"type": "function", "function": {"name": "a__b", "parameters": {
                  "type": "object", "properties": {"p": {"$ref": "#/$defs/c"}}, "$defs": {"c": {"type": "string"}}}}}]

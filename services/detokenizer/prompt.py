@@ -56,7 +56,8 @@ class PromptAssembler:
         # Tokens whose scores are here: token 0 needs none, and without scores the ids are all there is.
         self._ready = FIRST_SCORED_TOKEN if asked else len(self._ids)
         self._sent = 0
-        self._decoder = IncrementalDecoder(table, table.special_names if open_msg.echo_special_tokens else (), starts_text=True)
+        shown = table.special_names if open_msg.echo_special_tokens else ()
+        self._decoder = IncrementalDecoder(table, shown, starts_text=True)
         num_scored = max(len(self._ids) - FIRST_SCORED_TOKEN, 0)
         num_slots = max(asked, default=0) + 1
         # Row i holds prompt token i + 1 (slot 0) and the top-k at the position before it, as the frames do.

@@ -218,7 +218,8 @@ class Generator:
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         try:
             return self._tokenizer.apply_chat_template(
-                body.chat(self.tool_format), body.add_generation_prompt, body.continue_final_message, body.template_tools(),
+                body.chat(self.tool_format), body.add_generation_prompt, body.continue_final_message,
+                body.template_tools(),
                 body.chat_template_kwargs,
             )
         except jinja2.TemplateError as exc:

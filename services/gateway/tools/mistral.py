@@ -5,10 +5,11 @@ of the model's tokenizer version.
 - v11 and later (Mistral Small 3.1+, Devstral, Magistral): each call as `[TOOL_CALLS]name[ARGS]{...}`, the
   arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
 
-A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. The tags are control tokens, which generated text leaves out:
-a request read for calls keeps them in its text (shown_special_ids), and the calls take them out again. Mistral's
-chat templates refuse call ids other than nine letters and digits: this format makes such ids, and gives the
-template the last nine characters of others' (as vLLM does).
+A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. The
+tags are control tokens, which generated text leaves out: a request read for calls keeps them in its text
+(shown_special_ids), and the calls take them out again. Mistral's chat templates refuse call ids other than nine
+letters and digits: this format makes such ids, and gives the template the last nine characters of others' (as
+vLLM does).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def message_with_calls(
     calls = calls if parallel else calls[:1]
     message["content"] = content or None
     message["tool_calls"] = [
-        {"id": format.new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        {"id": format.new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
     ]
     return _finish(finish_reason, named)
 
