@@ -62,12 +62,17 @@ def _walk(schema: Any, closable: bool, extended: set[tuple[str, str]], close: bo
         _definition(out["$ref"])  # only checks that it is one
     if close and closable and _keys_listed(out):
         out["additionalProperties"] = False
+    # Its keys' and items' schemas are whole unless something beside them describes the same keys or items further
+    described_further = any(key in out for key in (*EXTENSIONS, *EXTENSION_MAPS)) or (
+        "$ref" in out and bool(set(out) - ANNOTATIONS)
+    ) or (("anyOf" in out or "oneOf" in out) and not _alternatives_alone(out))
+    own_closable = closable and not described_further
     for key in OWN_SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _walk(sub, closable, extended, close) for name, sub in out[key].items()}
+            out[key] = {name: _walk(sub, own_closable, extended, close) for name, sub in out[key].items()}
     for key in OWN_SCHEMAS:  # a boolean schema (additionalProperties false) comes back as it is
         if key in out:
-            out[key] = _walk(out[key], closable, extended, close)
+            out[key] = _walk(out[key], own_closable, extended, close)
     for key in ("anyOf", "oneOf"):  # alternatives, each whole where nothing beside them rules on the object's keys
         if isinstance(out.get(key), list):
             alone = not any(k in out for k in (*OPEN_ENDED, *EXTENDED_BY, "properties", "required") if k != key)
@@ -84,6 +89,13 @@ def _walk(schema: Any, closable: bool, extended: set[tuple[str, str]], close: bo
                 name: _walk(sub, (key, name) not in extended, extended, close) for name, sub in out[key].items()
             }
     return out
+
+
+def _alternatives_alone(schema: dict) -> bool:
+    """Whether a schema's anyOf/oneOf stands without anything else ruling on its objects' keys or items."""
+    beside = (*OPEN_ENDED, *EXTENDED_BY, *OWN_SCHEMA_MAPS, *OWN_SCHEMAS, "required")
+    return sum(key in schema for key in ("anyOf", "oneOf")) == 1 and not any(
+        key in schema for key in beside if key not in ("anyOf", "oneOf"))
 
 
 def _definition(ref: Any) -> tuple[str, str]:

@@ -74,6 +74,16 @@ EXTENDED = [
     ({"$defs": {"C": BASE, "B": {"$ref": "#/$defs/C"}, "A": {"$ref": "#/$defs/B"}},
       "allOf": [{"$ref": "#/$defs/A"}, EMAIL]}, '{"id":1,"email":"b"}'),
     ({"$defs": {"a/b": BASE}, "allOf": [{"$ref": "#/$defs/a~1b"}, EMAIL]}, '{"id":1,"email":"b"}'),
+    # From a third: a key or items described again by an extension beside them
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+      "allOf": [{"properties": {"a": {"type": "object", "properties": {"y": {"type": "integer"}}}}}]},
+     '{"a":{"x":1,"y":2}}'),
+    ({"$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+      "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+      "allOf": [{"properties": {"a": {"type": "object", "properties": {"y": {"type": "integer"}}}}}]},
+     '{"a":{"x":1,"y":2}}'),
+    ({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}},
+      "allOf": [{"items": {"type": "object", "properties": {"y": {"type": "integer"}}}}]}, '[{"x":1,"y":2}]'),
 ]
 
 

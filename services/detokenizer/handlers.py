@@ -119,6 +119,9 @@ class Detokenizer:
         the new owner, which could then die with nothing left to redeliver."""
         releases, self._releases = self._releases, []
         for release in releases:
+            request = self._requests.get(release.request_id)
+            if request is None or request.owner == release.worker_id:
+                continue  # over, or that worker took it over again while this frame's chunks went out
             RELEASES.inc()
             await self._nc.publish(subjects.STOP, release.to_bytes())
 

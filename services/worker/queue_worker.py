@@ -70,6 +70,7 @@ class QueueWorker:
         # of them that came back here meanwhile, parked (heartbeated) until it has: the engine aborts by request id
         self._released: set[str] = set()
         self._parked: dict[str, Msg] = {}
+        self._lost_handoffs: set[str] = set()  # requests released while being handed off: their handoff stops
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
         self.role = engine.config.role
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
@@ -145,6 +146,7 @@ class QueueWorker:
             return
         self._requests.pop(request_id, None)
         if request_id in self._handing_off.values():
+            self._lost_handoffs.add(request_id)
             return
         self._released.add(request_id)
         log.warning("request %s was taken over by another worker; dropped here", request_id)
@@ -382,6 +384,7 @@ class QueueWorker:
         """A handoff that raised leaves its request's message unacknowledged: heartbeated no more, it comes back
         after ack_wait and its take-over continues it from where its detokenizer says."""
         request_id = self._handing_off.pop(task)
+        self._lost_handoffs.discard(request_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("handoff of request %s failed", request_id, exc_info=task.exception())
             self._requests.pop(request_id, None)
@@ -408,12 +411,15 @@ class QueueWorker:
         request, msg = self._requests.get(request_id), self._messages.get(request_id)
         if request is None or msg is None:
             return
-        await self.sender.hand_off(request, payload, lambda: self._messages.get(request_id) is not msg
-                                   or request_id in self._recent_cancels, delivery_id(msg))
-        if self._messages.get(request_id) is not msg:
+        await self.sender.hand_off(
+            request, payload, lambda: request_id in self._lost_handoffs or request_id in self._recent_cancels,
+            delivery_id(msg),
+        )
+        if request_id in self._lost_handoffs:
+            self._lost_handoffs.discard(request_id)
             return  # released meanwhile: the message is another worker's now
         self._requests.pop(request_id, None)
-        self._messages.pop(request_id, None)
+        msg = self._messages.pop(request_id, msg)  # the latest delivery (one came again while it waited)
         self._acked.set()
         try:
             await msg.ack()

@@ -90,7 +90,7 @@ class StepRunner:
         ] + frames
         for request in ended:
             self._num_live.pop(request.request_id, None)
-        for request_id in finished + [request.request_id for request in ended]:
+        for request_id in finished + released + [request.request_id for request in ended]:
             self._detok_ids.pop(request_id, None)
             self._guard.forget(request_id)
         failures = [(request.request_id, reason) for request, reason in failed]
