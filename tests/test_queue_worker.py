@@ -26,7 +26,9 @@ from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
 from shared.nats_roles import NatsRole
 from shared import streams
-from shared.schemas import Cancel, ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest
+from shared.schemas import (
+    Cancel, ChoiceProgress, ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest,
+)
 from shared.tokenizer import Tokenizer
 from tests.modelfixture import tiny_model_dir  # noqa: F401  (fixtures are used by name)
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401
@@ -180,15 +182,17 @@ async def test_stop_publishes_every_step_taken(running: Running, tiny_model_dir:
     assert running.worker.num_in_flight == 1 and await running.worker.hand_back() == 1
 
 
-async def came_back_to(running: Running, model_dir: Path, detok_id: str) -> Msg:
+async def came_back_to(
+    running: Running, model_dir: Path, detok_id: str, sampling: SamplingParams = SamplingParams(temperature=0.0,
+                                                                                                max_tokens=8)
+) -> Msg:
     """A request another worker had: its message back on the shared queue, marked as delivered before (as a routed
     one is moved); returns the query this worker sends its detokenizer, unanswered."""
     queries: asyncio.Queue = asyncio.Queue()
     await running.nc.subscribe(subjects.progress(detok_id), cb=queries.put)
     await running.nc.flush()
     request = WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(Tokenizer(model_dir).encode(REPETITIVE)),
-                          detok_id=detok_id, sampling=SamplingParams(temperature=0.0, max_tokens=8),
-                          created=time.time())
+                          detok_id=detok_id, sampling=sampling, created=time.time())
     await running.nc.jetstream().publish(subjects.RESUMED_REQUESTS, request.to_bytes(),
                                          headers={subjects.DELIVERED_BEFORE_HEADER: "1"})
     return await asyncio.wait_for(queries.get(), RECEIVE_TIMEOUT_S)
@@ -259,3 +263,20 @@ async def test_a_worker_told_it_lost_a_request_drops_it_and_leaves_its_message_u
     await asyncio.sleep(0.5)  # hundreds of steps of the tiny model
     assert len(running.received.frames) == sent, "the engine dropped the request"
     assert not running.received.finished.is_set() and await num_ack_pending(running.nc) == 1
+
+
+async def test_a_release_that_crossed_a_take_over_here_is_ignored(
+    running: Running, tiny_model_dir: Path  # noqa: F811
+) -> None:
+    """A release sent before this worker took the request over (about the run before), arriving after the answer:
+    the run just taken over goes on. A worker loses a request only after ack_wait, so a real release comes later."""
+    long = SamplingParams(temperature=1.0, seed=1, max_tokens=400, ignore_eos=True)  # hundreds of steps
+    asked = await came_back_to(running, tiny_model_dir, "crossing-detokenizer", long)
+    query = ProgressQuery.from_bytes(asked.data)
+    await asked.respond(ProgressReport(outcome=TakeOver.CONTINUE, progress=(ChoiceProgress(index=0),),
+                                       migrations=1).to_bytes())
+    await until(lambda: query.request_id not in running.worker._asking, "the take-over's answer")
+    release = Cancel(request_id=query.request_id, reason="taken_over", worker_id=WORKER_ID)
+    await running.worker.on_cancel(Msg(running.nc, subject=subjects.STOP, data=release.to_bytes()))
+    assert running.worker.num_in_flight == 1 and query.request_id not in running.worker._released
+    await until_acknowledged(running.nc)  # it ran to its end here

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from shared import subjects
 from shared.frames import frame_kind
-from shared.natsutil import REQUEST_HEARTBEAT_S
+from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S
 from shared.schemas import Cancel, ChoiceProgress, HandoffTicket, RequestAddress, WorkRequest
 from services.worker.engine_process import EngineProcess
 from services.worker.engine_protocol import StepResult, Work
@@ -50,6 +50,10 @@ CAPACITY_POLL_S = 0.01  # how often a full worker looks again for room to fetch
 # max_num_batched_tokens rows, milliseconds to seconds, but on a GPU the first steps of each shape also compile
 # their Triton kernels (seconds each).
 ENGINE_STALL_S = 120.0
+# A worker loses a request only after ack_wait without its heartbeats: a release that comes sooner after this worker
+# took the request over concerns an earlier run (it crossed the take-over's answer on the way), and is ignored. The
+# detokenizer repeats a release while the loser's records keep coming, so a real one comes again later.
+RELEASE_GRACE_S = REQUEST_ACK_WAIT_S / 2
 
 
 class QueueWorker:
@@ -71,6 +75,7 @@ class QueueWorker:
         self._released: set[str] = set()
         self._parked: dict[str, Msg] = {}
         self._lost_handoffs: set[str] = set()  # requests released while being handed off: their handoff stops
+        self._taken_over_at: dict[str, float] = {}  # requests this worker took over, when (monotonic)
         self.routing: Routing | None = None  # prefix-aware routing's side here (routing.py), when it is on
         self.role = engine.config.role
         # Prefill/decode disaggregation (handoff/): a prefill worker's sender, a decode worker's receiving transport
@@ -140,11 +145,13 @@ class QueueWorker:
         message unsettled too. One whose detokenizer is being asked is left alone (the release is about a run
         before)."""
         request_id = release.request_id
-        if request_id in self._asking:
+        taken_at = self._taken_over_at.get(request_id)
+        if request_id in self._asking or taken_at is not None and time.monotonic() - taken_at < RELEASE_GRACE_S:
             return
         if self._messages.pop(request_id, None) is None:
             return
         self._requests.pop(request_id, None)
+        self._taken_over_at.pop(request_id, None)
         if request_id in self._handing_off.values():
             self._lost_handoffs.add(request_id)
             return
@@ -283,6 +290,7 @@ class QueueWorker:
             else:
                 log.info("request %s continues here (migration %d)", request.request_id, taken.migrations)
             self._requests[request.request_id] = taken.request
+            self._taken_over_at[request.request_id] = time.monotonic()
             self._start(taken.request, payload)
             return
         self._let_transfer_go(ticket)
@@ -345,11 +353,13 @@ class QueueWorker:
         for detok_id, frame in result.frames:
             await self.nc.publish(subjects.frames(detok_id), frame)
         for request_id in result.finished:
+            self._taken_over_at.pop(request_id, None)
             self._requests.pop(request_id, None)
             msg = self._messages.pop(request_id, None)
             if msg is not None:
                 await msg.ack()
         for request_id, reason in result.failed:
+            self._taken_over_at.pop(request_id, None)
             self._requests.pop(request_id, None)
             msg = self._messages.pop(request_id, None)
             self.metrics.child(FAILED_REQUESTS, reason=reason).inc()
@@ -385,6 +395,7 @@ class QueueWorker:
         after ack_wait and its take-over continues it from where its detokenizer says."""
         request_id = self._handing_off.pop(task)
         self._lost_handoffs.discard(request_id)
+        self._taken_over_at.pop(request_id, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("handoff of request %s failed", request_id, exc_info=task.exception())
             self._requests.pop(request_id, None)
