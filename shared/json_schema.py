@@ -56,16 +56,17 @@ def _walk(schema: Any, closable: bool, extended: set[tuple[str, str]], close: bo
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "$ref" in out and (not closable or set(out) - ANNOTATIONS):
-        extended.add(_definition(out["$ref"]))
-    elif "$ref" in out:
-        _definition(out["$ref"])  # only checks that it is one
+    ref_extended = "$ref" in out and bool(set(out) - ANNOTATIONS)  # a $ref with more than annotations beside it
+    if "$ref" in out:
+        target = _definition(out["$ref"])
+        if ref_extended or not closable:
+            extended.add(target)
     if close and closable and _keys_listed(out):
         out["additionalProperties"] = False
     # Its keys' and items' schemas are whole unless something beside them describes the same keys or items further
-    described_further = any(key in out for key in (*EXTENSIONS, *EXTENSION_MAPS)) or (
-        "$ref" in out and bool(set(out) - ANNOTATIONS)
-    ) or (("anyOf" in out or "oneOf" in out) and not _alternatives_alone(out))
+    described_further = any(key in out for key in (*EXTENSIONS, *EXTENSION_MAPS)) or ref_extended or (
+        ("anyOf" in out or "oneOf" in out) and not _alternatives_alone(out)
+    )
     own_closable = closable and not described_further
     for key in OWN_SCHEMA_MAPS:
         if isinstance(out.get(key), dict):

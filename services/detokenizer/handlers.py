@@ -117,6 +117,8 @@ class Detokenizer:
         """Tells each worker that sent records of a request another worker took over to drop it: it would run the
         request to its end for nothing, and its acknowledgement would take the message from the work queue under
         the new owner, which could then die with nothing left to redeliver."""
+        if not self._releases:  # every frame asks: almost always none
+            return
         releases, self._releases = self._releases, []
         for release in releases:
             request = self._requests.get(release.request_id)

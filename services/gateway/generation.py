@@ -122,12 +122,13 @@ class Generator:
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
         gens = []
+        shown_special_ids = self._shown_special_ids(body)
         for prompt_ids in prompts:
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
             sampling = self._sampling(body, max_tokens, structured, prediction)
-            gens.append(Generation(api, body, prompt_ids, sampling, started, self._shown_special_ids(body)))
+            gens.append(Generation(api, body, prompt_ids, sampling, started, shown_special_ids))
         check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids

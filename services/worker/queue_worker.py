@@ -148,10 +148,8 @@ class QueueWorker:
         taken_at = self._taken_over_at.get(request_id)
         if request_id in self._asking or taken_at is not None and time.monotonic() - taken_at < RELEASE_GRACE_S:
             return
-        if self._messages.pop(request_id, None) is None:
+        if self._forget(request_id) is None:
             return
-        self._requests.pop(request_id, None)
-        self._taken_over_at.pop(request_id, None)
         if request_id in self._handing_off.values():
             self._lost_handoffs.add(request_id)
             return
@@ -160,6 +158,12 @@ class QueueWorker:
         self.metrics.child(REQUESTS_RELEASED).inc()
         self._acked.set()
         self.engine.send(Work(cancels=[release]))
+
+    def _forget(self, request_id: str) -> Msg | None:
+        """Takes a request off this worker's books; returns its message (the latest delivery), if it was held."""
+        self._requests.pop(request_id, None)
+        self._taken_over_at.pop(request_id, None)
+        return self._messages.pop(request_id, None)
 
     async def fetch_loop(self, psub, routed: bool = False) -> None:
         """Takes requests from a pull subscription while there is capacity: the shared queue's, or (routed) this
@@ -294,8 +298,7 @@ class QueueWorker:
             self._start(taken.request, payload)
             return
         self._let_transfer_go(ticket)
-        self._messages.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+        self._forget(request.request_id)
         self._acked.set()
         try:
             if taken.outcome in (Outcome.NO_ANSWER, Outcome.NO_DETOKENIZER):
@@ -353,15 +356,10 @@ class QueueWorker:
         for detok_id, frame in result.frames:
             await self.nc.publish(subjects.frames(detok_id), frame)
         for request_id in result.finished:
-            self._taken_over_at.pop(request_id, None)
-            self._requests.pop(request_id, None)
-            msg = self._messages.pop(request_id, None)
-            if msg is not None:
+            if (msg := self._forget(request_id)) is not None:
                 await msg.ack()
         for request_id, reason in result.failed:
-            self._taken_over_at.pop(request_id, None)
-            self._requests.pop(request_id, None)
-            msg = self._messages.pop(request_id, None)
+            msg = self._forget(request_id)
             self.metrics.child(FAILED_REQUESTS, reason=reason).inc()
             if msg is not None:
                 await msg.term()
@@ -395,11 +393,9 @@ class QueueWorker:
         after ack_wait and its take-over continues it from where its detokenizer says."""
         request_id = self._handing_off.pop(task)
         self._lost_handoffs.discard(request_id)
-        self._taken_over_at.pop(request_id, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("handoff of request %s failed", request_id, exc_info=task.exception())
-            self._requests.pop(request_id, None)
-            self._messages.pop(request_id, None)
+            self._forget(request_id)
             self._acked.set()
 
     def _with_progress(self, request_id: str, progress: list[tuple[int, list[int], int]], seed: int) -> None:
@@ -429,8 +425,7 @@ class QueueWorker:
         if request_id in self._lost_handoffs:
             self._lost_handoffs.discard(request_id)
             return  # released meanwhile: the message is another worker's now
-        self._requests.pop(request_id, None)
-        msg = self._messages.pop(request_id, msg)  # the latest delivery (one came again while it waited)
+        msg = self._forget(request_id) or msg  # the latest delivery (one came again while it waited)
         self._acked.set()
         try:
             await msg.ack()
