@@ -62,7 +62,8 @@ def _consumer_info(stream: str, consumer: str) -> str:
 
 
 def _gateway_waits_for_streams() -> tuple[str, ...]:
-    """streams.wait_for(GATEWAY_NEEDS): the streams it publishes to exist."""
+    """streams.wait_for(GATEWAY_NEEDS): the streams it publishes to exist (the response store's lookup is among
+    _stores_responses)."""
     return _stream_info(subjects.REQUEST_STREAM), _stream_info(subjects.ROUTED_STREAM)
 
 
@@ -120,6 +121,16 @@ def _moves_dead_letters() -> tuple[str, ...]:
     )
 
 
+def _stores_responses() -> tuple[str, ...]:
+    """services/gateway/responses/store.py: look the bucket up, put and delete entries (messages on its keys), read
+    one (a direct get, or the stream's message get where direct gets are off)."""
+    stream = subjects.RESPONSE_STREAM
+    return (
+        _stream_info(stream), subjects.RESPONSE_KEYS, f"{JS_API}.DIRECT.GET.{stream}.{ANY_REST}",
+        f"{JS_API}.DIRECT.GET.{stream}", f"{JS_API}.STREAM.MSG.GET.{stream}",
+    )
+
+
 def _inbox(role: NatsRole) -> str:
     return f"{inbox_prefix(role)}.{ANY_REST}"
 
@@ -130,6 +141,7 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
             *_gateway_waits_for_streams(), subjects.ROUTED_SUBJECTS, subjects.cache_sync(ANY_TOKEN),
+            *_stores_responses(),
         ),
         subscribe=(
             subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),

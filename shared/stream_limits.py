@@ -24,6 +24,10 @@ DEFAULT_MAX_BYTES = 1024 * MIB
 # Longer than any request may wait silently at the gateway (its --request-timeout, 600 s by default): a message
 # older than this has no client left. JetStream removes it even while a worker holds it.
 DEFAULT_MAX_AGE_S = 3600.0
+# Stored responses (POST /v1/responses): kept as long as OpenAI keeps them, unless the store fills first, when the
+# oldest go.
+DEFAULT_RESPONSE_STORE_MAX_AGE_S = 30 * 24 * 3600.0
+DEFAULT_RESPONSE_STORE_MAX_BYTES = 1024 * MIB
 
 
 class StreamLimits(BaseModel):
@@ -32,6 +36,8 @@ class StreamLimits(BaseModel):
     max_msgs: int = Field(DEFAULT_MAX_MSGS, ge=1)  # requests queued or being worked on
     max_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)  # their total size
     max_age_s: float = Field(DEFAULT_MAX_AGE_S, gt=0.0)  # how long a request may stay in the stream
+    response_store_max_age_s: float = Field(DEFAULT_RESPONSE_STORE_MAX_AGE_S, gt=0.0)
+    response_store_max_bytes: int = Field(DEFAULT_RESPONSE_STORE_MAX_BYTES, ge=1)
 
     def stream_options(self) -> dict[str, object]:
         """The StreamConfig fields these limits set."""
@@ -44,7 +50,11 @@ class StreamLimits(BaseModel):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StreamLimits":
-        return cls(max_msgs=args.queue_max_msgs, max_bytes=args.queue_max_bytes, max_age_s=args.queue_max_age)
+        return cls(
+            max_msgs=args.queue_max_msgs, max_bytes=args.queue_max_bytes, max_age_s=args.queue_max_age,
+            response_store_max_age_s=args.response_store_max_age,
+            response_store_max_bytes=args.response_store_max_bytes,
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,4 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue-max-age", type=option_types.seconds, default=DEFAULT_MAX_AGE_S,
         help="work queue: seconds a request may stay in the stream before JetStream removes it",
+    )
+    parser.add_argument(
+        "--response-store-max-age", type=option_types.seconds, default=DEFAULT_RESPONSE_STORE_MAX_AGE_S,
+        help="stored responses (POST /v1/responses with store): seconds one is kept (default 30 days)",
+    )
+    parser.add_argument(
+        "--response-store-max-bytes", type=option_types.at_least(1), default=DEFAULT_RESPONSE_STORE_MAX_BYTES,
+        help="stored responses: the most bytes kept; past it the oldest are dropped",
     )

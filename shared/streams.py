@@ -65,7 +65,9 @@ class Needed:
         return self.stream if self.consumer is None else f"{self.stream} (consumer {self.consumer})"
 
 
-GATEWAY_NEEDS = (Needed(subjects.REQUEST_STREAM), Needed(subjects.ROUTED_STREAM))
+GATEWAY_NEEDS = (
+    Needed(subjects.REQUEST_STREAM), Needed(subjects.ROUTED_STREAM), Needed(subjects.RESPONSE_STREAM),
+)
 WORKER_NEEDS = (
     Needed(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER),
     Needed(subjects.ROUTED_STREAM),
@@ -95,6 +97,17 @@ def _dead_letter_consumer() -> ConsumerConfig:
     )
 
 
+def _response_store(limits: StreamLimits) -> StreamConfig:
+    """The stored responses' key-value bucket, as JetStream lays one out (one entry per key, direct gets, deletes as
+    markers), except that a full store drops its oldest responses rather than refusing new ones."""
+    return StreamConfig(
+        name=subjects.RESPONSE_STREAM, subjects=[subjects.RESPONSE_KEYS], retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE, max_msgs_per_subject=1, max_age=limits.response_store_max_age_s,
+        max_bytes=limits.response_store_max_bytes, discard=DiscardPolicy.OLD, allow_direct=True,
+        allow_rollup_hdrs=True, deny_delete=True,
+    )
+
+
 async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
@@ -105,13 +118,14 @@ async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_streams(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> None:
-    """Creates the request, routed and dead-letter streams and their shared consumers, or brings existing ones to
-    this configuration. Needs the admin user."""
+    """Creates the request, routed and dead-letter streams and their shared consumers, and the response store, or
+    brings existing ones to this configuration. Needs the admin user."""
     await _create_or_update(js, _work_queue(subjects.REQUEST_STREAM, list(subjects.REQUEST_SUBJECTS), limits))
     await js.add_consumer(subjects.REQUEST_STREAM, request_consumer_config(subjects.WORKER_CONSUMER))
     await _create_or_update(js, _work_queue(subjects.ROUTED_STREAM, [subjects.ROUTED_SUBJECTS], limits))
     await _create_or_update(js, _dead_letters())
     await js.add_consumer(subjects.DEAD_LETTER_STREAM, _dead_letter_consumer())
+    await _create_or_update(js, _response_store(limits))
 
 
 async def _missing(js: JetStreamContext, needs: tuple[Needed, ...]) -> list[Needed]:

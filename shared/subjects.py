@@ -106,3 +106,9 @@ STOP = f"{PREFIX}.stop"
 def responses(gateway_id: str) -> str:
     """detokenizer -> the gateway instance that owns the request; body: schemas.Chunk."""
     return f"{PREFIX}.responses.{gateway_id}"
+
+# Stored responses (POST /v1/responses with `store`): a JetStream key-value bucket every gateway shares, so that a
+# response stored by one gateway is continued (previous_response_id), read or deleted through any other.
+RESPONSE_BUCKET = "specmesh_responses"
+RESPONSE_STREAM = f"KV_{RESPONSE_BUCKET}"  # the bucket's stream, as JetStream names it
+RESPONSE_KEYS = f"$KV.{RESPONSE_BUCKET}.>"  # the subjects its entries are put and deleted on

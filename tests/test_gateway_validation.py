@@ -279,7 +279,7 @@ def test_the_response_size_bound_counts_prompt_logprobs_only_as_shown() -> None:
 def test_unknown_field_names_are_logged_once_each_and_boundedly(caplog: pytest.LogCaptureFixture) -> None:
     """Each unknown name is logged once, and at most MAX_LOGGED_NAMES of them are remembered: a client sending
     thousands of new names per request grows neither the gateway's memory nor its log without bound."""
-    fields = UnknownFields(strict=False, declared={"completion": frozenset({"model"})})
+    fields = UnknownFields(strict=False, known={"completion": frozenset({"model"})})
     with caplog.at_level(logging.WARNING, logger="services.gateway.unknown_fields"):
         for batch in range(3):
             fields.check({"model": "m", **{f"x{batch}-{i}": 1 for i in range(MAX_LOGGED_NAMES)}}, "completion")

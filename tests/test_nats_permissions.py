@@ -65,6 +65,11 @@ FORGERIES = [
     (NatsRole.DETOKENIZER, subjects.frames(DETOK_ID)),
     (NatsRole.DETOKENIZER, "_INBOX.gateway.forged.reply"),  # only in answer to a request it received
     (NatsRole.DETOKENIZER, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}"),
+    # Stored responses are the gateway's: another role's entry would put words in a conversation's history.
+    (NatsRole.WORKER, f"$KV.{subjects.RESPONSE_BUCKET}.resp_forged"),
+    (NatsRole.DETOKENIZER, f"$KV.{subjects.RESPONSE_BUCKET}.resp_forged"),
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.PURGE.{subjects.RESPONSE_STREAM}"),
+    (NatsRole.GATEWAY, f"$JS.API.STREAM.UPDATE.{subjects.RESPONSE_STREAM}"),
 ]
 # (role, subject): what each role's user must not be able to read.
 EAVESDROPPING = [
@@ -161,6 +166,11 @@ async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> No
     (resumed,) = await pulled.fetch(1, timeout=WAIT_S)
     assert (resumed.subject, resumed.data) == (subjects.RESUMED_REQUESTS, b"resumed")
     await resumed.term()
+    # The gateway stores a response, reads it back and deletes it (services/gateway/responses/store.py).
+    store = await gateway.jetstream().key_value(subjects.RESPONSE_BUCKET)
+    await store.put("resp_1", b"stored")
+    assert (await store.get("resp_1")).value == b"stored"
+    await store.delete("resp_1")
     await asyncio.gather(detok.flush(), worker.flush(), gateway.flush())
     assert {role: e.reported for role, e in errors.items()} == {role: [] for role in SERVICE_ROLES}
 
@@ -215,7 +225,7 @@ def test_every_subject_of_the_mesh_has_a_publisher_and_nobody_publishes_outside_
         assert publishers, f"no role may publish {subject}"
     for role in SERVICE_ROLES:
         for pattern in PERMISSIONS[role].publish:
-            if not pattern.startswith("$JS."):
+            if not pattern.startswith(("$JS.", "$KV.")):  # JetStream's API, and its key-value buckets
                 assert any(_matches(pattern, subject) for subject in used), f"{role} may publish {pattern}, unused"
 
 

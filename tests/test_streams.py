@@ -24,7 +24,8 @@ from tests.natsfixture import NatsServer, running_nats_server
 
 WAIT_S = 5.0
 NOT_YET_S = 3 * streams.WAIT_POLL_S
-LIMITS = StreamLimits(max_msgs=7, max_bytes=1 << 20, max_age_s=60.0)
+LIMITS = StreamLimits(max_msgs=7, max_bytes=1 << 20, max_age_s=60.0, response_store_max_age_s=120.0,
+                     response_store_max_bytes=1 << 21)
 ALL_STREAMS = (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM, subjects.DEAD_LETTER_STREAM)
 
 
@@ -59,6 +60,8 @@ async def test_declaring_again_sets_the_limits_of_existing_streams(nats_server_w
         for name in (subjects.REQUEST_STREAM, subjects.ROUTED_STREAM):
             config = (await js.stream_info(name)).config
             assert (config.max_msgs, config.max_bytes, config.max_age) == (7, 1 << 20, 60.0)
+        store = (await js.stream_info(subjects.RESPONSE_STREAM)).config
+        assert (store.max_age, store.max_bytes, store.max_msgs_per_subject) == (120.0, 1 << 21, 1)
         consumer = (await js.consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)).config
         assert consumer.filter_subject is None  # the shared consumer takes every request subject
     finally:

@@ -27,6 +27,8 @@ from services.gateway.body import body_limits
 from services.gateway.disconnects import quiet_disconnects
 from services.gateway.errors import UNAVAILABLE, OpenAIError, error_middleware, model_not_found
 from services.gateway.generation import Generator
+from services.gateway.responses.handler import ResponsesEndpoint
+from services.gateway.responses.store import ResponseStore
 from services.gateway.limits import GatewayLimits
 from shared.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -95,6 +97,7 @@ class Gateway:
             tool_format=format_for(tokenizer.chat_template, config.tool_call_parser, tokenizer.special_tokens),
             reasoning_format=None if config.reasoning_parser is None else REASONING_FORMATS[config.reasoning_parser],
         )
+        self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc))
         if self.generator.tool_format is None:
             log.warning(
                 "the chat template writes tool calls in no format this gateway reads: requests with tools are "
@@ -181,6 +184,9 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app[GATEWAY] = gateway
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_post("/v1/responses", gateway.responses.create)
+    app.router.add_get("/v1/responses/{response_id}", gateway.responses.get)
+    app.router.add_delete("/v1/responses/{response_id}", gateway.responses.delete)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/v1/models/{model}", gateway.get_model)
     add_routes(app, gateway.readiness)

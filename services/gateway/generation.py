@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 
 import jinja2
 from aiohttp import web
@@ -44,7 +45,7 @@ from services.gateway.prompt_size import check_prompt_size, prompt_char_limit
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.request_body import RequestBodies
 from services.gateway.response_size import check_response_size
-from services.gateway.router import ChunkRouter
+from services.gateway.router import ChunkRouter, ResponseStream
 from services.gateway.truncation import prompt_limit, truncated
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.structured import StructuredOutput
@@ -53,6 +54,11 @@ from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
 CLIENT_DISCONNECTED = "client_disconnected"
+# Answers a request's client from its chunks: answer.answer's signature
+Writer = Callable[
+    [web.Request, list[Generation], ResponseChoices, ResponseStream, str, ToolFormat | None, ReasoningFormat | None],
+    Awaitable[web.StreamResponse],
+]
 FAILED = "error"
 # Tokens at the end of a chat prompt read for the reasoning block its template opened or closed (the tags and the
 # line breaks after them).
@@ -77,13 +83,21 @@ class Generator:
         self._keys_checked = keys_checked  # whether the Authorization header names a proven client (identity.py)
         self._prompt_char_limit = prompt_char_limit(tokenizer, max_model_len)
         self._submitter = Submitter(nc, router.subject, prefix_router)
-        self._bodies = RequestBodies(max_n, strict_params)
+        self.bodies = RequestBodies(max_n, strict_params)
         self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py); None: not known
         self.reasoning_format = reasoning_format  # how it sets its thinking apart (reasoning/); None: it does not
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
-        body = await self._bodies.parse(request, api)
+        body = await self.bodies.parse(request, api)
+        return await self.generate(request, api, body, started)
+
+    async def generate(
+        self, request: web.Request, api: Api, body: ChatCompletionRequest | CompletionRequest, started: float,
+        writer: Writer = answer,
+    ) -> web.StreamResponse:
+        """Serves a validated request (received at monotonic `started`); `writer` answers its client, a chat
+        completion's by default (answer.py)."""
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
@@ -144,7 +158,7 @@ class Generator:
                     reason = FAILED
                     try:
                         await submission.start(chunks)
-                        return await answer(
+                        return await writer(
                             request, gens, choices, chunks, self._model, self.tool_format, reasoning
                         )
                     except (asyncio.CancelledError, ConnectionResetError):

@@ -36,15 +36,21 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     return ["--strict-params"] if args.strict_params else []
 
 
+def known_fields(declared: frozenset[str], api: Api) -> frozenset[str]:
+    """The fields known on a generation endpoint: its request model's, and those extensions.py answers for."""
+    return declared | known_names(api)
+
+
 class UnknownFields:
     """Finds the fields of a request body that nothing reads; refuses them when strict, else logs each name once."""
 
-    def __init__(self, strict: bool, declared: dict[Api, frozenset[str]]) -> None:
+    def __init__(self, strict: bool, known: dict[str, frozenset[str]]) -> None:
+        """known: by endpoint, the field names something reads (see known_fields)."""
         self._strict = strict
-        self._known = {api: names | known_names(api) for api, names in declared.items()}
+        self._known = known
         self._logged: set[str] = set()
 
-    def check(self, data: dict[str, Any], api: Api) -> None:
+    def check(self, data: dict[str, Any], api: str) -> None:
         unknown = [name for name in data if name not in self._known[api]]
         if not unknown:
             return

@@ -1,0 +1,145 @@
+"""A Responses request's answer: its chat answer's chunks, split by the reasoning parser and the tool-call reader as a
+chat answer's are, made into output items (output.py), and sent as the Responses API's named server-sent events or as
+one response object.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from services.gateway import sse
+from services.gateway.choices import ResponseChoices
+from services.gateway.errors import SERVER_ERROR, OpenAIError
+from services.gateway.in_flight import Generation
+from services.gateway.latency import ResponseLatency
+from services.gateway.reasoning.parser import ReasoningFormat, StreamedReasoning
+from services.gateway.responses.output import ResponseOutput, responses_usage
+from services.gateway.router import ResponseStream
+from services.gateway.tools.formats import ToolFormat
+from services.gateway.tools.tool_calls import StreamedToolCalls
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = 500
+# Counts the reasoning tokens of an answer from its token ids and its reasoning text.
+ReasoningCounter = Callable[[list[int], str], int]
+# Keeps a finished response (store.py) before the client hears it is done; False where it could not.
+Keeper = Callable[[ResponseOutput], Awaitable[bool]]
+
+
+RESPONSE_ID_PREFIX = "resp_"
+
+
+@dataclass
+class ResponsesAnswer:
+    """How one Responses request is answered: the parameters its response object shows, and what reads its chat
+    answer. `output` is the response, once the answer began."""
+
+    shown: dict[str, Any]
+    with_logprobs: bool
+    with_draft_logprobs: bool
+    count_reasoning: ReasoningCounter
+    keep: Keeper | None = None  # store: true
+    output: ResponseOutput | None = None
+
+    async def __call__(
+        self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
+        model: str, tool_format: ToolFormat | None, reasoning_format: ReasoningFormat | None = None,
+    ) -> web.StreamResponse:
+        """Answer's signature (services/gateway/answer.py), for Generator."""
+        gen = gens[0]  # a Responses request is one prompt with one choice
+        self.output = ResponseOutput(
+            RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs, self.with_draft_logprobs
+        )
+        reader = _ChatReader(gen, tool_format, reasoning_format)
+        if gen.body.stream:
+            return await self._stream(request, gen, choices, chunks, reader)
+        return await self._respond(gen, choices, chunks, reader)
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, choices: ResponseChoices, chunks: ResponseStream,
+        reader: "_ChatReader",
+    ) -> web.StreamResponse:
+        response = await sse.open_stream(request)
+        latency = ResponseLatency(gen.api, gen.started)
+        output = self.output
+        unsent = [_sse(event) for event in output.started()]
+        try:
+            async for chunk in chunks:
+                latency.observe(chunk)
+                choices.observe(chunk)
+                choice = reader.read(choices.streamed(chunk))
+                unsent += map(_sse, output.feed(choice))
+                if not chunks.finished:
+                    if not chunks.has_ready:
+                        await response.write(b"".join(unsent))
+                        unsent.clear()
+                    continue
+                latency.finished()
+                unsent += map(_sse, await self._finish(choice, choices, reader))
+        except OpenAIError as exc:
+            unsent += map(_sse, output.fail(exc.body()["error"]))
+        except ConnectionResetError:
+            raise
+        except Exception:
+            log.exception("response %s failed while streaming", output.response_id)
+            error = OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body()["error"]
+            unsent += map(_sse, output.fail(error))
+        await response.write_eof(b"".join(unsent))
+        return response
+
+    async def _respond(
+        self, gen: Generation, choices: ResponseChoices, chunks: ResponseStream, reader: "_ChatReader",
+    ) -> web.Response:
+        latency = ResponseLatency(gen.api, gen.started)
+        choice: dict[str, Any] = {}
+        async for chunk in chunks:
+            latency.observe(chunk)
+            choices.observe(chunk)
+            choice = reader.read(choices.streamed(chunk))
+            self.output.feed(choice)
+        latency.finished()
+        await self._finish(choice, choices, reader)
+        return web.json_response(self.output.snapshot(), dumps=lambda obj: orjson.dumps(obj).decode())
+
+    async def _finish(self, choice: dict[str, Any], choices: ResponseChoices, reader: "_ChatReader") -> list[dict]:
+        usage = responses_usage(choices.usage(), self.count_reasoning(reader.token_ids, reader.reasoning))
+        events = self.output.finish(choice.get("finish_reason"), usage)
+        if self.keep is not None and not await self.keep(self.output):
+            self.output.shown["store"] = events[-1]["response"]["store"] = False
+        return events
+
+
+class _ChatReader:
+    """One chat answer's choices as a chat stream sends them, with its reasoning and calls split out; keeps the
+    answer's token ids and reasoning text for the usage."""
+
+    def __init__(self, gen: Generation, tools: ToolFormat | None, reasoning: ReasoningFormat | None) -> None:
+        body = gen.body
+        self._thinking = None if reasoning is None else StreamedReasoning(reasoning, include=True)
+        self._calls = None
+        if tools is not None and body.tool_fields.parses_calls:
+            fields = body.tool_fields
+            self._calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
+        self.token_ids: list[int] = []
+        self.reasoning = ""
+
+    def read(self, choice: dict[str, Any]) -> dict[str, Any]:
+        self.token_ids += choice.get("token_ids") or ()
+        if self._thinking is not None:
+            choice = self._thinking.choice(choice)
+        if self._calls is not None:
+            choice = self._calls.choice(choice)
+        self.reasoning += (choice.get("delta") or {}).get("reasoning") or ""
+        return choice
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    """A named event, as the Responses API streams them (no [DONE] after the last)."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"

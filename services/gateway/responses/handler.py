@@ -1,0 +1,129 @@
+"""POST /v1/responses: a Responses request is read, turned into the chat request it stands for
+(conversation.py), with the conversation it continues (store.py), served by the chat path (generation.py) and
+answered as a response (answer.py), which the store keeps unless the request says `store: false`.
+
+Errors the chat path finds name chat's parameters; they reach the client under the Responses API's names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from services.gateway.errors import OpenAIError, bad_request
+from services.gateway.generation import Generator
+from services.gateway.reasoning.parser import ReasoningFormat
+from services.gateway.responses.answer import Keeper, ReasoningCounter, ResponsesAnswer
+from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, chat_body, input_messages
+from services.gateway.responses.output import ResponseOutput
+from services.gateway.responses.store import ResponseStore, StoredRecord
+from services.gateway.responses.request import ResponsesRequest
+from services.gateway.tags import THINK_CLOSE
+from shared.tokenizer import Tokenizer
+
+DEFAULT_TEMPERATURE = 1.0  # what the response object shows for a parameter the request left out, as OpenAI's does
+DEFAULT_TOP_P = 1.0
+
+
+class ResponsesEndpoint:
+    """POST /v1/responses, and the stored responses: GET and DELETE /v1/responses/{response_id}."""
+
+    def __init__(self, generator: Generator, tokenizer: Tokenizer, store: ResponseStore) -> None:
+        self._generator = generator
+        self._store = store
+        self._count_reasoning = reasoning_counter(tokenizer, generator.reasoning_format)
+
+    async def get(self, request: web.Request) -> web.Response:
+        record = await self._store.get(request.match_info["response_id"])
+        return web.json_response(record.response, dumps=lambda obj: orjson.dumps(obj).decode())
+
+    async def delete(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        await self._store.delete(response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        bodies = self._generator.bodies
+        try:
+            body, data = await bodies.parse_responses(request)
+            turn = input_messages(body.input)
+            history = [] if body.previous_response_id is None else await self._store.history(body.previous_response_id)
+            chat = chat_body(body, data, history + turn)
+            if self._generator.reasoning_format is not None:
+                chat["return_token_ids"] = True  # the reasoning tokens are counted off them
+            writer = ResponsesAnswer(
+                shown(body), body.logprobs_count is not None,
+                body.logprobs_count is not None and data.get("include_draft_logprobs") is True,
+                self._count_reasoning, self._keeper(turn) if body.store else None,
+            )
+            return await self._generator.generate(request, "chat", bodies.chat(chat), started, writer)
+        except InputError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        except OpenAIError as exc:
+            raise renamed(exc) from exc
+
+    def _keeper(self, turn: list[dict[str, Any]]) -> Keeper:
+        async def keep(output: ResponseOutput) -> bool:
+            return await self._store.keep(StoredRecord(output.snapshot(), turn))
+        return keep
+
+
+def shown(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's parameters as its response object shows them, OpenAI's defaults filled in."""
+    return {
+        "model": body.model,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": body.store,
+        "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        "text": body.text_shown,
+        "tool_choice": body.tool_choice_shown,
+        "tools": [tool.model_dump() for tool in body.tools or ()],
+        "top_p": DEFAULT_TOP_P if body.top_p is None else body.top_p,
+        "top_logprobs": body.top_logprobs or 0,
+        "truncation": "disabled",
+        "user": body.user,
+        "metadata": body.metadata or {},
+        "background": False,
+        "service_tier": "default",
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+    }
+
+
+def renamed(exc: OpenAIError) -> OpenAIError:
+    """The error with a chat parameter's name (in `param` and the message) replaced by the Responses API's."""
+    param = exc.param
+    if param is None:
+        return exc
+    head, _, rest = param.partition(".")
+    if head not in RESPONSES_NAMES:
+        return exc
+    new = RESPONSES_NAMES[head] + (f".{rest}" if rest else "")
+    message = exc.message.replace(param, new).replace(head, RESPONSES_NAMES[head])
+    return OpenAIError(exc.status, message, type=exc.type, param=new, code=exc.code, headers=exc.headers)
+
+
+def reasoning_counter(tokenizer: Tokenizer, reasoning: ReasoningFormat | None) -> ReasoningCounter:
+    """Counts an answer's reasoning tokens: those up to the end of its thinking block (the closing tag included), or
+    all of them where the block never closes; none in an answer without reasoning."""
+    if reasoning is None:
+        return lambda token_ids, text: 0
+    close = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+
+    def count(token_ids: list[int], text: str) -> int:
+        if not text:
+            return 0
+        for start in range(len(token_ids) - len(close) + 1):
+            if token_ids[start:start + len(close)] == close:
+                return start + len(close)
+        return len(token_ids)
+
+    return count

@@ -1,0 +1,273 @@
+"""The request body of POST /v1/responses (OpenAI's Responses API), validated.
+
+A Responses request is a chat request in another shape: its `input` items become the conversation, its `text.format`
+the output constraint, its flat function tools chat's nested ones (conversation.py builds the chat request from it).
+What the Responses API offers beyond one generation (hosted tools, background runs, conversations kept by the server,
+encrypted reasoning) is refused by name where a request asks for it; so is a parameter the mesh would have to
+ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from services.gateway.errors import bad_request
+from services.gateway.protocol import StreamOptions
+from services.gateway.structured_request import JsonSchemaFormat
+from services.gateway.tools.tool_request import FUNCTION_NAME
+from shared.frames import MAX_TOP_K
+
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to a generation
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# vLLM's and specmesh's sampling extensions, taken on a Responses request as on a chat request, where they are
+# validated and honoured.
+EXTENSIONS = (
+    "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+    "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "include_draft_logprobs", "speculative",
+    "cache_salt", "chat_template_kwargs",
+)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class FunctionTool(Strict):
+    """A function the model may call, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # honoured either way: a forced call follows the schema exactly
+
+    def for_chat(self) -> dict[str, Any]:
+        function = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": function}
+
+
+class NamedFunctionChoice(Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunctionChoice
+
+
+class TextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON following a schema (name, schema, strict beside the
+    type, where chat nests them under `json_schema`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_fields(self) -> "TextFormat":
+        if self.type == "json_schema":
+            JsonSchemaFormat.model_validate(
+                {"name": self.name, "description": self.description, "schema": self.schema_, "strict": self.strict}
+            )
+            if self.schema_ is None:
+                raise ValueError('a format of type "json_schema" needs a `schema`')
+        elif {"name", "description", "schema_", "strict"} & self.model_fields_set:
+            raise ValueError(f'name, schema, description and strict belong to type "json_schema", not {self.type!r}')
+        return self
+
+    def for_chat(self) -> dict[str, Any]:
+        """Chat's `response_format`."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {"name": self.name, "description": self.description, "schema": self.schema_, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+class TextOptions(Strict):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _no_verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, "medium"):
+            raise ValueError(f"the model has no verbosity setting (only the neutral \"medium\"), got {value!r}")
+        return value
+
+
+class ReasoningOptions(Strict):
+    """`reasoning`: the model's thinking is its own; its effort and summaries are not settings here."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(
+                f"the model has no reasoning-effort setting; a chat template that reads one takes it through "
+                f"chat_template_kwargs, got {value!r}"
+            )
+        return value
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _no_summary(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(f"reasoning is not summarized here; the reasoning item carries all of it, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A Responses field that asks for something this server does not do: any value but a neutral one is a 400."""
+
+    neutral: tuple[Any, ...]  # besides null
+    why: str
+
+
+REFUSED = {
+    "background": Refused((False,), "responses run in the foreground, for the request that asked"),
+    "max_tool_calls": Refused((), "the calls of an answer are bounded by parallel_tool_calls and max_output_tokens"),
+    "conversation": Refused((), "the server keeps no conversations; send the items, or previous_response_id"),
+    "prompt": Refused((), "the server keeps no prompt templates"),
+    "truncation": Refused(("disabled",), "an input longer than the context is refused, never cut"),
+    "context_management": Refused((), "the server does not compact conversations"),
+}
+
+
+def check_refused(data: dict[str, Any]) -> None:
+    """A 400 naming the first refused field that asks for something (JSON true is not 1)."""
+    for name, rule in REFUSED.items():
+        value = data.get(name)
+        if value is not None and not any(n == value and type(n) is type(value) for n in rule.neutral):
+            raise bad_request(f"'{name}' is not supported by this server: {rule.why}", param=name)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    model: str
+    input: str | list[dict[str, Any]]  # items, read into a conversation by conversation.py
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    include: list[str] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True  # a stored response is kept for previous_response_id (store.py)
+    previous_response_id: str | None = Field(None, min_length=1)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    # Declared for the response object, which shows them; refused unless neutral by check_refused
+    truncation: str | None = None
+    background: bool | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value or ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(
+                    f"tools.[{i}] has type {kind!r}: this server runs no hosted tools, only functions the client "
+                    'calls ({"type": "function", "name": ..., "parameters": ...})'
+                )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [tool.name for tool in value or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct function names, got {names}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, value: ResponsesToolChoice | None, info: ValidationInfo) -> Any:
+        names = [tool.name for tool in info.data.get("tools") or ()]
+        if isinstance(value, NamedFunctionChoice) and value.name not in names:
+            raise ValueError(f"tool_choice names function {value.name!r}, which is not among the tools {names}")
+        if value == "required" and not names:
+            raise ValueError('tool_choice "required" needs at least one tool')
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, value: list[str] | None) -> list[str] | None:
+        for item in value or ():
+            if item != OUTPUT_TEXT_LOGPROBS:
+                raise ValueError(
+                    f"{item!r} cannot be included: this server runs no hosted tools and keeps no encrypted reasoning "
+                    f"(the one value it takes is {OUTPUT_TEXT_LOGPROBS!r})"
+                )
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(text) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata keys have at most {MAX_METADATA_KEY_CHARS} characters and values at most "
+                    f"{MAX_METADATA_VALUE_CHARS}, got the key {key[:MAX_METADATA_KEY_CHARS]!r}"
+                )
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        if value is not None and (value.include_usage is not None or value.continuous_usage_stats is not None):
+            raise ValueError("a Responses stream reports usage on its last event; stream_options takes only "
+                             "include_obfuscation")
+        return value
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Top alternatives per output token, or None: no logprobs. `top_logprobs` alone asks for them too."""
+        if OUTPUT_TEXT_LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
+
+    @property
+    def tool_choice_shown(self) -> Any:
+        """`tool_choice` as the response object shows it: OpenAI's default is auto."""
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    @property
+    def text_shown(self) -> dict[str, Any]:
+        fmt = self.text.format if self.text is not None else None
+        return {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)}
+
+
+RESPONSES = "responses"  # the endpoint's name among the gateway's request bodies (request_body.py)
+RESPONSES_FIELDS = frozenset(ResponsesRequest.model_fields) | frozenset(EXTENSIONS) | frozenset(REFUSED)

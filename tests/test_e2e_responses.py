@@ -1,0 +1,182 @@
+"""POST /v1/responses through the whole mesh with the real openai client (`client.responses`): the same tokens as the
+chat completion it stands for, streamed events that add up to the whole response, function calls out and their
+outputs back in, JSON schemas through `responses.parse`, logprobs, and errors naming the Responses parameter."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.mesh_process import Mesh
+from tests.demomeshfixture import client_of, running_mesh
+
+pytestmark = pytest.mark.e2e
+
+# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens.
+MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
+PROMPT = "def read_config(path):"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return client_of(mesh)
+
+
+def test_a_response_is_the_chat_completion_it_stands_for(mesh: Mesh, client: openai.OpenAI) -> None:
+    response = client.responses.create(model=mesh.model, input=PROMPT, instructions="Answer in Python.",
+                                       max_output_tokens=24, temperature=0)
+    chat = client.chat.completions.create(
+        model=mesh.model, max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": "Answer in Python."}, {"role": "user", "content": PROMPT}],
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    assert response.instructions == "Answer in Python." and response.max_output_tokens == 24
+    assert response.temperature == 0 and response.top_p == 1.0 and response.tool_choice == "auto"
+
+
+def test_streamed_events_add_up_to_the_whole_response(mesh: Mesh, client: openai.OpenAI) -> None:
+    whole = client.responses.create(model=mesh.model, input=PROMPT, max_output_tokens=32, temperature=0)
+    events = list(client.responses.create(model=mesh.model, input=PROMPT, max_output_tokens=32, temperature=0,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 32
+
+
+def test_a_stop_completes_the_response_for_the_stream_helper(mesh: Mesh, client: openai.OpenAI) -> None:
+    """The openai client's `responses.stream` gives its final response once the response completes: a stop string
+    (specmesh's extension) ends this one before its budget."""
+    with client.responses.stream(model=mesh.model, input=PROMPT, max_output_tokens=200, temperature=0,
+                                 extra_body={"stop": ["\n"]}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and "\n" not in final.output_text
+    assert final.output[0].status == "completed"
+
+
+def test_a_forced_call_comes_out_as_a_function_call_item_and_its_output_goes_back(
+    mesh: Mesh, client: openai.OpenAI,
+) -> None:
+    asked = dict(model=mesh.model, input="Paris?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                 max_output_tokens=64, temperature=0)
+    response = client.responses.create(**asked)
+    assert response.status == "completed"
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    events = list(client.responses.create(**asked, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+    assert events[-1].response.output[0].name == "get_weather"
+    # The call and its output go back in as items, and the conversation goes on.
+    items = [{"role": "user", "content": "Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}]
+    after = client.responses.create(model=mesh.model, input=items, tools=TOOLS, tool_choice="none",
+                                    max_output_tokens=8, temperature=0)
+    assert after.output[0].type == "message" and after.output_text
+
+
+class Weather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=20)
+    sky: Literal["clear", "cloudy", "rain"]
+
+
+def test_a_schema_in_text_format_holds(mesh: Mesh, client: openai.OpenAI) -> None:
+    parsed = client.responses.parse(model=mesh.model, input="Paris?", text_format=Weather, max_output_tokens=64,
+                                    temperature=1, extra_body={"seed": 3}).output_parsed
+    assert isinstance(parsed, Weather)
+
+
+def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI) -> None:
+    response = client.responses.create(model=mesh.model, input=PROMPT, max_output_tokens=6, temperature=0,
+                                       include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    entries = response.output[0].content[0].logprobs
+    expected = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == [e.token for e in expected]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in expected], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nothing"}}}}, "text.format"),
+])
+def test_errors_name_the_responses_parameter(mesh: Mesh, client: openai.OpenAI, fields: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": mesh.model, "input": PROMPT, "max_output_tokens": 4, **fields})
+    assert caught.value.body["param"] == param
+
+
+def test_a_stored_response_is_continued_read_and_deleted(mesh: Mesh, client: openai.OpenAI) -> None:
+    """Each turn sends only its new input: the stored responses give the conversation before it, exactly as the
+    chat request that carries all of it would render."""
+    first = client.responses.create(model=mesh.model, input="def a():", max_output_tokens=8, temperature=0)
+    assert first.store is True
+    second = client.responses.create(model=mesh.model, input="def b():", previous_response_id=first.id,
+                                     instructions="Answer in Python.", max_output_tokens=8, temperature=0)
+    third = client.responses.create(model=mesh.model, input="def c():", previous_response_id=second.id,
+                                    max_output_tokens=8, temperature=0)
+    conversation = [{"role": "user", "content": "def a():"}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "def b():"}, {"role": "assistant", "content": second.output_text},
+                    {"role": "user", "content": "def c():"}]
+    chat = client.chat.completions.create(model=mesh.model, messages=conversation, max_tokens=8, temperature=0)
+    assert third.output_text == chat.choices[0].message.content
+    assert third.usage.input_tokens == chat.usage.prompt_tokens
+    assert third.previous_response_id == second.id and third.instructions is None  # not carried over
+    read = client.responses.retrieve(second.id)
+    assert (read.id, read.output_text, read.instructions) == (second.id, second.output_text, "Answer in Python.")
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as caught:  # the chain through it is broken
+        client.responses.create(model=mesh.model, input="x", previous_response_id=third.id, max_output_tokens=2)
+    assert caught.value.body["code"] == "previous_response_not_found"
+    unstored = client.responses.create(model=mesh.model, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_calls_output_continues_the_stored_response_that_made_the_call(mesh: Mesh, client: openai.OpenAI) -> None:
+    called = client.responses.create(model=mesh.model, input="Paris?", tools=TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=64, temperature=0)
+    [call] = called.output
+    answered = client.responses.create(
+        model=mesh.model, previous_response_id=called.id, tools=TOOLS, tool_choice="none", max_output_tokens=8,
+        temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "clear"}],
+    )
+    items = [{"role": "user", "content": "Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "clear"}]
+    sent_whole = client.responses.create(model=mesh.model, input=items, tools=TOOLS, tool_choice="none",
+                                         max_output_tokens=8, temperature=0, store=False)
+    assert answered.output_text == sent_whole.output_text
+    assert answered.usage.input_tokens == sent_whole.usage.input_tokens

@@ -1,0 +1,232 @@
+"""The Responses API without a model: a request read into the chat request it stands for (its items into messages,
+its parameters into chat's), refusals by name, and the output items and events built from a chat answer's stream.
+The whole path with the real openai client is tests/test_e2e_responses.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.errors import OpenAIError, bad_request
+from services.gateway.responses.conversation import InputError, input_messages
+from services.gateway.responses.conversation import chat_body as chat_body_of
+from services.gateway.responses.handler import reasoning_counter, renamed
+from services.gateway.responses.output import ResponseOutput
+from services.gateway.reasoning.parser import FORMATS
+from services.gateway.responses.request import ResponsesRequest, check_refused
+from services.gateway.tags import THINK_CLOSE
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import Tokenizer
+
+MODEL = "m"
+
+
+def chat_body(request: ResponsesRequest, data: dict[str, Any]) -> dict[str, Any]:
+    return chat_body_of(request, data, input_messages(request.input))
+
+
+def request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": MODEL, "input": "hi", **fields})
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
+    body = chat_body(request(instructions="be brief", max_output_tokens=7, temperature=0.5), {})
+    assert body["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert body["max_completion_tokens"] == 7 and body["temperature"] == 0.5 and "top_p" not in body
+
+
+def test_items_become_the_conversation_they_stand_for() -> None:
+    items = [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                         {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me look",
+                                                               "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}'},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+    ]
+    assert input_messages(items) == [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "let me look", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+
+
+def test_calls_after_reasoning_open_a_turn_of_their_own() -> None:
+    items = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text", "text": "think"}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    assert input_messages(items)[1] == {
+        "role": "assistant", "content": "", "reasoning_content": "think",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+
+
+@pytest.mark.parametrize("items, param", [
+    ([{"type": "web_search_call", "id": "ws"}], "input.[0].type"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input.[0].content.[0].type"),
+    ([{"role": "robot", "content": "x"}], "input.[0].role"),
+    ([{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}], "input.[0].call_id"),
+    ([{"type": "function_call_output", "call_id": "c"}], "input.[0].output"),
+    ([{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "gAAA"}], "input.[0].encrypted_content"),
+    ([{"type": "item_reference", "id": "msg_1"}], "input.[0].type"),
+    (["just a string"], "input.[0]"),
+])
+def test_an_item_the_conversation_cannot_hold_is_named(items: list, param: str) -> None:
+    with pytest.raises(InputError) as caught:
+        input_messages(items)
+    assert caught.value.param == param
+
+
+def test_tools_formats_and_logprobs_take_chats_shapes() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    body = chat_body(request(
+        tools=[{"type": "function", "name": "f", "parameters": schema, "strict": True}],
+        tool_choice={"type": "function", "name": "f"}, parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "r", "schema": schema, "strict": True}},
+        include=["message.output_text.logprobs"], top_logprobs=3,
+    ), {"seed": 5, "top_k": 4, "unknown": 1})
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["parallel_tool_calls"] is False
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "r", "schema": schema,
+                                                                               "strict": True}}
+    assert (body["logprobs"], body["top_logprobs"], body["seed"], body["top_k"]) == (True, 3, 5, 4)
+    assert "unknown" not in body
+    assert chat_body(request(top_logprobs=2), {})["top_logprobs"] == 2
+    assert "logprobs" not in chat_body(request(), {})
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "text", "schema": {}}}}, "text.format"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+])
+def test_what_the_server_cannot_do_is_refused_by_name(fields: dict, where: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        request(**fields)
+    loc = ".".join(str(part) for part in caught.value.errors()[0]["loc"])
+    assert loc.startswith(where)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("background", True), ("max_tool_calls", 3), ("conversation", "conv_1"), ("truncation", "auto"),
+    ("prompt", {"id": "pmpt_1"}), ("context_management", [{"type": "compaction"}]),
+])
+def test_refused_fields_are_400s_naming_them_unless_neutral(name: str, value: Any) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        check_refused({name: value})
+    assert caught.value.param == name
+    check_refused({"background": False, "truncation": "disabled", "max_tool_calls": None})
+
+
+def test_chat_parameter_names_in_errors_become_the_responses_names() -> None:
+    error = renamed(bad_request("Lower max_completion_tokens to at most 5.", param="max_completion_tokens"))
+    assert (error.param, error.message) == ("max_output_tokens", "Lower max_output_tokens to at most 5.")
+    assert renamed(bad_request("bad", param="messages.[2].content")).param == "input.[2].content"
+    assert renamed(bad_request("x", param="seed")).param == "seed"
+
+
+def _choice(content: str | None = None, reasoning: str | None = None, calls: list | None = None,
+            finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+    delta: dict[str, Any] = {}
+    if content is not None:
+        delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning"] = reasoning
+    if calls is not None:
+        delta["tool_calls"] = calls
+    return {"index": 0, "delta": delta, "finish_reason": finish_reason,
+            "logprobs": None if logprobs is None else {"content": logprobs}}
+
+
+def _entry(token: str) -> dict:
+    return {"token": token, "logprob": -1.0, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+def test_a_streamed_answer_becomes_items_and_events_in_order() -> None:
+    output = ResponseOutput("resp_1", 7, {"model": MODEL}, with_logprobs=True)
+    events = output.started()
+    events += output.feed(_choice(reasoning="think", logprobs=[_entry("<think>"), _entry("think")]))
+    events += output.feed(_choice(content="Hel", logprobs=[_entry("Hel")]))
+    events += output.feed(_choice(content="lo", logprobs=[_entry("lo")]))
+    events += output.feed(_choice(content="", calls=[{"index": 0, "id": "call_1", "type": "function",
+                                                      "function": {"name": "f", "arguments": ""}}]))
+    arguments = {"index": 0, "function": {"arguments": '{"a":1}'}}
+    events += output.feed(_choice(calls=[arguments], finish_reason="tool_calls"))
+    usage = {"input_tokens": 1, "output_tokens": 5, "total_tokens": 6}
+    events += output.finish("tool_calls", usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"] == usage
+    reasoning, message, call = final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "think"}]
+    text = message["content"][0]
+    assert text["text"] == "Hello" and [e["token"] for e in text["logprobs"]] == ["Hel", "lo"]
+    assert (call["call_id"], call["name"], call["arguments"], call["status"]) == ("call_1", "f", '{"a":1}', "completed")
+    added = events[8]
+    assert added["item"]["status"] == "in_progress" and added["item"]["content"] == []
+
+
+def test_an_answer_cut_by_its_budget_is_incomplete() -> None:
+    output = ResponseOutput("resp_2", 7, {"model": MODEL}, with_logprobs=False)
+    output.feed(_choice(content="abc"))
+    events = output.finish("length", {})
+    assert events[-1]["type"] == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == "incomplete" and "logprobs" not in final["output"][0]["content"][0]
+
+
+def test_a_failure_ends_the_response_failed_with_its_error() -> None:
+    output = ResponseOutput("resp_3", 7, {"model": MODEL}, with_logprobs=False)
+    output.feed(_choice(content="abc"))
+    events = output.fail({"message": "boom", "type": "server_error", "code": None})
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}
+
+
+@pytest.mark.parametrize("before, after, text, count", [
+    ([1, 2], [4, 5], "r", "to_close"),  # up to the closing tag, included
+    ([1, 2, 3], None, "r", "all"),  # the block never closed: all of it is reasoning
+    ([1, 2, 3], None, "", "none"),  # no reasoning
+])
+def test_reasoning_tokens_are_counted_up_to_the_end_of_the_block(before, after, text, count) -> None:
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    close = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    token_ids = before + (close + after if after is not None else [])
+    expected = {"to_close": len(before) + len(close), "all": len(token_ids), "none": 0}[count]
+    assert reasoning_counter(tokenizer, FORMATS["qwen3"])(token_ids, text) == expected
+    assert reasoning_counter(tokenizer, None)(token_ids, text) == 0
