@@ -76,3 +76,18 @@ def test_a_continued_message_goes_on_as_content_not_in_the_block_a_new_answer_op
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     ).choices[0].message
     assert answer.content and "reasoning" not in (answer.model_extra or {})
+
+
+def test_a_response_carries_the_reasoning_as_its_reasoning_item(mesh: Mesh, client: openai.OpenAI) -> None:
+    """POST /v1/responses: the thinking is a `reasoning` item, every token of it counted as reasoning (the demo model
+    never closes the block), and the stream's reasoning_text deltas add up to it."""
+    asked = dict(model=mesh.model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS, temperature=0)
+    response = client.responses.create(**asked)
+    chat = _create(client, mesh).choices[0].message
+    [item] = response.output
+    assert item.type == "reasoning" and item.content[0].text == chat.model_extra["reasoning"]
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == MAX_TOKENS
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == item.content[0].text
+    assert events[-1].response.output[0].content[0].text == deltas

@@ -164,6 +164,9 @@ def test_stop_token_among_accepted_drafts_drops_the_rest(tiny_model_dir) -> None
     assert [t for o in outs for t in o.tokens] == tokens[: step.offset + 2]
     assert outs[-1].tokens[-1] == stop_id and outs[-1].finish_reason is FinishReason.STOP
     assert outs[-1].num_accepted == len(outs[-1].tokens) == 2  # both kept tokens are accepted drafts
+    # The counters (metrics, the adaptive controller) count the accepted drafts that were emitted, as usage does.
+    emitted_drafts = sum(o.num_accepted for o in outs)
+    assert outs[-1].seq.num_accepted_tokens == engine.stats.num_accepted_tokens == emitted_drafts
 
 
 @pytest.mark.parametrize("method,k", [("naive", 0), ("ngram", 3)])

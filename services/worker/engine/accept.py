@@ -89,6 +89,6 @@ def accept(
             elif draft.tokens and seq.sampling.speculative.return_stats:
                 # The DRAFT record the detokenizer counts for usage.speculative: the tokens, nothing computed.
                 out.draft = TokenLogprobs.tokens_only(draft.tokens, top_k)
-            observe(seq, len(draft.tokens), n_accepted)
+            observe(seq, len(draft.tokens), out.num_accepted)  # the drafts kept: after a stop none are
         outputs.append(out)
     return outputs
