@@ -201,3 +201,28 @@ def test_a_copy_published_over_an_idle_original_returns_the_original_to_the_pool
     assert blocks.lookup(names) == [4, 5]
     blocks.free(1)
     assert blocks.num_free == blocks.num_blocks and blocks.cache.num_idle == 2
+
+
+def test_a_sequence_sharing_only_a_prefix_leaves_the_region_of_the_conversation_that_holds_more() -> None:
+    """Two conversations after the same system prompt: the second starts in an empty region with the prompt's block
+    copied there, rather than in the first's region, where it would overwrite the first's turn; each conversation's
+    next turn then finds all of its own blocks."""
+    blocks = _manager(copy_hits=True)
+    system = list(range(100, 104))  # one block
+    first, second = system + list(range(8)), system + list(range(50, 58))
+    first_names = _names(first)
+    blocks.allocate(0, len(first))
+    blocks.publish(0, 0, first_names)
+    blocks.free(0)
+    hits = blocks.lookup(_names(second))
+    assert hits == [0]  # the system prompt, in slot 0's region
+    slot = blocks.choose_slot([2, 1, 0], hits)
+    assert slot == 1
+    blocks.reuse(slot, hits)
+    blocks.take_copies()
+    blocks.allocate(slot, len(second))
+    blocks.publish(slot, 0, _names(second))
+    blocks.free(slot)
+    assert len(blocks.lookup(first_names)) == 3 and len(blocks.lookup(_names(second))) == 3
+    # The first conversation's next turn goes home, where its blocks are (the system prompt's copied back).
+    assert blocks.choose_slot([2, 1, 0], blocks.lookup(first_names)) == 0

@@ -21,8 +21,11 @@ CPU, whose attention reads home regions in one call) a cached block found outsid
 copied there rather than shared: a copy of its keys and values costs far less than the per-step attention over a
 table that is no longer one run, and home regions are reserved per slot anyway.
 
-A new sequence is given the free slot whose region holds its cached prefix; else the lowest whose region holds
-nothing cached; else the one idle longest, whose cache is the least likely to be asked for again. CPU attention reads
+A new sequence is given a free slot whose region holds no cached block but its own prefix's, which its growth would
+overwrite: the one holding most of its prefix in place (copied least), else the lowest empty one; else the one idle
+longest, whose cache is the least likely to be asked for again. A region holding a prefix the sequence shares and
+more (another conversation after the same system prompt) is left to that conversation: the shared blocks are copied
+out of it instead. CPU attention reads
 a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
 own regions and the odd idle one between them. Reusing the holes among the running sequences before any region
 above them would keep them together, but overwrote conversations' caches while empty regions waited: with two
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 
 from shared.prefix_hash import BlockHash
 from services.worker.engine.prefix_cache import PrefixCache
@@ -125,10 +129,15 @@ class BlockManager:
         """The free slot for a new sequence whose cached prefix is `hits` (see the module docstring)."""
         if not self.has_regions:
             return free_slots[-1]
-        if hits and hits[0] % self.max_blocks_per_seq == 0 and hits[0] // self.max_blocks_per_seq in free_slots:
-            return hits[0] // self.max_blocks_per_seq
-        empty = [s for s in free_slots if not self.cache.idle_in_region(s)]
-        return min(empty) if empty else min(free_slots, key=lambda s: self._freed_at.get(s, -1))
+        region = self.max_blocks_per_seq
+        in_place: Counter[int] = Counter()  # by slot: idle hits already at their home position there
+        for index, block in enumerate(hits):
+            if block % region == index and self.cache.is_idle(block):
+                in_place[block // region] += 1
+        spared = [s for s in free_slots if self.cache.idle_in_region(s) == in_place[s]]
+        if spared:
+            return max(spared, key=lambda s: (in_place[s], -s))
+        return min(free_slots, key=lambda s: self._freed_at.get(s, -1))
 
     def can_reuse(self, slot: int, num_tokens: int, hits: list[int]) -> bool:
         """Whether the empty slot can start from the cached blocks `hits` and grow to `num_tokens` positions."""
