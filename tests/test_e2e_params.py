@@ -131,6 +131,9 @@ def test_streamed_usage_only_where_asked(client, mesh) -> None:
         client, mesh, prompt="hi", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
     ))
     assert all(chunk.usage is not None for chunk in every)
+    # Without include_usage, continuous_usage_stats adds nothing: vLLM streams usage only where both are true.
+    alone = list(_completion(client, mesh, prompt="hi", stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all("usage" not in chunk.model_fields_set for chunk in alone) and alone[-1].choices
 
 
 def test_echoed_token_ids_show_their_special_tokens(client, mesh, tokenizer) -> None:

@@ -187,6 +187,7 @@ def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: open
         model=mesh.model, messages=messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=12, temperature=0
     )
     assert without_tools.choices[0].message.content and not without_tools.choices[0].message.tool_calls
+    assert without_tools.usage.prompt_tokens == second.usage.prompt_tokens  # the tools are shown all the same
 
 
 def test_langchain_structured_output_and_bound_tools(mesh: Mesh) -> None:

@@ -116,9 +116,10 @@ class ChatCompletionRequest(GenerationRequest):
         return ToolFields(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls)
 
     def template_tools(self) -> list[dict] | None:
-        """The tools as the chat template shows them to the model (none under tool_choice "none")."""
-        fields = self.tool_fields
-        return [tool.for_template() for tool in fields.tools] if fields.tools and fields.parses_calls else None
+        """The tools as the chat template shows them to the model: under tool_choice "none" too, where the model
+        knows them and calls none, as OpenAI's and vLLM's do (vLLM before 0.10 hid them)."""
+        tools = self.tool_fields.tools
+        return [tool.for_template() for tool in tools] if tools else None
 
     @field_validator("chat_template_kwargs")
     @classmethod

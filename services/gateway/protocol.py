@@ -268,7 +268,8 @@ class GenerationRequest(Body):
 
     @property
     def usage_on_every_chunk(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's continuous_usage_stats, which it honours only beside include_usage."""
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:
