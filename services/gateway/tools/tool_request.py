@@ -4,6 +4,7 @@ follows the schema exactly)."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,7 +23,7 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @property
+    @cached_property
     def schema(self) -> dict[str, Any]:
         """The arguments' schema as a forced call follows it: objects closed to keys they do not list
         (shared/json_schema.py)."""
