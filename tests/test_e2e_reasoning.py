@@ -91,3 +91,19 @@ def test_a_response_carries_the_reasoning_as_its_reasoning_item(mesh: Mesh, clie
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == item.content[0].text
     assert events[-1].response.output[0].content[0].text == deltas
+
+
+def test_a_responses_text_logprobs_are_its_texts_tokens(mesh: Mesh, client: openai.OpenAI) -> None:
+    """The tokens of the closing tag are the reasoning's (counted in reasoning_tokens), not the output text's: the
+    text's logprobs spell the text. The bias makes the demo model write `</think>` early (its tokens 2613 395 958
+    30), then go on as the answer."""
+    response = client.responses.create(
+        model=mesh.model, input="hi", max_output_tokens=12, temperature=0, include=["message.output_text.logprobs"],
+        extra_body={"logit_bias": {"2613": 10, "395": 10, "958": 10, "30": 10}},
+    )
+    reasoning, message = response.output
+    entries = message.content[0].logprobs
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert "".join(e.token for e in entries).lstrip("\n") == message.content[0].text
+    usage = response.usage
+    assert usage.output_tokens_details.reasoning_tokens + len(entries) == usage.output_tokens

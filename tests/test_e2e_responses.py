@@ -110,11 +110,14 @@ def test_a_schema_in_text_format_holds(mesh: Mesh, client: openai.OpenAI) -> Non
     assert isinstance(parsed, Weather)
 
 
-def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI) -> None:
-    response = client.responses.create(model=mesh.model, input=PROMPT, max_output_tokens=6, temperature=0,
-                                       include=["message.output_text.logprobs"], top_logprobs=2)
-    chat = client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+@pytest.mark.parametrize("stop", [None, ["Module"]], ids=["no stop", "a stop string cutting a token"])
+def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI, stop: list[str] | None) -> None:
+    response = client.responses.create(model=mesh.model, input="Hi", max_output_tokens=40, temperature=0,
+                                       include=["message.output_text.logprobs"], top_logprobs=2,
+                                       extra_body={"stop": stop})
+    chat = client.chat.completions.create(model=mesh.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, stop=stop)
+    assert response.output_text == chat.choices[0].message.content
     entries = response.output[0].content[0].logprobs
     expected = chat.choices[0].logprobs.content
     assert [e.token for e in entries] == [e.token for e in expected]
@@ -129,6 +132,9 @@ def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI) -
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nothing"}}}}, "text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "x"}]}, "input.[0].call_id"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"input": 5}, "input"),
 ])
 def test_errors_name_the_responses_parameter(mesh: Mesh, client: openai.OpenAI, fields: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -155,11 +161,14 @@ def test_a_stored_response_is_continued_read_and_deleted(mesh: Mesh, client: ope
     read = client.responses.retrieve(second.id)
     assert (read.id, read.output_text, read.instructions) == (second.id, second.output_text, "Answer in Python.")
     client.responses.delete(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.responses.retrieve(first.id)
+    assert (missing.value.body["type"], missing.value.body["param"]) == ("invalid_request_error", None)
     with pytest.raises(openai.BadRequestError) as caught:  # the chain through it is broken
         client.responses.create(model=mesh.model, input="x", previous_response_id=third.id, max_output_tokens=2)
     assert caught.value.body["code"] == "previous_response_not_found"
+    assert client.responses.create(model=mesh.model, input="x", store=None, stream=None, parallel_tool_calls=None,
+                                   max_output_tokens=2).store is True  # null: the default
     unstored = client.responses.create(model=mesh.model, input="x", store=False, max_output_tokens=2)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.errors import OpenAIError, bad_request
+from services.gateway.errors import OpenAIError, bad_request, from_validation_error
 from services.gateway.responses.conversation import InputError, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
 from services.gateway.responses.handler import reasoning_counter, renamed
@@ -77,10 +77,13 @@ def test_calls_after_reasoning_open_a_turn_of_their_own() -> None:
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input.[0].content.[0].type"),
     ([{"role": "robot", "content": "x"}], "input.[0].role"),
     ([{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}], "input.[0].call_id"),
-    ([{"type": "function_call_output", "call_id": "c"}], "input.[0].output"),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "c"}], "input.[1].output"),
+    ([{"type": "function_call_output", "call_id": "unknown", "output": "x"}], "input.[0].call_id"),
     ([{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "gAAA"}], "input.[0].encrypted_content"),
     ([{"type": "item_reference", "id": "msg_1"}], "input.[0].type"),
     (["just a string"], "input.[0]"),
+    (5, "input"),
 ])
 def test_an_item_the_conversation_cannot_hold_is_named(items: list, param: str) -> None:
     with pytest.raises(InputError) as caught:
@@ -230,3 +233,68 @@ def test_reasoning_tokens_are_counted_up_to_the_end_of_the_block(before, after, 
     expected = {"to_close": len(before) + len(close), "all": len(token_ids), "none": 0}[count]
     assert reasoning_counter(tokenizer, FORMATS["qwen3"])(token_ids, text) == expected
     assert reasoning_counter(tokenizer, None)(token_ids, text) == 0
+
+
+def test_a_calls_output_may_answer_a_call_of_the_conversation_it_continues() -> None:
+    output = {"type": "function_call_output", "call_id": "c9", "output": "x"}
+    assert input_messages([output], frozenset({"c9"})) == [{"role": "tool", "tool_call_id": "c9", "content": "x"}]
+
+
+def test_reasoning_with_no_answer_after_it_keeps_its_own_turn() -> None:
+    """A turn's thinking stays in its turn when the next item is the user's, not the next answer's."""
+    thought = {"type": "reasoning", "id": "rs", "summary": [], "content": [{"type": "reasoning_text", "text": "R1"}]}
+    items = [{"role": "user", "content": "q1"}, thought, {"role": "user", "content": "q2"},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
+    assert input_messages(items) == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "", "reasoning_content": "R1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "no"},
+    ]
+
+
+def test_null_asks_for_the_default() -> None:
+    body = ResponsesRequest.model_validate_json(
+        b'{"model": "m", "input": "x", "store": null, "stream": null, "parallel_tool_calls": null}'
+    )
+    assert (body.store, body.stream, body.parallel_tool_calls) == (True, False, True)
+
+
+def test_a_union_parameters_error_names_the_parameter_not_the_member() -> None:
+    with pytest.raises(ValidationError) as caught:
+        request(tool_choice={"type": "allowed_tools", "tools": []})
+    error = from_validation_error(caught.value)
+    assert error.param == "tool_choice" and "allowed_tools" in error.message
+    with pytest.raises(ValidationError) as caught:
+        request(tool_choice={"type": "function"})
+    assert from_validation_error(caught.value).param == "tool_choice"
+
+
+def _size(entries: list[dict]) -> list[str]:
+    return [e["token"] for e in entries]
+
+
+def test_logprobs_of_the_reasoning_and_its_tags_are_not_the_texts() -> None:
+    output = ResponseOutput("resp_4", 7, {"model": MODEL}, with_logprobs=True)
+    output.feed(_choice(reasoning="hm", logprobs=[_entry("<think>"), _entry("hm")]))
+    output.feed(_choice(logprobs=[_entry("</")]))  # the closing tag, held back by the reasoning parser
+    output.feed(_choice(reasoning=None, content="Hi", logprobs=[_entry("think>"), _entry("\n\n"), _entry("Hi")]))
+    output.feed(_choice(content="!", logprobs=[_entry("!")]))
+    events = output.finish("stop", {})
+    assert _size(events[-1]["response"]["output"][1]["content"][0]["logprobs"]) == ["Hi", "!"]
+
+
+def test_logprobs_held_at_the_end_go_with_the_text() -> None:
+    """A stop string cut the last token's text: its entry is the text's all the same, as chat shows it."""
+    output = ResponseOutput("resp_5", 7, {"model": MODEL}, with_logprobs=True)
+    output.feed(_choice(content="# ", logprobs=[_entry("#"), _entry(" ")]))
+    output.feed(_choice(logprobs=[_entry(" M")], finish_reason="stop"))
+    events = output.finish("stop", {})
+    assert _size(events[-1]["response"]["output"][0]["content"][0]["logprobs"]) == ["#", " ", " M"]
+    assert _size(next(e for e in events if e["type"] == "response.output_text.done")["logprobs"]) == ["#", " ", " M"]
+
+
+def test_a_chunks_text_before_a_call_takes_its_leading_logprobs() -> None:
+    output = ResponseOutput("resp_6", 7, {"model": MODEL}, with_logprobs=True)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    output.feed(_choice(content="ok", calls=[call], logprobs=[_entry("ok"), _entry("<tool_call>"), _entry("{}")]))
+    events = output.finish("tool_calls", {})
+    assert _size(events[-1]["response"]["output"][0]["content"][0]["logprobs"]) == ["ok"]

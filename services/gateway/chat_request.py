@@ -17,7 +17,9 @@ from pydantic import Field, ValidationInfo, field_validator
 from services.gateway.prediction import Prediction
 from services.gateway.protocol import Body, GenerationRequest, joined_text_parts
 from services.gateway.tools.call import CallIds
-from services.gateway.tools.tool_request import ToolChoice, Tool, ToolFields, check_tool_choice, check_tools
+from services.gateway.tools.tool_request import (
+    Tool, ToolChoice, ToolFields, check_tool_choice, check_tool_choice_kind, check_tools,
+)
 from shared.frames import MAX_TOP_K
 from shared.tokenizer import TEMPLATE_VARIABLES
 
@@ -105,6 +107,8 @@ class ChatCompletionRequest(GenerationRequest):
     @classmethod
     def _tools(cls, value: list[Tool] | None) -> list[Tool] | None:
         return check_tools(value)
+
+    _tool_choice_kind = field_validator("tool_choice", mode="before")(check_tool_choice_kind)
 
     @field_validator("tool_choice")
     @classmethod

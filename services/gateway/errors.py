@@ -32,6 +32,7 @@ RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
 QUOTES_VALUE = "got "  # how this gateway's validators quote the bad value in their messages
 SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
+BUILTIN_TYPES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})  # as pydantic names them
 
 
 
@@ -79,10 +80,16 @@ def model_not_found(model: str) -> OpenAIError:
 
 
 def _param_name(loc: tuple[int | str, ...]) -> str | None:
-    """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters."""
-    if not loc:
-        return None
-    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in loc)
+    """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters; the members of
+    a union pydantic names on the way ("tool_choice.literal['none','auto']", "input.str") are left out."""
+    parts = [f"[{part}]" if isinstance(part, int) else part for part in loc if not _union_member(part)]
+    return ".".join(parts) or None
+
+
+def _union_member(part: int | str) -> bool:
+    """Whether a location part names a union's member type rather than a field: a type's spelling (`str`,
+    `list[...]`, `literal[...]`, a model's class name); the API's fields are lowercase words."""
+    return isinstance(part, str) and ("[" in part or part in BUILTIN_TYPES or part[:1].isupper())
 
 
 def _shown(value: object) -> str:

@@ -69,7 +69,9 @@ class ResponsesAnswer:
         response = await sse.open_stream(request)
         latency = ResponseLatency(gen.api, gen.started)
         output = self.output
-        unsent = [_sse(event) for event in output.started()]
+        # At once, as OpenAI sends them: a client sees its response exist while the prompt waits or computes.
+        await response.write(b"".join(map(_sse, output.started())))
+        unsent: list[bytes] = []
         try:
             async for chunk in chunks:
                 latency.observe(chunk)

@@ -19,6 +19,7 @@ ASSISTANT = "assistant"
 TOOL = "tool"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+REFUSAL_PART = "refusal"  # an assistant's refusal, given back as its text
 # Chat's parameter names as a Responses request spells them, for errors the chat path reports.
 RESPONSES_NAMES = {
     "messages": "input",
@@ -71,12 +72,16 @@ def _tool_choice(request: ResponsesRequest) -> Any:
     return {"type": "function", "function": {"name": choice.name}}
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages `input` stands for."""
+def input_messages(items: Any, earlier_calls: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The chat messages `input` stands for: a string, or a list of items. A call's output must answer a call made
+    before it, in these items or `earlier_calls` (the ids of the calls in the conversation it continues)."""
     if isinstance(items, str):
         return [{"role": USER, "content": items}]
+    if not isinstance(items, list):
+        raise InputError(f"input must be a string or a list of items, got {shown(items)}", "input")
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []  # reasoning items waiting for the assistant message they belong to
+    calls = set(earlier_calls)
     for i, item in enumerate(items):
         where = f"input.[{i}]"
         if not isinstance(item, dict):
@@ -86,14 +91,23 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             message = _message(item, where)
             if message["role"] == ASSISTANT and reasoning:
                 message["reasoning_content"] = "\n".join(reasoning)
-                reasoning = []
+            elif reasoning:  # its turn ended without an answer after it
+                messages.append(_thought(reasoning))
+            reasoning = []
             messages.append(message)
         elif kind == "function_call":
-            _add_call(messages, item, where, reasoning)
+            calls.add(_add_call(messages, item, where, reasoning))
             reasoning = []
         elif kind == "function_call_output":
+            if reasoning:
+                messages.append(_thought(reasoning))
+                reasoning = []
+            call_id = _string(item, "call_id", where)
+            if call_id not in calls:
+                raise InputError(f"No tool call found for function call output with call_id {call_id}.",
+                                 f"{where}.call_id")
             messages.append({
-                "role": TOOL, "tool_call_id": _string(item, "call_id", where),
+                "role": TOOL, "tool_call_id": call_id,
                 "content": _text(item.get("output"), f"{where}.output"),
             })
         elif kind == "reasoning":
@@ -114,9 +128,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{where} has type {kind!r}: this server takes messages, function_call, function_call_output and "
                 "reasoning items (it runs no hosted tools)", f"{where}.type",
             )
-    if reasoning:  # thinking with no answer after it: kept on an assistant turn of its own
-        messages.append({"role": ASSISTANT, "content": "", "reasoning_content": "\n".join(reasoning)})
+    if reasoning:
+        messages.append(_thought(reasoning))
     return messages
+
+
+def _thought(reasoning: list[str]) -> dict[str, Any]:
+    """Thinking with no answer after it, kept on an assistant turn of its own."""
+    return {"role": ASSISTANT, "content": "", "reasoning_content": "\n".join(reasoning)}
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -126,8 +145,9 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
 
 
-def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, reasoning: list[str]) -> None:
-    """An earlier call joins the assistant message it follows (the text or calls before it in the same turn)."""
+def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, reasoning: list[str]) -> str:
+    """An earlier call joins the assistant message it follows (the text or calls before it in the same turn); returns
+    its call id."""
     call = {
         "id": _string(item, "call_id", where),
         "type": "function",
@@ -136,11 +156,17 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, 
     last = messages[-1] if messages else None
     if last is not None and last["role"] == ASSISTANT and not reasoning:
         last.setdefault("tool_calls", []).append(call)
-        return
+        return call["id"]
     message: dict[str, Any] = {"role": ASSISTANT, "content": "", "tool_calls": [call]}
     if reasoning:
         message["reasoning_content"] = "\n".join(reasoning)
     messages.append(message)
+    return call["id"]
+
+
+def call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:
+    """The ids of the calls the assistant made in a conversation's chat messages."""
+    return frozenset(call["id"] for m in messages for call in m.get("tool_calls") or ())
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -159,6 +185,9 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == REFUSAL_PART and isinstance(part.get(REFUSAL_PART), str):
+            texts.append(part[REFUSAL_PART])
+            continue
         if kind not in TEXT_PARTS:
             raise InputError(
                 f"{where}.[{j}] has type {kind!r}: this model reads text only, as parts "

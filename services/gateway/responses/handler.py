@@ -17,7 +17,7 @@ from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.responses.answer import Keeper, ReasoningCounter, ResponsesAnswer
-from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, chat_body, input_messages
+from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import ResponseStore, StoredRecord
 from services.gateway.responses.request import ResponsesRequest
@@ -50,8 +50,8 @@ class ResponsesEndpoint:
         bodies = self._generator.bodies
         try:
             body, data = await bodies.parse_responses(request)
-            turn = input_messages(body.input)
             history = [] if body.previous_response_id is None else await self._store.history(body.previous_response_id)
+            turn = input_messages(body.input, call_ids(history))
             chat = chat_body(body, data, history + turn)
             if self._generator.reasoning_format is not None:
                 chat["return_token_ids"] = True  # the reasoning tokens are counted off them
@@ -95,6 +95,7 @@ def shown(body: ResponsesRequest) -> dict[str, Any]:
         "service_tier": "default",
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention,
     }
 
 

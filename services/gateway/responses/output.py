@@ -7,8 +7,11 @@ It reads the chat stream's choices once the reasoning parser and the tool-call r
 readers a chat answer goes through), so a response and a chat completion of one generation say the same. A whole
 (non-streaming) response is the same items with the events left unsent.
 
-Logprobs (and specmesh's draft_logprobs) go with the output text: a chunk's entries go out with the text it carries;
-the entries of a chunk that carried only reasoning or a call are not the answer text's, and are not shown.
+Logprobs (and specmesh's draft_logprobs) go with the output text: a chunk's entries go out with the text it carries,
+or with the next text where it carried none (a piece held back in case a stop string or tag starts there), and the
+last of them with the text's end. The entries of a chunk that carried only reasoning or a call are not the answer
+text's, and are not shown; where one chunk carries reasoning, or a call, beside the text, the text's are the entries
+at its end (or its start) whose tokens' bytes make up the text.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from shared.schemas import Usage
 
 LENGTH = "length"  # chat's finish reason when the budget ran out
 MAX_OUTPUT_TOKENS = "max_output_tokens"  # the Responses API's name for it
-LOGPROB_KEYS = ("logprobs", "draft_logprobs")
+LOGPROBS = "logprobs"
+LOGPROB_KEYS = (LOGPROBS, "draft_logprobs")
 
 Event = dict[str, Any]
 
@@ -77,13 +81,19 @@ class ResponseOutput:
         events: list[Event] = []
         for key in LOGPROB_KEYS:
             self._held[key] += (choice.get(key) or {}).get("content") or []
-        if reasoning := delta.get("reasoning"):
+        reasoning, content, calls = delta.get("reasoning"), delta.get("content"), delta.get("tool_calls")
+        after_reasoning = bool(reasoning) or (self._open is not None and self._open["type"] == "reasoning")
+        if reasoning:
             events += self._reasoning(reasoning)
-        if content := delta.get("content"):
+        if content:
+            if after_reasoning:  # the reasoning's own tokens and its closing tag come first
+                self._held[LOGPROBS] = _covering(self._held[LOGPROBS], content, from_end=True)
+            if calls:  # the calls' tokens come after the text
+                self._held[LOGPROBS] = _covering(self._held[LOGPROBS], content, from_end=False)
             events += self._text(content)
-        elif reasoning or delta.get("tool_calls"):
+        elif reasoning or calls:
             self._held = {key: [] for key in LOGPROB_KEYS}
-        for call in delta.get("tool_calls") or ():
+        for call in calls or ():
             events += self._call(call)
         return events
 
@@ -91,6 +101,9 @@ class ResponseOutput:
         """Closes the open item and the response: `response.completed`, or `response.incomplete` when the budget ran
         out (max_output_tokens)."""
         incomplete = finish_reason == LENGTH
+        if self._open is not None and self._open["type"] == "message":
+            # Tokens whose text a stop string cut, or a final chunk that carried none: the answer text's all the same
+            self._text_part_takes_held(self._open["content"][0])
         events = self._close("incomplete" if incomplete else "completed")
         self.usage = usage
         if incomplete:
@@ -133,13 +146,18 @@ class ResponseOutput:
             item["content"].append(self._empty_text())
         part = item["content"][0]
         part["text"] += text
-        delta = {"delta": text, "logprobs": []}
+        delta = {"delta": text, "logprobs": [], **self._text_part_takes_held(part)}
+        return events + [self._event("response.output_text.delta", **self._where(), content_index=0, **delta)]
+
+    def _text_part_takes_held(self, part: dict[str, Any]) -> dict[str, list]:
+        """The held entries go to the output text part (where it shows them); returns them by key."""
+        taken = {}
         for key in LOGPROB_KEYS:
             entries, self._held[key] = self._held[key], []
             if key in part:
                 part[key] += entries
-                delta[key] = entries
-        return events + [self._event("response.output_text.delta", **self._where(), content_index=0, **delta)]
+                taken[key] = entries
+        return taken
 
     def _empty_text(self) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
@@ -206,6 +224,18 @@ class ResponseOutput:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return event
+
+
+def _covering(entries: list[dict[str, Any]], text: str, from_end: bool) -> list[dict[str, Any]]:
+    """The entries at the end (or the start) of `entries` whose tokens' bytes cover `text`: a chunk's tokens of the
+    answer text, where the chunk also carried reasoning before it or a call after it."""
+    need, have, picked = len(text.encode()), 0, []
+    for entry in reversed(entries) if from_end else entries:
+        if have >= need:
+            break
+        picked.append(entry)
+        have += len(entry.get("bytes") or entry["token"].encode())
+    return picked[::-1] if from_end else picked
 
 
 def _copy(value: Any) -> Any:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from services.gateway.errors import bad_request
 from services.gateway.protocol import StreamOptions
 from services.gateway.structured_request import JsonSchemaFormat
-from services.gateway.tools.tool_request import FUNCTION_NAME
+from services.gateway.tools.tool_request import FUNCTION_NAME, check_tool_choice_kind
 from shared.frames import MAX_TOP_K
 
 OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to a generation
@@ -158,7 +158,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     model: str
-    input: str | list[dict[str, Any]]  # items, read into a conversation by conversation.py
+    input: Any  # a string or items, read (and checked) by conversation.py, which names a bad item
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -178,10 +178,17 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # how long OpenAI keeps a cached prefix; the prefix cache's own here
     service_tier: str | None = None
     # Declared for the response object, which shows them; refused unless neutral by check_refused
     truncation: str | None = None
     background: bool | None = None
+
+    @field_validator("stream", "store", "parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """null asks for the default, as OpenAI's API and client take it."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -202,6 +209,8 @@ class ResponsesRequest(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"tools must have distinct function names, got {names}")
         return value
+
+    _tool_choice_kind = field_validator("tool_choice", mode="before")(check_tool_choice_kind)
 
     @field_validator("tool_choice")
     @classmethod

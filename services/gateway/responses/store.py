@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from services.gateway.errors import NOT_FOUND, OpenAIError, bad_request
+from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.responses.conversation import input_messages
 from shared import subjects
 
@@ -47,8 +47,10 @@ class StoredRecord:
         return cls(record["response"], record["turn"])
 
     def messages(self) -> list[dict[str, Any]]:
-        """The turn as the next prompt's history holds it: its input, then its output read as input items."""
-        return [*self.turn, *input_messages(self.response["output"])]
+        """The turn as the next prompt's history holds it: its input, then its output read as input items (an empty
+        answer is an empty assistant turn, as the chat conversation holding it has)."""
+        answer = input_messages(self.response["output"]) or [{"role": "assistant", "content": ""}]
+        return [*self.turn, *answer]
 
 
 class ResponseStore:
@@ -111,4 +113,5 @@ class ResponseStore:
 
 
 def not_found(response_id: str) -> OpenAIError:
-    return OpenAIError(404, f"Response with id '{response_id}' not found.", type=NOT_FOUND, param="response_id")
+    """OpenAI's answer (and vLLM's) for a response it does not hold."""
+    return OpenAIError(404, f"Response with id '{response_id}' not found.")

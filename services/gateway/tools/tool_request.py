@@ -57,6 +57,22 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def check_tool_choice_kind(value: Any) -> Any:
+    """Before the union is tried: a tool_choice of another kind (OpenAI's allowed_tools, a hosted tool's, a custom
+    tool's) or an unknown mode is refused saying what is taken, rather than with each union member's complaint."""
+    if isinstance(value, dict) and value.get("type") != "function":
+        raise ValueError(
+            f"a tool_choice of type {value.get('type')!r} is not supported: this server calls functions only; send "
+            f"one of {', '.join(TOOL_CHOICE_MODES)} or a function to call by name"
+        )
+    if isinstance(value, str) and value not in TOOL_CHOICE_MODES:
+        raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or a function, got {value!r}")
+    return value
+
+
 def check_tools(tools: list[Tool] | None) -> list[Tool] | None:
     names = [tool.function.name for tool in tools or ()]
     if len(set(names)) != len(names):
