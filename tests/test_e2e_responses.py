@@ -4,8 +4,9 @@ outputs back in, JSON schemas through `responses.parse`, logprobs, and errors na
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -189,3 +190,42 @@ def test_a_calls_output_continues_the_stored_response_that_made_the_call(mesh: M
                                          max_output_tokens=8, temperature=0, store=False)
     assert answered.output_text == sent_whole.output_text
     assert answered.usage.input_tokens == sent_whole.usage.input_tokens
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(mesh: Mesh, api: str, streamed: bool) -> None:
+    """The OpenAI Agents SDK's loop, on its Responses model and on its chat completions model: a required call of a
+    Python function, its result sent back, and the answer after it. The stop string ends the demo model's answer
+    (it would run to its budget, which the SDK takes for a failure)."""
+    sdk = pytest.importorskip("agents")
+    sdk.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @sdk.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+    model = (sdk.OpenAIResponsesModel if api == "responses" else sdk.OpenAIChatCompletionsModel)(
+        model=mesh.model, openai_client=client,
+    )
+    settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0,
+                                 extra_body={"stop": ["\n#"]})
+    agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                      model_settings=settings)
+
+    async def run() -> Any:
+        if not streamed:
+            return await sdk.Runner.run(agent, "Weather in Paris?", max_turns=4)
+        result = sdk.Runner.run_streamed(agent, "Weather in Paris?", max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
+    assert [type(item).__name__ for item in result.new_items] == ["ToolCallItem", "ToolCallOutputItem",
+                                                                   "MessageOutputItem"]
+    assert len(cities) == 1 and isinstance(result.final_output, str)
