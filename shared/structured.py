@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -25,19 +26,15 @@ from shared.tokenizer import TOKENIZER_FILE
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 # Where a reasoning model's <think> block stands before the constrained answer (the gateway's --reasoning-parser):
-# the answer may open with one (qwen3), or starts inside one its prompt opened (deepseek_r1).
+# the answer may open with one (qwen3, mistral), or starts inside one its prompt opened (deepseek_r1).
 ThinkFirst = Literal["may_open", "inside"]
+# A block's tag: its text, or the id of the special token it is (Mistral's [THINK], a control token).
+ThinkTag = str | int
+DEFAULT_THINK_TAGS: tuple[ThinkTag, ThinkTag] = ("<think>", "</think>")
 CONSTRAINT_GRAMMAR = "constraint"  # the request's own grammar, under a reasoning block's
-# The block: its text up to the first closing tag (a lazy lexeme, as the reasoning parser reads it), then up to two
-# line breaks before the answer, as templates write them (any number let a sampled answer spend its whole budget on
-# line breaks).
-THOUGHT = 'thought[lazy]: /(.|\\n)*<\\/think>/\n'
+# Up to two line breaks between the block and the answer, as templates write them (any number let a sampled answer
+# spend its whole budget on line breaks).
 LAYOUT_LARK = '("\\n" "\\n"?)?'
-THINK_FIRST_LARK: dict[str, str] = {
-    "may_open": f'start: think @constraint | @constraint\nthink: "<think>" thought {LAYOUT_LARK}\n' + THOUGHT,
-    # The template opened the block: the answer is inside it until its closing tag, as deepseek_r1 reads it.
-    "inside": f'start: think @constraint\nthink: "<think>"? thought {LAYOUT_LARK}\n' + THOUGHT,
-}
 # Compact JSON, no free whitespace between tokens: what OpenAI's strict mode returns, and what lets the grammar
 # force every key and punctuation token (free drafts, see services/worker/grammar/).
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -58,11 +55,12 @@ class StructuredOutput(BaseModel):
     kind: StructuredKind
     spec: str = Field("", max_length=MAX_SPEC_CHARS)
     think_first: ThinkFirst | None = None  # the constraint holds after a reasoning block; None: from the first token
+    think_tags: tuple[ThinkTag, ThinkTag] = DEFAULT_THINK_TAGS  # the block's opening and closing tags
 
     @property
     def key(self) -> str:
         """Names the compiled grammar in caches: a hash of the kind, spec and reasoning block."""
-        text = f"{self.kind}\0{self.spec}\0{self.think_first}"
+        text = f"{self.kind}\0{self.spec}\0{self.think_first}\0{self.think_tags}"
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -81,16 +79,37 @@ def _regex_literal(text: str) -> str:
 def grammar_of(structured: StructuredOutput) -> str:
     """llguidance's grammar for the constraint (not yet checked against a tokenizer: see check)."""
     grammar = _constraint_grammar(structured)
-    return grammar if structured.think_first is None else _after_reasoning(grammar, structured.think_first)
+    if structured.think_first is None:
+        return grammar
+    return _after_reasoning(grammar, think_lark(structured.think_first, *structured.think_tags))
 
 
-def _after_reasoning(grammar: str, think_first: ThinkFirst) -> str:
+def think_lark(think_first: ThinkFirst, open_tag: ThinkTag, close_tag: ThinkTag) -> str:
+    """The reasoning block's grammar before the constraint: the opening tag (optional where the prompt opened the
+    block), its text up to the first closing tag, then the layout. A text tag ends a lazy lexeme, as the reasoning
+    parser reads the text; a special token ends the text lexeme, which never holds one."""
+    opening = f"<[{open_tag}]>" if isinstance(open_tag, int) else orjson.dumps(open_tag).decode()
+    if isinstance(close_tag, int):
+        thought = f"thought: /(.|\\n)*/ <[{close_tag}]>\n"
+    else:
+        thought = f"thought[lazy]: /(.|\\n)*{_lark_regex_literal(close_tag)}/\n"
+    start = "start: think @constraint" + (" | @constraint" if think_first == "may_open" else "")
+    optional = "?" if think_first == "inside" else ""
+    return f"{start}\nthink: {opening}{optional} thought {LAYOUT_LARK}\n{thought}"
+
+
+def _lark_regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/."""
+    return re.escape(text).replace("/", "\\/")
+
+
+def _after_reasoning(grammar: str, reasoning_lark: str) -> str:
     """The constraint's grammar behind an optional reasoning block, vLLM's structured outputs under a reasoning
     parser: the model may think first, and its answer (what the parser leaves as content) follows the constraint."""
     # llguidance writes a Lark grammar as its text, the others as a TopLevelGrammar's JSON.
     top = orjson.loads(grammar) if grammar.startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
     top["grammars"][0]["name"] = CONSTRAINT_GRAMMAR
-    reasoning = {"name": "reasoning", "json_schema": None, "lark_grammar": THINK_FIRST_LARK[think_first]}
+    reasoning = {"name": "reasoning", "json_schema": None, "lark_grammar": reasoning_lark}
     return orjson.dumps({**top, "grammars": [reasoning, *top["grammars"]]}).decode()
 
 

@@ -1,5 +1,5 @@
 """--reasoning-parser without a model: a whole answer's reasoning and content, and the same streamed in any cut
-(speculative decoding sends several tokens a chunk, a tag may straddle two), for both parsers."""
+(speculative decoding sends several tokens a chunk, a tag may straddle two), for every parser."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shared.tokenizer import Tokenizer
 from services.gateway.reasoning.parser import FORMATS, ReasoningStream, StreamedReasoning, message_with_reasoning
 from services.gateway.tags import opens_with
 
-QWEN3, DEEPSEEK_R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
+QWEN3, DEEPSEEK_R1, MISTRAL = FORMATS["qwen3"], FORMATS["deepseek_r1"], FORMATS["mistral"]
 THOUGHT = "<think>\nThe user wants 2 + 2.\n\nThat is 4.\n</think>\n\nIt is 4."
 
 # (format, answer, (reasoning, content))
@@ -34,6 +34,11 @@ WHOLE = [
     (QWEN3, "Not <think> at the start", (None, "Not <think> at the start")),
     (QWEN3, "<think>a</think>b</think>c", ("a", "b</think>c")),  # only the first closing tag ends the block
     (QWEN3, "<thin", (None, "<thin")),
+    # Magistral's tags, read as qwen3's are (tests/test_e2e_reasoning_mistral.py has them as control tokens)
+    (MISTRAL, "[THINK]The user wants 4.\n[/THINK]\n\nIt is 4.", ("The user wants 4.", "It is 4.")),
+    (MISTRAL, "It is 4. <think>no</think>", (None, "It is 4. <think>no</think>")),
+    (MISTRAL, "[THINK]still", ("still", None)),
+    (MISTRAL, "[THI", (None, "[THI")),
 ]
 
 

@@ -95,7 +95,8 @@ class Gateway:
             server_drafts=config.speculative.num_drafts, admission=self.admission, max_n=config.max_n,
             keys_checked=bool(config.api_keys), prefix_router=self.prefix_router, strict_params=config.strict_params,
             tool_format=format_for(tokenizer.chat_template, config.tool_call_parser, tokenizer.special_tokens),
-            reasoning_format=None if config.reasoning_parser is None else REASONING_FORMATS[config.reasoning_parser],
+            reasoning_format=None if config.reasoning_parser is None
+            else REASONING_FORMATS[config.reasoning_parser].for_tokenizer(tokenizer.special_tokens),
         )
         self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc))
         if self.generator.tool_format is None:

@@ -124,7 +124,9 @@ class Generator:
         if constrained_by and reasoning is not None:
             # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.
             param, unwrapped = constrained_by
-            constrained_by = param, unwrapped.model_copy(update={"think_first": reasoning.think_first})
+            constrained_by = param, unwrapped.model_copy(
+                update={"think_first": reasoning.think_first, "think_tags": reasoning.grammar_tags}
+            )
         if constrained_by:
             # A constraint new to this gateway takes up to seconds to compile, in llguidance, which lets the GIL go:
             # on a thread, this gateway's other streams go on meanwhile.
@@ -191,10 +193,14 @@ class Generator:
             )
 
     def _shown_special_ids(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[int, ...]:
-        """The control tokens an answer read for tool calls keeps in its text: a format's tags ([TOOL_CALLS])."""
-        if not isinstance(body, ChatCompletionRequest) or self.tool_format is None:
+        """The control tokens a chat answer keeps in its text for the gateway to read: a tool-call format's tags
+        ([TOOL_CALLS]) when it is read for calls, the reasoning block's ([THINK]) under a reasoning parser."""
+        if not isinstance(body, ChatCompletionRequest):
             return ()
-        return self.tool_format.shown_special_ids if body.tool_fields.parses_calls else ()
+        shown = self.reasoning_format.shown_special_ids if self.reasoning_format is not None else ()
+        if self.tool_format is not None and body.tool_fields.parses_calls:
+            shown += self.tool_format.shown_special_ids
+        return shown
 
     def _tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
         """The format a request's tools are called in; a 400 for a request with tools when the gateway knows none."""

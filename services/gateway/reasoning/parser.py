@@ -8,6 +8,8 @@ the answer as `content`; a stream sends each piece in the delta field it belongs
   with `enable_thinking` false.
 - `deepseek_r1`: the chat template opens the block in the prompt, so the answer starts inside it (an opening tag the
   model writes again is dropped); without a closing tag, all of it is reasoning.
+- `mistral`: Magistral's `[THINK]...[/THINK]`, read as qwen3's block is. Its tags are control tokens, which generated
+  text leaves out: a request read for reasoning tells its detokenizer to keep them (shown_special_ids).
 
 Line breaks around the thinking are layout, not text, as the chat templates themselves write them back: those just
 inside the tags and those that open the answer are dropped. The whole answer and the streamed one read the same.
@@ -20,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
-from shared.structured import ThinkFirst
+from shared.structured import ThinkFirst, ThinkTag
 
 LAYOUT = "\n"  # the line breaks around the thinking
 
@@ -30,6 +32,26 @@ class ReasoningFormat:
     name: str
     starts_inside: bool  # the prompt opened the block: the answer begins as reasoning
     closed: bool = False  # the prompt holds the whole block (thinking turned off): the answer is all content
+    open_tag: str = THINK_OPEN
+    close_tag: str = THINK_CLOSE
+    # The tags' ids where the tokenizer has them as special tokens (for_tokenizer), which generated text leaves out
+    # unless the detokenizer is told to keep them; None where a tag is text.
+    tag_ids: tuple[int | None, int | None] = (None, None)
+
+    def for_tokenizer(self, special_tokens: dict[str, int]) -> "ReasoningFormat":
+        """The format with its tags' special token ids, where the tokenizer has them."""
+        return replace(self, tag_ids=(special_tokens.get(self.open_tag), special_tokens.get(self.close_tag)))
+
+    @property
+    def shown_special_ids(self) -> tuple[int, ...]:
+        """The special tokens the answer's text must keep for the block to be read."""
+        return tuple(i for i in self.tag_ids if i is not None)
+
+    @property
+    def grammar_tags(self) -> tuple[ThinkTag, ThinkTag]:
+        """The tags as an output constraint's grammar matches them (shared/structured.py): the token where there is
+        one, else the text."""
+        return tuple(text if i is None else i for text, i in zip((self.open_tag, self.close_tag), self.tag_ids))
 
     def for_chat(self, prompt_end: str, continued: str | None) -> "ReasoningFormat":
         """The format of one chat's answer, from the end of its rendered prompt: a block the prompt opens (a
@@ -37,11 +59,11 @@ class ReasoningFormat:
         leaves none to write. An answer continuing its final message (`continued`, continue_final_message) starts
         inside a block only where that message left one open."""
         if continued is not None:
-            return replace(self, starts_inside=continued.rfind(THINK_OPEN) > continued.rfind(THINK_CLOSE))
+            return replace(self, starts_inside=continued.rfind(self.open_tag) > continued.rfind(self.close_tag))
         end = prompt_end.rstrip()
-        if end.endswith(THINK_CLOSE):
+        if end.endswith(self.close_tag):
             return replace(self, starts_inside=False, closed=True)
-        if end.endswith(THINK_OPEN):
+        if end.endswith(self.open_tag):
             return replace(self, starts_inside=True)
         return self
 
@@ -60,7 +82,14 @@ class ReasoningFormat:
         return reasoning or None, content or None
 
 
-FORMATS = {f.name: f for f in (ReasoningFormat("qwen3", starts_inside=False), ReasoningFormat("deepseek_r1", True))}
+FORMATS = {
+    f.name: f for f in (
+        ReasoningFormat("qwen3", starts_inside=False),
+        ReasoningFormat("deepseek_r1", starts_inside=True),
+        # Magistral: [THINK] and [/THINK] are control tokens (tokenizer v13), which the answer may open with.
+        ReasoningFormat("mistral", starts_inside=False, open_tag="[THINK]", close_tag="[/THINK]"),
+    )
+}
 
 
 class Part(Enum):
@@ -88,11 +117,11 @@ class ReasoningStream:
         if self._part is Part.UNKNOWN and self.format.closed:  # the prompt held the whole block
             self._part = Part.CONTENT
         if self._part is Part.UNKNOWN:
-            opens = opens_with(self._buffer, THINK_OPEN, final, LAYOUT)
+            opens = opens_with(self._buffer, self.format.open_tag, final, LAYOUT)
             if opens is None:
                 return "", ""
             if opens:
-                self._buffer = self._buffer.lstrip(LAYOUT)[len(THINK_OPEN) :]
+                self._buffer = self._buffer.lstrip(LAYOUT)[len(self.format.open_tag) :]
                 self._part = Part.REASONING
                 self._after_block = True
             else:
@@ -105,16 +134,17 @@ class ReasoningStream:
         return reasoning, content
 
     def _take_reasoning(self, final: bool) -> str:
-        end = self._buffer.find(THINK_CLOSE)
+        close = self.format.close_tag
+        end = self._buffer.find(close)
         if end >= 0:
-            body, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_CLOSE) :]
+            body, self._buffer = self._buffer[:end], self._buffer[end + len(close) :]
             self._part = Part.CONTENT
             return self._reasoning_text(body.rstrip(LAYOUT))
         if final:
             body, self._buffer = self._buffer.rstrip(LAYOUT), ""
             return self._reasoning_text(body)
         # Held: the start of a closing tag, and the line breaks before it, which are layout if the tag follows them.
-        body = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, THINK_CLOSE)].rstrip(LAYOUT)
+        body = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, close)].rstrip(LAYOUT)
         self._buffer = self._buffer[len(body) :]
         return self._reasoning_text(body)
 

@@ -21,7 +21,6 @@ from services.gateway.responses.conversation import RESPONSES_NAMES, InputError,
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import ResponseStore, StoredRecord
 from services.gateway.responses.request import ResponsesRequest
-from services.gateway.tags import THINK_CLOSE
 from shared.tokenizer import Tokenizer
 
 DEFAULT_TEMPERATURE = 1.0  # what the response object shows for a parameter the request left out, as OpenAI's does
@@ -117,7 +116,8 @@ def reasoning_counter(tokenizer: Tokenizer, reasoning: ReasoningFormat | None) -
     all of them where the block never closes; none in an answer without reasoning."""
     if reasoning is None:
         return lambda token_ids, text: 0
-    close = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    close_id = reasoning.tag_ids[1]
+    close = [close_id] if close_id is not None else tokenizer.encode(reasoning.close_tag, add_special_tokens=False)
 
     def count(token_ids: list[int], text: str) -> int:
         if not text:
