@@ -190,10 +190,13 @@ def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: open
     assert without_tools.usage.prompt_tokens == second.usage.prompt_tokens  # the tools are shown all the same
 
 
-def test_langchain_structured_output_and_bound_tools(mesh: Mesh) -> None:
+@pytest.mark.parametrize("use_responses_api", [False, True], ids=["chat completions", "responses"])
+def test_langchain_structured_output_and_bound_tools(mesh: Mesh, use_responses_api: bool) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
+    messages = pytest.importorskip("langchain_core.messages")
     chat = langchain_openai.ChatOpenAI(
         base_url=mesh.base_url, api_key="unused", model=mesh.model, max_tokens=64, temperature=0, max_retries=0,
+        use_responses_api=use_responses_api,
     )
     report = chat.with_structured_output(Report).invoke("Describe the weather in Paris as a record.")
     assert isinstance(report, Report)
@@ -208,4 +211,10 @@ def test_langchain_structured_output_and_bound_tools(mesh: Mesh) -> None:
     assert {"city", "unit"} <= set(message.tool_calls[0]["args"])
     strict = chat.bind_tools([get_weather], tool_choice="required", strict=True).invoke("The weather in Paris?")
     assert set(strict.tool_calls[0]["args"]) == {"city", "unit"}
+    # The call and its result go back, as LangChain's agents send them.
+    answered = chat.bind_tools([get_weather]).invoke([
+        messages.HumanMessage("The weather in Paris?"), strict,
+        messages.ToolMessage("sunny", tool_call_id=strict.tool_calls[0]["id"]),
+    ])
+    assert answered.text and not answered.tool_calls
 
