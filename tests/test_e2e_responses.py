@@ -159,6 +159,8 @@ def test_a_stored_response_is_continued_read_and_deleted(mesh: Mesh, client: ope
     assert third.output_text == chat.choices[0].message.content
     assert third.usage.input_tokens == chat.usage.prompt_tokens
     assert third.previous_response_id == second.id and third.instructions is None  # not carried over
+    listed = client.responses.input_items.list(second.id)  # its own input, not the conversation's
+    assert [(item.type, item.role, item.content[0].text) for item in listed.data] == [("message", "user", "def b():")]
     read = client.responses.retrieve(second.id)
     assert (read.id, read.output_text, read.instructions) == (second.id, second.output_text, "Answer in Python.")
     client.responses.delete(first.id)

@@ -13,6 +13,7 @@ from services.gateway.errors import OpenAIError, bad_request, from_validation_er
 from services.gateway.responses.conversation import InputError, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
 from services.gateway.responses.handler import reasoning_counter, renamed
+from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.reasoning.parser import FORMATS
 from services.gateway.responses.request import ResponsesRequest, check_refused
@@ -298,3 +299,26 @@ def test_a_chunks_text_before_a_call_takes_its_leading_logprobs() -> None:
     output.feed(_choice(content="ok", calls=[call], logprobs=[_entry("ok"), _entry("<tool_call>"), _entry("{}")]))
     events = output.finish("tool_calls", {})
     assert _size(events[-1]["response"]["output"][0]["content"][0]["logprobs"]) == ["ok"]
+
+
+def test_a_stored_responses_input_is_listed_as_items_with_ids_and_parts() -> None:
+    assert listed_items("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    items = listed_items([{"role": "assistant", "content": "a"},
+                          {"type": "function_call_output", "call_id": "c", "output": "x", "id": "fco_given"}])
+    assert items[0]["content"] == [{"type": "output_text", "text": "a"}] and items[0]["id"].startswith("msg_")
+    assert items[1]["id"] == "fco_given" and items[1]["type"] == "function_call_output"
+
+
+def test_input_items_are_paged_newest_first_unless_asked() -> None:
+    items = [{"id": f"msg_{i}", "type": "message"} for i in range(5)]
+    first = page(items, {"limit": "2"})
+    assert [i["id"] for i in first["data"]] == ["msg_4", "msg_3"] and first["has_more"]
+    assert (first["first_id"], first["last_id"]) == ("msg_4", "msg_3")
+    rest = page(items, {"limit": "10", "after": "msg_3"})
+    assert [i["id"] for i in rest["data"]] == ["msg_2", "msg_1", "msg_0"] and not rest["has_more"]
+    assert [i["id"] for i in page(items, {"order": "asc"})["data"]] == [f"msg_{i}" for i in range(5)]
+    for query, param in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_9"}, "after")]:
+        with pytest.raises(OpenAIError) as caught:
+            page(items, query)
+        assert caught.value.param == param

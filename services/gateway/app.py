@@ -188,6 +188,7 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app.router.add_post("/v1/responses", gateway.responses.create)
     app.router.add_get("/v1/responses/{response_id}", gateway.responses.get)
     app.router.add_delete("/v1/responses/{response_id}", gateway.responses.delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", gateway.responses.input_items)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/v1/models/{model}", gateway.get_model)
     add_routes(app, gateway.readiness)

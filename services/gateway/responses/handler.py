@@ -18,6 +18,7 @@ from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.responses.answer import Keeper, ReasoningCounter, ResponsesAnswer
 from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
+from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import ResponseStore, StoredRecord
 from services.gateway.responses.request import ResponsesRequest
@@ -28,7 +29,8 @@ DEFAULT_TOP_P = 1.0
 
 
 class ResponsesEndpoint:
-    """POST /v1/responses, and the stored responses: GET and DELETE /v1/responses/{response_id}."""
+    """POST /v1/responses, and the stored responses: GET and DELETE /v1/responses/{response_id}, GET
+    /v1/responses/{response_id}/input_items."""
 
     def __init__(self, generator: Generator, tokenizer: Tokenizer, store: ResponseStore) -> None:
         self._generator = generator
@@ -38,6 +40,10 @@ class ResponsesEndpoint:
     async def get(self, request: web.Request) -> web.Response:
         record = await self._store.get(request.match_info["response_id"])
         return web.json_response(record.response, dumps=lambda obj: orjson.dumps(obj).decode())
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        record = await self._store.get(request.match_info["response_id"])
+        return web.json_response(page(record.items, dict(request.query)), dumps=lambda obj: orjson.dumps(obj).decode())
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -57,7 +63,7 @@ class ResponsesEndpoint:
             writer = ResponsesAnswer(
                 shown(body), body.logprobs_count is not None,
                 body.logprobs_count is not None and data.get("include_draft_logprobs") is True,
-                self._count_reasoning, self._keeper(turn) if body.store else None,
+                self._count_reasoning, self._keeper(turn, listed_items(body.input)) if body.store else None,
             )
             return await self._generator.generate(request, "chat", bodies.chat(chat), started, writer)
         except InputError as exc:
@@ -65,9 +71,9 @@ class ResponsesEndpoint:
         except OpenAIError as exc:
             raise renamed(exc) from exc
 
-    def _keeper(self, turn: list[dict[str, Any]]) -> Keeper:
+    def _keeper(self, turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> Keeper:
         async def keep(output: ResponseOutput) -> bool:
-            return await self._store.keep(StoredRecord(output.snapshot(), turn))
+            return await self._store.keep(StoredRecord(output.snapshot(), turn, items))
         return keep
 
 

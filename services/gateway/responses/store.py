@@ -1,5 +1,6 @@
 """Stored responses: what `store: true` keeps (OpenAI's default), so that a later request continues the conversation
-with `previous_response_id`, and GET or DELETE /v1/responses/{id} finds it.
+with `previous_response_id`, GET or DELETE /v1/responses/{id} finds it, and GET /v1/responses/{id}/input_items
+lists its input.
 
 Each response is one entry of a JetStream key-value bucket that every gateway shares (shared/subjects.py
 RESPONSE_BUCKET, declared with the streams, its limits `--response-store-max-age` and `--response-store-max-bytes`):
@@ -32,19 +33,21 @@ PREVIOUS = "previous_response_id"
 
 
 class StoredRecord:
-    """One entry: the response object and its turn's input messages."""
+    """One entry: the response object, its turn's input as chat messages and as the items listed for it
+    (input_items.py)."""
 
-    def __init__(self, response: dict[str, Any], turn: list[dict[str, Any]]) -> None:
+    def __init__(self, response: dict[str, Any], turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
         self.response = response
         self.turn = turn
+        self.items = items
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"response": self.response, "turn": self.turn})
+        return orjson.dumps({"response": self.response, "turn": self.turn, "items": self.items})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StoredRecord":
         record = orjson.loads(data)
-        return cls(record["response"], record["turn"])
+        return cls(record["response"], record["turn"], record["items"])
 
     def messages(self) -> list[dict[str, Any]]:
         """The turn as the next prompt's history holds it: its input, then its output read as input items (an empty
