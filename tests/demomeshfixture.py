@@ -1,4 +1,4 @@
-"""One `specmesh up` on the demo model (real processes, real NATS) shared by the API tests that need no special
+"""One `specmesh up` on the demo model (real processes, real NATS) for each API test module that needs no special
 server options, with an openai client and the demo tokenizer: import the fixtures by name into a test module."""
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import Tokenizer
 
 MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "256")
+# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context, for the modules
+# that offer tools (their own `mesh` fixture, running_mesh with these).
+TOOLS_MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 CLIENT_TIMEOUT_S = 120
 
 
@@ -27,12 +30,15 @@ def client_of(mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: a module that imports these gets a mesh of its own, stopped when the module's tests are done (one
+# fixture imported into several modules is one fixture per module, so a session scope only kept every module's mesh
+# running to the end of the run).
+@pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
     yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(mesh: Mesh) -> openai.OpenAI:
     return client_of(mesh)
 
@@ -40,3 +46,4 @@ def client(mesh: Mesh) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_MODEL_DIR)
+

@@ -13,12 +13,10 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.mesh_process import Mesh
-from tests.demomeshfixture import client_of, running_mesh
+from tests.demomeshfixture import TOOLS_MESH_OPTIONS, client, running_mesh  # noqa: F401  (client: a fixture)
 
 pytestmark = pytest.mark.e2e
 
-# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens.
-MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 PROMPT = "def read_config(path):"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
@@ -26,12 +24,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return client_of(mesh)
+    yield from running_mesh(tmp_path_factory, *TOOLS_MESH_OPTIONS)
 
 
 def test_a_response_is_the_chat_completion_it_stands_for(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -15,21 +15,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 from services.mesh_process import Mesh
-from tests.demomeshfixture import client_of, running_mesh
-
-# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context than the shared
-# demo mesh's.
-MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
+from tests.demomeshfixture import TOOLS_MESH_OPTIONS, client, running_mesh  # noqa: F401  (client: a fixture)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return client_of(mesh)
+    yield from running_mesh(tmp_path_factory, *TOOLS_MESH_OPTIONS)
 
 
 MESSAGES = [{"role": "user", "content": "Describe the weather in Paris as a record."}]
