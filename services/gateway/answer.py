@@ -59,10 +59,7 @@ async def _stream(
     # A request that asked for its speculation summary gets the usage chunk, where the summary is, either way.
     usage_chunk = include_usage or gen.sampling.speculative.return_stats
     ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
-    # Events of chunks that were already waiting, written together once none waits: a gateway behind its detokenizers
-    # catches up with one write (a system call) per client instead of one per chunk. Nothing waits for a chunk that
-    # has not arrived.
-    unsent: list[bytes] = []
+    unsent: list[bytes] = []  # events of chunks that were already waiting (sse.write_caught_up)
     calls = None
     if tools is not None:
         fields = gen.body.tool_fields
@@ -85,9 +82,7 @@ async def _stream(
                 data["usage"] = usage_body(choices.running_usage())
             unsent.append(sse.event(data))
             if not chunks.finished:
-                if not chunks.has_ready:
-                    await response.write(b"".join(unsent))
-                    unsent.clear()
+                await sse.write_caught_up(response, unsent, chunks.has_ready)
                 continue
             latency.finished()
             ending += unsent

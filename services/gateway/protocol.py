@@ -95,6 +95,13 @@ def joined_text_parts(value: Any) -> str:
     return "\n".join(texts)
 
 
+def check_stream_options(value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    """stream_options only beside stream: true, as OpenAI's API takes it."""
+    if value is not None and not info.data.get("stream"):
+        raise ValueError("stream_options is only allowed when stream is true")
+    return value
+
+
 class GenerationRequest(Body):
     """What both endpoints share: the model, sampling, stop conditions and streaming.
 
@@ -224,12 +231,7 @@ class GenerationRequest(Body):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return value
+    _stream_options_need_stream = field_validator("stream_options")(check_stream_options)
 
     @property
     def echoes_prompt(self) -> bool:

@@ -24,6 +24,15 @@ def event(payload: dict) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+async def write_caught_up(response: web.StreamResponse, unsent: list[bytes], more_ready: bool) -> None:
+    """Writes the events waiting once no chunk is ready behind them (`more_ready`): a gateway behind its detokenizers
+    catches up with one write (a system call) per client instead of one per chunk; nothing waits for a chunk that
+    has not arrived."""
+    if not more_ready:
+        await response.write(b"".join(unsent))
+        unsent.clear()
+
+
 async def close_stream(response: web.StreamResponse, last: list[bytes]) -> None:
     """Writes the last events and [DONE] with the end of the response, in one write."""
     await response.write_eof(b"".join([*last, DONE]))

@@ -79,9 +79,7 @@ class ResponsesAnswer:
                 choice = reader.read(choices.streamed(chunk))
                 unsent += map(_sse, output.feed(choice))
                 if not chunks.finished:
-                    if not chunks.has_ready:
-                        await response.write(b"".join(unsent))
-                        unsent.clear()
+                    await sse.write_caught_up(response, unsent, chunks.has_ready)
                     continue
                 latency.finished()
                 unsent += map(_sse, await self._finish(choice, choices, reader))

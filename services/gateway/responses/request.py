@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.errors import bad_request
-from services.gateway.protocol import StreamOptions
+from services.gateway.protocol import StreamOptions, check_stream_options
 from services.gateway.structured_request import JsonSchemaFormat
 from services.gateway.tools.tool_request import FUNCTION_NAME, check_tool_choice_kind
 from shared.frames import MAX_TOP_K
@@ -251,8 +251,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
+        check_stream_options(value, info)
         if value is not None and (value.include_usage is not None or value.continuous_usage_stats is not None):
             raise ValueError("a Responses stream reports usage on its last event; stream_options takes only "
                              "include_obfuscation")
