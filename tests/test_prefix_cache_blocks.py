@@ -226,3 +226,39 @@ def test_a_sequence_sharing_only_a_prefix_leaves_the_region_of_the_conversation_
     assert len(blocks.lookup(first_names)) == 3 and len(blocks.lookup(_names(second))) == 3
     # The first conversation's next turn goes home, where its blocks are (the system prompt's copied back).
     assert blocks.choose_slot([2, 1, 0], blocks.lookup(first_names)) == 0
+
+
+def _turn(blocks: BlockManager, tokens: list[int], free_slots: list[int]) -> tuple[int, int]:
+    """A sequence admitted as the scheduler admits it (its prefix looked up leaving a token to compute), run and let
+    go; (its slot, the blocks copied for it)."""
+    names = _names(tokens)
+    hits = blocks.lookup(names[: (len(tokens) - 1) // BLOCK_SIZE])
+    slot = blocks.choose_slot(free_slots, hits, names)
+    blocks.reuse(slot, hits)
+    copied = len(blocks.take_copies())
+    blocks.allocate(slot, len(tokens))
+    blocks.publish(slot, 0, names)
+    blocks.free(slot)
+    return slot, copied
+
+
+def test_the_same_prompt_again_stays_where_its_blocks_are() -> None:
+    """A prompt of whole blocks leaves its last one to compute: that block, cached in its region, is its own (it
+    writes it again the same), not another's to spare."""
+    blocks = _manager(copy_hits=True)
+    prompt = list(range(12))  # three whole blocks
+    assert _turn(blocks, prompt, [2, 1, 0]) == (0, 0)
+    assert _turn(blocks, prompt, [2, 1, 0]) == (0, 0)
+
+
+def test_with_every_region_taken_a_turn_goes_home_rather_than_over_another_conversation() -> None:
+    """A reasoning chat's next turn leaves its thinking out, so its region holds a stale block past its prefix: with
+    no empty region it still goes there (losing that block), not to the region idle longest (another chat's)."""
+    blocks = _manager(copy_hits=True)
+    question, thought, answer, follow_up = [1] * 4, [2] * 4, [3] * 4, [4] * 2
+    other, third = list(range(300, 312)), list(range(400, 412))
+    assert _turn(blocks, other, [2, 1, 0])[0] == 0
+    assert _turn(blocks, question + thought + answer, [2, 1])[0] == 1
+    assert _turn(blocks, third, [2])[0] == 2
+    assert _turn(blocks, question + answer + follow_up, [2, 1, 0])[0] == 1
+    assert len(blocks.lookup(_names(other))) == 3  # the other chat kept its cache

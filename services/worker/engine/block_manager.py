@@ -21,11 +21,13 @@ CPU, whose attention reads home regions in one call) a cached block found outsid
 copied there rather than shared: a copy of its keys and values costs far less than the per-step attention over a
 table that is no longer one run, and home regions are reserved per slot anyway.
 
-A new sequence is given a free slot whose region holds no cached block but its own prefix's, which its growth would
-overwrite: the one holding most of its prefix in place (copied least), else the lowest empty one; else the one idle
-longest, whose cache is the least likely to be asked for again. A region holding a prefix the sequence shares and
+A new sequence is given a free slot whose region holds no cached block but its own (its prefix's, and a block it
+will write again the same: the one a lookup leaves to compute), which its growth would overwrite: the one holding
+most of them in place (copied least), else the lowest empty one. A region holding a prefix the sequence shares and
 more (another conversation after the same system prompt) is left to that conversation: the shared blocks are copied
-out of it instead. CPU attention reads
+out of it instead. Where every free region holds other cache, the one holding most of the sequence's own blocks in
+place (it loses only what follows them there: its own stale turn, or the other conversation's), else the one idle
+longest, whose cache is the least likely to be asked for again. CPU attention reads
 a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
 own regions and the odd idle one between them. Reusing the holes among the running sequences before any region
 above them would keep them together, but overwrote conversations' caches while empty regions waited: with two
@@ -125,19 +127,26 @@ class BlockManager:
         """The cached blocks of the longest run of leading names found (none without caching)."""
         return self.cache.lookup(names) if self.caching else []
 
-    def choose_slot(self, free_slots: list[int], hits: list[int]) -> int:
-        """The free slot for a new sequence whose cached prefix is `hits` (see the module docstring)."""
+    def choose_slot(self, free_slots: list[int], hits: list[int], names: list[BlockHash] = ()) -> int:
+        """The free slot for a new sequence whose cached prefix is `hits` and whose full blocks are named `names`
+        (see the module docstring)."""
         if not self.has_regions:
             return free_slots[-1]
         region = self.max_blocks_per_seq
-        in_place: Counter[int] = Counter()  # by slot: idle hits already at their home position there
-        for index, block in enumerate(hits):
+        own: Counter[int] = Counter()  # by slot: idle blocks holding the sequence's own blocks at their home index
+        for index, name in enumerate(names):
+            block = self.cache.find(name)
+            if block is not None and block % region == index and self.cache.is_idle(block):
+                own[block // region] += 1
+        for index, block in enumerate(hits[len(names):], len(names)):  # hits of a caller that names fewer blocks
             if block % region == index and self.cache.is_idle(block):
-                in_place[block // region] += 1
-        spared = [s for s in free_slots if self.cache.idle_in_region(s) == in_place[s]]
+                own[block // region] += 1
+        spared = [s for s in free_slots if self.cache.idle_in_region(s) == own[s]]
         if spared:
-            return max(spared, key=lambda s: (in_place[s], -s))
-        return min(free_slots, key=lambda s: self._freed_at.get(s, -1))
+            return max(spared, key=lambda s: (own[s], -s))
+        # Every free region holds other cache: the one holding most of the sequence's own loses only what follows
+        # it there, else the one idle longest.
+        return min(free_slots, key=lambda s: (-own[s], self._freed_at.get(s, -1)))
 
     def can_reuse(self, slot: int, num_tokens: int, hits: list[int]) -> bool:
         """Whether the empty slot can start from the cached blocks `hits` and grow to `num_tokens` positions."""

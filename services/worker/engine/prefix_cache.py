@@ -45,6 +45,10 @@ class PrefixCache:
             found.append(block)
         return found
 
+    def find(self, name: BlockHash) -> int | None:
+        """The block holding `name`, if any."""
+        return self._block_of.get(name)
+
     def is_named(self, block: int) -> bool:
         return block in self._name_of
 

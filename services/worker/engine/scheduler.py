@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.frames import FinishReason
-from shared.prefix_hash import cacheable_blocks
+from shared.prefix_hash import BlockHash, cacheable_blocks
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.sequence import Sequence, SeqState
 
@@ -104,7 +104,7 @@ class Scheduler:
             if seq.imported is not None:
                 found, hits = self._imported_prefix(seq, found), None
             if self.blocks is not None:
-                slot = self.blocks.choose_slot(self._free_slots, found)
+                slot = self.blocks.choose_slot(self._free_slots, found, self._full_block_names(seq))
                 needed = self._tokens_needed(seq)
                 if found and not self.blocks.can_reuse(slot, needed, found):
                     if seq.imported is not None:
@@ -148,6 +148,13 @@ class Scheduler:
             return None
         size = self.blocks.block_size
         return self.blocks.lookup(seq.names(cacheable_blocks(seq.prefill_target, size), size))
+
+    def _full_block_names(self, seq: Sequence) -> list[BlockHash]:
+        """The names of the sequence's full blocks, for the choice of its slot; none without a cache to name them."""
+        if not self.blocks.caching or seq.cache_root is None:
+            return []
+        size = self.blocks.block_size
+        return seq.names(seq.prefill_target // size, size)
 
     def _imported_prefix(self, seq: Sequence, hits: list[int]) -> list[int]:
         """The cached blocks a handed-off sequence starts from: those its handoff left out because this worker
