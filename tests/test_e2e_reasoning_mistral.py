@@ -119,3 +119,14 @@ def test_an_output_constraint_holds_after_the_block(mesh: Mesh, client: openai.O
     assert thought.type == "reasoning" and thought.content[0].text == answer.model_extra["reasoning"]
     assert message.content[0].text == answer.content
     assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+
+
+def test_tags_the_block_does_not_own_are_left_out(mesh: Mesh, client: openai.OpenAI, model: Path) -> None:
+    """The detokenizer keeps the tags for the parser alone: stray ones (here [/THINK] with no block, forced by the
+    bias) never reach the answer, as they do not without the parser."""
+    done = MISTRAL.for_tokenizer(Tokenizer(model).special_tokens).tag_ids[1]
+    message = client.chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logit_bias={str(done): 100.0},
+    ).choices[0].message
+    assert not message.content and not (message.model_extra or {}).get("reasoning"), message

@@ -176,3 +176,20 @@ def test_the_end_of_the_prompt_says_whether_the_answer_thinks() -> None:
 def test_a_stream_opens_with_a_tag_once_its_pieces_tell(text: str, final: bool, blank: str | None,
                                                         opens: bool | None) -> None:
     assert opens_with(text, "<think>", final, blank) is opens
+
+
+CONTROL_TAGS = MISTRAL.for_tokenizer({"[THINK]": 9, "[/THINK]": 10})  # the tags as control tokens
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("[/THINK][/THINK]", (None, None)),  # a stray closing tag, no block
+    ("[THINK]a[THINK]b[/THINK]c[/THINK]d[THINK]e", ("ab", "cde")),  # beyond the block's own tags
+    ("x[THINK]y", (None, "xy")),
+])
+def test_control_token_tags_beyond_the_blocks_own_are_left_out(answer, expected) -> None:
+    """The detokenizer keeps the tags for the parser alone: any it does not read as the block's are dropped, as they
+    are from text no parser reads (vLLM's mistral parser drops them too). Tags that are text stay text."""
+    assert CONTROL_TAGS.split(answer) == expected
+    cut = answer.index("]") + 1  # a control token's text arrives whole: pieces are cut between tokens
+    assert _streamed(CONTROL_TAGS, [answer[:cut], answer[cut:]]) == tuple(part or "" for part in expected)
+    assert MISTRAL.split("x[THINK]y") == (None, "x[THINK]y")

@@ -138,7 +138,7 @@ class Generator:
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
         gens = []
-        shown_special_ids = self._shown_special_ids(body)
+        shown_special_ids = self._shown_special_ids(body, reasoning)
         for prompt_ids in prompts:
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
@@ -192,12 +192,15 @@ class Generator:
                 "--reasoning-parser", param="include_reasoning",
             )
 
-    def _shown_special_ids(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[int, ...]:
+    def _shown_special_ids(
+        self, body: ChatCompletionRequest | CompletionRequest, reasoning: ReasoningFormat | None,
+    ) -> tuple[int, ...]:
         """The control tokens a chat answer keeps in its text for the gateway to read: a tool-call format's tags
-        ([TOOL_CALLS]) when it is read for calls, the reasoning block's ([THINK]) under a reasoning parser."""
+        ([TOOL_CALLS]) when it is read for calls, the reasoning block's ([THINK]) when the answer may hold one (not
+        where its prompt held the block whole)."""
         if not isinstance(body, ChatCompletionRequest):
             return ()
-        shown = self.reasoning_format.shown_special_ids if self.reasoning_format is not None else ()
+        shown = reasoning.shown_special_ids if reasoning is not None and not reasoning.closed else ()
         if self.tool_format is not None and body.tool_fields.parses_calls:
             shown += self.tool_format.shown_special_ids
         return shown

@@ -104,6 +104,10 @@ class ReasoningStream:
 
     def __init__(self, format: ReasoningFormat) -> None:
         self.format = format
+        # Tags that are control tokens, kept in the text for this parser alone: any beyond the block's own (a stray
+        # closing tag, a second block) are left out of both parts, as they would be of text the parser never read.
+        tags = (format.open_tag, format.close_tag)
+        self._control_tags = [tag for tag, i in zip(tags, format.tag_ids) if i is not None]
         self._part = Part.UNKNOWN
         self._buffer = ""
         self._reasoning_started = False  # text other than layout went out as reasoning
@@ -149,16 +153,22 @@ class ReasoningStream:
         return self._reasoning_text(body)
 
     def _reasoning_text(self, body: str) -> str:
+        body = self._without_control_tags(body)
         if not self._reasoning_started:
             body = body.lstrip(LAYOUT)
             self._reasoning_started = bool(body)
         return body
 
     def _take_content(self) -> str:
-        text, self._buffer = self._buffer, ""
+        text, self._buffer = self._without_control_tags(self._buffer), ""
         if not self._content_started:
             text = text.lstrip(LAYOUT) if self._after_block else text
             self._content_started = bool(text)
+        return text
+
+    def _without_control_tags(self, text: str) -> str:
+        for tag in self._control_tags:
+            text = text.replace(tag, "")
         return text
 
 
