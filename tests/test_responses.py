@@ -264,9 +264,12 @@ def test_a_union_parameters_error_names_the_parameter_not_the_member() -> None:
         request(tool_choice={"type": "allowed_tools", "tools": []})
     error = from_validation_error(caught.value)
     assert error.param == "tool_choice" and "allowed_tools" in error.message
-    with pytest.raises(ValidationError) as caught:
+    with pytest.raises(ValidationError) as caught:  # the function member's complaint: it reached deepest
         request(tool_choice={"type": "function"})
-    assert from_validation_error(caught.value).param == "tool_choice"
+    assert from_validation_error(caught.value).param == "tool_choice.name"
+    with pytest.raises(ValidationError) as caught:  # keys the client chose are kept, capitals and all
+        request(metadata={"Str": 5})
+    assert from_validation_error(caught.value).param == "metadata.Str"
 
 
 def _size(entries: list[dict]) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import orjson
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from services.gateway import metrics
 from services.gateway.metrics import Handler
@@ -82,14 +82,28 @@ def model_not_found(model: str) -> OpenAIError:
 def _param_name(loc: tuple[int | str, ...]) -> str | None:
     """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters; the members of
     a union pydantic names on the way ("tool_choice.literal['none','auto']", "input.str") are left out."""
-    parts = [f"[{part}]" if isinstance(part, int) else part for part in loc if not _union_member(part)]
-    return ".".join(parts) or None
+    return ".".join(_param_parts(loc)) or None
+
+
+def _param_parts(loc: tuple[int | str, ...]) -> list[str]:
+    return [f"[{part}]" if isinstance(part, int) else part for part in loc if not _union_member(part)]
 
 
 def _union_member(part: int | str) -> bool:
-    """Whether a location part names a union's member type rather than a field: a type's spelling (`str`,
-    `list[...]`, `literal[...]`, a model's class name); the API's fields are lowercase words."""
-    return isinstance(part, str) and ("[" in part or part in BUILTIN_TYPES or part[:1].isupper())
+    """Whether a location part names a union's member type rather than a field or a key the client chose: a type's
+    spelling (`str`, `list[...]`, `literal[...]`) or a request model's class name."""
+    return isinstance(part, str) and ("[" in part or part in BUILTIN_TYPES or part in _model_names())
+
+
+def _model_names() -> frozenset[str]:
+    """The class names of the pydantic models loaded (the request models among them), as union members appear."""
+    names, stack = set(), [BaseModel]
+    while stack:
+        for model in stack.pop().__subclasses__():
+            if model.__name__ not in names:
+                names.add(model.__name__)
+                stack.append(model)
+    return frozenset(names)
 
 
 def _shown(value: object) -> str:
@@ -102,8 +116,12 @@ def _shown(value: object) -> str:
 
 
 def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """Reports the first bad field and the value it had; the client fixes one thing at a time anyway."""
-    first = exc.errors(include_url=False)[0]
+    """Reports the first bad field and the value it had; the client fixes one thing at a time anyway. Of a union's
+    members' complaints about one field, the one that reached deepest into it (a dict that missed a key, not the
+    string member's complaint that it is no string)."""
+    errors = exc.errors(include_url=False)
+    field = errors[0]["loc"][:1]
+    first = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(_param_parts(tuple(e["loc"]))))
     param = _param_name(tuple(first["loc"]))
     message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
     if first["type"] == "missing":
