@@ -164,9 +164,22 @@ def test_stop_token_among_accepted_drafts_drops_the_rest(tiny_model_dir) -> None
     assert [t for o in outs for t in o.tokens] == tokens[: step.offset + 2]
     assert outs[-1].tokens[-1] == stop_id and outs[-1].finish_reason is FinishReason.STOP
     assert outs[-1].num_accepted == len(outs[-1].tokens) == 2  # both kept tokens are accepted drafts
-    # The counters (metrics, the adaptive controller) count the accepted drafts that were emitted, as usage does.
+    # The counters (metrics) count the accepted drafts that were emitted, as usage does; the adaptive controller
+    # learns what the verification accepted (the stop after it is no rejection).
     emitted_drafts = sum(o.num_accepted for o in outs)
     assert outs[-1].seq.num_accepted_tokens == engine.stats.num_accepted_tokens == emitted_drafts
+    engine, _ = _full_draft_engine(tiny_model_dir, max_model_len=1024)
+    learned, observe = [], engine.controller.observe
+
+    def heard(seq, drafted: int, accepted: int) -> None:
+        learned.append((drafted, accepted))
+        observe(seq, drafted, accepted)
+
+    engine.controller.observe = heard
+    again = make_request(prompt, max_tokens=30, stop_token_ids=[stop_id], **GREEDY)
+    last = outputs_of(run(engine, {0: [again]}), again)[-1]
+    drafted, accepted = learned[-1]
+    assert drafted == accepted > last.num_accepted == 2  # accept_all: every draft verified, two of them kept
 
 
 @pytest.mark.parametrize("method,k", [("naive", 0), ("ngram", 3)])

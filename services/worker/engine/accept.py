@@ -19,8 +19,9 @@ from services.worker.engine.outputs import SeqOutput, TokenLogprobs
 from services.worker.sampling.logprobs import token_logprobs, with_named_tokens
 from services.worker.engine.sequence import Sequence
 
-# Called for every sequence a step drafted for: (sequence, drafts proposed, drafts accepted).
-DraftObserver = Callable[[Sequence, int, int], None]
+# Called for every sequence a step drafted for: (sequence, drafts proposed, drafts the verification accepted, those
+# of them kept: fewer where a stop condition came first).
+DraftObserver = Callable[[Sequence, int, int, int], None]
 
 
 def accept(
@@ -89,6 +90,6 @@ def accept(
             elif draft.tokens and seq.sampling.speculative.return_stats:
                 # The DRAFT record the detokenizer counts for usage.speculative: the tokens, nothing computed.
                 out.draft = TokenLogprobs.tokens_only(draft.tokens, top_k)
-            observe(seq, len(draft.tokens), out.num_accepted)  # the drafts kept: after a stop none are
+            observe(seq, len(draft.tokens), n_accepted, out.num_accepted)
         outputs.append(out)
     return outputs

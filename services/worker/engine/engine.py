@@ -416,16 +416,18 @@ class Engine:
         draft_tokens = [d.tokens for d in drafts.drafts] if drafts is not None else None
         return apply_penalties(logits, LogitPenalties.build(seqs, draft_tokens, width, self.vocab_size, logits.device))
 
-    def _count(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def _count(self, seq: Sequence, num_drafted: int, num_verified: int, num_kept: int) -> None:
+        """The counters (metrics, acceptance length) count the accepted drafts emitted, as usage.speculative does;
+        the controller learns what the verification accepted, a stop after it being no rejection."""
         if not num_drafted:
             return
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafted
-        seq.num_accepted_tokens += num_accepted
-        self.controller.observe(seq, num_drafted, num_accepted)
+        seq.num_accepted_tokens += num_kept
+        self.controller.observe(seq, num_drafted, num_verified)
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafted
-        self.stats.num_accepted_tokens += num_accepted
+        self.stats.num_accepted_tokens += num_kept
 
     def _calibration_step(self, num_rows: int, width: int) -> None:
         """One verify-shaped step on the idle engine for the controller's timing: forward pass, sampling of every
