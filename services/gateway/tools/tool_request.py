@@ -4,8 +4,10 @@ follows the schema exactly)."""
 
 from __future__ import annotations
 
-from functools import cached_property
+import functools
 from typing import Any, Literal
+
+import orjson
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -13,6 +15,7 @@ from shared.json_schema import closed_objects
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 ANY_ARGUMENTS = {"type": "object"}  # a function without `parameters` takes any object
+CLOSED_SCHEMAS_KEPT = 256  # functions' closed schemas remembered
 
 
 class FunctionDefinition(BaseModel):
@@ -23,11 +26,20 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @cached_property
+    @property
     def schema(self) -> dict[str, Any]:
         """The arguments' schema as a forced call follows it: objects closed to keys they do not list
-        (shared/json_schema.py)."""
-        return closed_objects(self.parameters) if self.parameters else ANY_ARGUMENTS
+        (shared/json_schema.py); closed once for every request that offers the same parameters (an agent sends its
+        tools every turn), a fresh copy each time, which callers may change."""
+        if not self.parameters:
+            return dict(ANY_ARGUMENTS)
+        return orjson.loads(_closed_schema(orjson.dumps(self.parameters)))  # keys in order: the output follows it
+
+
+@functools.lru_cache(maxsize=CLOSED_SCHEMAS_KEPT)
+def _closed_schema(parameters: bytes) -> bytes:
+    """The closed schema of the parameters, both as JSON."""
+    return orjson.dumps(closed_objects(orjson.loads(parameters)))
 
 
 class Tool(BaseModel):
