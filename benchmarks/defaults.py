@@ -5,7 +5,7 @@ guidellm):
     python -m benchmarks.defaults --aiperf /path/to/aiperf [--configs defaults manual "no drafts" "torch threads"
         "batch of 8"]
         [--concurrency 1 8] [--rounds 2] [--requests 6] [--isl 128] [--osl 128] [--busy both|no]
-        [--out bench-out/defaults]
+        [--endpoint-type completions|chat|responses] [--out bench-out/defaults]
     pip install guidellm          # likewise
     python -m benchmarks.defaults --load-generator guidellm --guidellm /path/to/guidellm [...]
 
@@ -105,7 +105,7 @@ def aiperf_point(args: argparse.Namespace, base_url: str, model: str, concurrenc
     """One aiperf profile against the mesh at `concurrency`; its figures (module docstring)."""
     cmd = [
         args.aiperf, "profile", "--model", model, "--url", base_url.removesuffix("/v1"),
-        "--endpoint-type", "completions", "--streaming", "--tokenizer", str(args.model),
+        "--endpoint-type", args.endpoint_type, "--streaming", "--tokenizer", str(args.model),
         "--isl", str(args.isl), "--isl-stddev", "0", "--osl", str(args.osl), "--osl-stddev", "0",
         "--extra-inputs", "ignore_eos:true", "--concurrency", str(concurrency),
         "--request-count", str(args.requests * concurrency),
@@ -232,6 +232,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load-generator", choices=list(LOAD_POINTS), default="aiperf")
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf command (its own virtual environment's)")
+    parser.add_argument("--endpoint-type", choices=["completions", "chat", "responses"], default="completions",
+                        help="the API aiperf drives: /v1/completions, /v1/chat/completions or /v1/responses")
     parser.add_argument("--guidellm", default="guidellm", help="the guidellm command (its own virtual environment's)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--manual", default=MANUAL_FLAGS, help="the hand-picked flags to compare the defaults with")
@@ -263,6 +265,7 @@ def main() -> None:
         "rounds": args.rounds, "configs": args.configs, "cpu_plans": args.cpu_plans,
         "defaults_cpu_plan": args.cpu_plans.get("defaults", "not run"),
         "load_generator": version,
+        "endpoint_type": args.endpoint_type if args.load_generator == "aiperf" else "chat",
         "rows": rows,
     }
     save_report(args.out, "defaults", report, text, plot_defaults)
