@@ -336,3 +336,28 @@ def test_a_hermes_call_with_parameters_keeps_its_arguments_whole_and_streamed() 
     message = {"role": "assistant", "content": cut}
     message_with_calls(message, "length", FORMATS["hermes"])
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo'
+
+
+def test_a_schema_with_integers_past_64_bits_still_makes_a_forced_call() -> None:
+    """Valid JSON, which orjson refuses to write: the closed schema is kept by the standard library's JSON."""
+    huge = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 10**20}}}
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": huge}}],
+    })
+    [function] = body.tool_fields.callable
+    assert function.schema["properties"]["a"]["maximum"] == 10**20
+    _, constraint = tool_constraint(body, FORMATS["hermes"])
+    assert "100000000000000000000" in grammar_of(constraint)
+
+
+def test_closed_schemas_are_kept_for_small_parameters_only_and_read_as_copies() -> None:
+    from services.gateway.tools.tool_request import MAX_KEPT_SCHEMA_CHARS, FunctionDefinition, _closed_schema
+    small = FunctionDefinition(name="f", parameters={"type": "object", "properties": {"kept": {"type": "string"}}})
+    small.schema["properties"]["kept"]["type"] = "changed by a reader"
+    assert small.schema["properties"]["kept"]["type"] == "string"
+    kept = _closed_schema.cache_info().currsize
+    wide = {f"p{i}": {"type": "string", "description": "x" * 64} for i in range(MAX_KEPT_SCHEMA_CHARS // 64)}
+    large = FunctionDefinition(name="g", parameters={"type": "object", "properties": wide})
+    assert large.schema["additionalProperties"] is False
+    assert _closed_schema.cache_info().currsize == kept  # closed for its request, not kept

@@ -4,10 +4,10 @@ follows the schema exactly)."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 from typing import Any, Literal
-
-import orjson
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,7 @@ from shared.json_schema import closed_objects
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 ANY_ARGUMENTS = {"type": "object"}  # a function without `parameters` takes any object
 CLOSED_SCHEMAS_KEPT = 256  # functions' closed schemas remembered
+MAX_KEPT_SCHEMA_CHARS = 64 * 1024  # a larger one is closed for each request: what is kept stays tens of MB
 
 
 class FunctionDefinition(BaseModel):
@@ -33,13 +34,18 @@ class FunctionDefinition(BaseModel):
         tools every turn), a fresh copy each time, which callers may change."""
         if not self.parameters:
             return dict(ANY_ARGUMENTS)
-        return orjson.loads(_closed_schema(orjson.dumps(self.parameters)))  # keys in order: the output follows it
+        # The standard library's JSON: a schema may hold integers past 64 bits, which orjson refuses. Keys in order:
+        # the output follows it.
+        key = json.dumps(self.parameters, separators=(",", ":"))
+        if len(key) > MAX_KEPT_SCHEMA_CHARS:
+            return closed_objects(self.parameters)
+        return copy.deepcopy(_closed_schema(key))
 
 
 @functools.lru_cache(maxsize=CLOSED_SCHEMAS_KEPT)
-def _closed_schema(parameters: bytes) -> bytes:
-    """The closed schema of the parameters, both as JSON."""
-    return orjson.dumps(closed_objects(orjson.loads(parameters)))
+def _closed_schema(parameters: str) -> dict[str, Any]:
+    """The closed schema of the parameters (their JSON); never handed out itself, only copies."""
+    return closed_objects(json.loads(parameters))
 
 
 class Tool(BaseModel):
