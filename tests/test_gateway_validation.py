@@ -286,3 +286,19 @@ def test_unknown_field_names_are_logged_once_each_and_boundedly(caplog: pytest.L
         fields.check({"x0-0": 1}, "completion")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == MAX_LOGGED_NAMES + 1 and "no more are logged" in lines[-1]
+
+
+def test_an_error_names_the_first_bad_place_and_its_unions_deepest_complaint() -> None:
+    """A later list item's deeper error does not displace the first item's; keys clients chose stay in the name."""
+    from services.gateway.errors import from_validation_error
+    messages = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"tools": [{"type": "function"}, {"type": "function", "function": {"name": "a", "parameters": 5}}]},
+         "tools.[0].function"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+        ({"logit_bias": {"Hello": "x"}}, "logit_bias.Hello"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(ValidationError) as caught:
+            ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+        assert from_validation_error(caught.value).param == param

@@ -6,6 +6,7 @@ bad input is a 4xx naming the parameter when there is one, and only a bug in the
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -32,6 +33,7 @@ RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix on messages of ValueErrors raised in validators
 QUOTES_VALUE = "got "  # how this gateway's validators quote the bad value in their messages
 SHOWN_VALUE_CHARS = 80  # how much of a bad value an error message quotes
+MAX_ERRORS_READ = 64  # of one body's, for the union members beside the first (a body may hold thousands)
 BUILTIN_TYPES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})  # as pydantic names them
 
 
@@ -95,8 +97,10 @@ def _union_member(part: int | str) -> bool:
     return isinstance(part, str) and ("[" in part or part in BUILTIN_TYPES or part in _model_names())
 
 
+@functools.cache
 def _model_names() -> frozenset[str]:
-    """The class names of the pydantic models loaded (the request models among them), as union members appear."""
+    """The class names of the pydantic models loaded when the first error is reported (the request models among
+    them: the gateway imports them first), as union members appear."""
     names, stack = set(), [BaseModel]
     while stack:
         for model in stack.pop().__subclasses__():
@@ -117,11 +121,15 @@ def _shown(value: object) -> str:
 
 def from_validation_error(exc: ValidationError) -> OpenAIError:
     """Reports the first bad field and the value it had; the client fixes one thing at a time anyway. Of a union's
-    members' complaints about one field, the one that reached deepest into it (a dict that missed a key, not the
+    members' complaints about that place, the one that reached deepest into it (a dict that missed a key, not the
     string member's complaint that it is no string)."""
     errors = exc.errors(include_url=False)
-    field = errors[0]["loc"][:1]
-    first = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(_param_parts(tuple(e["loc"]))))
+    place = _param_parts(tuple(errors[0]["loc"]))
+    first = errors[0]
+    for error in errors[1 : MAX_ERRORS_READ]:  # a union's members report side by side, right after the first
+        parts = _param_parts(tuple(error["loc"]))
+        if parts[: len(place)] == place and len(parts) > len(_param_parts(tuple(first["loc"]))):
+            first = error
     param = _param_name(tuple(first["loc"]))
     message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
     if first["type"] == "missing":
