@@ -134,7 +134,7 @@ class ReasoningStream:
         if self._part is Part.REASONING:
             reasoning = self._take_reasoning(final)
         if self._part is Part.CONTENT:
-            content = self._take_content()
+            content = self._take_content(final)
         return reasoning, content
 
     def _take_reasoning(self, final: bool) -> str:
@@ -148,7 +148,7 @@ class ReasoningStream:
             body, self._buffer = self._buffer.rstrip(LAYOUT), ""
             return self._reasoning_text(body)
         # Held: the start of a closing tag, and the line breaks before it, which are layout if the tag follows them.
-        body = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, close)].rstrip(LAYOUT)
+        body = self._buffer[: len(self._buffer) - self._partial_tag(close)].rstrip(LAYOUT)
         self._buffer = self._buffer[len(body) :]
         return self._reasoning_text(body)
 
@@ -159,12 +159,18 @@ class ReasoningStream:
             self._reasoning_started = bool(body)
         return body
 
-    def _take_content(self) -> str:
-        text, self._buffer = self._without_control_tags(self._buffer), ""
+    def _take_content(self, final: bool) -> str:
+        cut = len(self._buffer) - (0 if final else self._partial_tag())
+        text, self._buffer = self._without_control_tags(self._buffer[:cut]), self._buffer[cut:]
         if not self._content_started:
             text = text.lstrip(LAYOUT) if self._after_block else text
             self._content_started = bool(text)
         return text
+
+    def _partial_tag(self, *tags: str) -> int:
+        """How much of the buffer's end may still become one of `tags` or a control tag: held back, since a stop
+        string the detokenizer holds back may cut a tag's text in two."""
+        return max((partial_suffix(self._buffer, tag) for tag in (*tags, *self._control_tags)), default=0)
 
     def _without_control_tags(self, text: str) -> str:
         for tag in self._control_tags:
