@@ -251,14 +251,12 @@ def test_the_same_prompt_again_stays_where_its_blocks_are() -> None:
     assert _turn(blocks, prompt, [2, 1, 0]) == (0, 0)
 
 
-def test_with_every_region_taken_a_turn_goes_home_rather_than_over_another_conversation() -> None:
-    """A reasoning chat's next turn leaves its thinking out, so its region holds a stale block past its prefix: with
-    no empty region it still goes there (losing that block), not to the region idle longest (another chat's)."""
+def test_with_every_region_taken_a_new_chat_overwrites_the_one_idle_longest() -> None:
+    """No empty region: a chat sharing only a system prompt with the others goes to the region idle longest, not over
+    the most recent chat after that prompt (which holds more of its blocks in place than any other region)."""
     blocks = _manager(copy_hits=True)
-    question, thought, answer, follow_up = [1] * 4, [2] * 4, [3] * 4, [4] * 2
-    other, third = list(range(300, 312)), list(range(400, 412))
-    assert _turn(blocks, other, [2, 1, 0])[0] == 0
-    assert _turn(blocks, question + thought + answer, [2, 1])[0] == 1
-    assert _turn(blocks, third, [2])[0] == 2
-    assert _turn(blocks, question + answer + follow_up, [2, 1, 0])[0] == 1
-    assert len(blocks.lookup(_names(other))) == 3  # the other chat kept its cache
+    system = [1] * 4
+    oldest, middle, recent = system + [2] * 8, list(range(300, 312)), system + [3] * 8
+    assert [_turn(blocks, chat, [2, 1, 0])[0] for chat in (oldest, middle, recent)] == [0, 1, 2]
+    assert _turn(blocks, system + [4] * 4, [2, 1, 0])[0] == 0
+    assert len(blocks.lookup(_names(recent))) == 3 and len(blocks.lookup(_names(middle))) == 3

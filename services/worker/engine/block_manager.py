@@ -25,10 +25,12 @@ A new sequence is given a free slot whose region holds no cached block but its o
 will write again the same: the one a lookup leaves to compute), which its growth would overwrite: the one holding
 most of them in place (copied least), else the lowest empty one. A region holding a prefix the sequence shares and
 more (another conversation after the same system prompt) is left to that conversation: the shared blocks are copied
-out of it instead. Where every free region holds other cache, the one holding most of the sequence's own blocks in
-place (it loses only what follows them there: its own stale turn, or the other conversation's), else the one idle
-longest, whose cache is the least likely to be asked for again. CPU attention reads
-a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
+out of it instead. Where every free region holds other cache, the one idle longest, whose cache is the least likely
+to be asked for again. (A region holding the sequence's own prefix and more cannot tell whether the more is its own
+stale turn, a reasoning model's thinking the history leaves out, or another chat after a shared system prompt: the
+blocks say neither. Going there would overwrite the most recent chat in the second case; the region idle longest
+loses the oldest in both.) On the GPU (no copies) the choice only spreads sequences; any block serves any table.
+CPU attention reads a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
 own regions and the odd idle one between them. Reusing the holes among the running sequences before any region
 above them would keep them together, but overwrote conversations' caches while empty regions waited: with two
 workers prefix-aware routing found 0.70 of the turns' prompt tokens cached instead of 0.85.
@@ -144,9 +146,7 @@ class BlockManager:
         spared = [s for s in free_slots if self.cache.idle_in_region(s) == own[s]]
         if spared:
             return max(spared, key=lambda s: (own[s], -s))
-        # Every free region holds other cache: the one holding most of the sequence's own loses only what follows
-        # it there, else the one idle longest.
-        return min(free_slots, key=lambda s: (-own[s], self._freed_at.get(s, -1)))
+        return min(free_slots, key=lambda s: self._freed_at.get(s, -1))
 
     def can_reuse(self, slot: int, num_tokens: int, hits: list[int]) -> bool:
         """Whether the empty slot can start from the cached blocks `hits` and grow to `num_tokens` positions."""
