@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -14,6 +15,7 @@ from services.gateway.responses.conversation import InputError, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
 from services.gateway.responses.handler import reasoning_counter, renamed
 from services.gateway.responses.input_items import listed_items, page
+from services.gateway.responses.store import StoredRecord
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.reasoning.parser import FORMATS
 from services.gateway.responses.request import ResponsesRequest, check_refused
@@ -308,8 +310,12 @@ def test_a_stored_responses_input_is_listed_as_items_with_ids_and_parts() -> Non
     assert listed_items("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}]
     items = listed_items([{"role": "assistant", "content": "a"},
                           {"type": "function_call_output", "call_id": "c", "output": "x", "id": "fco_given"}])
-    assert items[0]["content"] == [{"type": "output_text", "text": "a"}] and items[0]["id"].startswith("msg_")
+    assert items[0]["content"] == [{"type": "output_text", "text": "a", "annotations": []}]
+    assert items[0]["id"].startswith("msg_") and items[0]["status"] == "completed"
     assert items[1]["id"] == "fco_given" and items[1]["type"] == "function_call_output"
+    # A record kept before input items were kept lists none, rather than failing every read of the response.
+    record = StoredRecord.from_bytes(orjson.dumps({"response": {"id": "resp_1", "output": []}, "turn": []}))
+    assert record.items == [] and record.messages() == [{"role": "assistant", "content": ""}]
 
 
 def test_input_items_are_paged_newest_first_unless_asked() -> None:

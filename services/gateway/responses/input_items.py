@@ -10,22 +10,33 @@ from services.gateway.errors import bad_request
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 ORDERS = ("asc", "desc")
+STATUS_ITEMS = ("message", "function_call", "function_call_output")  # item types whose listing has a status
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def listed_items(given: Any) -> list[dict[str, Any]]:
     """The request's `input` as a stored response lists it: a string is one user message; a message's string content
-    becomes one text part; an item without an id gets one."""
+    becomes one text part; an item without an id or status gets one."""
     items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
     listed = []
     for item in items:
         item = {"type": "message", **item}
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
+        if item["type"] == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                content = [{"type": part, "text": content}]
+            item["content"] = [_part(part) for part in content]
+        if item["type"] in STATUS_ITEMS:
+            item.setdefault("status", "completed")
         item.setdefault("id", f"{ID_PREFIX.get(item['type'], 'item')}_{uuid.uuid4().hex}")
         listed.append(item)
     return listed
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """An output text part as OpenAI's types have it: with its (empty) annotations."""
+    return {"annotations": [], **part} if part.get("type") == "output_text" else part
 
 
 def page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:

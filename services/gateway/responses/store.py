@@ -47,7 +47,7 @@ class StoredRecord:
     @classmethod
     def from_bytes(cls, data: bytes) -> "StoredRecord":
         record = orjson.loads(data)
-        return cls(record["response"], record["turn"], record["items"])
+        return cls(record["response"], record["turn"], record.get("items", []))  # kept before items were
 
     def messages(self) -> list[dict[str, Any]]:
         """The turn as the next prompt's history holds it: its input, then its output read as input items (an empty
