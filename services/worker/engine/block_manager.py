@@ -30,10 +30,10 @@ to be asked for again. (A region holding the sequence's own prefix and more cann
 stale turn, a reasoning model's thinking the history leaves out, or another chat after a shared system prompt: the
 blocks say neither. Going there would overwrite the most recent chat in the second case; the region idle longest
 loses the oldest in both.) On the GPU (no copies) the choice only spreads sequences; any block serves any table.
-CPU attention reads a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the cache cost their
-own regions and the odd idle one between them. Reusing the holes among the running sequences before any region
-above them would keep them together, but overwrote conversations' caches while empty regions waited: with two
-workers prefix-aware routing found 0.70 of the turns' prompt tokens cached instead of 0.85.
+CPU attention reads a decode batch's regions in runs of neighbours (model/home_pass.py), so sequences spread over the
+cache cost their own regions and the odd idle one between them. Reusing the holes among the running sequences before
+any region above them would keep them together, but overwrote conversations' caches while empty regions waited:
+with two workers prefix-aware routing found 0.70 of the turns' prompt tokens cached instead of 0.85.
 """
 
 from __future__ import annotations
