@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from services.gateway.errors import OpenAIError, bad_request, from_validation_error
 from services.gateway.responses.conversation import InputError, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
-from services.gateway.responses.handler import reasoning_counter, renamed
+from services.gateway import wire_json
+from services.gateway.request_body import RequestBodies
+from services.gateway.responses.handler import reasoning_counter, renamed, shown
 from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.store import StoredRecord
 from services.gateway.responses.output import ResponseOutput
@@ -331,3 +333,18 @@ def test_input_items_are_paged_newest_first_unless_asked() -> None:
         with pytest.raises(OpenAIError) as caught:
             page(items, query)
         assert caught.value.param == param
+
+
+def test_a_tool_schema_with_integers_past_64_bits_is_served_on_the_responses_api() -> None:
+    """The chat request built from it and the response object echoing it are written past orjson's 64 bits."""
+    raw = (b'{"model": "m", "input": "hi", "tool_choice": "required", "tools": [{"type": "function", "name": "f",'
+           b' "parameters": {"type": "object", "properties": {"a": {"type": "integer",'
+           b' "maximum": 100000000000000000000}}}}]}')
+    body, data = ResponsesRequest.model_validate_json(raw), orjson.loads(raw)
+    chat = RequestBodies(max_n=1, strict_params=False).chat(chat_body(body, data))
+    assert chat.tools[0].function.parameters["properties"]["a"]["maximum"] == 10**20
+    assert b"100000000000000000000" in wire_json.dumps(shown(body))
+    assert listed_items([{"role": "user", "content": [{"type": "output_text", "text": "x", "annotations": None}],
+                          "status": None}])[0] | {"id": ""} == {
+        "type": "message", "role": "user", "status": "completed", "id": "",
+        "content": [{"type": "output_text", "text": "x", "annotations": []}]}

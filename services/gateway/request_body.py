@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from services.gateway.aggregate import Api
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
+from services.gateway import wire_json
 from services.gateway.errors import bad_request, from_validation_error
 from services.gateway.extensions import Extensions
 from services.gateway.protocol import MAX_N_CONTEXT
@@ -48,7 +49,7 @@ class RequestBodies:
 
     def chat(self, body: dict[str, Any]) -> ChatCompletionRequest:
         """A chat request from a JSON object built by the gateway (a Responses request's, responses/)."""
-        return self._validated(ChatCompletionRequest, orjson.dumps(body))
+        return self._validated(ChatCompletionRequest, wire_json.dumps(body))
 
     def _validated(self, model: type[M], raw: bytes) -> M:
         try:  # the raw JSON, not `data`: the models' strict mode is JSON's (a list may fill a tuple)

@@ -10,11 +10,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from services.gateway import sse
 from services.gateway.choices import ResponseChoices
+from services.gateway import wire_json
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
 from services.gateway.latency import ResponseLatency
@@ -106,7 +106,7 @@ class ResponsesAnswer:
             self.output.feed(choice)
         latency.finished()
         await self._finish(choice, choices, reader)
-        return web.json_response(self.output.snapshot(), dumps=lambda obj: orjson.dumps(obj).decode())
+        return web.json_response(self.output.snapshot(), dumps=wire_json.dumps_text)
 
     async def _finish(self, choice: dict[str, Any], choices: ResponseChoices, reader: "_ChatReader") -> list[dict]:
         usage = responses_usage(choices.usage(), self.count_reasoning(reader.token_ids, reader.reasoning))
@@ -142,4 +142,4 @@ class _ChatReader:
 
 def _sse(event: dict[str, Any]) -> bytes:
     """A named event, as the Responses API streams them (no [DONE] after the last)."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\ndata: " + wire_json.dumps(event) + b"\n\n"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
+from services.gateway import wire_json
 from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
@@ -39,11 +39,11 @@ class ResponsesEndpoint:
 
     async def get(self, request: web.Request) -> web.Response:
         record = await self._store.get(request.match_info["response_id"])
-        return web.json_response(record.response, dumps=lambda obj: orjson.dumps(obj).decode())
+        return web.json_response(record.response, dumps=wire_json.dumps_text)
 
     async def input_items(self, request: web.Request) -> web.Response:
         record = await self._store.get(request.match_info["response_id"])
-        return web.json_response(page(record.items, dict(request.query)), dumps=lambda obj: orjson.dumps(obj).decode())
+        return web.json_response(page(record.items, dict(request.query)), dumps=wire_json.dumps_text)
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]

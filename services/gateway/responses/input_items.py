@@ -27,8 +27,8 @@ def listed_items(given: Any) -> list[dict[str, Any]]:
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 content = [{"type": part, "text": content}]
             item["content"] = [_part(part) for part in content]
-        if item["type"] in STATUS_ITEMS:
-            item.setdefault("status", "completed")
+        if item["type"] in STATUS_ITEMS and item.get("status") is None:
+            item["status"] = "completed"
         item.setdefault("id", f"{ID_PREFIX.get(item['type'], 'item')}_{uuid.uuid4().hex}")
         listed.append(item)
     return listed
@@ -36,7 +36,9 @@ def listed_items(given: Any) -> list[dict[str, Any]]:
 
 def _part(part: dict[str, Any]) -> dict[str, Any]:
     """An output text part as OpenAI's types have it: with its (empty) annotations."""
-    return {"annotations": [], **part} if part.get("type") == "output_text" else part
+    if part.get("type") == "output_text" and part.get("annotations") is None:
+        return {**part, "annotations": []}
+    return part
 
 
 def page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from services.gateway import wire_json
 from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.responses.conversation import input_messages
 from shared import subjects
@@ -42,7 +43,7 @@ class StoredRecord:
         self.items = items
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"response": self.response, "turn": self.turn, "items": self.items})
+        return wire_json.dumps({"response": self.response, "turn": self.turn, "items": self.items})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StoredRecord":

@@ -38,7 +38,7 @@ class FunctionDefinition(BaseModel):
         # the output follows it.
         key = json.dumps(self.parameters, separators=(",", ":"))
         if len(key) > MAX_KEPT_SCHEMA_CHARS:
-            return closed_objects(self.parameters)
+            return closed_objects(copy.deepcopy(self.parameters))  # it may hand back what it was given
         return copy.deepcopy(_closed_schema(key))
 
 
