@@ -30,6 +30,7 @@ API_KEY = "supervision-test-key"
 STOP_DEADLINE_S = 5.0  # what `specmesh up` promises for SIGTERM, its own exit included
 SERVE_AGAIN_DEADLINE_S = 60.0  # a worker restart is ~3 s on an idle 2-core machine; a loaded one is far slower
 NATS_START_TIMEOUT_S = 30.0
+STREAMS_DECLARED = "streams declared"  # what `specmesh nats` prints once the mesh's streams exist
 RETRY_INTERVAL_S = 0.2
 REQUEST_TIMEOUT_S = 15.0
 
@@ -133,10 +134,16 @@ def test_a_killed_specmesh_up_takes_every_process_with_it_while_streams_are_open
 
 
 def _specmesh_nats(store: Path) -> tuple[subprocess.Popen, int]:
+    """`specmesh nats` once it is up: listening, the streams declared (what `specmesh up` waits for before it says
+    the mesh is up, and so what its stop deadline is promised from; lame-duck mode waits for a declaration under
+    way, which on a loaded machine took seconds)."""
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "nats", "--port", str(port), "--store-dir", str(store)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_port("127.0.0.1", port, NATS_START_TIMEOUT_S, proc)
+    for line in proc.stdout:
+        if STREAMS_DECLARED in line:
+            break
     [server] = [pid for pid, cmd in descendants(proc.pid).items() if "nats-server" in cmd]
     return proc, server
 
