@@ -30,6 +30,13 @@ class Refused:
     why: str  # what specmesh does instead, for the error message
     apis: tuple[Api, ...] = ANY_API
 
+    def check(self, value: Any) -> None:
+        """A 400 naming the field unless `value` is null or neutral (JSON true is not 1, nor false 0)."""
+        if value is not None and not any(
+            n == value and isinstance(value, bool) == isinstance(n, bool) for n in self.neutral
+        ):
+            raise bad_request(f"'{self.name}' is not supported by this server: {self.why}", param=self.name)
+
 
 @dataclass(frozen=True)
 class Ignored:
@@ -116,13 +123,6 @@ def known_names(api: Api) -> frozenset[str]:
     return frozenset(refused) | IGNORED.keys() | STRUCTURED_OUTPUT
 
 
-def _neutral(value: Any, rule: Refused) -> bool:
-    """null, or one of the rule's neutral values (JSON true is not 1, nor false 0)."""
-    if value is None:
-        return True
-    return any(n == value and isinstance(value, bool) == isinstance(n, bool) for n in rule.neutral)
-
-
 class Extensions:
     """Refuses a request's unsupported vLLM extensions and logs the ignored ones, each name once per process."""
 
@@ -132,8 +132,7 @@ class Extensions:
     def check(self, data: dict[str, Any], api: Api) -> None:
         for name, value in data.items():
             if (rule := REFUSED.get((name, api))) is not None:
-                if not _neutral(value, rule):
-                    raise bad_request(f"'{name}' is not supported by this server: {rule.why}", param=name)
+                rule.check(value)
             elif (ignored := IGNORED.get(name)) is not None and name not in self._logged:
                 self._logged.add(name)
                 log.warning("ignoring the request field %r: %s (logged once)", name, ignored.why)

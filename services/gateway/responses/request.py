@@ -9,12 +9,11 @@ ignore.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from services.gateway.errors import bad_request
+from services.gateway.extensions import Refused
 from services.gateway.protocol import StreamOptions, check_stream_options
 from services.gateway.structured_request import JsonSchemaFormat
 from services.gateway.tools.tool_request import FUNCTION_NAME, check_tool_choice_kind
@@ -128,30 +127,26 @@ class ReasoningOptions(Strict):
         return value
 
 
-@dataclass(frozen=True)
-class Refused:
-    """A Responses field that asks for something this server does not do: any value but a neutral one is a 400."""
-
-    neutral: tuple[Any, ...]  # besides null
-    why: str
-
-
+# Responses fields that ask for something this server does not do: any value but a neutral one is a 400.
 REFUSED = {
-    "background": Refused((False,), "responses run in the foreground, for the request that asked"),
-    "max_tool_calls": Refused((), "the calls of an answer are bounded by parallel_tool_calls and max_output_tokens"),
-    "conversation": Refused((), "the server keeps no conversations; send the items, or previous_response_id"),
-    "prompt": Refused((), "the server keeps no prompt templates"),
-    "truncation": Refused(("disabled",), "an input longer than the context is refused, never cut"),
-    "context_management": Refused((), "the server does not compact conversations"),
+    rule.name: rule
+    for rule in (
+        Refused("background", (False,), "responses run in the foreground, for the request that asked"),
+        Refused(
+            "max_tool_calls", (), "the calls of an answer are bounded by parallel_tool_calls and max_output_tokens"
+        ),
+        Refused("conversation", (), "the server keeps no conversations; send the items, or previous_response_id"),
+        Refused("prompt", (), "the server keeps no prompt templates"),
+        Refused("truncation", ("disabled",), "an input longer than the context is refused, never cut"),
+        Refused("context_management", (), "the server does not compact conversations"),
+    )
 }
 
 
 def check_refused(data: dict[str, Any]) -> None:
-    """A 400 naming the first refused field that asks for something (JSON true is not 1)."""
+    """A 400 naming the first refused field that asks for something."""
     for name, rule in REFUSED.items():
-        value = data.get(name)
-        if value is not None and not any(n == value and type(n) is type(value) for n in rule.neutral):
-            raise bad_request(f"'{name}' is not supported by this server: {rule.why}", param=name)
+        rule.check(data.get(name))
 
 
 class ResponsesRequest(BaseModel):
