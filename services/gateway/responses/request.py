@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from services.gateway.extensions import Refused
 from services.gateway.protocol import StreamOptions, check_stream_options
 from services.gateway.structured_request import JsonSchemaFormat
-from services.gateway.tools.tool_request import FUNCTION_NAME, check_tool_choice_kind
+from services.gateway.tools.tool_request import (
+    FUNCTION_NAME, check_choice_among, check_function_names, check_tool_choice_kind,
+)
 from shared.frames import MAX_TOP_K
 
 OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to a generation
@@ -200,9 +202,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        names = [tool.name for tool in value or ()]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tools must have distinct function names, got {names}")
+        check_function_names([tool.name for tool in value or ()])
         return value
 
     _tool_choice_kind = field_validator("tool_choice", mode="before")(check_tool_choice_kind)
@@ -210,11 +210,8 @@ class ResponsesRequest(BaseModel):
     @field_validator("tool_choice")
     @classmethod
     def _choice_names_a_tool(cls, value: ResponsesToolChoice | None, info: ValidationInfo) -> Any:
-        names = [tool.name for tool in info.data.get("tools") or ()]
-        if isinstance(value, NamedFunctionChoice) and value.name not in names:
-            raise ValueError(f"tool_choice names function {value.name!r}, which is not among the tools {names}")
-        if value == "required" and not names:
-            raise ValueError('tool_choice "required" needs at least one tool')
+        named = value.name if isinstance(value, NamedFunctionChoice) else None
+        check_choice_among(value, named, [tool.name for tool in info.data.get("tools") or ()])
         return value
 
     @field_validator("include")

@@ -92,19 +92,29 @@ def check_tool_choice_kind(value: Any) -> Any:
 
 
 def check_tools(tools: list[Tool] | None) -> list[Tool] | None:
-    names = [tool.function.name for tool in tools or ()]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tools must have distinct function names, got {names}")
+    check_function_names([tool.function.name for tool in tools or ()])
     return tools
 
 
+def check_function_names(names: list[str]) -> None:
+    """The offered functions' names, in either API's shape of tools: no two alike."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"tools must have distinct function names, got {names}")
+
+
 def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> ToolChoice | None:
-    names = [tool.function.name for tool in tools or ()]
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools {names}")
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    check_choice_among(choice, named, [tool.function.name for tool in tools or ()])
+    return choice
+
+
+def check_choice_among(choice: Any, named: str | None, names: list[str]) -> None:
+    """tool_choice against the offered functions, in either API's shape: a named function must be among them,
+    "required" needs one."""
+    if named is not None and named not in names:
+        raise ValueError(f"tool_choice names function {named!r}, which is not among the tools {names}")
     if choice == "required" and not names:
         raise ValueError('tool_choice "required" needs at least one tool')
-    return choice
 
 
 class ToolFields(BaseModel):
