@@ -60,11 +60,8 @@ async def _stream(
     usage_chunk = include_usage or gen.sampling.speculative.return_stats
     ending: list[bytes] = []  # the last chunk's events, or the error: written together with the end
     unsent: list[bytes] = []  # events of chunks that were already waiting (sse.write_caught_up)
-    calls = None
-    if tools is not None:
-        fields = gen.body.tool_fields
-        calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
-    thinking = None if reasoning is None else StreamedReasoning(reasoning, gen.body.include_reasoning)
+    # A completions body has no include_reasoning; it has no reasoning either.
+    reader = ChoiceReader(gen.body, tools, reasoning, reasoning is not None and gen.body.include_reasoning)
     try:
         if gen.api == "chat":
             for opening in _chat_openings(gen, choices.num_choices):
@@ -75,9 +72,7 @@ async def _stream(
             latency.observe(chunk)
             choices.observe(chunk)
             streamed = choices.streamed(chunk)
-            if thinking is not None:
-                streamed = thinking.choice(streamed)
-            data = {**envelope, "choices": [calls.choice(streamed) if calls is not None else streamed]}
+            data = {**envelope, "choices": [reader.read(streamed)]}
             if every_chunk:
                 data["usage"] = usage_body(choices.running_usage())
             unsent.append(sse.event(data))
@@ -98,6 +93,25 @@ async def _stream(
         ending += [*unsent, sse.event(OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body())]
     await sse.close_stream(response, ending)
     return response
+
+
+class ChoiceReader:
+    """A streamed chat answer's choices, its reasoning set apart (`reasoning`, with `include` false left out) and
+    what follows read for calls in `tools`: each chunk's choice with its delta rewritten."""
+
+    def __init__(
+        self, body: ChatCompletionRequest, tools: ToolFormat | None, reasoning: ReasoningFormat | None, include: bool,
+    ) -> None:
+        self._thinking = None if reasoning is None else StreamedReasoning(reasoning, include)
+        self._calls = None
+        if tools is not None and body.tool_fields.parses_calls:
+            fields = body.tool_fields
+            self._calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
+
+    def read(self, choice: dict) -> dict:
+        if self._thinking is not None:
+            choice = self._thinking.choice(choice)
+        return choice if self._calls is None else self._calls.choice(choice)
 
 
 def _chat_openings(gen: Generation, num_choices: int) -> list[dict]:

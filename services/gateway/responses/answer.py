@@ -13,16 +13,16 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway import sse
+from services.gateway.answer import ChoiceReader
 from services.gateway.choices import ResponseChoices
 from services.gateway import wire_json
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
 from services.gateway.latency import ResponseLatency
-from services.gateway.reasoning.parser import ReasoningFormat, StreamedReasoning
+from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.responses.output import ResponseOutput, responses_usage
 from services.gateway.router import ResponseStream
 from services.gateway.tools.formats import ToolFormat
-from services.gateway.tools.tool_calls import StreamedToolCalls
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +117,17 @@ class ResponsesAnswer:
 
 
 class _ChatReader:
-    """One chat answer's choices as a chat stream sends them, with its reasoning and calls split out; keeps the
-    answer's token ids and reasoning text for the usage."""
+    """One chat answer's choices as a chat stream sends them, with its reasoning and calls split out (answer.py's
+    ChoiceReader); keeps the answer's token ids and reasoning text for the usage."""
 
     def __init__(self, gen: Generation, tools: ToolFormat | None, reasoning: ReasoningFormat | None) -> None:
-        body = gen.body
-        self._thinking = None if reasoning is None else StreamedReasoning(reasoning, include=True)
-        self._calls = None
-        if tools is not None and body.tool_fields.parses_calls:
-            fields = body.tool_fields
-            self._calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
+        self._choices = ChoiceReader(gen.body, tools, reasoning, include=True)
         self.token_ids: list[int] = []
         self.reasoning = ""
 
     def read(self, choice: dict[str, Any]) -> dict[str, Any]:
         self.token_ids += choice.get("token_ids") or ()
-        if self._thinking is not None:
-            choice = self._thinking.choice(choice)
-        if self._calls is not None:
-            choice = self._calls.choice(choice)
+        choice = self._choices.read(choice)
         self.reasoning += (choice.get("delta") or {}).get("reasoning") or ""
         return choice
 
