@@ -137,7 +137,7 @@ def test_a_new_sequence_gets_the_slot_whose_region_holds_its_prefix_else_an_empt
     blocks = _manager(copy_hits=True)
     names = _cached_and_idle(blocks, 1, 8)
     free_slots = [2, 1, 0]
-    assert blocks.choose_slot(free_slots, blocks.lookup(names)) == 1
+    assert blocks.choose_slot(free_slots, names) == 1
     assert blocks.choose_slot(free_slots, []) == 0  # region 1 holds cached blocks: kept for its prefix
 
 
@@ -148,7 +148,7 @@ def test_a_new_sequence_takes_the_lowest_empty_region_else_the_one_idle_longest(
     assert blocks.choose_slot([5, 4, 2, 1], []) == 1
     names = _cached_and_idle(blocks, 1, 8)
     assert blocks.choose_slot([5, 4, 2, 1], []) == 2  # region 1 holds cache: kept
-    assert blocks.choose_slot([5, 4, 2, 1], blocks.lookup(names)) == 1  # its prefix's region
+    assert blocks.choose_slot([5, 4, 2, 1], names) == 1  # its prefix's region
     for slot in (2, 4, 5):
         _cached_and_idle(blocks, slot, 8)
     assert blocks.choose_slot([5, 4, 2, 1], []) == 1  # every free region holds cache: the one freed first
@@ -216,7 +216,7 @@ def test_a_sequence_sharing_only_a_prefix_leaves_the_region_of_the_conversation_
     blocks.free(0)
     hits = blocks.lookup(_names(second))
     assert hits == [0]  # the system prompt, in slot 0's region
-    slot = blocks.choose_slot([2, 1, 0], hits)
+    slot = blocks.choose_slot([2, 1, 0], _names(second))
     assert slot == 1
     blocks.reuse(slot, hits)
     blocks.take_copies()
@@ -225,7 +225,7 @@ def test_a_sequence_sharing_only_a_prefix_leaves_the_region_of_the_conversation_
     blocks.free(slot)
     assert len(blocks.lookup(first_names)) == 3 and len(blocks.lookup(_names(second))) == 3
     # The first conversation's next turn goes home, where its blocks are (the system prompt's copied back).
-    assert blocks.choose_slot([2, 1, 0], blocks.lookup(first_names)) == 0
+    assert blocks.choose_slot([2, 1, 0], first_names) == 0
 
 
 def _turn(blocks: BlockManager, tokens: list[int], free_slots: list[int]) -> tuple[int, int]:
@@ -233,7 +233,7 @@ def _turn(blocks: BlockManager, tokens: list[int], free_slots: list[int]) -> tup
     go; (its slot, the blocks copied for it)."""
     names = _names(tokens)
     hits = blocks.lookup(names[: (len(tokens) - 1) // BLOCK_SIZE])
-    slot = blocks.choose_slot(free_slots, hits, names)
+    slot = blocks.choose_slot(free_slots, names)
     blocks.reuse(slot, hits)
     copied = len(blocks.take_copies())
     blocks.allocate(slot, len(tokens))

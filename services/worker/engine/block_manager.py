@@ -129,9 +129,9 @@ class BlockManager:
         """The cached blocks of the longest run of leading names found (none without caching)."""
         return self.cache.lookup(names) if self.caching else []
 
-    def choose_slot(self, free_slots: list[int], hits: list[int], names: list[BlockHash] = ()) -> int:
-        """The free slot for a new sequence whose cached prefix is `hits` and whose full blocks are named `names`
-        (see the module docstring)."""
+    def choose_slot(self, free_slots: list[int], names: list[BlockHash]) -> int:
+        """The free slot for a new sequence whose full blocks are named `names` (its cached prefix among them; see
+        the module docstring)."""
         if not self.has_regions:
             return free_slots[-1]
         region = self.max_blocks_per_seq
@@ -139,9 +139,6 @@ class BlockManager:
         for index, name in enumerate(names):
             block = self.cache.find(name)
             if block is not None and block % region == index and self.cache.is_idle(block):
-                own[block // region] += 1
-        for index, block in enumerate(hits[len(names):], len(names)):  # hits of a caller that names fewer blocks
-            if block % region == index and self.cache.is_idle(block):
                 own[block // region] += 1
         spared = [s for s in free_slots if self.cache.idle_in_region(s) == own[s]]
         if spared:

@@ -104,7 +104,7 @@ class Scheduler:
             if seq.imported is not None:
                 found, hits = self._imported_prefix(seq, found), None
             if self.blocks is not None:
-                slot = self.blocks.choose_slot(self._free_slots, found, self._full_block_names(seq))
+                slot = self.blocks.choose_slot(self._free_slots, self._full_block_names(seq))
                 needed = self._tokens_needed(seq)
                 if found and not self.blocks.can_reuse(slot, needed, found):
                     if seq.imported is not None:
