@@ -39,7 +39,7 @@ from services.cpu_affinity import format_cpu_list, pin
 from services.detokenizer.migration import max_migrations_arg
 from services.worker.engine.kv_budget import default_cpu_budget
 from services.startup_checks import (
-    UsageError, check_kv_cache_memory, check_split_roles, check_tensor_parallel, check_tokenizer_dir,
+    UsageError, check_kv_cache_memory, check_tensor_parallel, check_tokenizer_dir,
     servable_max_model_len, speculative_config,
 )
 from services.supervisor import (
@@ -161,7 +161,6 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tensor_parallel(args.model, args.tensor_parallel_size)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
     args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
-    check_split_roles(args.worker_roles, args.tensor_parallel_size)
     check_kv_cache_memory(EngineConfig(
         model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, device=args.device,

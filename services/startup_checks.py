@@ -104,16 +104,6 @@ def check_tensor_parallel(model: Path, size: int) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def check_split_roles(roles: list[str], tensor_parallel_size: int) -> None:
-    """Prefill and decode workers run unsplit: a handoff carries one process's whole KV cache."""
-    if tensor_parallel_size > 1 and any(role != "both" for role in roles):
-        raise UsageError(
-            f"--tensor-parallel-size {tensor_parallel_size} does not go with prefill or decode workers (--role "
-            "prefill|decode, or specmesh up's --prefill-workers and --decode-workers): a handoff carries one "
-            "process's whole KV cache"
-        )
-
-
 def check_kv_cache_memory(config: EngineConfig) -> None:
     """An explicit --kv-cache-memory must hold one sequence of --max-model-len (kv_budget.py)."""
     try:

@@ -166,13 +166,7 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
 
     @model_validator(mode="after")
-    def _handoffs_hold_whole_caches(self) -> "EngineConfig":
-        # A handoff is read from and written to one process's KV cache; a split worker holds a shard per rank.
-        if self.role != "both" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"role {self.role!r} with tensor_parallel_size {self.tensor_parallel_size}: prefill and decode "
-                "workers run unsplit (a handoff carries one rank's whole KV cache); use role \"both\""
-            )
+    def _splits_what_can_be_split(self) -> "EngineConfig":
         if self.speculative.method == "eagle3" and self.tensor_parallel_size > 1:
             raise ValueError(
                 f'speculative method "eagle3" with tensor_parallel_size {self.tensor_parallel_size}: the EAGLE-3 '

@@ -11,6 +11,7 @@ import pytest
 from shared.schemas import ChoiceProgress
 from services.worker.engine.handoff import HandoffMismatch
 from services.worker.handoff.format import decode, trim
+from tests.handofffixture import decode_request, run_prefill
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, MAX_STEPS, METHOD_NAMES, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, model_dirs,
     mtp_model_dir, mtp_model_dirs, outputs_of, run, single_thread, tiny_model_dir,
@@ -28,24 +29,6 @@ def prompt(tiny_model_dir) -> list[int]:  # noqa: F811
     prompt = encode_prompts(tiny_model_dir, ["".join(PROMPT_TEXTS)])[0]
     assert len(prompt) % BLOCK_SIZE  # a partial last block travels too
     return prompt
-
-
-def _prefill(engine, request):
-    """Runs the request on a prefill engine until it is handed off: its outputs and its handoff's bytes."""
-    outputs, handoffs = [], []
-    engine.add_request(request)
-    while not handoffs:
-        outputs += engine.step()
-        handoffs = engine.hand_off_ready()
-    ((seqs, payload),) = handoffs
-    assert not engine.has_work()
-    return outputs, seqs[0], payload
-
-
-def _continued(request, seq):
-    """The request as its decode worker gets it: where its output stands, with the seed the prefill drew."""
-    progress = ChoiceProgress(index=0, output_token_ids=tuple(seq.output_ids), next_seq_no=seq.target_seq_no)
-    return request.model_copy(update={"progress": (progress,), "sampling": seq.sampling})
 
 
 def _record(outputs) -> list:
@@ -75,9 +58,9 @@ def test_prefill_then_decode_emits_what_one_engine_does(name, sampling, model_di
     alone = make_request(prompt, **options)
     expected = outputs_of(run(both, {0: [alone]}), alone)
     request = make_request(prompt, **options)
-    first, seq, payload = _prefill(prefill, request)
+    first, seq, payload = run_prefill(prefill, request)
     assert [len(o.tokens) for o in first] == [1]
-    continued = _continued(request, seq)
+    continued = decode_request(request, seq)
     decode_engine.add_request(continued, payload)
     rest = outputs_of(run(decode_engine, {}), continued)
     assert _record(first + rest) == _record(expected)
@@ -88,15 +71,15 @@ def test_blocks_the_decode_worker_holds_need_not_travel(model_dirs, prompt) -> N
     _, prefill, decode_engine = _engines(model_dirs, "mtp")
     options = dict(max_tokens=NUM_TOKENS, logprobs=1, **GREEDY)
     warm = make_request(prompt, **options)
-    decode_engine.add_request(warm, _prefill(prefill, warm)[2] and None)  # the decode engine computes it itself
+    decode_engine.add_request(warm, run_prefill(prefill, warm)[2] and None)  # the decode engine computes it itself
     expected = [t for o in outputs_of(run(decode_engine, {}), warm) for t in o.tokens]
     request = make_request(prompt, **options)
-    first, seq, payload = _prefill(prefill, request)
+    first, seq, payload = run_prefill(prefill, request)
     held = (len(prompt) - 1) // BLOCK_SIZE
     trimmed = trim(payload, held)
     assert decode(trimmed).meta.choices[0].first_block == held
     assert len(trimmed) < len(payload) / 4
-    continued = _continued(request, seq)
+    continued = decode_request(request, seq)
     decode_engine.add_request(continued, trimmed)
     rest = outputs_of(run(decode_engine, {}), continued)
     assert [t for o in first + rest for t in o.tokens] == expected
@@ -109,8 +92,8 @@ def test_a_handoff_whose_cached_blocks_are_gone_is_recomputed(model_dirs, prompt
     alone = make_request(prompt, **options)
     expected = [t for o in outputs_of(run(both, {0: [alone]}), alone) for t in o.tokens]
     request = make_request(prompt, **options)
-    first, seq, payload = _prefill(prefill, request)
-    continued = _continued(request, seq)
+    first, seq, payload = run_prefill(prefill, request)
+    continued = decode_request(request, seq)
     decode_engine.add_request(continued, trim(payload, 2))  # blocks 0 and 1 were never computed there
     rest = outputs_of(run(decode_engine, {}), continued)
     assert [t for o in first + rest for t in o.tokens] == expected
@@ -121,8 +104,8 @@ def test_a_handoff_whose_cached_blocks_are_gone_is_recomputed(model_dirs, prompt
 def test_a_handoff_that_does_not_fit_is_refused_by_name(model_dirs, prompt) -> None:  # noqa: F811
     _, prefill, decode_engine = _engines(model_dirs, "naive")
     request = make_request(prompt, max_tokens=NUM_TOKENS, **GREEDY)
-    _, seq, payload = _prefill(prefill, request)
-    continued = _continued(request, seq)
+    _, seq, payload = run_prefill(prefill, request)
+    continued = decode_request(request, seq)
     with pytest.raises(HandoffMismatch, match="not where its output stands"):
         stale = ChoiceProgress(index=0, output_token_ids=(*seq.output_ids, 5), next_seq_no=seq.target_seq_no + 1)
         decode_engine.add_request(continued.model_copy(update={"progress": (stale,)}), payload)
@@ -142,7 +125,7 @@ def test_every_choice_of_a_request_is_handed_off_together(model_dirs, prompt) ->
     alone = make_request(prompt, **options).model_copy(update={"n": 3})
     expected = {o.seq.choice: o.seq.output_ids for o in outputs_of(run(both, {0: [alone]}), alone)}
     request = make_request(prompt, **options).model_copy(update={"n": 3})
-    _, seq, payload = _prefill(prefill, request)
+    _, seq, payload = run_prefill(prefill, request)
     choices = decode(payload).meta.choices
     assert [c.choice for c in choices] == [0, 1, 2]
     progress = tuple(
@@ -197,9 +180,9 @@ def test_a_handoff_with_no_pending_drafts_goes_on_as_one_engine_does(model_dirs,
     alone = make_request(prompt, **options)
     expected = outputs_of(run(both, {0: [alone]}), alone)
     request = make_request(prompt, **options)
-    first, seq, payload = _prefill(prefill, request)
+    first, seq, payload = run_prefill(prefill, request)
     assert {s.name: s.shape for s in decode(payload).meta.sections}["0.draft_probs"][0] == 0
-    continued = _continued(request, seq)
+    continued = decode_request(request, seq)
     decode_engine.add_request(continued, payload)
     assert _record(first + outputs_of(run(decode_engine, {}), continued)) == _record(expected)
     assert decode_engine.scheduler.handoffs_recomputed == 0

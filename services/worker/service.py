@@ -31,7 +31,7 @@ from shared.prefix_router import PrefixRouter
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import pin
 from services.startup_checks import (
-    check_kv_cache_memory, check_split_roles, check_tensor_parallel, servable_max_model_len, speculative_config,
+    check_kv_cache_memory, check_tensor_parallel, servable_max_model_len, speculative_config,
 )
 from services.worker.dead_letters import DeadLetters
 from services.worker.engine_process import EngineProcess
@@ -110,7 +110,6 @@ def resolve_args(args: argparse.Namespace) -> None:
     """The engine must be able to serve the model; --max-model-len defaults to its context length."""
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
     check_tensor_parallel(args.model, args.tensor_parallel_size)
-    check_split_roles([args.role], args.tensor_parallel_size)
     check_kv_cache_memory(engine_config(args))
     args.cpu_plan = cpu_plan.plan_for(args, 1)
 

@@ -141,7 +141,7 @@ class Engine:
         check_work_request(request, self.limits)  # before any of its values reaches a tensor or a frame
         imported = {}
         if handoff is not None:
-            imported = read_handoff(handoff, request.progress, self.runner.cache, self.mtp, self.revision)
+            imported = read_handoff(handoff, request.progress, self.runner, self.mtp, self.revision)
         sampling = request.sampling
         choices = request.choices()
         if sampling.seed is None:
@@ -204,7 +204,7 @@ class Engine:
         if self.draft is not None:
             self.draft.mirror(changed, copies)
         for seq in plan.imports:
-            write_imported(seq, seq.imported, self.runner.cache, self.mtp)
+            write_imported(seq, seq.imported, self.runner, self.mtp)
             if self.draft is not None:  # the handoff brings the target's cache alone
                 self.draft.reset(seq, seq.imported.meta.first_block * blocks.block_size)
             seq.imported = None
@@ -250,7 +250,7 @@ class Engine:
         if self.config.role != "prefill":
             return handoffs
         for seqs in ready_to_hand_off(self.scheduler.running + list(self.scheduler.waiting)):
-            handoffs.append((seqs, export_request(seqs, self.runner.cache, self.mtp, self.revision)))
+            handoffs.append((seqs, export_request(seqs, self.runner, self.mtp, self.revision)))
             for seq in seqs:
                 if self.mtp is not None:
                     self.mtp.forget(seq.slot)

@@ -18,7 +18,7 @@ import torch
 
 from services.worker.drafting.mtp import MtpDrafter, MtpSlotState, Lag
 from services.worker.engine.block_manager import blocks_for
-from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sequence import Sequence, SeqState
 from services.worker.handoff.format import (
     ChoiceMeta, Handoff, HandoffFormatError, HandoffMeta, MtpMeta, SectionMeta, decode, encode,
@@ -69,9 +69,11 @@ def ready_to_hand_off(seqs: list[Sequence]) -> list[list[Sequence]]:
 
 
 def export_request(
-    seqs: list[Sequence], cache: KVCache, mtp: MtpDrafter | None, revision: str
+    seqs: list[Sequence], runner: ModelRunner, mtp: MtpDrafter | None, revision: str
 ) -> bytes:
-    """The handoff of a request's unfinished choices, each past its prefill with its first token."""
+    """The handoff of a request's unfinished choices, each past its prefill with its first token; its blocks hold
+    every head, however many ranks the runner is split over."""
+    cache = runner.cache
     choices, sections, data = [], [], {}
     dtype = _DTYPE_NAMES[cache.keys[0].dtype]
     for seq in seqs:
@@ -79,7 +81,7 @@ def export_request(
         computed_to = max(seq.num_computed, slot_state.end if slot_state is not None else 0)
         num_blocks = blocks_for(computed_to, cache.block_size)
         table = [int(b) for b in cache.block_tables[seq.slot, :num_blocks]]
-        named = {"kv": cache.read_blocks(table)}
+        named = {"kv": runner.read_blocks(table)}
         mtp_meta = None
         if slot_state is not None:
             named["boundary"] = cache.boundary_hidden[torch.tensor(table, device=cache.boundary_hidden.device)]
@@ -109,7 +111,7 @@ def export_request(
 
 
 def read_handoff(
-    payload: bytes, progress: tuple[ChoiceProgress, ...], cache: KVCache, mtp: MtpDrafter | None, revision: str
+    payload: bytes, progress: tuple[ChoiceProgress, ...], runner: ModelRunner, mtp: MtpDrafter | None, revision: str
 ) -> dict[int, ImportedChoice]:
     """Each choice's imported state, by choice index, once the handoff is checked against this engine (model
     revision, block size, dtype, drafter) and against where the request's output stands (`progress`, as its
@@ -119,6 +121,7 @@ def read_handoff(
     except HandoffFormatError as exc:
         raise HandoffMismatch(str(exc)) from exc
     meta = handoff.meta
+    cache = runner.cache
     expected = (revision, cache.block_size, _DTYPE_NAMES[cache.keys[0].dtype])
     if (meta.revision, meta.block_size, meta.dtype) != expected:
         raise HandoffMismatch(
@@ -140,14 +143,15 @@ def read_handoff(
                 f"{len(choice.mtp.draft_tokens)} pending drafts exceed this worker's {mtp.num_steps} MTP steps"
             )
         imported[choice.choice] = _imported(handoff, choice)
-        _check_shapes(imported[choice.choice], cache)
+        _check_shapes(imported[choice.choice], runner)
     return imported
 
 
-def _check_shapes(choice: ImportedChoice, cache: KVCache) -> None:
+def _check_shapes(choice: ImportedChoice, runner: ModelRunner) -> None:
     """The handoff's blocks and states must fit this cache (checked here, not mid-step)."""
+    cache = runner.cache
     blocks = choice.blocks.shape
-    expected = (len(cache.keys), 2, cache.block_size, *cache.position_shape)
+    expected = (len(cache.keys), 2, cache.block_size, *runner.kv_position_shape)
     if tuple(blocks[1:]) != expected:
         raise HandoffMismatch(f"KV blocks of shape {tuple(blocks[1:])}; this worker's are {expected}")
     if choice.boundary is not None and (cache.boundary_hidden is None or
@@ -174,11 +178,12 @@ def _imported(handoff: Handoff, choice: ChoiceMeta) -> ImportedChoice:
     return ImportedChoice(choice, blocks, tensor("boundary"), slot_state)
 
 
-def write_imported(seq: Sequence, imported: ImportedChoice, cache: KVCache, mtp: MtpDrafter | None) -> None:
+def write_imported(seq: Sequence, imported: ImportedChoice, runner: ModelRunner, mtp: MtpDrafter | None) -> None:
     """Writes an admitted choice's state into its slot and blocks: the blocks it found cached come first, the
     handoff's after them."""
+    cache = runner.cache
     table = [int(b) for b in cache.block_tables[seq.slot, imported.meta.first_block : imported.meta.num_blocks]]
-    cache.write_blocks(table, imported.blocks)
+    runner.write_blocks(table, imported.blocks)
     if imported.boundary is not None and cache.boundary_hidden is not None:
         device = cache.boundary_hidden.device
         cache.boundary_hidden.index_copy_(

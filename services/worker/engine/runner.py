@@ -105,6 +105,23 @@ class ModelRunner:
         elif model.head_weight_t is not None:
             model.int8_head = int8_twin(model.head_weight_t.t())
 
+    @property
+    def kv_position_shape(self) -> tuple[int, int]:
+        """(kv_heads, head_dim) of one position of the whole model's cache: what a KV handoff carries, whatever the
+        ranks it is split over here."""
+        return self.cache.position_shape
+
+    @inference
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Whole blocks of the cache, every rank's heads: [blocks, layers, 2, block_size, kv_heads, head_dim]
+        (KVCache.read_blocks' layout)."""
+        return self.cache.read_blocks(blocks)
+
+    @inference
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Blocks read by read_blocks, here or on a worker split over another number of ranks, into these blocks."""
+        self.cache.write_blocks(blocks, data)
+
     @inference
     def forward(
         self, rows: Seq[Seq[int]], starts: Seq[int], slots: Seq[int], quantized: bool = False

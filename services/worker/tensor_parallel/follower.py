@@ -91,6 +91,14 @@ def follow(conn: Connection, runner: ModelRunner) -> None:
         elif op is Op.MTP_LOGITS:
             index, shape, dtype = args
             runner.mtp_logits(index, received(shape, dtype))
+        elif op is Op.READ_BLOCKS:
+            changes, blocks = args
+            replay(runner.cache, changes)
+            group.gather_heads(runner.cache.read_blocks(blocks))
+        elif op is Op.WRITE_BLOCKS:
+            changes, blocks, shape, dtype = args
+            replay(runner.cache, changes)
+            runner.cache.write_blocks(blocks, group.head_shard(received(shape, dtype)))
         elif op is Op.STOP:
             return
         else:

@@ -90,6 +90,23 @@ class TensorParallelGroup:
         dist.broadcast(tensor, src=LEADER)
         return tensor
 
+    def gather_heads(self, blocks: torch.Tensor) -> torch.Tensor | None:
+        """Each rank's KV cache blocks [..., kv_heads_per_rank, head_dim] -> on the leader every head's
+        [..., kv_heads, head_dim], in the checkpoint's head order (shard.py gives rank r the r-th equal run of heads);
+        None on the other ranks. A KV handoff carries the unsplit blocks, so a prefill worker and a decode worker
+        split over different numbers of ranks read each other's."""
+        blocks = blocks.contiguous()
+        if not self.is_leader:
+            dist.gather(blocks, None, dst=LEADER)
+            return None
+        pieces = [torch.empty_like(blocks) for _ in range(self.size)]
+        dist.gather(blocks, pieces, dst=LEADER)
+        return torch.cat(pieces, dim=-2)
+
+    def head_shard(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Unsplit KV blocks [..., kv_heads, head_dim] -> this rank's heads of them, as gather_heads reads them."""
+        return blocks.chunk(self.size, dim=-2)[self.rank]
+
     def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: weight [vocab_per_rank, hidden] is this rank's slice; a token outside it reads
         zeros here, so the all-reduce leaves each token the one rank's row that holds it, exactly."""

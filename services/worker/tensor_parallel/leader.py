@@ -236,6 +236,24 @@ class LeaderRunner(ModelRunner):
             self._send_hidden(hidden)
             return super().mtp_logits(index, hidden)
 
+    @property
+    def kv_position_shape(self) -> tuple[int, int]:
+        heads, head_dim = self.cache.position_shape
+        return heads * self.model.group.size, head_dim
+
+    @inference
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        with self._mirrored():
+            self.followers.send(Op.READ_BLOCKS, self.cache.take_changes(), blocks)
+            return self.model.group.gather_heads(self.cache.read_blocks(blocks))
+
+    @inference
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        with self._mirrored():
+            self.followers.send(Op.WRITE_BLOCKS, self.cache.take_changes(), blocks, data.shape, data.dtype)
+            unsplit = self.model.group.broadcast(data.to(self.device).contiguous())
+            self.cache.write_blocks(blocks, self.model.group.head_shard(unsplit))
+
     def close(self) -> None:
         """Stops the followers and leaves the group; the runner takes no more calls."""
         self._close()

@@ -22,6 +22,8 @@ class Op(Enum):
     LOGITS = "logits"  # (shape, dtype), the hidden states broadcast after
     MTP_FORWARD = "mtp_forward"  # (changes, index, shape, dtype, rows, starts, slots), the hidden states after
     MTP_LOGITS = "mtp_logits"  # (index, shape, dtype), the hidden states after
+    READ_BLOCKS = "read_blocks"  # (changes, blocks): each rank's heads of them gathered on the leader
+    WRITE_BLOCKS = "write_blocks"  # (changes, blocks, shape, dtype), the unsplit blocks broadcast after
     STOP = "stop"  # ()
 
 
