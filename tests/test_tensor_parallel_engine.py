@@ -21,6 +21,7 @@ from services.worker.tensor_parallel.leader import LeaderRunner
 from shared.config import EngineConfig
 from shared.schemas import WorkRequest
 from tests.methodfixture import METHODS, make_engine, make_request, run, tokens_of
+from tests.modelfixture import make_tiny_model_dir
 
 TP = 2
 MAX_TOKENS = 16
@@ -48,8 +49,8 @@ def split_engine() -> Iterator[Callable[[str], Engine]]:
     """Builds TP engines and closes their groups after the test."""
     engines: list[Engine] = []
 
-    def build(method: str) -> Engine:
-        engine = make_engine(Path(EngineConfig().model), METHODS[method], tensor_parallel_size=TP)
+    def build(method: str, model_dir: Path = Path(EngineConfig().model)) -> Engine:
+        engine = make_engine(model_dir, METHODS[method], tensor_parallel_size=TP)
         engines.append(engine)
         return engine
 
@@ -67,6 +68,12 @@ def test_two_ranks_give_the_tokens_of_one(method: str, split_engine) -> None:
     cache = engine.runner.cache  # each rank's: what the KV budget plans for a rank (engine/kv_budget.py)
     allocated = cache.nbytes + cache.boundary_hidden.numel() * cache.boundary_hidden.element_size()
     assert allocated == kv_budget._block_cost(engine.config)[0] * (cache.num_blocks + 1)
+
+
+def test_two_ranks_give_the_tokens_of_one_under_routed_experts(split_engine, tmp_path: Path) -> None:
+    model_dir = make_tiny_model_dir(tmp_path, "qwen3_moe")
+    whole = _tokens(make_engine(model_dir, METHODS["ngram"]))
+    assert _tokens(split_engine("ngram", model_dir)) == whole
 
 
 def test_a_rank_that_dies_mid_run_fails_the_next_step_loudly(split_engine) -> None:

@@ -31,12 +31,17 @@ TOLERANCE = 1e-6  # of the tensor's largest magnitude: float32 sums in another o
 RANK_TIMEOUT_S = 60
 
 
+# Routed experts in every layer, as Qwen3-MoE has them
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1)
+
+
 def _demo_config(**overrides) -> ModelConfig:
     return dataclasses.replace(ModelConfig.from_dir(DEFAULT_MODEL_DIR), **overrides)
 
 
-def test_shards_put_back_together_are_the_checkpoint() -> None:
-    cfg = _demo_config(vocab_size=ODD_VOCAB, tie_word_embeddings=False)
+@pytest.mark.parametrize("experts", [{}, MOE], ids=["dense", "routed-experts"])
+def test_shards_put_back_together_are_the_checkpoint(experts: dict) -> None:
+    cfg = _demo_config(vocab_size=ODD_VOCAB, tie_word_embeddings=False, **experts)
     with torch.device("meta"):
         names = CausalLM(cfg).state_dict()
     generator = torch.Generator().manual_seed(0)
@@ -68,14 +73,14 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
         assert torch.equal(rebuilt, tensor), name
 
 
-def test_routed_experts_are_refused_a_split_but_served_whole() -> None:
-    """`specmesh up --model <Qwen3-MoE>` on its default --tensor-parallel-size 1 was refused with "serve it with
-    --tensor-parallel-size 1"."""
-    moe = _demo_config(num_experts=4)
-    check_shardable(moe, 1)
-    assert shard_config(moe, 1) == moe
-    with pytest.raises(ShardingError, match="does not split routed experts"):
-        check_shardable(moe, 2)
+def test_routed_experts_are_split_by_their_intermediate_rows() -> None:
+    """Each rank holds a slice of every expert, so routing is the same on every rank; until this change a
+    Qwen3-MoE checkpoint was refused any split."""
+    moe = _demo_config(**MOE)
+    local = shard_config(moe, TP)
+    assert (local.num_experts, local.moe_intermediate_size) == (moe.num_experts, moe.moe_intermediate_size // TP)
+    with pytest.raises(ShardingError, match=r"4 must divide the model's moe_intermediate_size \(6\)"):
+        check_shardable(_demo_config(**{**MOE, "moe_intermediate_size": 6}), 4)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_by_its_numbers() -> None:
@@ -119,7 +124,10 @@ def _follower(port: int, model_dirs: list[Path]) -> None:
 
 
 def test_two_ranks_compute_what_the_whole_model_does(tmp_path: Path) -> None:
-    model_dirs = [DEFAULT_MODEL_DIR, make_tiny_model_dir(tmp_path, "qwen2")]  # MTP and a tied head; q/k/v biases
+    model_dirs = [  # MTP and a tied head; q/k/v biases; routed experts
+        DEFAULT_MODEL_DIR, make_tiny_model_dir(tmp_path / "qwen2", "qwen2"),
+        make_tiny_model_dir(tmp_path / "moe", "qwen3_moe"),
+    ]
     groups = _groups(0, model_dirs)
     port = groups[0].open_rendezvous()
     follower = multiprocessing.get_context("spawn").Process(target=_follower, args=(port, model_dirs))

@@ -13,36 +13,34 @@ class ShardingError(ValueError):
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """Refuses, naming the numbers, a model that `size` ranks cannot split evenly. One rank splits nothing: every
-    model, routed experts included, is its own whole shard."""
+    """Refuses, naming the numbers, a model that `size` ranks cannot split evenly. One rank splits nothing."""
     if size == 1:
         return
-    if cfg.num_experts:
-        raise ShardingError(
-            f"tensor parallelism does not split routed experts ({cfg.architecture} has {cfg.num_experts}); "
-            "serve it with --tensor-parallel-size 1"
-        )
-    for name, count in (
+    counts = [
         ("num_attention_heads", cfg.num_attention_heads),
         ("num_key_value_heads", cfg.num_key_value_heads),
         ("intermediate_size", cfg.intermediate_size),
-    ):
+    ]
+    if cfg.num_experts:
+        counts.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, count in counts:
         if count % size:
             raise ShardingError(
                 f"--tensor-parallel-size {size} must divide the model's {name} ({count}): "
-                f"{cfg.num_attention_heads} attention heads, {cfg.num_key_value_heads} kv heads, "
-                f"intermediate size {cfg.intermediate_size}"
+                + ", ".join(f"{n} {c}" for n, c in counts)
             )
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config one rank's modules are built from: its heads, kv heads, intermediate rows and vocabulary slice
-    (the last slice padded, so all are vocab_per_rank long); head_dim and hidden_size as the model's."""
+    """The config one rank's modules are built from: its heads, kv heads, intermediate rows (a routed expert's too)
+    and vocabulary slice (the last slice padded, so all are vocab_per_rank long); head_dim, hidden_size and the
+    experts' number as the model's."""
     check_shardable(cfg, size)
     return dataclasses.replace(
         cfg,
         num_attention_heads=cfg.num_attention_heads // size,
         num_key_value_heads=cfg.num_key_value_heads // size,
         intermediate_size=cfg.intermediate_size // size,
+        moe_intermediate_size=cfg.moe_intermediate_size // size,
         vocab_size=-(-cfg.vocab_size // size),
     )

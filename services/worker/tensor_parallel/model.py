@@ -2,7 +2,7 @@
 group's collectives where the split needs them.
 
 The modules run unchanged on their slices: attention over this rank's heads against this rank's KV cache (its kv
-heads), the MLP over its intermediate rows. What changes: o and down are wrapped to all-reduce their partial sums,
+heads), the MLP (and each routed expert) over its intermediate rows. What changes: o and down are wrapped to all-reduce their partial sums,
 the embedding looks up this rank's vocabulary slice and all-reduces, and the LM head computes this rank's slice of
 the logits, gathered whole on the leader. The CPU's flat trunk (model/flat_trunk.py) reads the same weights and
 the model's embed and all_reduce, so it runs sharded too.
@@ -18,6 +18,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import dummy_state_dict
 from services.worker.model.llama import CausalLM
 from services.worker.model.loader import checkpoint_state, place, served_config
+from services.worker.model.moe import SparseMoE
 from services.worker.model.plain_module import PlainModule
 from services.worker.tensor_parallel.group import TensorParallelGroup
 from services.worker.tensor_parallel.divisible import shard_config
@@ -25,7 +26,8 @@ from services.worker.tensor_parallel.shard import shard_state
 
 
 class RowParallel(PlainModule):
-    """A projection whose input is split over the ranks: its partial results are summed across them."""
+    """A projection whose input is split over the ranks, or a block of experts each split so: its partial results
+    are summed across them."""
 
     def __init__(self, projection: torch.nn.Module, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -59,10 +61,14 @@ class ShardedCausalLM(CausalLM):
         return None if logits is None else logits.float()
 
     def wrap_row_parallel(self) -> None:
-        """o and down of every decoder block (trunk and MTP) sum their partial results over the group."""
+        """o and down of every decoder block (trunk and MTP) sum their partial results over the group; a layer of
+        routed experts sums its weighted experts' outputs once, not once an expert."""
         for layer in (*self.model.layers, *self.model.mtp_layers):
             layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, self.group)
-            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.group)
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp = RowParallel(layer.mlp, self.group)
+            else:
+                layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.group)
 
 
 def load_shard(

@@ -3,7 +3,9 @@
 Column-parallel (outputs split, no communication): q/k/v by heads, gate/up by intermediate rows; each rank keeps
 its heads' queries, keys and values and their biases, and its slice of the gate and of the up projection.
 Row-parallel (inputs split, partial sums all-reduced): o by the heads it reads, down by the intermediate rows it
-reads. Vocab-parallel: the embedding and the LM head by vocabulary rows. Norms, the rotary table and the MTP
+reads. A routed expert is a gated MLP cut the same way, so every rank holds a slice of every expert and routes as
+the others do (the router is replicated): the experts' weighted outputs are partial sums, all-reduced once for the
+layer. Vocab-parallel: the embedding and the LM head by vocabulary rows. Norms, the rotary table and the MTP
 module's fusion projection (eh_proj: two hidden states in, one out, a sliver of the module's work) are
 replicated. The MTP module's decoder block is cut as the trunk's.
 """
@@ -17,9 +19,10 @@ from services.worker.model.weights import ATTENTION_MERGED, MLP_MERGED
 from services.worker.tensor_parallel.divisible import check_shardable
 
 QKV = f".self_attn.{ATTENTION_MERGED}."
-GATE_UP = f".mlp.{MLP_MERGED}."
+# a dense MLP's (.mlp.gate_up_proj) or a routed expert's (.mlp.experts.<i>.gate_up_proj)
+GATE_UP = f".{MLP_MERGED}."
 O_WEIGHT = ".self_attn.o_proj.weight"
-DOWN_WEIGHT = ".mlp.down_proj.weight"
+DOWN_WEIGHT = ".down_proj.weight"
 VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
