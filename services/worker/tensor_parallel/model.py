@@ -2,10 +2,11 @@
 group's collectives where the split needs them.
 
 The modules run unchanged on their slices: attention over this rank's heads against this rank's KV cache (its kv
-heads), the MLP (and each routed expert) over its intermediate rows. What changes: o and down are wrapped to all-reduce their partial sums,
-the embedding looks up this rank's vocabulary slice and all-reduces, and the LM head computes this rank's slice of
-the logits, gathered whole on the leader. The CPU's flat trunk (model/flat_trunk.py) reads the same weights and
-the model's embed and all_reduce, so it runs sharded too.
+heads), the MLP (and each routed expert) over its intermediate rows. What changes: o and down (or a layer of
+experts as a whole) are wrapped to all-reduce their partial sums, the embedding looks up this rank's vocabulary
+slice and all-reduces, and the LM head computes this rank's slice of the logits, gathered whole on the leader.
+The CPU's flat trunk (model/flat_trunk.py) reads the same weights and the model's embed and all_reduce, so it
+runs sharded too.
 """
 
 from __future__ import annotations
