@@ -86,6 +86,8 @@ class SamplingParams(_Message):
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     logit_bias: dict[TokenId, float] = Field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's allowed_token_ids: every other token's logit is -inf (None: the whole vocabulary)
+    allowed_token_ids: tuple[TokenId, ...] | None = Field(None, min_length=1)
     speculative: SpeculationParams = SpeculationParams()
     # The output's constraint (response_format, guided_*, tool_choice): shared/structured.py
     structured: StructuredOutput | None = None
@@ -122,9 +124,10 @@ class SamplingParams(_Message):
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any penalty, logit_bias or min_tokens changes this request's logits."""
+        """Whether any penalty, logit_bias, allowed_token_ids or min_tokens changes this request's logits."""
         return (
-            self.presence_penalty != NO_PENALTY
+            self.allowed_token_ids is not None
+            or self.presence_penalty != NO_PENALTY
             or self.frequency_penalty != NO_PENALTY
             or self.repetition_penalty != NO_REPETITION_PENALTY
             or self.min_tokens > 0

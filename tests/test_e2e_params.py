@@ -114,6 +114,24 @@ def test_logprob_token_ids_score_the_named_tokens(client, mesh) -> None:
     )
 
 
+def test_allowed_token_ids_are_the_only_tokens_generated(client, mesh, tokenizer) -> None:
+    allowed = sorted(set(tokenizer.encode(" the cat sat on the mat", add_special_tokens=False)))
+    options = {"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}
+    greedy = _completion(client, mesh, prompt="def parse(", max_tokens=16, extra_body=options)
+    sampled = _completion(client, mesh, prompt="def parse(", max_tokens=16, temperature=1.0, seed=3, extra_body=options)
+    for choice in (greedy.choices[0], sampled.choices[0]):
+        assert len(choice.token_ids) == 16 and set(choice.token_ids) <= set(allowed)
+    chunks = client.chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=12, stream=True,
+        temperature=0.7, seed=5, extra_body=options,
+    )
+    streamed = [t for chunk in chunks if chunk.choices for t in chunk.choices[0].model_extra.get("token_ids") or ()]
+    assert len(streamed) == 12 and set(streamed) <= set(allowed)
+    assert "out of vocabulary" in _refused(
+        lambda: _completion(client, mesh, prompt="hi", extra_body={"allowed_token_ids": [10**7]}), "allowed_token_ids"
+    )
+
+
 def test_prompt_logprobs_sit_where_vllm_puts_them(client, mesh) -> None:
     completion = _completion(client, mesh, prompt=["hi there", "abc"], n=2, extra_body={"prompt_logprobs": 1})
     assert len(completion.choices) == 4

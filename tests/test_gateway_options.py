@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens, min_p and per-request speculation at the gateway: every bad value is a 400
+"""Penalties, logit_bias, allowed_token_ids, min_tokens, min_p and per-request speculation at the gateway: every bad value is a 400
 that names the parameter and the value, on both endpoints; a token id outside the vocabulary, a min_tokens past
 the budget and more drafts than the server makes are refused by what only the server knows.
 
@@ -36,6 +36,13 @@ BAD = [
     ({"logit_bias": {str(VOCAB_SIZE): 1.0}}, "logit_bias", str(VOCAB_SIZE)),
     ({"logit_bias": {"3": 1.0, "70000": -1.0}}, "logit_bias", "70000"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "9"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", None),
+    ({"allowed_token_ids": [3, VOCAB_SIZE]}, "allowed_token_ids", str(VOCAB_SIZE)),
+    ({"allowed_token_ids": [-1, 3]}, "allowed_token_ids", "-1"),
+    # EOS (id 0 here) and a stop token are all it allows, and min_tokens forbids both
+    ({"allowed_token_ids": [0, 7], "stop_token_ids": [7], "min_tokens": 1}, "allowed_token_ids", "min_tokens"),
+    ({"allowed_token_ids": [3, 4], "response_format": {"type": "json_object"}}, "allowed_token_ids",
+     "response_format"),
     ({"speculative": {"num_speculative_tokens": SERVER_DRAFTS + 1}}, "speculative.num_speculative_tokens",
      str(SERVER_DRAFTS + 1)),
     ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens", "-1"),
@@ -74,11 +81,13 @@ def test_valid_values_reach_the_sampling_params(model) -> None:
     chosen = dict(
         presence_penalty=-2.0, frequency_penalty=2, repetition_penalty=1.7, min_tokens=3, min_p=0.05,
         logit_bias={"17": -100, "4": 0.5}, speculative={"num_speculative_tokens": 0, "return_stats": True},
+        allowed_token_ids=[9, 4, 4],
     )
     sampling = model.model_validate({**body, **chosen}).sampling_params(8)
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (-2.0, 2.0, 1.7)
     assert (sampling.min_tokens, sampling.min_p, sampling.logit_bias) == (3, 0.05, {17: -100.0, 4: 0.5})
     assert sampling.speculative.num_speculative_tokens == 0 and sampling.speculative.return_stats
+    assert sampling.allowed_token_ids == (4, 9)
     assert sampling.adjusts_logits
     plain = model.model_validate(body).sampling_params(8)
-    assert not plain.adjusts_logits and plain.min_p == 0.0 and plain.speculative.num_speculative_tokens is None
+    assert not plain.adjusts_logits and plain.min_p == 0.0 and plain.allowed_token_ids is None and plain.speculative.num_speculative_tokens is None

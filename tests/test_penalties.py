@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens and min_p in the engine, under every drafting method: greedy output equals a
+"""Penalties, logit_bias, allowed_token_ids, min_tokens and min_p in the engine, under every drafting method: greedy output equals a
 step-by-step reference computed here from transformers' logits (the penalties applied to the full logits one token
 at a time), sampled output keeps the penalised target distribution (chi-square against plain decoding), and a
 seeded request gives the same tokens alone or in any batch."""
@@ -35,6 +35,9 @@ PENALTY_CASES = {
     "penalise": dict(presence_penalty=0.05, frequency_penalty=0.1, repetition_penalty=1.5),
     # Biases on tokens of each prompt's own greedy text (filled in by _sampling); min-p changes no greedy choice.
     "bias": dict(min_p=0.5),
+    # Only the prompt's own tokens (filled in by _sampling), one of them biased away: the text loops over the prompt,
+    # so prompt lookup's drafts are accepted, and a bias never brings back a token outside the set.
+    "allowed": dict(),
 }
 BANNED_AT, FAVOURED_AT = 2, 5  # positions in the greedy text whose tokens get a bias of -100 and of FAVOUR
 FAVOUR = 0.1
@@ -52,6 +55,10 @@ def penalised_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
     logits = logits.clone().float()
     for token, bias in sampling.get("logit_bias", {}).items():
         logits[token] += bias
+    if sampling.get("allowed_token_ids") is not None:
+        outside = torch.ones_like(logits, dtype=torch.bool)
+        outside[list(sampling["allowed_token_ids"])] = False
+        logits[outside] = MASKED
     if len(output) < sampling.get("min_tokens", 0):
         for token in stop_ids:
             logits[token] = MASKED
@@ -76,10 +83,14 @@ def reference_tokens(model, prompt: list[int], sampling: dict, num_tokens: int, 
     return output
 
 
-def _sampling(case: str, greedy: list[int]) -> dict:
+def _sampling(case: str, prompt: list[int], greedy: list[int]) -> dict:
     sampling = dict(PENALTY_CASES[case])
     if case == "bias":
         sampling["logit_bias"] = {greedy[BANNED_AT]: -100.0, greedy[FAVOURED_AT]: FAVOUR}
+    if case == "allowed":
+        outside = next(t for t in greedy if t not in prompt)
+        sampling["allowed_token_ids"] = sorted(set(prompt[1:]))  # not the BOS token
+        sampling["logit_bias"] = {prompt[1]: -100.0, outside: 100.0}
     return sampling
 
 
@@ -89,7 +100,7 @@ def test_greedy_output_with_penalties_equals_the_step_by_step_reference(
     model_dirs, prompts, reference_model, greedy_reference, name, case
 ) -> None:
     method = METHODS[name]
-    samplings = [_sampling(case, greedy_reference(p, NUM_TOKENS)) for p in prompts]
+    samplings = [_sampling(case, p, greedy_reference(p, NUM_TOKENS)) for p in prompts]
     requests = [
         make_request(p, max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, **sampling)
         for p, sampling in zip(prompts, samplings)
@@ -101,7 +112,9 @@ def test_greedy_output_with_penalties_equals_the_step_by_step_reference(
         expected = reference_tokens(reference_model, prompt, sampling, NUM_TOKENS, set())
         assert tokens_of(steps, request) == expected
         assert expected != greedy_reference(prompt, NUM_TOKENS), "the penalties must change the greedy text"
-    if case == "repeat" and method.drafts:
+        if "allowed_token_ids" in sampling:
+            assert set(expected) <= set(sampling["allowed_token_ids"]) - {prompt[1]}
+    if case in ("repeat", "allowed") and method.drafts:
         assert engine.stats.num_accepted_tokens > 0
 
 
@@ -125,6 +138,8 @@ def _seeded(prompts: list[list[int]], seed: int) -> list[WorkRequest]:
     return [
         make_request(prompts[0], max_tokens=20, temperature=0.8, seed=seed, ignore_eos=True,
                      presence_penalty=0.3, frequency_penalty=0.2, logit_bias={5: 0.5}),
+        make_request(prompts[2], max_tokens=16, temperature=1.0, seed=seed + 2, ignore_eos=True,
+                     allowed_token_ids=tuple(sorted(set(prompts[2]))), logit_bias={prompts[2][1]: 1.0}),
         make_request(prompts[1], max_tokens=16, temperature=1.0, top_k=50, seed=seed + 1, ignore_eos=True,
                      repetition_penalty=1.3, min_p=0.1, min_tokens=6),
     ]
@@ -141,7 +156,8 @@ def test_seeded_penalised_request_yields_the_same_tokens_alone_or_in_any_batch(m
         make_request(prompts[2], max_tokens=12, temperature=0.0, ignore_eos=True),
         make_request(prompts[3], max_tokens=9, temperature=0.9, seed=2, ignore_eos=True, frequency_penalty=1.0),
     ]
-    steps = run(make_engine(model_dir, method, max_num_seqs=3), {0: [others[0], copies[1]], 1: [others[1], copies[0]]})
+    arrivals = {0: [others[0], copies[1]], 1: [others[1], copies[0]], 2: [copies[2]]}
+    steps = run(make_engine(model_dir, method, max_num_seqs=3), arrivals)
     assert [tokens_of(steps, r) for r in copies] == alone
 
 
@@ -193,8 +209,10 @@ def test_each_row_counts_the_drafts_before_it() -> None:
         _sequence([1, 2, 3], [4, 4, 9], presence_penalty=0.7, frequency_penalty=-0.3, repetition_penalty=1.4),
         _sequence([5], [], ignore_eos=True),  # asks for nothing: its rows stay raw
         _sequence([6, 7], [7], frozenset({0, 2}), min_tokens=3, logit_bias={3: 2.5, 0: 50.0}, frequency_penalty=0.5),
+        # A bias on a token outside the allowed ones leaves it out; min_tokens masks an allowed stop token.
+        _sequence([8], [3], frozenset({2}), min_tokens=2, allowed_token_ids=(2, 3, 9), logit_bias={4: 50.0, 9: 1.0}),
     ]
-    drafts = [[9, 9, 2], [1, 2, 3], [2, 5]]
+    drafts = [[9, 9, 2], [1, 2, 3], [2, 5], [9, 2]]
     logits = torch.randn(len(seqs) * width, vocab, generator=generator)  # [B * width, V]
     got = apply_penalties(logits, LogitPenalties.build(seqs, drafts, width, vocab, logits.device))
     for b, seq in enumerate(seqs):
@@ -209,4 +227,5 @@ def test_each_row_counts_the_drafts_before_it() -> None:
             assert torch.allclose(got[b * width + j], expected), (b, j)
     # min_tokens 3 with one token of output: rows 0 and 1 are below it, row 2 (after both drafts) is not.
     assert got[2 * width + 1, 0] == MASKED and got[2 * width + 2, 0] > MASKED
+    assert (got[3 * width :].isfinite().sum(dim=1) == torch.tensor([2, 3, 3, 3])).all()  # stop token 2 from row 1
     assert apply_penalties(logits, LogitPenalties.build([seqs[1]], None, 1, vocab, logits.device)) is logits

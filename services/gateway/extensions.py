@@ -54,7 +54,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
         Refused("include_stop_str_in_output", (False,), "a stop string found is always cut from the output"),
         Refused("skip_special_tokens", (True,), "generated special tokens are always left out of the text"),
-        Refused("allowed_token_ids", (), "restricting sampling to a set of tokens is not implemented"),
         Refused("bad_words", ([],), "banning words is not implemented; logit_bias can ban their token ids"),
         Refused("logits_processors", ([],), "custom logits processors are not supported"),
         Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),

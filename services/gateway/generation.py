@@ -32,7 +32,7 @@ from services.gateway.errors import (
     from_validation_error,
     model_not_found,
 )
-from services.gateway.options import check_logit_bias, check_min_tokens, check_speculative
+from services.gateway.options import check_allowed_token_ids, check_logit_bias, check_min_tokens, check_speculative
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.parser import ReasoningFormat
@@ -102,6 +102,7 @@ class Generator:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
+        check_allowed_token_ids(body, self._tokenizer.vocab_size, self._tokenizer.eos_token_ids)
         check_logprob_token_ids(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
         limit = prompt_limit(body, self._max_model_len)
@@ -119,6 +120,12 @@ class Generator:
             )
         structured = None
         constrained_by = tool_calls or constraint  # (the parameter, its constraint)
+        if constrained_by and body.allowed_token_ids is not None:
+            # Two masks of one position could leave no token at all; a grammar already says what may come.
+            raise bad_request(
+                f"allowed_token_ids does not go with an output constraint ({constrained_by[0]})",
+                param="allowed_token_ids",
+            )
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
         if constrained_by and reasoning is not None:

@@ -17,6 +17,23 @@ def check_logit_bias(body: ChatCompletionRequest | CompletionRequest, vocab_size
         raise bad_request(out_of_vocab("logit_bias", bad, vocab_size), param="logit_bias")
 
 
+def check_allowed_token_ids(
+    body: ChatCompletionRequest | CompletionRequest, vocab_size: int, eos_token_ids: frozenset[int]
+) -> None:
+    """The allowed tokens must lie inside the vocabulary, and leave min_tokens something to generate."""
+    allowed = body.allowed_token_ids
+    if allowed is None:
+        return
+    if bad := sorted({token for token in allowed if not 0 <= token < vocab_size}):
+        raise bad_request(out_of_vocab("allowed_token_ids", bad, vocab_size), param="allowed_token_ids")
+    stops = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(eos_token_ids))
+    if body.min_tokens and set(allowed) <= stops:
+        raise bad_request(
+            f"allowed_token_ids holds only stop tokens ({sorted(set(allowed))}), which min_tokens ({body.min_tokens}) "
+            "forbids: nothing could be generated", param="allowed_token_ids",
+        )
+
+
 def check_min_tokens(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> None:
     """min_tokens must fit in the generation budget (the client's max_tokens, or what the gateway chose)."""
     if body.min_tokens is not None and body.min_tokens > max_tokens:

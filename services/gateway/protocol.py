@@ -131,6 +131,8 @@ class GenerationRequest(Body):
     min_tokens: int | None = None  # vLLM extension
     min_p: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias; ids are checked against the vocabulary
+    # vLLM extension: generate only these tokens (checked against the vocabulary by the gateway)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
     speculative: SpeculativeOptions | None = None  # specmesh extension
     # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -302,6 +304,7 @@ class GenerationRequest(Body):
             min_tokens=self.min_tokens or 0,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias_ids,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(sorted(set(self.allowed_token_ids))),
             speculative=SpeculationParams(
                 **(self.speculative.model_dump() if self.speculative else {}), prediction_token_ids=prediction
             ),

@@ -1,7 +1,8 @@
-"""What changes a request's target logits before temperature: logit_bias, min_tokens, vLLM's repetition_penalty and
-OpenAI's presence and frequency penalties, in that order (vLLM's), on float32 logits:
+"""What changes a request's target logits before temperature: logit_bias, vLLM's allowed_token_ids, min_tokens,
+vLLM's repetition_penalty and OpenAI's presence and frequency penalties, in that order (vLLM's), on float32 logits:
 
     logits[t] += logit_bias[t]
+    logits[t]  = -inf                         for every token t outside allowed_token_ids
     logits[s]  = -inf                         for every stop token s while fewer than min_tokens were generated
     logits[t]  = logits[t] / r if logits[t] > 0 else logits[t] * r    for t in the prompt or the output (r: repetition)
     logits[t] -= count[t] * frequency + (count[t] > 0) * presence    (count: t among the generated tokens)
@@ -40,7 +41,8 @@ class LogitPenalties:
     rows: Tensor  # [R] int64: which rows of the logits these are
     counts: Tensor | None  # [R, V] float32: generated tokens before each row (drafts before it included)
     seen: Tensor | None  # [R, V] bool: tokens of the prompt or before the row (None: no row has a repetition penalty)
-    bias: Tensor | None  # [R, V] float32: logit_bias, and -inf at the stop tokens min_tokens still forbids
+    # [R, V] float32: logit_bias, and -inf outside allowed_token_ids and at the stop tokens min_tokens still forbids
+    bias: Tensor | None
     presence: Tensor  # [R]
     frequency: Tensor  # [R]
     repetition: Tensor  # [R]
@@ -120,26 +122,36 @@ def _counts(token_rows: list[Seq[int]], vocab_size: int, device: torch.device) -
 def _bias(
     seqs: list[Sequence], num_drafts: list[int], width: int, vocab_size: int, device: torch.device
 ) -> Tensor | None:
-    """[R, V] logit_bias of each row, with -inf at the stop tokens of the rows whose output position (the sequence's
-    output plus the drafts before the row) is below min_tokens; None when no row has either. Built from sparse
-    entries, so only the device holds a dense array."""
+    """[R, V] logit_bias of each row, with -inf outside the request's allowed_token_ids and at the stop tokens of the
+    rows whose output position (the sequence's output plus the drafts before the row) is below min_tokens; None when
+    no row has any. Built from sparse entries, so only the device holds a dense array."""
     biased: list[tuple[int, int, float]] = []  # (row, token, bias)
     masked: list[tuple[int, int]] = []  # (row, stop token)
+    allowed: list[tuple[int, Seq[int]]] = []  # (first row of the sequence, its allowed tokens)
     for b, (seq, drafted) in enumerate(zip(seqs, num_drafts)):
+        if seq.sampling.allowed_token_ids is not None:
+            allowed.append((b * width, seq.sampling.allowed_token_ids))
         for j in range(width):
             row = b * width + j
             biased += [(row, token, value) for token, value in seq.sampling.logit_bias.items()]
             if len(seq.output_ids) + min(j, drafted) < seq.sampling.min_tokens:
                 masked += [(row, token) for token in seq.stop_ids]
-    if not biased and not masked:
+    if not biased and not masked and not allowed:
         return None
     bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
-    # Two writes, the mask last: a forbidden token stays forbidden whatever its bias (index_put_ gives no order
+    # The masks after the biases: a forbidden token stays forbidden whatever its bias (index_put_ gives no order
     # among duplicate indices of one call on CUDA).
-    for entries, value in ((biased, None), (masked, MASKED)):
-        if entries:
-            columns = list(zip(*entries))
-            index = torch.tensor(columns[:2], dtype=torch.int64).to(device)  # [2, n]
-            values = torch.tensor(columns[2], dtype=torch.float32) if value is None else torch.tensor(value)
-            bias.index_put_((index[0], index[1]), values.to(device))
+    if biased:
+        columns = list(zip(*biased))
+        index = torch.tensor(columns[:2], dtype=torch.int64).to(device)  # [2, n]
+        bias.index_put_((index[0], index[1]), torch.tensor(columns[2], dtype=torch.float32).to(device))
+    if allowed:
+        outside = np.ones((len(allowed), vocab_size), dtype=bool)  # [sequences, V]
+        for i, (_, tokens) in enumerate(allowed):
+            outside[i, list(tokens)] = False
+        rows = torch.from_numpy(np.add.outer([row for row, _ in allowed], np.arange(width)).reshape(-1)).to(device)
+        bias[rows] = bias[rows].masked_fill_(torch.from_numpy(np.repeat(outside, width, axis=0)).to(device), MASKED)
+    if masked:
+        index = torch.tensor(list(zip(*masked)), dtype=torch.int64).to(device)  # [2, n]
+        bias.index_put_((index[0], index[1]), torch.tensor(MASKED, device=device))
     return bias
