@@ -1,6 +1,6 @@
-"""Penalties, logit_bias, allowed_token_ids, min_tokens, min_p and per-request speculation at the gateway: every bad value is a 400
-that names the parameter and the value, on both endpoints; a token id outside the vocabulary, a min_tokens past
-the budget and more drafts than the server makes are refused by what only the server knows.
+"""Penalties, logit_bias, allowed_token_ids, min_tokens, min_p and per-request speculation at the gateway: every bad
+value is a 400 that names the parameter and the value, on both endpoints; a token id outside the vocabulary, a
+min_tokens past the budget and more drafts than the server makes are refused by what only the server knows.
 
 A real nats-server, the real gateway app on a real port with a real tokenizer (gatewayfixture.py), and the real
 `openai` client. The gateway's speculative config is the default one: 3 drafts per step.
@@ -90,4 +90,5 @@ def test_valid_values_reach_the_sampling_params(model) -> None:
     assert sampling.allowed_token_ids == (4, 9)
     assert sampling.adjusts_logits
     plain = model.model_validate(body).sampling_params(8)
-    assert not plain.adjusts_logits and plain.min_p == 0.0 and plain.allowed_token_ids is None and plain.speculative.num_speculative_tokens is None
+    assert not plain.adjusts_logits and plain.min_p == 0.0 and plain.allowed_token_ids is None
+    assert plain.speculative.num_speculative_tokens is None

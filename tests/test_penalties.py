@@ -1,7 +1,7 @@
-"""Penalties, logit_bias, allowed_token_ids, min_tokens and min_p in the engine, under every drafting method: greedy output equals a
-step-by-step reference computed here from transformers' logits (the penalties applied to the full logits one token
-at a time), sampled output keeps the penalised target distribution (chi-square against plain decoding), and a
-seeded request gives the same tokens alone or in any batch."""
+"""Penalties, logit_bias, allowed_token_ids, min_tokens and min_p in the engine, under every drafting method: greedy
+output equals a step-by-step reference computed here from transformers' logits (the penalties applied to the full
+logits one token at a time), sampled output keeps the penalised target distribution (chi-square against plain
+decoding), and a seeded request gives the same tokens alone or in any batch."""
 
 from __future__ import annotations
 
