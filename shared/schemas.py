@@ -233,6 +233,11 @@ class DetokOpen(_Message):
     # Special tokens whose text the output keeps, where generated text leaves the others out: the tags of a
     # tool-call format that writes them as control tokens (Mistral's [TOOL_CALLS]), on a request read for calls
     shown_special_ids: tuple[TokenId, ...] = Field((), max_length=MAX_SHOWN_SPECIAL_IDS)
+    # vLLM's include_stop_str_in_output: the stop string, or the stop token's text, ends the output instead of
+    # being cut from it
+    include_stop_str_in_output: bool = False
+    # vLLM's skip_special_tokens: false shows every generated special token's text, with its logprobs entry
+    skip_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _prompt_when_needed(self) -> "DetokOpen":

@@ -53,7 +53,7 @@ def eos(tokenizer: Tokenizer) -> int:
 
 
 def opened(
-    api: str = "chat", stop: tuple[str, ...] = (), logprobs: int | None = None, drafts: bool = False
+    api: str = "chat", stop: tuple[str, ...] = (), logprobs: int | None = None, drafts: bool = False, **options
 ) -> DetokOpen:
     return DetokOpen(
         request_id=uuid.uuid4().hex,
@@ -63,6 +63,7 @@ def opened(
         logprobs=logprobs,
         include_draft_logprobs=drafts,
         num_prompt_tokens=PROMPT_TOKENS,
+        **options,
     )
 
 
@@ -168,6 +169,43 @@ def test_stop_matcher_earliest_match_wins_over_list_order() -> None:
     released = matcher.feed("hello world")
     assert released.text == "hel"
     assert (released.match.start, released.match.end) == (3, 7)
+
+
+def test_an_included_stop_string_holds_nothing_back_and_ends_the_output_after_itself() -> None:
+    matcher = StopMatcher(["abcdef", "xyz"], include=True)
+    assert matcher.feed("12abcde").text == "12abcde" and matcher.holding == 0
+    assert matcher.feed("Q").text == "Q"
+    assert matcher.feed("x").text == "x"
+    released = matcher.feed("yz and more")  # the stop string began in text released before
+    assert released.text == "yz"
+    assert (released.match.start, released.match.end, released.match.cut) == (8, 11, 11)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_its_tokens_entries(tokenizer, table) -> None:
+    assembler = RequestAssembler(opened(api="completion", stop=("STOP",), logprobs=0,
+                                        include_stop_str_in_output=True), table)
+    steps = [byte_tokens(tokenizer, piece) for piece in ("ok S", "T", "OP and", " more")]
+    chunks = run_steps(assembler, steps, FinishReason.LENGTH)
+    assert [None if c is None else text_of(c) for c in chunks] == ["ok S", "T", "OP", None]
+    assert chunks[2].final and chunks[2].choice["finish_reason"] == "stop"
+    assert chunks[2].choice["logprobs"]["tokens"] == ["O", "P"]  # the tokens of the stop string, none after
+    assert chunks[2].usage.completion_tokens == len("ok STOP")
+
+
+def test_include_stop_str_in_output_renders_the_stop_token(tokenizer, table) -> None:
+    stop_token = byte_tokens(tokenizer, "!")[0]  # a stop_token_ids entry with text of its own
+    for include, text in ((False, "ok"), (True, "ok!")):
+        assembler = RequestAssembler(opened(api="completion", include_stop_str_in_output=include), table)
+        (chunk,) = run_steps(assembler, [byte_tokens(tokenizer, "ok") + [stop_token]], FinishReason.STOP)
+        assert text_of(chunk) == text and chunk.usage.completion_tokens == 3
+
+
+def test_skip_special_tokens_false_shows_their_text_and_logprobs(tokenizer, table) -> None:
+    ids = byte_tokens(tokenizer, "a") + [eos(tokenizer)] + byte_tokens(tokenizer, "b")
+    for skip, text, tokens in ((True, "ab", ["a", "b"]), (False, "a<|endoftext|>b", ["a", "<|endoftext|>", "b"])):
+        assembler = RequestAssembler(opened(api="completion", logprobs=0, skip_special_tokens=skip), table)
+        (chunk,) = run_steps(assembler, [ids], FinishReason.LENGTH)
+        assert text_of(chunk) == text and chunk.choice["logprobs"]["tokens"] == tokens
 
 
 def test_stop_string_spanning_tokens_of_one_step_earliest_wins(tokenizer, table) -> None:

@@ -40,7 +40,7 @@ def test_unsupported_extensions_are_refused_by_name(client, mesh) -> None:
     message = _refused(lambda: _completion(client, mesh, prompt="hi", extra_body={"use_beam_search": True}),
                        "use_beam_search")
     assert "beam search" in message
-    _refused(lambda: _chat(client, mesh, extra_body={"include_stop_str_in_output": True}), "include_stop_str_in_output")
+    _refused(lambda: _chat(client, mesh, extra_body={"bad_words": ["cat"]}), "bad_words")
     _refused(lambda: _completion(client, mesh, prompt="hi", n=1, best_of=2), "best_of")
     # Neutral values ask for nothing specmesh lacks: accepted.
     both = _completion(client, mesh, prompt="hi", n=2, best_of=2, extra_body={"use_beam_search": False})
@@ -130,6 +130,26 @@ def test_allowed_token_ids_are_the_only_tokens_generated(client, mesh, tokenizer
     assert "out of vocabulary" in _refused(
         lambda: _completion(client, mesh, prompt="hi", extra_body={"allowed_token_ids": [10**7]}), "allowed_token_ids"
     )
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens_show_what_stopped_the_output(
+    client, mesh, tokenizer
+) -> None:
+    plain = _completion(client, mesh, prompt="def parse(", max_tokens=12, extra_body={"ignore_eos": True})
+    text = plain.choices[0].text
+    at = next(i for i in range(1, len(text) - 3) if text.find(text[i : i + 3]) == i and text[i : i + 3].strip())
+    stop = text[at : at + 3]
+    cut = _completion(client, mesh, prompt="def parse(", max_tokens=12, stop=[stop])
+    kept = _completion(client, mesh, prompt="def parse(", max_tokens=12, stop=[stop],
+                       extra_body={"include_stop_str_in_output": True})
+    assert (cut.choices[0].text, kept.choices[0].text) == (text[:at], text[: at + 3])
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    eos = min(tokenizer.eos_token_ids)  # the only token allowed: the output stops on it at once
+    stopped = {"allowed_token_ids": [eos], "include_stop_str_in_output": True}
+    hidden = _completion(client, mesh, prompt="hi", max_tokens=4, extra_body=stopped)
+    shown = _completion(client, mesh, prompt="hi", max_tokens=4, extra_body=stopped | {"skip_special_tokens": False})
+    assert hidden.choices[0].text == "" and shown.choices[0].text == tokenizer.decode([eos], skip_special_tokens=False)
+    assert shown.choices[0].finish_reason == "stop" and shown.usage.completion_tokens == 1
 
 
 def test_prompt_logprobs_sit_where_vllm_puts_them(client, mesh) -> None:

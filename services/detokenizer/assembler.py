@@ -109,8 +109,9 @@ class RequestAssembler:
         self.reply_subject = open_msg.reply_subject
         self._open = open_msg
         self._table = table
-        self._decoder = IncrementalDecoder(table, open_msg.shown_special_ids)
-        self._stop = StopMatcher(open_msg.stop)
+        shown = open_msg.shown_special_ids if open_msg.skip_special_tokens else table.special_names
+        self._decoder = IncrementalDecoder(table, shown)
+        self._stop = StopMatcher(open_msg.stop, include=open_msg.include_stop_str_in_output)
         self._top_k = open_msg.logprobs
         self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None
         self._prompt = PromptAssembler(open_msg, table) if wants_prompt(open_msg) else None
@@ -147,8 +148,10 @@ class RequestAssembler:
         if draft is not None and self.speculation is not None:
             self.speculation.observe(draft.num_tokens, draft.num_accepted)
         ids = target.ids
-        # A STOP finish means the last token is EOS or a stop token id: counted, never rendered.
-        rendered = ids[:-1] if target.finish_reason == FinishReason.STOP and target.finished and ids else ids
+        # A STOP finish means the last token is EOS or a stop token id: counted, rendered only when the request
+        # includes what stopped it.
+        stopped = target.finish_reason == FinishReason.STOP and target.finished and ids
+        rendered = ids[:-1] if stopped and not self._open.include_stop_str_in_output else ids
         step = self._decoder.step(rendered, final=target.finished)
         self._hold_entries(target, rendered, step)
         if draft is not None and self._want_drafts:
@@ -157,9 +160,9 @@ class RequestAssembler:
         if released.match is not None:
             self._count(ids if completing is None else ids[: completing + 1])
             self.cancel_reason = "stop_string"
-            cut = self._text_base + released.match.start
+            cut = self._text_base + released.match.cut
             self._drafts = [d for d in self._drafts if d.text_offset < cut]
-            return self._emit(released.text, self._release_before(released.match.start), STOP_STRING_FINISH)
+            return self._emit(released.text, self._release_before(released.match.cut), STOP_STRING_FINISH)
         self._count(ids)
         if not target.finished:
             return self._emit(released.text, self._release_settled())
@@ -236,7 +239,8 @@ class RequestAssembler:
     def _hold_entries(self, target: Record, rendered: list[int], step: DecodedStep) -> None:
         if self._top_k is None:
             return
-        keep = [i for i, t in enumerate(rendered) if not self._table.is_special(t)]
+        shows_special = not self._open.skip_special_tokens
+        keep = [i for i, t in enumerate(rendered) if shows_special or not self._table.is_special(t)]
         if not keep:
             return
         starts = [self._text_base + step.spans[i][0] for i in keep]

@@ -3,6 +3,10 @@
 Text is released as soon as it cannot be the beginning of a stop string. The tail that still could be
 (at most max(len(stop)) - 1 characters) is held back until later text settles it. When a stop string
 completes, the text before the earliest one is released and everything from it on is dropped.
+
+With vLLM's include_stop_str_in_output the stop string itself is part of the output, so nothing need be held back:
+text goes out as it comes, the matcher remembering the last max(len(stop)) - 1 characters it released to find a
+stop string that began in them, and the output ends just after the first stop string.
 """
 
 from __future__ import annotations
@@ -13,8 +17,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StopMatch:
-    start: int  # offset in the whole output where the stop string begins: the text is cut here
+    start: int  # offset in the whole output where the stop string begins
     end: int  # offset just past the stop string
+    included: bool = False  # whether the output keeps the stop string (include_stop_str_in_output)
+
+    @property
+    def cut(self) -> int:
+        """Where the output ends: before the stop string, or after it when it is included."""
+        return self.end if self.included else self.start
 
 
 @dataclass(frozen=True)
@@ -24,10 +34,14 @@ class Released:
 
 
 class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
+        """include: the output keeps the stop string it ends with (include_stop_str_in_output)."""
         # An empty stop string would match before any text; it cannot be what a client meant.
         self._stops = tuple(s for s in stops if s)
+        self._include = include
         self._pending = ""  # text received but not released yet
+        self._tail = ""  # with include: the last characters released, where a stop string may have begun
+        self._tail_len = max(map(len, self._stops), default=1) - 1
         self.released = 0  # characters released so far
 
     @property
@@ -41,6 +55,8 @@ class StopMatcher:
 
     def feed(self, text: str, final: bool = False) -> Released:
         """Adds text; with `final` there is no more to come, so nothing is held back."""
+        if self._include:
+            return self._feed_included(text)
         pending = self._pending + text
         match = self._earliest(pending)
         if match is not None:
@@ -55,6 +71,19 @@ class StopMatcher:
         self._pending = pending[len(out) :]
         self.released += len(out)
         return Released(out, None)
+
+    def _feed_included(self, text: str) -> Released:
+        window = self._tail + text
+        match = self._earliest(window)
+        base = self.released - len(self._tail)  # the window's offset in the whole output
+        if match is not None:
+            start, end = match
+            out = window[len(self._tail) : end]  # a match ends in the new text: one in the tail alone ended it
+            self.released += len(out)
+            return Released(out, StopMatch(base + start, base + end, included=True))
+        self.released += len(text)
+        self._tail = window[-self._tail_len :] if self._tail_len else ""
+        return Released(text, None)
 
     def _earliest(self, text: str) -> tuple[int, int] | None:
         """The match that starts first; among stops starting at the same place the shortest ends first."""

@@ -117,6 +117,8 @@ class GenerationRequest(Body):
     stop: Any = ()  # normalized to a tuple of strings
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
+    include_stop_str_in_output: bool = False  # vLLM extension: the stop string (or stop token's text) stays
+    skip_special_tokens: bool = True  # vLLM extension: false shows generated special tokens' text
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -69,6 +69,8 @@ class Submitter:
             prompt_token_ids=tuple(gen.prompt_ids) if gen.body.shows_prompt else (),
             prediction_token_ids=gen.sampling.speculative.prediction_token_ids,
             shown_special_ids=gen.shown_special_ids,
+            include_stop_str_in_output=gen.body.include_stop_str_in_output,
+            skip_special_tokens=gen.body.skip_special_tokens,
         )
         prompt_param = "messages" if gen.api == "chat" else "prompt"
         opening_bytes = opening.to_bytes()
