@@ -24,6 +24,8 @@ NO_PENALTY = 0.0  # presence and frequency penalties: OpenAI's neutral value
 MAX_PENALTY = 2.0  # OpenAI's and vLLM's bound on |presence_penalty| and |frequency_penalty|
 NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
+MAX_BAD_WORDS = 128  # bad_words per request: each a few tokens, checked against every scored row
+MAX_BAD_WORD_TOKENS = 32
 # Temperatures below this are greedy, as vLLM's are: logits divided by them overflow float32 (to NaN probabilities
 # below ~1e-37), and above the overflow they sample what greedy picks but for exact ties.
 GREEDY_BELOW = 1e-5
@@ -88,6 +90,10 @@ class SamplingParams(_Message):
     logit_bias: dict[TokenId, float] = Field(default_factory=dict)  # token id -> added to its logit
     # vLLM's allowed_token_ids: every other token's logit is -inf (None: the whole vocabulary)
     allowed_token_ids: tuple[TokenId, ...] | None = Field(None, min_length=1)
+    # vLLM's bad_words, as token ids: a word's last token is -inf wherever the output so far ends with the rest
+    bad_words_token_ids: tuple[
+        Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=MAX_BAD_WORD_TOKENS)], ...
+    ] = Field((), max_length=2 * MAX_BAD_WORDS)  # a word's tokens alone and after a space
     speculative: SpeculationParams = SpeculationParams()
     # The output's constraint (response_format, guided_*, tool_choice): shared/structured.py
     structured: StructuredOutput | None = None
@@ -124,9 +130,11 @@ class SamplingParams(_Message):
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any penalty, logit_bias, allowed_token_ids or min_tokens changes this request's logits."""
+        """Whether any penalty, logit_bias, allowed_token_ids, bad_words or min_tokens changes this request's
+        logits."""
         return (
             self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
             or self.presence_penalty != NO_PENALTY
             or self.frequency_penalty != NO_PENALTY
             or self.repetition_penalty != NO_REPETITION_PENALTY

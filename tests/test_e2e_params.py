@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from services.gateway.options import bad_words_token_ids
 from services.mesh_process import Mesh, start_mesh
 from tests.demomeshfixture import CLIENT_TIMEOUT_S, MESH_OPTIONS, client, mesh, tokenizer  # noqa: F401
 
@@ -40,7 +41,7 @@ def test_unsupported_extensions_are_refused_by_name(client, mesh) -> None:
     message = _refused(lambda: _completion(client, mesh, prompt="hi", extra_body={"use_beam_search": True}),
                        "use_beam_search")
     assert "beam search" in message
-    _refused(lambda: _chat(client, mesh, extra_body={"bad_words": ["cat"]}), "bad_words")
+    _refused(lambda: _chat(client, mesh, extra_body={"priority": 1}), "priority")
     _refused(lambda: _completion(client, mesh, prompt="hi", n=1, best_of=2), "best_of")
     # Neutral values ask for nothing specmesh lacks: accepted.
     both = _completion(client, mesh, prompt="hi", n=2, best_of=2, extra_body={"use_beam_search": False})
@@ -150,6 +151,17 @@ def test_include_stop_str_in_output_and_skip_special_tokens_show_what_stopped_th
     shown = _completion(client, mesh, prompt="hi", max_tokens=4, extra_body=stopped | {"skip_special_tokens": False})
     assert hidden.choices[0].text == "" and shown.choices[0].text == tokenizer.decode([eos], skip_special_tokens=False)
     assert shown.choices[0].finish_reason == "stop" and shown.usage.completion_tokens == 1
+
+
+def test_bad_words_are_never_generated(client, mesh, tokenizer) -> None:
+    options = {"ignore_eos": True, "return_token_ids": True}
+    plain = _completion(client, mesh, prompt="def parse(", max_tokens=24, extra_body=options)
+    word = next(w for w in plain.choices[0].text.split() if w.isalpha())  # a word the greedy text writes
+    banned = _completion(client, mesh, prompt="def parse(", max_tokens=24, extra_body=options | {"bad_words": [word]})
+    ids = list(banned.choices[0].token_ids)
+    assert banned.choices[0].text != plain.choices[0].text
+    for spelled in bad_words_token_ids([word], tokenizer):
+        assert all(ids[i : i + len(spelled)] != list(spelled) for i in range(len(ids))), (word, spelled)
 
 
 def test_prompt_logprobs_sit_where_vllm_puts_them(client, mesh) -> None:

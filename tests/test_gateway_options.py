@@ -14,7 +14,9 @@ from tests.gatewayfixture import MODEL, VOCAB_SIZE, client, gateway, model_dir, 
 
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
+from services.gateway.options import bad_words_token_ids
 from shared.config import SpeculativeConfig
+from shared.tokenizer import Tokenizer
 
 __all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
 
@@ -43,6 +45,9 @@ BAD = [
     ({"allowed_token_ids": [0, 7], "stop_token_ids": [7], "min_tokens": 1}, "allowed_token_ids", "min_tokens"),
     ({"allowed_token_ids": [3, 4], "response_format": {"type": "json_object"}}, "allowed_token_ids",
      "response_format"),
+    ({"bad_words": ["ok", "   "]}, "bad_words", "no tokens"),
+    ({"bad_words": ["x" * 200]}, "bad_words", "at most"),
+    ({"bad_words": "ok"}, "bad_words", None),
     ({"speculative": {"num_speculative_tokens": SERVER_DRAFTS + 1}}, "speculative.num_speculative_tokens",
      str(SERVER_DRAFTS + 1)),
     ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens", "-1"),
@@ -92,3 +97,13 @@ def test_valid_values_reach_the_sampling_params(model) -> None:
     plain = model.model_validate(body).sampling_params(8)
     assert not plain.adjusts_logits and plain.min_p == 0.0 and plain.allowed_token_ids is None
     assert plain.speculative.num_speculative_tokens is None
+
+
+def test_bad_words_are_spelled_alone_and_inside_text(model_dir) -> None:
+    """The word alone, and after a space, also where the two have different numbers of tokens (vLLM would keep
+    " return", a single token here, allowed)."""
+    tokenizer = Tokenizer(model_dir)
+    alone = tuple(tokenizer.encode("return", add_special_tokens=False))
+    inside = tuple(tokenizer.encode(" return", add_special_tokens=False))
+    assert len(alone) != len(inside)
+    assert bad_words_token_ids(["return", " return"], tokenizer) == (alone, inside, alone, inside)

@@ -38,6 +38,9 @@ PENALTY_CASES = {
     # Only the prompt's own tokens (filled in by _sampling), one of them biased away: the text loops over the prompt,
     # so prompt lookup's drafts are accepted, and a bias never brings back a token outside the set.
     "allowed": dict(),
+    # Words of each prompt's greedy text (filled in by _sampling): one token, two tokens whose first the text
+    # generates, and two whose first is only in the prompt (the prompt does not count).
+    "bad_words": dict(),
 }
 BANNED_AT, FAVOURED_AT = 2, 5  # positions in the greedy text whose tokens get a bias of -100 and of FAVOUR
 FAVOUR = 0.1
@@ -59,6 +62,10 @@ def penalised_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
         outside = torch.ones_like(logits, dtype=torch.bool)
         outside[list(sampling["allowed_token_ids"])] = False
         logits[outside] = MASKED
+    for word in sampling.get("bad_words_token_ids", ()):
+        *before, last = word
+        if len(before) <= len(output) and list(output[len(output) - len(before) :]) == before:
+            logits[last] = MASKED
     if len(output) < sampling.get("min_tokens", 0):
         for token in stop_ids:
             logits[token] = MASKED
@@ -87,6 +94,10 @@ def _sampling(case: str, prompt: list[int], greedy: list[int]) -> dict:
     sampling = dict(PENALTY_CASES[case])
     if case == "bias":
         sampling["logit_bias"] = {greedy[BANNED_AT]: -100.0, greedy[FAVOURED_AT]: FAVOUR}
+    if case == "bad_words":
+        sampling["bad_words_token_ids"] = [
+            [greedy[BANNED_AT]], [greedy[FAVOURED_AT - 1], greedy[FAVOURED_AT]], [prompt[-1], greedy[0]],
+        ]
     if case == "allowed":
         outside = next(t for t in greedy if t not in prompt)
         sampling["allowed_token_ids"] = sorted(set(prompt[1:]))  # not the BOS token
@@ -211,8 +222,10 @@ def test_each_row_counts_the_drafts_before_it() -> None:
         _sequence([6, 7], [7], frozenset({0, 2}), min_tokens=3, logit_bias={3: 2.5, 0: 50.0}, frequency_penalty=0.5),
         # A bias on a token outside the allowed ones leaves it out; min_tokens masks an allowed stop token.
         _sequence([8], [3], frozenset({2}), min_tokens=2, allowed_token_ids=(2, 3, 9), logit_bias={4: 50.0, 9: 1.0}),
+        # Bad words ending in the output, in the drafts, across both, longer than the history so far.
+        _sequence([1], [4, 6], bad_words_token_ids=((11,), (6, 12), (6, 7, 13), (7, 8, 14), (1, 2, 3, 4, 15))),
     ]
-    drafts = [[9, 9, 2], [1, 2, 3], [2, 5], [9, 2]]
+    drafts = [[9, 9, 2], [1, 2, 3], [2, 5], [9, 2], [7, 8, 6]]
     logits = torch.randn(len(seqs) * width, vocab, generator=generator)  # [B * width, V]
     got = apply_penalties(logits, LogitPenalties.build(seqs, drafts, width, vocab, logits.device))
     for b, seq in enumerate(seqs):
@@ -227,5 +240,7 @@ def test_each_row_counts_the_drafts_before_it() -> None:
             assert torch.allclose(got[b * width + j], expected), (b, j)
     # min_tokens 3 with one token of output: rows 0 and 1 are below it, row 2 (after both drafts) is not.
     assert got[2 * width + 1, 0] == MASKED and got[2 * width + 2, 0] > MASKED
-    assert (got[3 * width :].isfinite().sum(dim=1) == torch.tensor([2, 3, 3, 3])).all()  # stop token 2 from row 1
+    assert (got[3 * width : 4 * width].isfinite().sum(dim=1) == torch.tensor([2, 3, 3, 3])).all()  # stop 2 at row 0
+    banned = [set(torch.nonzero(got[4 * width + j] == MASKED).flatten().tolist()) for j in range(width)]
+    assert banned == [{11, 12}, {11, 13}, {11, 14}, {11, 12}]
     assert apply_penalties(logits, LogitPenalties.build([seqs[1]], None, 1, vocab, logits.device)) is logits

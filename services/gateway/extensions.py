@@ -52,7 +52,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("use_beam_search", (False,), "beam search is not implemented; sample several choices with n instead"),
         Refused("length_penalty", (1, 1.0), "it weighs beam search's candidates, and beam search is not implemented"),
         Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
-        Refused("bad_words", ([],), "banning words is not implemented; logit_bias can ban their token ids"),
         Refused("logits_processors", ([],), "custom logits processors are not supported"),
         Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),
         Refused("thinking_token_budget", (), "a budget for reasoning tokens is not implemented"),

@@ -32,7 +32,9 @@ from services.gateway.errors import (
     from_validation_error,
     model_not_found,
 )
-from services.gateway.options import check_allowed_token_ids, check_logit_bias, check_min_tokens, check_speculative
+from services.gateway.options import (
+    bad_words_token_ids, check_allowed_token_ids, check_logit_bias, check_min_tokens, check_speculative,
+)
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.parser import ReasoningFormat
@@ -144,13 +146,14 @@ class Generator:
             prediction = await asyncio.to_thread(
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
+        bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
         gens = []
         shown_special_ids = self._shown_special_ids(body, reasoning)
         for prompt_ids in prompts:
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
-            sampling = self._sampling(body, max_tokens, structured, prediction)
+            sampling = self._sampling(body, max_tokens, structured, prediction, bad_words)
             gens.append(Generation(api, body, prompt_ids, sampling, started, shown_special_ids))
         check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
@@ -264,12 +267,12 @@ class Generator:
 
     def _sampling(
         self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None,
-        prediction: tuple[int, ...] | None = None,
+        prediction: tuple[int, ...] | None = None, bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
         worker checks again, so that a request the gateway queued is never one the worker refuses."""
         try:
-            sampling = body.sampling_params(max_tokens, structured, prediction)
+            sampling = body.sampling_params(max_tokens, structured, prediction, bad_words)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         try:

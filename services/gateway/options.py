@@ -1,5 +1,6 @@
 """Checks of a request's options against what this server serves, which the request models alone cannot know: the
-vocabulary (logit_bias), the generation budget (min_tokens) and the server's speculation setting."""
+vocabulary (logit_bias), the generation budget (min_tokens) and the server's speculation setting; and bad_words in
+the model's tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import bad_request
 from shared.request_limits import out_of_vocab
+from shared.schemas import MAX_BAD_WORD_TOKENS
+from shared.tokenizer import Tokenizer
 
 SPECULATIVE_DRAFTS_PARAM = "speculative.num_speculative_tokens"
 
@@ -51,3 +54,25 @@ def check_speculative(body: ChatCompletionRequest | CompletionRequest, server_dr
             f"ask for 0..{server_drafts}",
             param=SPECULATIVE_DRAFTS_PARAM,
         )
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's tokens: the word alone (its leading spaces dropped), and after a space where the tokenizer
+    writes a word inside text otherwise, so that the word is banned at the start of the output and inside it. vLLM
+    keeps the second spelling only when it has as many tokens as the first, which leaves " return" (one token of a
+    byte-level BPE, where "return" alone is two) allowed."""
+    spelled: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        inside = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise bad_request(f"bad_words holds {word!r}, which has no tokens", param="bad_words")
+        if len(alone) > MAX_BAD_WORD_TOKENS:
+            raise bad_request(
+                f"bad_words holds {word[:40]!r}..., of {len(alone)} tokens; at most {MAX_BAD_WORD_TOKENS} a word",
+                param="bad_words",
+            )
+        spelled.append(alone)
+        if inside != alone:
+            spelled.append(inside)
+    return tuple(spelled)

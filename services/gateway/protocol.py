@@ -12,7 +12,7 @@ silently ignored. Unknown fields are accepted and logged once per name, as vLLM 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -20,7 +20,7 @@ from shared.frames import MAX_TOP_K
 from shared.structured import StructuredOutput
 from shared.seeds import MAX_API_SEED, MIN_API_SEED, worker_seed
 from shared.schemas import (
-    MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams,
+    MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams,
     SpeculationParams,
 )
 from services.gateway.structured_request import ResponseFormat, StructuredOutputsOptions, check_backend
@@ -135,6 +135,8 @@ class GenerationRequest(Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias; ids are checked against the vocabulary
     # vLLM extension: generate only these tokens (checked against the vocabulary by the gateway)
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    # vLLM extension: words never generated (tokenized by the gateway, services/gateway/options.py)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
     speculative: SpeculativeOptions | None = None  # specmesh extension
     # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -283,10 +285,12 @@ class GenerationRequest(Body):
         return self.n or 1
 
     def sampling_params(
-        self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] | None = None
+        self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] | None = None,
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway;
-        `prediction`: the tokens of its predicted output (chat's `prediction`)."""
+        `prediction`: the tokens of its predicted output (chat's `prediction`); `bad_words`: the token ids of
+        `bad_words`, as the gateway's tokenizer spells them."""
         logprobs = self.logprobs_count
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -307,6 +311,7 @@ class GenerationRequest(Body):
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias_ids,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(sorted(set(self.allowed_token_ids))),
+            bad_words_token_ids=bad_words,
             speculative=SpeculationParams(
                 **(self.speculative.model_dump() if self.speculative else {}), prediction_token_ids=prediction
             ),

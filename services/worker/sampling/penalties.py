@@ -3,6 +3,7 @@ vLLM's repetition_penalty and OpenAI's presence and frequency penalties, in that
 
     logits[t] += logit_bias[t]
     logits[t]  = -inf                         for every token t outside allowed_token_ids
+    logits[w]  = -inf                         for the last token w of each bad word whose other tokens end the output
     logits[s]  = -inf                         for every stop token s while fewer than min_tokens were generated
     logits[t]  = logits[t] / r if logits[t] > 0 else logits[t] * r    for t in the prompt or the output (r: repetition)
     logits[t] -= count[t] * frequency + (count[t] > 0) * presence    (count: t among the generated tokens)
@@ -79,7 +80,7 @@ class LogitPenalties:
             rows=torch.from_numpy(rows).to(device),
             counts=counts if wants_counts else None,
             seen=seen,
-            bias=_bias(chosen, num_drafts, width, vocab_size, device),
+            bias=_bias(chosen, [drafts[b] if drafts else () for b in asking], num_drafts, width, vocab_size, device),
             presence=per_row[:, 0],
             frequency=per_row[:, 1],
             repetition=per_row[:, 2],
@@ -105,6 +106,28 @@ def apply_penalties(logits: Tensor, penalties: LogitPenalties | None) -> Tensor:
     return adjusted
 
 
+def _bad_words_due(seq: Sequence, drafted: Seq[int]) -> list[int]:
+    """The last tokens of seq's bad words whose other tokens end its output followed by `drafted` (vLLM's rule: the
+    prompt does not count, so a word's first tokens must be generated)."""
+    due = []
+    generated = len(seq.output_ids) + len(drafted)
+    for word in seq.sampling.bad_words_token_ids:
+        before = len(word) - 1
+        if before > generated:
+            continue
+        tail = _last(seq.output_ids, drafted, before)
+        if tail == list(word[:-1]):
+            due.append(word[-1])
+    return due
+
+
+def _last(output: list[int], drafted: Seq[int], count: int) -> list[int]:
+    """The last `count` tokens of output + drafted, without building the whole list."""
+    from_drafts = min(count, len(drafted))
+    from_output = count - from_drafts
+    return output[len(output) - from_output :] + list(drafted[len(drafted) - from_drafts :])
+
+
 def _pairs(token_rows: list[Seq[int]], device: torch.device) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """The (row index, token id) pairs of token lists, and a one per pair: index_put_'s arguments."""
     lengths = np.fromiter(map(len, token_rows), dtype=np.int64, count=len(token_rows))
@@ -120,11 +143,13 @@ def _counts(token_rows: list[Seq[int]], vocab_size: int, device: torch.device) -
 
 
 def _bias(
-    seqs: list[Sequence], num_drafts: list[int], width: int, vocab_size: int, device: torch.device
+    seqs: list[Sequence], drafts: list[Seq[int]], num_drafts: list[int], width: int, vocab_size: int,
+    device: torch.device,
 ) -> Tensor | None:
-    """[R, V] logit_bias of each row, with -inf outside the request's allowed_token_ids and at the stop tokens of the
-    rows whose output position (the sequence's output plus the drafts before the row) is below min_tokens; None when
-    no row has any. Built from sparse entries, so only the device holds a dense array."""
+    """[R, V] logit_bias of each row, with -inf outside the request's allowed_token_ids, at the stop tokens of the
+    rows whose output position (the sequence's output plus the drafts before the row) is below min_tokens, and at
+    the last token of each bad word whose other tokens end that output; None when no row has any. Built from sparse
+    entries, so only the device holds a dense array."""
     biased: list[tuple[int, int, float]] = []  # (row, token, bias)
     masked: list[tuple[int, int]] = []  # (row, stop token)
     allowed: list[tuple[int, Seq[int]]] = []  # (first row of the sequence, its allowed tokens)
@@ -136,6 +161,8 @@ def _bias(
             biased += [(row, token, value) for token, value in seq.sampling.logit_bias.items()]
             if len(seq.output_ids) + min(j, drafted) < seq.sampling.min_tokens:
                 masked += [(row, token) for token in seq.stop_ids]
+            if seq.sampling.bad_words_token_ids:
+                masked += [(row, token) for token in _bad_words_due(seq, drafts[b][: min(j, drafted)])]
     if not biased and not masked and not allowed:
         return None
     bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
