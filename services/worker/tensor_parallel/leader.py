@@ -249,10 +249,12 @@ class LeaderRunner(ModelRunner):
 
     @inference
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        # Moved before the followers are told: a copy that fails (out of device memory) then fails this handoff
+        # alone, not the group in the middle of an op.
+        data = data.to(self.device).contiguous()
         with self._mirrored():
             self.followers.send(Op.WRITE_BLOCKS, self.cache.take_changes(), blocks, data.shape, data.dtype)
-            unsplit = self.model.group.broadcast(data.to(self.device).contiguous())
-            self.cache.write_blocks(blocks, self.model.group.head_shard(unsplit))
+            self.cache.write_blocks(blocks, self.model.group.head_shard(self.model.group.broadcast(data)))
 
     def close(self) -> None:
         """Stops the followers and leaves the group; the runner takes no more calls."""
