@@ -49,6 +49,8 @@ def check_sampling(sampling: SamplingParams, limits: ModelLimits) -> None:
     _check_ids("logprob_token_ids", sampling.logprob_token_ids, vocab)
     _check_ids("allowed_token_ids", sampling.allowed_token_ids or (), vocab)
     _check_ids("bad_words", (t for word in sampling.bad_words_token_ids for t in word), vocab)
+    if (budget := sampling.thinking_budget) is not None:
+        _check_ids("thinking_token_budget", (budget.open_id, budget.close_id, *budget.layout_ids), vocab)
     _check_ids("prediction", sampling.speculative.prediction_token_ids or (), vocab)
 
 

@@ -26,6 +26,7 @@ NO_REPETITION_PENALTY = 1.0  # vLLM's neutral repetition_penalty (a factor)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
 MAX_BAD_WORDS = 128  # bad_words per request: each a few tokens, checked against every scored row
 MAX_BAD_WORD_TOKENS = 32
+MAX_LAYOUT_IDS = 64  # a vocabulary's tokens of line breaks alone
 # Temperatures below this are greedy, as vLLM's are: logits divided by them overflow float32 (to NaN probabilities
 # below ~1e-37), and above the overflow they sample what greedy picks but for exact ties.
 GREEDY_BELOW = 1e-5
@@ -62,6 +63,17 @@ class SpeculationParams(_Message):
     prediction_token_ids: tuple[TokenId, ...] | None = None  # None: no prediction; (): an empty one
 
 
+class ThinkingBudget(_Message):
+    """vLLM's thinking_token_budget with what the worker needs to hold it: the reasoning block's tags as tokens, and
+    where the block stands when the output begins (services/worker/sampling/thinking_budget.py)."""
+
+    budget: int = Field(ge=0, le=MAX_INT32)  # tokens the block may hold; then its closing tag is forced
+    open_id: TokenId
+    close_id: TokenId
+    starts_inside: bool  # the prompt opened the block
+    layout_ids: tuple[TokenId, ...] = Field((), max_length=MAX_LAYOUT_IDS)  # line breaks that may precede it
+
+
 class SamplingParams(_Message):
     """What the worker needs to generate. Validated here so a worker never sees nonsense."""
 
@@ -94,6 +106,7 @@ class SamplingParams(_Message):
     bad_words_token_ids: tuple[
         Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=MAX_BAD_WORD_TOKENS)], ...
     ] = Field((), max_length=2 * MAX_BAD_WORDS)  # a word's tokens alone and after a space
+    thinking_budget: ThinkingBudget | None = None
     speculative: SpeculationParams = SpeculationParams()
     # The output's constraint (response_format, guided_*, tool_choice): shared/structured.py
     structured: StructuredOutput | None = None
@@ -130,11 +143,12 @@ class SamplingParams(_Message):
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any penalty, logit_bias, allowed_token_ids, bad_words or min_tokens changes this request's
-        logits."""
+        """Whether any penalty, logit_bias, allowed_token_ids, bad_words, thinking budget or min_tokens changes this
+        request's logits."""
         return (
             self.allowed_token_ids is not None
             or bool(self.bad_words_token_ids)
+            or self.thinking_budget is not None
             or self.presence_penalty != NO_PENALTY
             or self.frequency_penalty != NO_PENALTY
             or self.repetition_penalty != NO_REPETITION_PENALTY

@@ -184,6 +184,11 @@ class Tokenizer:
                 return 1 if prepends else 0
         return 0
 
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the one token that is exactly this text (an added token, or a vocabulary entry), if any."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ids[0] if len(ids) == 1 else None
+
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """The bytes each token id stands for; special tokens map to b"" (they are never rendered)."""

@@ -130,3 +130,33 @@ def test_tags_the_block_does_not_own_are_left_out(mesh: Mesh, client: openai.Ope
         logit_bias={str(done): 100.0},
     ).choices[0].message
     assert not message.content and not (message.model_extra or {}).get("reasoning"), message
+
+
+def test_thinking_token_budget_closes_the_block_after_that_many_tokens(mesh: Mesh, client: openai.OpenAI,
+                                                                       model: Path) -> None:
+    """The answer goes on inside a block its last message opened, the model kept from closing it (logit_bias): the
+    budget closes it after 3 tokens, the rest is content, streamed as whole."""
+    done = MISTRAL.for_tokenizer(Tokenizer(model).special_tokens).tag_ids[1]
+    params = dict(
+        model=mesh.model, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "[THINK]"}],
+        max_tokens=10, temperature=0, logit_bias={str(done): -100.0},
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "thinking_token_budget": 3,
+                    "return_token_ids": True, "ignore_eos": True},
+    )
+    choice = client.chat.completions.create(**params).choices[0]
+    assert list(choice.token_ids).index(done) == 3
+    reasoning, content = choice.message.model_extra.get("reasoning"), choice.message.content
+    assert reasoning and content
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(**params, stream=True) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in streamed) == reasoning
+    assert "".join(d.content or "" for d in streamed) == content
+    unbudgeted = client.chat.completions.create(**{**params, "extra_body": {**params["extra_body"],
+                                                                            "thinking_token_budget": None}})
+    assert done not in unbudgeted.choices[0].token_ids and unbudgeted.choices[0].message.content is None
+
+
+def test_thinking_token_budget_is_refused_where_there_is_no_block_to_hold(mesh: Mesh, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=mesh.model, prompt="hi", max_tokens=2,
+                                  extra_body={"thinking_token_budget": 3})
+    assert info.value.body["param"] == "thinking_token_budget" and "completion" in info.value.body["message"]

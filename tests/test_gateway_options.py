@@ -48,6 +48,9 @@ BAD = [
     ({"bad_words": ["ok", "   "]}, "bad_words", "no tokens"),
     ({"bad_words": ["x" * 200]}, "bad_words", "at most"),
     ({"bad_words": "ok"}, "bad_words", None),
+    ({"thinking_token_budget": -1}, "thinking_token_budget", None),
+    # This gateway has no --reasoning-parser (and a completion no reasoning block)
+    ({"thinking_token_budget": 3}, "thinking_token_budget", None),
     ({"speculative": {"num_speculative_tokens": SERVER_DRAFTS + 1}}, "speculative.num_speculative_tokens",
      str(SERVER_DRAFTS + 1)),
     ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens", "-1"),

@@ -54,7 +54,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
         Refused("logits_processors", ([],), "custom logits processors are not supported"),
         Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),
-        Refused("thinking_token_budget", (), "a budget for reasoning tokens is not implemented"),
         Refused("mm_processor_kwargs", ({},), "the model reads text only"),
         Refused("kv_transfer_params", ({},), "KV cache transfer is the mesh's own (prefill/decode handoff)"),
         Refused("vllm_xargs", ({},), "no plugin here reads extra arguments"),

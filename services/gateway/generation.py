@@ -37,6 +37,7 @@ from services.gateway.options import (
 )
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
+from services.gateway.reasoning.budget import thinking_budget
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.structured_request import compiled, structured_output
 from services.gateway.tools.formats import FORMAT_NAMES, FORMATS, ToolFormat, tool_constraint
@@ -51,7 +52,7 @@ from services.gateway.router import ChunkRouter, ResponseStream
 from services.gateway.truncation import prompt_limit, truncated
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.structured import StructuredOutput
-from shared.schemas import SamplingParams
+from shared.schemas import SamplingParams, ThinkingBudget
 from shared.seeds import SEED_BITS
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
@@ -147,13 +148,16 @@ class Generator:
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
         bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
+        budget = None
+        if body.thinking_token_budget is not None:
+            budget = thinking_budget(body.thinking_token_budget, api, reasoning, tokenizer)
         gens = []
         shown_special_ids = self._shown_special_ids(body, reasoning)
         for prompt_ids in prompts:
             prompt_ids = truncated(prompt_ids, body, limit)
             max_tokens = self._max_tokens(api, body, len(prompt_ids))
             check_min_tokens(body, max_tokens)
-            sampling = self._sampling(body, max_tokens, structured, prediction, bad_words)
+            sampling = self._sampling(body, max_tokens, structured, prediction, bad_words, budget)
             gens.append(Generation(api, body, prompt_ids, sampling, started, shown_special_ids))
         check_response_size(body, [len(g.prompt_ids) for g in gens])
         choices = ResponseChoices(
@@ -268,11 +272,12 @@ class Generator:
     def _sampling(
         self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, structured: StructuredOutput | None,
         prediction: tuple[int, ...] | None = None, bad_words: tuple[tuple[int, ...], ...] = (),
+        budget: ThinkingBudget | None = None,
     ) -> SamplingParams:
         """The request's sampling parameters, inside the bounds of the request schema and of the model: what the
         worker checks again, so that a request the gateway queued is never one the worker refuses."""
         try:
-            sampling = body.sampling_params(max_tokens, structured, prediction, bad_words)
+            sampling = body.sampling_params(max_tokens, structured, prediction, bad_words, budget)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         try:

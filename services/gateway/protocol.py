@@ -20,8 +20,8 @@ from shared.frames import MAX_TOP_K
 from shared.structured import StructuredOutput
 from shared.seeds import MAX_API_SEED, MIN_API_SEED, worker_seed
 from shared.schemas import (
-    MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY, SamplingParams,
-    SpeculationParams,
+    MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_INT32, MAX_LOGIT_BIAS, MAX_PENALTY, NO_PENALTY, NO_REPETITION_PENALTY,
+    SamplingParams, SpeculationParams, ThinkingBudget,
 )
 from services.gateway.structured_request import ResponseFormat, StructuredOutputsOptions, check_backend
 
@@ -137,6 +137,8 @@ class GenerationRequest(Body):
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     # vLLM extension: words never generated (tokenized by the gateway, services/gateway/options.py)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # vLLM extension: the reasoning block's most tokens, its closing tag forced after them (reasoning/budget.py)
+    thinking_token_budget: int | None = Field(None, ge=0, le=MAX_INT32)
     speculative: SpeculativeOptions | None = None  # specmesh extension
     # vLLM extension: only requests with the same salt share cached prompt blocks (a tenant's own prefix cache)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -286,11 +288,12 @@ class GenerationRequest(Body):
 
     def sampling_params(
         self, max_tokens: int, structured: StructuredOutput | None = None, prediction: tuple[int, ...] | None = None,
-        bad_words: tuple[tuple[int, ...], ...] = (),
+        bad_words: tuple[tuple[int, ...], ...] = (), thinking_budget: ThinkingBudget | None = None,
     ) -> SamplingParams:
         """The worker's sampling; `structured`: the request's output constraint, compiled by the gateway;
         `prediction`: the tokens of its predicted output (chat's `prediction`); `bad_words`: the token ids of
-        `bad_words`, as the gateway's tokenizer spells them."""
+        `bad_words`, as the gateway's tokenizer spells them; `thinking_budget`: thinking_token_budget with the
+        reasoning block's tags."""
         logprobs = self.logprobs_count
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -312,6 +315,7 @@ class GenerationRequest(Body):
             logit_bias=self.logit_bias_ids,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(sorted(set(self.allowed_token_ids))),
             bad_words_token_ids=bad_words,
+            thinking_budget=thinking_budget,
             speculative=SpeculationParams(
                 **(self.speculative.model_dump() if self.speculative else {}), prediction_token_ids=prediction
             ),

@@ -30,8 +30,8 @@ MAX_METADATA_VALUE_CHARS = 512
 EXTENSIONS = (
     "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-    "include_draft_logprobs", "include_stop_str_in_output", "skip_special_tokens", "speculative", "cache_salt",
-    "chat_template_kwargs",
+    "include_draft_logprobs", "include_stop_str_in_output", "skip_special_tokens", "thinking_token_budget",
+    "speculative", "cache_salt", "chat_template_kwargs",
 )
 
 

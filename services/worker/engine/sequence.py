@@ -12,6 +12,7 @@ from shared.schemas import SamplingParams
 
 if TYPE_CHECKING:
     from services.worker.engine.handoff import ImportedChoice
+    from services.worker.sampling.thinking_budget import Scan
 
 SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt (engine/prompt_logprobs.py)
 
@@ -53,6 +54,9 @@ class Sequence:
     leader: Sequence | None = field(default=None, repr=False, compare=False)
     # Prefill/decode disaggregation: the state a prefill worker handed over (engine/handoff.py), until admitted
     imported: ImportedChoice | None = field(default=None, repr=False, compare=False)
+    # Where its reasoning block stood after its output's first tokens, for a thinking budget
+    # (sampling/thinking_budget.py), kept so that a step scans only its new tokens
+    thinking_scan: Scan | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:

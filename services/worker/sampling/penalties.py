@@ -4,6 +4,8 @@ vLLM's repetition_penalty and OpenAI's presence and frequency penalties, in that
     logits[t] += logit_bias[t]
     logits[t]  = -inf                         for every token t outside allowed_token_ids
     logits[w]  = -inf                         for the last token w of each bad word whose other tokens end the output
+    logits[t]  = -inf                         for every t but the reasoning block's closing tag, once the block holds
+                                              thinking_token_budget tokens (whatever the rules above leave)
     logits[s]  = -inf                         for every stop token s while fewer than min_tokens were generated
     logits[t]  = logits[t] / r if logits[t] > 0 else logits[t] * r    for t in the prompt or the output (r: repetition)
     logits[t] -= count[t] * frequency + (count[t] > 0) * presence    (count: t among the generated tokens)
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from shared.schemas import NO_PENALTY, NO_REPETITION_PENALTY
 from services.worker.engine.sequence import Sequence
+from services.worker.sampling.thinking_budget import scan_output
 
 MASKED = float("-inf")  # the logit of a token min_tokens forbids
 
@@ -153,9 +156,16 @@ def _bias(
     biased: list[tuple[int, int, float]] = []  # (row, token, bias)
     masked: list[tuple[int, int]] = []  # (row, stop token)
     allowed: list[tuple[int, Seq[int]]] = []  # (first row of the sequence, its allowed tokens)
+    forced: list[tuple[int, int]] = []  # (row, the one token it may have)
     for b, (seq, drafted) in enumerate(zip(seqs, num_drafts)):
         if seq.sampling.allowed_token_ids is not None:
             allowed.append((b * width, seq.sampling.allowed_token_ids))
+        if (budget := seq.sampling.thinking_budget) is not None:
+            seq.thinking_scan = scan_output(budget, seq.output_ids, seq.thinking_scan)
+            for j in range(width):
+                token = seq.thinking_scan.advance(budget, drafts[b][: min(j, drafted)]).forced(budget)
+                if token is not None:
+                    forced.append((b * width + j, token))
         for j in range(width):
             row = b * width + j
             biased += [(row, token, value) for token, value in seq.sampling.logit_bias.items()]
@@ -163,7 +173,7 @@ def _bias(
                 masked += [(row, token) for token in seq.stop_ids]
             if seq.sampling.bad_words_token_ids:
                 masked += [(row, token) for token in _bad_words_due(seq, drafts[b][: min(j, drafted)])]
-    if not biased and not masked and not allowed:
+    if not biased and not masked and not allowed and not forced:
         return None
     bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
     # The masks after the biases: a forbidden token stays forbidden whatever its bias (index_put_ gives no order
@@ -181,4 +191,8 @@ def _bias(
     if masked:
         index = torch.tensor(list(zip(*masked)), dtype=torch.int64).to(device)  # [2, n]
         bias.index_put_((index[0], index[1]), torch.tensor(MASKED, device=device))
+    if forced:  # last, and whole: a forced row keeps its one token whatever the masks above took
+        rows, tokens = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*forced))
+        bias[rows] = MASKED
+        bias[rows, tokens] = 0.0
     return bias
