@@ -128,8 +128,10 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
         tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Renders the chat and encodes it; the template places special tokens itself. With continue_final_message
+        """Renders the chat and encodes it; the template places special tokens itself (add_special_tokens: the
+        tokenizer's too, as vLLM's request field asks). With continue_final_message
         the text ends right after the final message's content (no end-of-turn marks), as Hugging Face cuts it.
         template_kwargs: more variables for the template (a request's chat_template_kwargs), none of
         TEMPLATE_VARIABLES. Raises jinja2's TemplateError when the template refuses the messages."""
@@ -152,7 +154,7 @@ class Tokenizer:
                     "written, so there is no place to continue it from"
                 )
             text = text[: end + len(final)]
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @cached_property
     def _chat_template(self) -> Template:

@@ -164,6 +164,21 @@ def test_bad_words_are_never_generated(client, mesh, tokenizer) -> None:
         assert all(ids[i : i + len(spelled)] != list(spelled) for i in range(len(ids))), (word, spelled)
 
 
+def test_add_special_tokens_adds_the_tokenizers_own_or_leaves_them_out(client, mesh, tokenizer) -> None:
+    bos = tokenizer.encode("hi")[0]  # the special token the tokenizer puts first
+    ids = {"return_token_ids": True}
+
+    def completion_prompt(**extra) -> list[int]:
+        return list(_completion(client, mesh, prompt="hi", extra_body=ids | extra).choices[0].prompt_token_ids)
+
+    assert completion_prompt() == [bos] + completion_prompt(add_special_tokens=False)
+
+    def chat_prompt(**extra) -> list[int]:
+        return list(_chat(client, mesh, extra_body=ids | extra).prompt_token_ids)
+
+    assert chat_prompt(add_special_tokens=True) == [bos] + chat_prompt()
+
+
 def test_prompt_logprobs_sit_where_vllm_puts_them(client, mesh) -> None:
     completion = _completion(client, mesh, prompt=["hi there", "abc"], n=2, extra_body={"prompt_logprobs": 1})
     assert len(completion.choices) == 4

@@ -96,6 +96,8 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool = True
     # vLLM's extensions for rendering the conversation.
     add_generation_prompt: bool = True  # open an assistant turn after the messages
+    # vLLM extension: the tokenizer's special tokens (BOS) too, on top of those the template writes
+    add_special_tokens: bool = False
     continue_final_message: bool = False  # leave the final message open, to be continued
     echo: bool = False  # the answer starts with the final message's content when that message is the assistant's
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out of the answer

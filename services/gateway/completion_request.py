@@ -30,6 +30,7 @@ def _refuse_unless_neutral(value: Any, neutral: tuple, what: str) -> Any:
 class CompletionRequest(GenerationRequest):
     prompt: Any
     echo: bool | None = False  # before max_tokens, whose check reads it
+    add_special_tokens: bool = True  # vLLM extension: a text prompt gets the tokenizer's special tokens (BOS)
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
     best_of: int | None = None

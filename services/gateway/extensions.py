@@ -58,11 +58,6 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("kv_transfer_params", ({},), "KV cache transfer is the mesh's own (prefill/decode handoff)"),
         Refused("vllm_xargs", ({},), "no plugin here reads extra arguments"),
         Refused("prompt_embeds", (), "prompts are taken as text or token ids only", ("completion",)),
-        Refused(
-            "add_special_tokens", (True,), "a completions prompt always gets the tokenizer's special tokens",
-            ("completion",),
-        ),
-        Refused("add_special_tokens", (False,), "the chat template places the special tokens itself", ("chat",)),
         Refused("chat_template", (), "the model's own chat template renders every chat", ("chat",)),
         Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),

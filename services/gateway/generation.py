@@ -245,7 +245,7 @@ class Generator:
         prompts = []
         for i, prompt in enumerate(body.prompt):
             if isinstance(prompt, str):
-                prompts.append(self._tokenizer.encode(prompt))
+                prompts.append(self._tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
                 continue
             if bad := [t for t in prompt if not 0 <= t < vocab]:
                 where = "prompt" if len(body.prompt) == 1 else f"prompt.[{i}]"
@@ -258,7 +258,7 @@ class Generator:
             return self._tokenizer.apply_chat_template(
                 body.chat(self.tool_format), body.add_generation_prompt, body.continue_final_message,
                 body.template_tools(),
-                body.chat_template_kwargs,
+                body.chat_template_kwargs, body.add_special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise bad_request(
