@@ -92,13 +92,13 @@ def think_lark(think_first: ThinkFirst, open_tag: ThinkTag, close_tag: ThinkTag)
     if isinstance(close_tag, int):
         thought = f"thought: /(.|\\n)*/ <[{close_tag}]>\n"
     else:
-        thought = f"thought[lazy]: /(.|\\n)*{_lark_regex_literal(close_tag)}/\n"
+        thought = f"thought[lazy]: /(.|\\n)*{lark_regex_literal(close_tag)}/\n"
     start = "start: think @constraint" + (" | @constraint" if think_first == "may_open" else "")
     optional = "?" if think_first == "inside" else ""
     return f"{start}\nthink: {opening}{optional} thought {LAYOUT_LARK}\n{thought}"
 
 
-def _lark_regex_literal(text: str) -> str:
+def lark_regex_literal(text: str) -> str:
     """`text` matched literally inside a Lark /regex/."""
     return re.escape(text).replace("/", "\\/")
 

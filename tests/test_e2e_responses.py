@@ -1,6 +1,7 @@
 """POST /v1/responses through the whole mesh with the real openai client (`client.responses`): the same tokens as the
 chat completion it stands for, streamed events that add up to the whole response, function calls out and their
-outputs back in, JSON schemas through `responses.parse`, logprobs, and errors naming the Responses parameter."""
+outputs back in, allowed_tools, JSON schemas through `responses.parse`, logprobs, and errors naming the Responses
+parameter."""
 
 from __future__ import annotations
 
@@ -92,6 +93,30 @@ def test_a_forced_call_comes_out_as_a_function_call_item_and_its_output_goes_bac
     assert after.output[0].type == "message" and after.output_text
 
 
+TIME = {"type": "function", "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}
+
+
+def test_allowed_tools_narrow_the_calls_and_are_shown_as_sent(mesh: Mesh, client: openai.OpenAI) -> None:
+    """The model calls get_time when it may call either tool; allowed_tools with get_weather alone calls that, from
+    the same prompt (both tools shown), and the response shows tool_choice as sent."""
+    asked = dict(model=mesh.model, input="Paris?", tools=[*TOOLS, TIME], parallel_tool_calls=False,
+                 max_output_tokens=64, temperature=0)
+    free = client.responses.create(**asked, tool_choice="required")
+    assert [item.name for item in free.output] == ["get_time"]  # the model's own pick
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    narrowed = client.responses.create(**asked, tool_choice=allowed)
+    [call] = narrowed.output
+    assert (call.type, call.name, set(json.loads(call.arguments))) == ("function_call", "get_weather", {"city"})
+    assert narrowed.usage.input_tokens == free.usage.input_tokens
+    assert narrowed.tool_choice.model_dump() == allowed
+    events = list(client.responses.create(**asked, tool_choice=allowed, stream=True))
+    assert events[-1].response.output[0].name == "get_weather"
+    assert events[-1].response.tool_choice.model_dump() == allowed
+    auto = client.responses.create(**asked, tool_choice={**allowed, "mode": "auto"})
+    assert all(item.type != "function_call" or item.name == "get_weather" for item in auto.output)
+
+
 class Weather(BaseModel):
     model_config = ConfigDict(extra="forbid")
     city: str = Field(max_length=20)
@@ -127,7 +152,7 @@ def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI, s
     ({"background": True}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nothing"}}}}, "text.format"),
     ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "x"}]}, "input.[0].call_id"),
-    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.tools"),
     ({"input": 5}, "input"),
 ])
 def test_errors_name_the_responses_parameter(mesh: Mesh, client: openai.OpenAI, fields: dict, param: str) -> None:

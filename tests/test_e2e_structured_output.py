@@ -1,8 +1,8 @@
 """Structured output and tool calling through the whole mesh with the real openai client and LangChain: a
 json_schema answer parses into the client's pydantic model, guided choices and regexes hold, a schema that does not
 compile is a 400 naming its parameter and so is one that fails as it runs, forced tool calls follow the tools'
-schemas whole and streamed, a tool's result goes back into the conversation, and LangChain's with_structured_output
-and bind_tools work on the demo model."""
+schemas whole and streamed, allowed_tools narrows the callable tools from the same prompt, a tool's result goes back
+into the conversation, and LangChain's with_structured_output and bind_tools work on the demo model."""
 
 from __future__ import annotations
 
@@ -157,6 +157,50 @@ def test_required_and_named_tool_calls_follow_the_schemas(mesh: Mesh, client: op
             call["arguments"] += delta.function.arguments or ""
     assert finish == "stop"  # a named function's, as OpenAI answers
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [(name, arguments)]
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(mesh: Mesh, client: openai.OpenAI) -> None:
+    """OpenAI's allowed_tools: the template shows every tool (the same prompt, so the same cached prefix), and the
+    answer calls only the allowed ones: get_weather alone, where the model calls get_time when it may call either."""
+    asked = dict(model=mesh.model, messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=64, temperature=0,
+                 parallel_tool_calls=False)
+    free = client.chat.completions.create(**asked, tool_choice="required")
+    assert [name for name, _ in _calls(free.choices[0].message)] == ["get_time"]  # the model's own pick
+    narrowed = client.chat.completions.create(**asked, tool_choice=_allowed("required", "get_weather"))
+    choice = narrowed.choices[0]
+    ((name, arguments),) = _calls(choice.message)
+    assert (name, set(arguments), choice.finish_reason) == ("get_weather", {"city", "unit"}, "tool_calls")
+    assert narrowed.usage.prompt_tokens == free.usage.prompt_tokens
+    undrafted = client.chat.completions.create(**asked, tool_choice=_allowed("required", "get_weather"),
+                                               extra_body={"speculative": {"num_speculative_tokens": 0}})
+    assert _calls(undrafted.choices[0].message) == [(name, arguments)]  # exact under the server's drafts
+    stream = client.chat.completions.create(**asked, tool_choice=_allowed("required", "get_weather"), stream=True)
+    names = [d.function.name for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()
+             if d.function.name]
+    assert names == ["get_weather"]
+    # auto: text, or calls of the allowed tools only (a grammar; the demo model answers in text here, the same text
+    # as under plain auto)
+    plain = client.chat.completions.create(**asked, tool_choice="auto")
+    auto = client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_weather"))
+    assert not plain.choices[0].message.tool_calls and not auto.choices[0].message.tool_calls
+    assert auto.choices[0].message.content == plain.choices[0].message.content
+    auto_undrafted = client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_weather"),
+                                                    extra_body={"speculative": {"num_speculative_tokens": 0}})
+    assert auto_undrafted.choices[0].message.content == auto.choices[0].message.content
+    for wrong, param in [(_allowed("required", "get_date"), "tool_choice"),
+                         (_allowed("auto"), "tool_choice.allowed_tools.tools")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**asked, tool_choice=wrong)
+        assert caught.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as both:  # auto's grammar does not go with another constraint
+        client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_time"),
+                                       response_format={"type": "json_object"})
+    assert both.value.body["param"] == "tool_choice" and "allowed tools" in both.value.body["message"]
 
 
 def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -10,6 +10,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.errors import OpenAIError, bad_request, from_validation_error
 from services.gateway.responses.conversation import InputError, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
@@ -113,6 +114,45 @@ def test_tools_formats_and_logprobs_take_chats_shapes() -> None:
     assert "unknown" not in body
     assert chat_body(request(top_logprobs=2), {})["top_logprobs"] == 2
     assert "logprobs" not in chat_body(request(), {})
+
+
+FLAT_TOOLS = [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}]
+
+
+def _allowed(mode: str, *names: str) -> dict[str, Any]:
+    return {"type": "allowed_tools", "mode": mode, "tools": [{"type": "function", "name": name} for name in names]}
+
+
+def test_allowed_tools_take_chats_shape_and_the_response_shows_them_as_sent() -> None:
+    sent = _allowed("required", "g")
+    body = request(tools=FLAT_TOOLS, tool_choice=sent)
+    assert body.tool_choice_shown == sent
+    chat = chat_body(body, {})
+    assert chat["tool_choice"] == {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "g"}}]}}
+    fields = ChatCompletionRequest.model_validate(chat).tool_fields
+    assert [tool.function.name for tool in fields.tools] == ["f", "g"]  # the template shows both
+    assert (fields.mode, [f.name for f in fields.callable]) == ("required", ["g"])
+    auto = ChatCompletionRequest.model_validate(chat_body(request(tools=FLAT_TOOLS, tool_choice=_allowed(
+        "auto", "f")), {})).tool_fields
+    assert (auto.mode, [f.name for f in auto.callable], auto.limits_calls) == ("auto", ["f"], True)
+
+
+@pytest.mark.parametrize(("choice", "param"), [
+    (_allowed("auto", "h"), "tool_choice"),
+    (_allowed("auto"), "tool_choice.tools"),
+    (_allowed("sometimes", "f"), "tool_choice.mode"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "web_search"}]}, "tool_choice.tools.[0].type"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice.tools.[0].name"),  # chat's nested shape, sent to the Responses API
+], ids=["not among the tools", "none", "an unknown mode", "a hosted tool", "chat's shape"])
+def test_wrong_allowed_tools_are_refused_naming_the_place(choice: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        request(tools=FLAT_TOOLS, tool_choice=choice)
+    error = from_validation_error(caught.value)
+    assert error.param == param and "'allowed_tools' is not supported" not in error.message
+    if param == "tool_choice":
+        assert "'h', which is not among the tools" in error.message
 
 
 @pytest.mark.parametrize("fields, where", [
@@ -265,9 +305,12 @@ def test_null_asks_for_the_default() -> None:
 
 def test_a_union_parameters_error_names_the_parameter_not_the_member() -> None:
     with pytest.raises(ValidationError) as caught:
-        request(tool_choice={"type": "allowed_tools", "tools": []})
+        request(tool_choice={"type": "custom", "name": "grep"})
     error = from_validation_error(caught.value)
-    assert error.param == "tool_choice" and "allowed_tools" in error.message
+    assert error.param == "tool_choice" and "'custom' is not supported" in error.message
+    with pytest.raises(ValidationError) as caught:  # the allowed_tools member's complaint, picked by its type
+        request(tool_choice={"type": "allowed_tools", "tools": []})
+    assert from_validation_error(caught.value).param == "tool_choice.mode"
     with pytest.raises(ValidationError) as caught:  # the function member's complaint: it reached deepest
         request(tool_choice={"type": "function"})
     assert from_validation_error(caught.value).param == "tool_choice.name"

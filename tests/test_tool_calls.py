@@ -2,7 +2,7 @@
 or several whole calls in one, as multi-token acceptance produces), the stream's deltas add up to the whole answer's
 calls, each announced once by index, id and name before its arguments; content outside calls streams as content; a
 call cut short keeps its name and the arguments written; the grammars tool_choice imposes compile and force what
-the schema fixes."""
+the schema fixes, allowed_tools' among them: `required` over the allowed functions, `auto` text or their calls."""
 
 from __future__ import annotations
 
@@ -361,3 +361,106 @@ def test_closed_schemas_are_kept_for_small_parameters_only_and_read_as_copies() 
     large = FunctionDefinition(name="g", parameters={"type": "object", "properties": wide})
     assert large.schema["additionalProperties"] is False
     assert _closed_schema.cache_info().currsize == kept  # closed for its request, not kept
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, TIME], **fields}
+    )
+
+
+def test_allowed_tools_narrow_what_is_called_not_what_the_template_shows() -> None:
+    body = _chat(tool_choice=_allowed("required", "get_time"), parallel_tool_calls=False)
+    fields = body.tool_fields
+    assert [tool["function"]["name"] for tool in body.template_tools()] == ["get_weather", "get_time"]
+    assert (fields.mode, [f.name for f in fields.callable], fields.forces_calls) == ("required", ["get_time"], True)
+    param, constraint = tool_constraint(body, FORMATS["hermes"])
+    matcher = llguidance.LLMatcher(ll_tokenizer(DEMO, 4096, (0,)), grammar_of(constraint))
+    assert param == "tool_choice"
+    assert ll_tokenizer(DEMO, 4096, (0,)).decode_str(matcher.compute_ff_tokens()) == \
+        '<tool_call>\n{"name":"get_time","arguments":'
+    both = _chat(tool_choice=_allowed("required", "get_time", "get_weather")).tool_fields
+    assert [f.name for f in both.callable] == ["get_weather", "get_time"] and both.forced_calls_parallel
+
+
+@pytest.mark.parametrize(("choice", "param"), [
+    (_allowed("required", "get_date"), "tool_choice"),
+    (_allowed("auto"), "tool_choice.allowed_tools.tools"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "always", "tools": [{"type": "function", "function": {
+        "name": "get_time"}}]}}, "tool_choice.allowed_tools.mode"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "web_search"}]}},
+     "tool_choice.allowed_tools.tools.[0].type"),
+    # The Responses API's flat shape, sent to chat
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_time"}]},
+     "tool_choice.allowed_tools"),
+], ids=["not among the tools", "none", "an unknown mode", "a hosted tool", "the Responses shape"])
+def test_wrong_allowed_tools_are_a_400_naming_the_place(choice: dict, param: str) -> None:
+    from services.gateway.errors import from_validation_error
+    with pytest.raises(ValueError) as caught:
+        _chat(tool_choice=choice)
+    error = from_validation_error(caught.value)
+    assert error.param == param and "allowed_tools' is not supported" not in error.message
+    if param == "tool_choice":
+        assert "'get_date', which is not among the tools" in error.message
+
+
+# (a call of the allowed get_time, of get_weather, which is not allowed) as each format writes them compact
+ALLOWED_CALL = {
+    "hermes": ('<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>',
+               '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'),
+    "llama3_json": ('{"name":"get_time","parameters":{}}', '{"name":"get_weather","parameters":{"city":"Oslo"}}'),
+    "mistral": ('[TOOL_CALLS] [{"name":"get_time","arguments":{}}]',
+                '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"Oslo"}}]'),
+}
+
+
+def _takes(grammar: str, text: str) -> bool:
+    """Whether `grammar` takes `text`, as the demo tokenizer cuts it, as a whole answer."""
+    from tokenizers import Tokenizer as HFTokenizer
+    matcher = llguidance.LLMatcher(ll_tokenizer(DEMO, 4096, (0,)), grammar)
+    ids = HFTokenizer.from_file(str(DEMO / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    return all(matcher.consume_token(token) for token in ids) and matcher.consume_token(0)
+
+
+@pytest.mark.parametrize("format_name", ["hermes", "llama3_json", "mistral"])
+def test_allowed_auto_answers_in_text_or_calls_the_allowed_tools_only(format_name: str) -> None:
+    """Plain auto constrains nothing; allowed_tools auto is a grammar: text that holds no call's opening, or calls
+    of the allowed functions, so that a call of another tool is never written, and never read."""
+    fmt = FORMATS[format_name]
+    body = _chat(tool_choice=_allowed("auto", "get_time"), parallel_tool_calls=True)
+    assert tool_constraint(_chat(), fmt) is None  # plain auto
+    param, constraint = tool_constraint(body, fmt)
+    grammar = grammar_of(constraint)
+    check(grammar, ll_tokenizer(DEMO, 4096, (0,)))
+    allowed, other = ALLOWED_CALL[format_name]
+    text = "It is sunny in Oslo, {\"city\": 1}.\n"
+    taken = [text, "", allowed]
+    if format_name != "llama3_json":  # Llama 3.x's call is the whole answer
+        taken.append(f"Let me look.\n{allowed}")
+    if format_name == "hermes":  # calls one by one, and none read in a leading reasoning block, closed or not
+        taken += [f"{allowed}\n{allowed}", f"<think>\nMaybe <tool_call> then.\n</think>\n\n{allowed}",
+                  "<think>\nMaybe <tool_call>"]
+    for answer in taken:
+        assert _takes(grammar, answer), answer
+        message = {"role": "assistant", "content": answer}
+        message_with_calls(message, "stop", fmt)
+        assert all(call["function"]["name"] == "get_time" for call in message.get("tool_calls", ()))
+        assert bool(message.get("tool_calls")) == answer.endswith(allowed)
+    opening = {"hermes": "<tool_call>", "llama3_json": '{"name":', "mistral": "[TOOL_CALLS]"}[format_name]
+    for answer in [other, f"Let me look.\n{other}", f"{text}{opening} is a tag"]:
+        assert not _takes(grammar, answer), answer
+    # Behind a reasoning parser's block (its grammar's, which the text does not open as); Hermes's grammar, which
+    # reads a leading block as its split does, lets the model think about a tag there, not call it.
+    from services.gateway.reasoning.parser import FORMATS as REASONING_FORMATS, opening_tag
+    qwen3 = REASONING_FORMATS["qwen3"]
+    assert opening_tag(qwen3) == "<think>" and opening_tag(REASONING_FORMATS["deepseek_r1"]) is None
+    _, behind = tool_constraint(body, fmt, opening_tag(qwen3))
+    thinking = grammar_of(behind.model_copy(update={"think_first": qwen3.think_first}))
+    thought = f"Not {opening} yet." if format_name == "hermes" else "Not yet."
+    assert _takes(thinking, f"<think>\n{thought}\n</think>\n\n{allowed}")
+    assert not _takes(thinking, f"<think>\n{thought}\n</think>\n\n{other}")

@@ -165,3 +165,45 @@ def test_a_tokenizer_without_the_tags_writes_them_as_text() -> None:
     fields = ToolFields(tools=[TIME], tool_choice="required")
     assert fmt.shown_special_ids == () and not fmt.per_call_tags
     assert fmt.grammar(fields.callable, False).startswith(f"start: {json.dumps(CALLS_TAG)} ")
+
+
+@pytest.mark.parametrize("per_call_tags", [True, False], ids=["v11", "before-v11"])
+def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: Path, per_call_tags: bool) -> None:
+    """Random walks through allowed_tools auto's grammar, drawn to the tag: an answer is text without the tag's
+    text, or calls after its token, and every call the answer reads as names the allowed function."""
+    tokenizer = Tokenizer(mistral_tokenizer_dir(tmp_path, per_call_tags))
+    fmt = format_for(None, "mistral", tokenizer.special_tokens)
+    allowed = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=allowed)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.text_or_calls_grammar(fields.callable, True)))
+    eos = next(iter(tokenizer.eos_token_ids))
+    tag = tokenizer.special_tokens[CALLS_TAG]
+    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
+    table = TokenTable.from_tokenizer(tokenizer)
+    words = (tokenizer.vocab_size + 31) // 32
+    rng = random.Random(11)
+    answers = {"text": 0, "calls": 0}
+    for _ in range(24):
+        matcher = llguidance.LLMatcher(ll, grammar)
+        out: list[int] = []
+        while not matcher.is_stopped() and len(out) < 64:
+            mask = torch.full((words,), 0, dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+            allowed_ids = [t for t in range(tokenizer.vocab_size) if mask[t // 32] >> (t % 32) & 1]
+            if tag in allowed_ids and rng.random() < 0.2:
+                token = tag
+            elif eos in allowed_ids and rng.random() < 0.2:
+                token = eos
+            else:
+                token = rng.choice(allowed_ids)
+            assert matcher.consume_token(token)
+            out.append(token)
+        if not matcher.is_stopped():
+            continue  # cut short: a call cut so is read as text (NOT_CALLS)
+        generated = out[:-1] if out[-1] == eos else out
+        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
+        content, calls = fmt.split(text)
+        assert (tag in generated) == bool(calls) and [call.name for call in calls] == ["get_time"] * len(calls)
+        answers["calls" if calls else "text"] += 1
+    assert answers["text"] and answers["calls"]

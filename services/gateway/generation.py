@@ -38,7 +38,7 @@ from services.gateway.options import (
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.budget import thinking_budget
-from services.gateway.reasoning.parser import ReasoningFormat
+from services.gateway.reasoning.parser import ReasoningFormat, opening_tag
 from services.gateway.structured_request import compiled, structured_output
 from services.gateway.tools.formats import FORMAT_NAMES, FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
@@ -113,24 +113,29 @@ class Generator:
             check_prompt_size(body, self._prompt_char_limit, self._max_model_len)
         tokenizer = self._tokenizer
         constraint = structured_output(body)
-        tool_calls = tool_constraint(body, self._tool_format(body)) if api == "chat" else None
+        tool_format = self._tool_format(body) if api == "chat" else None
         if api == "chat":
             self._check_include_reasoning(body)
-        if tool_calls is not None and constraint is not None:
-            raise bad_request(
-                f"tool_choice {body.tool_fields.mode!r} makes the answer tool calls; it does not go with another "
-                "output constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
-            )
-        structured = None
-        constrained_by = tool_calls or constraint  # (the parameter, its constraint)
-        if constrained_by and body.allowed_token_ids is not None:
+            fields = body.tool_fields
+            if fields.constrains and constraint is not None:
+                made = "text or calls of the allowed tools" if fields.limits_calls else "tool calls"
+                raise bad_request(
+                    f"tool_choice {fields.mode!r} makes the answer {made}; it does not go with another output "
+                    "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
+                )
+        calls_constrained = api == "chat" and body.tool_fields.constrains
+        constrained = constraint[0] if constraint else "tool_choice" if calls_constrained else None
+        if constrained and body.allowed_token_ids is not None:
             # Two masks of one position could leave no token at all; a grammar already says what may come.
             raise bad_request(
-                f"allowed_token_ids does not go with an output constraint ({constrained_by[0]})",
-                param="allowed_token_ids",
+                f"allowed_token_ids does not go with an output constraint ({constrained})", param="allowed_token_ids"
             )
+        structured = None
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
+        # The tools' grammar once the reasoning block is known: text it allows must not open as the block does.
+        tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning)) if api == "chat" else None
+        constrained_by = tool_calls or constraint  # (the parameter, its constraint)
         if constrained_by and reasoning is not None:
             # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.
             param, unwrapped = constrained_by

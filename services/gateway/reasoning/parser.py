@@ -82,6 +82,16 @@ class ReasoningFormat:
         return reasoning or None, content or None
 
 
+def opening_tag(reasoning: ReasoningFormat | None) -> str | None:
+    """The text tag of a reasoning block an answer may open with, where an output constraint's grammar follows the
+    block's (shared/structured.py); None where there is no such block, or its tag is a token, which no text holds. A
+    constraint that takes free text must not let it open with this tag: the lexer would take the block for that
+    text (the longer match) and lose the block's grammar."""
+    if reasoning is None or reasoning.think_first != "may_open" or reasoning.tag_ids[0] is not None:
+        return None
+    return reasoning.open_tag
+
+
 FORMATS = {
     f.name: f for f in (
         ReasoningFormat("qwen3", starts_inside=False),

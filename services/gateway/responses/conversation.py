@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway.protocol import shown
-from services.gateway.responses.request import EXTENSIONS, ResponsesRequest
+from services.gateway.responses.request import EXTENSIONS, ResponsesAllowedTools, ResponsesRequest
 
 USER = "user"
 ASSISTANT = "assistant"
@@ -69,6 +69,8 @@ def _tool_choice(request: ResponsesRequest) -> Any:
     choice = request.tool_choice
     if choice is None or isinstance(choice, str):
         return choice
+    if isinstance(choice, ResponsesAllowedTools):
+        return choice.for_chat()
     return {"type": "function", "function": {"name": choice.name}}
 
 

@@ -17,7 +17,8 @@ from services.gateway.extensions import Refused
 from services.gateway.protocol import StreamOptions, check_stream_options
 from services.gateway.structured_request import JsonSchemaFormat
 from services.gateway.tools.tool_request import (
-    FUNCTION_NAME, check_choice_among, check_function_names, check_tool_choice_kind,
+    FUNCTION_NAME, AllowedMode, check_choice_among, check_function_names, check_tool_choice_kind,
+    tool_choice_union,
 )
 from shared.frames import MAX_TOP_K
 
@@ -58,7 +59,20 @@ class NamedFunctionChoice(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
 
 
-ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunctionChoice
+class ResponsesAllowedTools(Strict):
+    """allowed_tools in the Responses API's flat shape: the mode and the functions beside the type. Another kind of
+    tool among them is refused, as in `tools`: this server runs no hosted tools."""
+
+    type: Literal["allowed_tools"]
+    mode: AllowedMode
+    tools: list[NamedFunctionChoice] = Field(min_length=1)
+
+    def for_chat(self) -> dict[str, Any]:
+        tools = [{"type": "function", "function": {"name": tool.name}} for tool in self.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": self.mode, "tools": tools}}
+
+
+ResponsesToolChoice = tool_choice_union(NamedFunctionChoice, ResponsesAllowedTools)
 
 
 class TextFormat(BaseModel):
@@ -211,8 +225,11 @@ class ResponsesRequest(BaseModel):
     @field_validator("tool_choice")
     @classmethod
     def _choice_names_a_tool(cls, value: ResponsesToolChoice | None, info: ValidationInfo) -> Any:
-        named = value.name if isinstance(value, NamedFunctionChoice) else None
-        check_choice_among(value, named, [tool.name for tool in info.data.get("tools") or ()])
+        if isinstance(value, NamedFunctionChoice):
+            chosen = [value.name]
+        else:
+            chosen = [tool.name for tool in value.tools] if isinstance(value, ResponsesAllowedTools) else []
+        check_choice_among(value, chosen, [tool.name for tool in info.data.get("tools") or ()])
         return value
 
     @field_validator("include")

@@ -1,5 +1,5 @@
 """A tool call as every format parses it, and what the formats share to write one: the JSON schema a forced call
-follows, the arguments' text, the call's id."""
+follows, the grammar of an answer that may call (allowed_tools `auto`), the arguments' text, the call's id."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
+from shared.structured import lark_regex_literal
 
 COMPACT = {"whitespace_flexible": False}
 JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
@@ -37,6 +38,42 @@ def call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict
         })
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
+
+
+def text_or_calls(
+    tag: str, tag_token: int | None, call: str, between: str | None, block_open: str | None = None,
+    block_close: str | None = None,
+) -> str:
+    """The Lark grammar of an answer that is text, or text then calls: text never holds the calls' opening `tag`
+    (as its text: a tag's text in an answer reads as a call either way), and the tag is followed by `call` (Lark:
+    the rest of one call, naming only the callable functions). `tag_token`: the tag's special token, where the
+    tokenizer has one; `between`: what stands before each further call's tag, or None for one call at most.
+    `block_open`: the text tag of a reasoning block the answer may open with, which neither the text nor the text
+    before a call opens with (reasoning/parser.opening_tag); with `block_close`, this grammar reads the block
+    itself, as a format that reads no calls in it does (Hermes), so that a tag the model thinks about is not made a
+    call."""
+    tag_regex = lark_regex_literal(tag)
+    not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+    lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{not_block}\n"
+    if tag_token is None:
+        # The text before a call, tag included, is one lazy lexeme: a greedy one would run into the tag and find no
+        # way out of it (text may not hold the tag, and the call's lexeme cannot start inside it). Only a rule
+        # takes `lazy`, only a token `&`: the rule is the token.
+        tag_lark, opening = json.dumps(tag), "opened"
+        lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{not_block}\n"
+    else:
+        # A special token: no text lexeme holds it, so the text ends where it comes.
+        tag_lark = f"<[{tag_token}]>"
+        opening = f"TEXT {tag_lark}"
+    more = "" if between is None else f" ({' '.join(filter(None, (between, tag_lark)))} call)*"
+    answer = f"TEXT | {opening} call{more}"
+    if block_open is None or block_close is None:
+        return f"start: {answer}\ncall: {call}\n{lark}"
+    open_regex, close_regex = lark_regex_literal(block_open), lark_regex_literal(block_close)
+    # A block cut short (max_tokens) holds no calls, and may hold the tag: all of the answer is its text.
+    lark += (f"thought[lazy]: /\\s*{open_regex}(.|\\n)*{close_regex}/\n"
+             f"UNCLOSED: /\\s*{open_regex}(.|\\n)*/ & ~/(.|\\n)*{close_regex}(.|\\n)*/\n")
+    return f"start: answer | thought answer | UNCLOSED\nanswer: {answer}\ncall: {call}\n{lark}"
 
 
 def json_text(value: Any) -> str:

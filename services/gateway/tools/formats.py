@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
-from shared.structured import StructuredOutput
-from services.gateway.tools.call import CallIds, JSON_PREFIX, ParsedCall, call_schema, json_text, parsed_call
+from shared.structured import StructuredOutput, lark_regex_literal
+from services.gateway.tools.call import (
+    COMPACT, CallIds, JSON_PREFIX, ParsedCall, call_schema, json_text, parsed_call, text_or_calls,
+)
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
 from services.gateway.tools.tool_request import FunctionDefinition
 
@@ -29,6 +31,7 @@ NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
+CALL_START = '{"name":'  # a compact Llama 3 call's opening
 LAYOUT = "\n"  # the line breaks around a Hermes call's tags, as chat templates write them: not text
 
 
@@ -75,6 +78,17 @@ class Hermes(CallIds):
         schema = json.dumps(call_schema(functions, self.arguments_key))
         calls = 'call ("\\n" call)*' if parallel else "call"
         return f'start: {calls}\ncall: "{self.open_tag}\\n" %json {schema} "\\n{self.close_tag}"\n'
+
+    def text_or_calls_grammar(
+        self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+    ) -> str:
+        """Text without a call tag, or text then calls of `functions` (several in a row with `parallel`), as the
+        forced grammar writes them; after a leading reasoning block, where tags are text, as split reads it. Its
+        own block (Qwen3's) is the one a reasoning parser's would be: `block_open` adds nothing."""
+        schema = json.dumps(call_schema(functions, self.arguments_key))
+        call = f'"\\n" %json {schema} "\\n{self.close_tag}"'
+        between = '"\\n"' if parallel else None
+        return text_or_calls(self.open_tag, None, call, between, self.think_open, self.think_close)
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text outside the calls, the calls); a block that is not a call stays in the text, and calls are read
@@ -170,6 +184,26 @@ class Llama3Json(CallIds):
         # Llama 3.x calls one function per answer: parallel calls do not exist in this format.
         return f"start: %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
 
+    def text_or_calls_grammar(
+        self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+    ) -> str:
+        """Text that holds nothing split would read as a call (the python tag, an object opening with "name") and
+        does not open with `block_open` (tools/call.text_or_calls), or the answer one call of `functions`, compact
+        as the forced grammar writes it (Llama 3.x writes a call as the whole answer, and one per answer)."""
+        # The call's opening is one lexeme, written out: text may run up to it and dies only on its last character,
+        # where a %json object's `{` lexeme would long be over (the lexer does not go back). The line breaks before
+        # it are its own, not the text's, for the same reason (after a reasoning block, its grammar's layout).
+        calls = " | ".join(
+            f"{json.dumps(json.dumps(f.name) + ',' + json.dumps(self.arguments_key) + ':')} "
+            f"%json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
+            for f in functions
+        )
+        opening = f"{lark_regex_literal(self.python_tag)}|{CALL_OPENING.pattern}"
+        not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+        return (f"start: TEXT | CALL_START ({calls}) \"}}\"\n"
+                f"CALL_START: /\\s*{lark_regex_literal(CALL_START)}/\n"
+                f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({opening})(.|\\n)*/{not_block}\n")
+
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text before the calls, the calls): one call, or several chained with ";" as some answers write
         them, after `<|python_tag|>` or after some text. A JSON object without the arguments key is an answer
@@ -228,13 +262,20 @@ def make_format(
 FORMATS: dict[str, ToolFormat] = {name: make_format(name) for name in FORMAT_NAMES}
 
 
-def tool_constraint(body: Any, format: ToolFormat) -> tuple[str, StructuredOutput] | None:
+def tool_constraint(
+    body: Any, format: ToolFormat | None, block_open: str | None = None,
+) -> tuple[str, StructuredOutput] | None:
     """The grammar a chat request's tool_choice imposes: `required` or a named function make the answer calls of
-    the callable functions and nothing else; `auto` and `none` impose none."""
+    the callable functions and nothing else; allowed_tools `auto` makes it text, which does not open with
+    `block_open` (a reasoning block's text tag: reasoning/parser.opening_tag), or calls of the allowed ones; `auto`
+    and `none` impose none."""
     fields = body.tool_fields
-    if not fields.forces_calls:
+    if fields.forces_calls:
+        grammar = format.grammar(fields.callable, fields.forced_calls_parallel)
+    elif fields.limits_calls:
+        grammar = format.text_or_calls_grammar(fields.callable, fields.parallel_tool_calls, block_open)
+    else:
         return None
-    grammar = format.grammar(fields.callable, fields.forced_calls_parallel)
     return "tool_choice", StructuredOutput(kind="grammar", spec=grammar)
 
 

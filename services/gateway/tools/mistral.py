@@ -21,7 +21,9 @@ import string
 from collections.abc import Mapping
 
 from services.gateway.tags import partial_suffix
-from services.gateway.tools.call import COMPACT, JSON_PREFIX, CallIds, ParsedCall, call_schema, json_text
+from services.gateway.tools.call import (
+    COMPACT, JSON_PREFIX, CallIds, ParsedCall, call_schema, json_text, text_or_calls,
+)
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
 
 CALLS_TAG, ARGS_TAG, CALL_ID_TAG = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -61,18 +63,38 @@ class Mistral(CallIds):
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         calls_tag = self._tag(CALLS_TAG)
         if self.per_call_tags:
-            args_tag = self._tag(ARGS_TAG)
-            named = " | ".join(
-                f"{json.dumps(f.name)} {args_tag} %json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
-                for f in functions
-            )
+            named = self._named_calls(functions)
             return f"start: {'call+' if parallel else 'call'}\ncall: {calls_tag} ({named})\n"
+        array = json.dumps(self._array(functions, parallel))
+        return f"start: {calls_tag} {json.dumps(ARRAY_SEPARATOR)} %json {array}\n"
+
+    def _named_calls(self, functions: list[FunctionDefinition]) -> str:
+        """From v11: what follows [TOOL_CALLS] in a call of any of `functions` (Lark alternatives)."""
+        args_tag = self._tag(ARGS_TAG)
+        return " | ".join(
+            f"{json.dumps(f.name)} {args_tag} %json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
+            for f in functions
+        )
+
+    def _array(self, functions: list[FunctionDefinition], parallel: bool) -> dict:
+        """Before v11: the schema of the array of calls after [TOOL_CALLS]."""
         items = call_schema(functions, self.arguments_key)
         del items["x-guidance"]
         definitions = items.pop("$defs", None)  # at the root, where the references point
-        array = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
-                 **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
-        return f"start: {calls_tag} {json.dumps(ARRAY_SEPARATOR)} %json {json.dumps(array)}\n"
+        return {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
+
+    def text_or_calls_grammar(
+        self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+    ) -> str:
+        """Text without [TOOL_CALLS], or text then calls of `functions` in the forced grammar's layout; neither
+        opens with `block_open` (tools/call.text_or_calls)."""
+        if self.per_call_tags:
+            call = f"({self._named_calls(functions)})"
+            between: str | None = "" if parallel else None
+        else:
+            call, between = f"{json.dumps(ARRAY_SEPARATOR)} %json {json.dumps(self._array(functions, parallel))}", None
+        return text_or_calls(CALLS_TAG, self.tag_ids.get(CALLS_TAG), call, between, block_open)
 
     def _tag(self, tag: str) -> str:
         """A tag in a grammar: its token, or its text where the tokenizer has no such token."""

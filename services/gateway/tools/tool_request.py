@@ -1,15 +1,17 @@
 """The tool fields of a chat request, validated: `tools`, `tool_choice` and `parallel_tool_calls`, as the OpenAI
 API defines them (a function's `parameters` is a JSON schema; `strict` is honoured by construction: a forced call
-follows the schema exactly)."""
+follows the schema exactly). tool_choice `allowed_tools` narrows the functions the answer may call to some of the
+tools while the chat template still shows them all, so that the prompt, and the prefix cache, stay those of the
+other turns."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from shared.json_schema import closed_objects
 
@@ -72,22 +74,70 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+AllowedMode = Literal["auto", "required"]
+
+
+class AllowedTools(BaseModel):
+    """The functions an answer may call, among the tools: `required` calls one or more of them, `auto` may answer in
+    text instead."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: AllowedMode
+    tools: list[NamedToolChoice] = Field(min_length=1)  # each in chat's nested shape, as a named tool_choice is
+
+
+class AllowedToolsChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def names(self) -> list[str]:
+        return [tool.function.name for tool in self.allowed_tools.tools]
 
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+TOOL_CHOICE_TYPES = ("function", "allowed_tools")
+MODE_MEMBER = "str"  # the tag of tool_choice's modes: a type's name, which error locations leave out (errors.py)
+CHOICES_TAKEN = f"one of {', '.join(TOOL_CHOICE_MODES)}, a function to call by name, or allowed_tools"
+
+
+def tool_choice_union(named: type[BaseModel], allowed: type[BaseModel]) -> Any:
+    """tool_choice's type in an API's shapes: a mode, a function to call by name, or allowed_tools. The member is
+    picked by `type`, so that a bad allowed_tools is told what is wrong with it, not what a named function lacks;
+    each member is tagged with its class name, which error locations leave out."""
+    members = {"function": named.__name__, "allowed_tools": allowed.__name__}
+
+    def member(value: Any) -> str | None:
+        if isinstance(value, str):
+            return MODE_MEMBER
+        if isinstance(value, BaseModel):  # a choice already validated, handed on (ToolFields)
+            return type(value).__name__
+        return members.get(value.get("type")) if isinstance(value, dict) else None
+
+    return Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag(MODE_MEMBER)]
+        | Annotated[named, Tag(named.__name__)]
+        | Annotated[allowed, Tag(allowed.__name__)],
+        Discriminator(member, custom_error_type="tool_choice", custom_error_message=f"send {CHOICES_TAKEN}"),
+    ]
+
+
+ToolChoice = tool_choice_union(NamedToolChoice, AllowedToolsChoice)
 
 
 def check_tool_choice_kind(value: Any) -> Any:
-    """Before the union is tried: a tool_choice of another kind (OpenAI's allowed_tools, a hosted tool's, a custom
-    tool's) or an unknown mode is refused saying what is taken, rather than with each union member's complaint."""
-    if isinstance(value, dict) and value.get("type") != "function":
+    """Before the union is tried: a tool_choice of another kind (a hosted tool's, a custom tool's) or an unknown mode
+    is refused saying what is taken, rather than with the literal's or the discriminator's complaint."""
+    if isinstance(value, dict) and value.get("type") not in TOOL_CHOICE_TYPES:
         raise ValueError(
             f"a tool_choice of type {value.get('type')!r} is not supported: this server calls functions only; send "
-            f"one of {', '.join(TOOL_CHOICE_MODES)} or a function to call by name"
+            f"{CHOICES_TAKEN}"
         )
     if isinstance(value, str) and value not in TOOL_CHOICE_MODES:
-        raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or a function, got {value!r}")
+        raise ValueError(f"tool_choice must be {CHOICES_TAKEN}, got {value!r}")
     return value
 
 
@@ -103,16 +153,20 @@ def check_function_names(names: list[str]) -> None:
 
 
 def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> ToolChoice | None:
-    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    check_choice_among(choice, named, [tool.function.name for tool in tools or ()])
+    if isinstance(choice, NamedToolChoice):
+        chosen = [choice.function.name]
+    else:
+        chosen = choice.names if isinstance(choice, AllowedToolsChoice) else []
+    check_choice_among(choice, chosen, [tool.function.name for tool in tools or ()])
     return choice
 
 
-def check_choice_among(choice: Any, named: str | None, names: list[str]) -> None:
-    """tool_choice against the offered functions, in either API's shape: a named function must be among them,
-    "required" needs one."""
-    if named is not None and named not in names:
-        raise ValueError(f"tool_choice names function {named!r}, which is not among the tools {names}")
+def check_choice_among(choice: Any, chosen: list[str], names: list[str]) -> None:
+    """tool_choice against the offered functions, in either API's shape: the functions it names (one to call, or
+    those allowed) must be among them, "required" needs one."""
+    for name in chosen:
+        if name not in names:
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools {names}")
     if choice == "required" and not names:
         raise ValueError('tool_choice "required" needs at least one tool')
 
@@ -134,18 +188,24 @@ class ToolFields(BaseModel):
 
     @property
     def mode(self) -> Literal["none", "auto", "required", "named"]:
+        """allowed_tools reads as its own mode: what differs is only which functions are callable."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            return self.tool_choice.allowed_tools.mode
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         return self.tool_choice
 
     @property
     def callable(self) -> list[FunctionDefinition]:
-        """The functions the output may call: the named one, or every tool."""
+        """The functions the output may call: the named one, the allowed ones (in the tools' order), or every tool."""
         functions = [tool.function for tool in self.tools or ()]
         if isinstance(self.tool_choice, NamedToolChoice):
             return [f for f in functions if f.name == self.tool_choice.function.name]
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            allowed = set(self.tool_choice.names)
+            return [f for f in functions if f.name in allowed]
         return functions
 
     @property
@@ -163,3 +223,14 @@ class ToolFields(BaseModel):
     def forces_calls(self) -> bool:
         """Whether a grammar makes the output calls and nothing else."""
         return self.mode in ("required", "named")
+
+    @property
+    def constrains(self) -> bool:
+        """Whether tool_choice imposes a grammar (tools/formats.tool_constraint)."""
+        return self.forces_calls or self.limits_calls
+
+    @property
+    def limits_calls(self) -> bool:
+        """Whether a grammar lets the output be text or calls of the callable functions (allowed_tools `auto`):
+        under plain `auto` nothing stops the model from writing a call of any name, which would be read as one."""
+        return isinstance(self.tool_choice, AllowedToolsChoice) and self.mode == "auto"
