@@ -167,11 +167,6 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _splits_what_can_be_split(self) -> "EngineConfig":
-        if self.speculative.method == "eagle3" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f'speculative method "eagle3" with tensor_parallel_size {self.tensor_parallel_size}: the EAGLE-3 '
-                "head is not split over ranks; use tensor_parallel_size 1"
-            )
         if self.speculative.draft_quantization == "int8" and (self.device != "cpu" or self.tensor_parallel_size > 1):
             raise ValueError(
                 f'draft_quantization "int8" on device {self.device!r} with tensor_parallel_size '

@@ -191,8 +191,6 @@ def test_a_broken_vocabulary_map_or_a_missing_tensor_is_refused(
 def test_configurations_eagle3_cannot_honour_are_refused(tiny_model_dir, tmp_path) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="num_model_steps"):
         SpeculativeConfig(method="eagle3", num_model_steps=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(speculative=SpeculativeConfig(method="eagle3"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
         _engine(tiny_model_dir, model=tmp_path / "nothing")
     assert SpeculativeConfig(method="eagle3", model=tmp_path, draft_q="point_mass").model == tmp_path

@@ -9,6 +9,7 @@ with the target's block tables, and draws each draft from its q under the reques
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ from services.worker.model.llama import CausalLM
 from services.worker.model.loader import CheckpointError, load_state_dict
 from services.worker.model.transposed import transpose_projections
 from services.worker.model.weights import merge_projections
+from services.worker.tensor_parallel.model import RowParallel
+from services.worker.tensor_parallel.shard import head_layer_config, shard_head_state
 from shared.config import EngineConfig
 
 OWN_EMBEDDING = "embed_tokens.weight"  # present when the head does not read the target's embedding
@@ -45,11 +48,16 @@ def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_eagle3_head(head_dir: Path, target: CausalLM, dtype: torch.dtype, load_format: str,
                      max_model_len: int | None) -> Eagle3Head:
-    """The head in head_dir for `target`, on the target's device and in its layout; every tensor checked."""
+    """The head in head_dir for `target`, on the target's device and in its layout; every tensor checked. For a
+    target split over tensor-parallel ranks, this rank's shard of the head (tensor_parallel/shard.py)."""
     head_dir = Path(head_dir)
     cfg = Eagle3Config.from_dir(head_dir, target.config)
     state = _published_names(load_state_dict(head_dir)) if load_format != "dummy" else {}
     device = next(target.parameters()).device
+    group = getattr(target, "group", None)
+    if group is not None:
+        state = shard_head_state(state, cfg.layer, group.rank, group.size)
+        cfg = dataclasses.replace(cfg, layer=head_layer_config(cfg.layer, group.size))
     with torch.device("meta"):
         head = Eagle3Head(cfg, target.eagle3_cache_layer, own_embedding=OWN_EMBEDDING in state)
     if load_format == "dummy":
@@ -70,6 +78,9 @@ def load_eagle3_head(head_dir: Path, target: CausalLM, dtype: torch.dtype, load_
     head = head.to(device).eval()
     if device.type == "cpu":
         transpose_projections(head)
+    if group is not None:  # o and down read this rank's heads and rows: their partial sums add up over the group
+        attention, mlp = head.midlayer.self_attn, head.midlayer.mlp
+        attention.o_proj, mlp.down_proj = RowParallel(attention.o_proj, group), RowParallel(mlp.down_proj, group)
     head.map_vocabulary()
     head.freeze_lookups()
     return head

@@ -19,6 +19,7 @@ import torch
 from shared.config import EngineConfig
 from services.cpu_affinity import pin
 from services.supervisor import die_with_parent
+from services.worker.drafting.eagle3 import attach_eagle3
 from services.worker.engine.runner import ModelRunner
 from services.worker.model.config import ModelConfig
 from services.worker.tensor_parallel.group import TensorParallelGroup, rank_device
@@ -64,6 +65,8 @@ def _load(config: EngineConfig, rank: int, num_blocks: int) -> ModelRunner:
         config.model, getattr(torch, config.dtype), rank_device(config.device, rank), config.load_format,
         config.max_model_len, group,
     )
+    if config.speculative.method == "eagle3":
+        attach_eagle3(config, model)
     return ModelRunner(
         model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
     )

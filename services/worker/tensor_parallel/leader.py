@@ -67,6 +67,8 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
         model = load_shard(
             config.model, dtype, rank_device(config.device, LEADER), config.load_format, config.max_model_len, group
         )
+        if config.speculative.method == "eagle3":
+            attach_eagle3(config, model)
         followers.wait_loaded()
         group.connect(str(next(model.parameters()).device), 0)
         return LeaderRunner(model, config, num_blocks, followers)
@@ -231,6 +233,8 @@ class LeaderRunner(ModelRunner):
 
     @inference
     def mtp_logits(self, index: int, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        if self.model.eagle3 is not None:  # the head's LM head is whole on every rank: the leader's alone is read
+            return super().mtp_logits(index, hidden)
         with self._mirrored():
             self.followers.send(Op.MTP_LOGITS, index, hidden.shape, hidden.dtype)
             self._send_hidden(hidden)

@@ -12,11 +12,13 @@ replicated. The MTP module's decoder block is cut as the trunk's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.weights import ATTENTION_MERGED, MLP_MERGED
-from services.worker.tensor_parallel.divisible import check_shardable
+from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
 
 QKV = f".self_attn.{ATTENTION_MERGED}."
 # a dense MLP's (.mlp.gate_up_proj) or a routed expert's (.mlp.experts.<i>.gate_up_proj)
@@ -63,6 +65,43 @@ def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, siz
             piece = tensor.chunk(size, dim=1)[rank]
         elif name in VOCAB_WEIGHTS:
             piece = _vocab_rows(tensor, rank, size)
+        else:
+            piece = tensor
+        shard[name] = piece.clone()
+    return shard
+
+
+def head_layer_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """An EAGLE-3 head's decoder layer on one rank: its heads, kv heads and intermediate rows; the vocabulary whole
+    (the head maps its draft vocabulary onto the target's, and its own embedding, if any, is replicated)."""
+    check_head_shardable(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=cfg.num_key_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+    )
+
+
+def check_head_shardable(cfg: ModelConfig, size: int) -> None:
+    """An EAGLE-3 head's layer must split as the trunk's do (its kv heads are the target's, checked on load)."""
+    for name, count in (("num_attention_heads", cfg.num_attention_heads), ("intermediate_size", cfg.intermediate_size)):
+        if count % size:
+            raise ShardingError(f"--tensor-parallel-size {size} must divide the EAGLE-3 head's {name} ({count})")
+
+
+def shard_head_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head's state (Eagle3Head's names) -> rank's: its decoder layer cut as a trunk layer is (q/k/v and
+    gate/up by rows, o and down by the rows they read); fc, the norms, lm_head, d2t and an own embedding whole."""
+    shard = {}
+    for name, tensor in state.items():
+        if QKV in name:
+            piece = _qkv(tensor, cfg, rank, size)
+        elif GATE_UP in name:
+            gate, up = tensor.chunk(2)
+            piece = torch.cat([_rows(gate, rank, size), _rows(up, rank, size)])
+        elif name.endswith((O_WEIGHT, DOWN_WEIGHT)):
+            piece = tensor.chunk(size, dim=1)[rank]
         else:
             piece = tensor
         shard[name] = piece.clone()
