@@ -48,6 +48,9 @@ BAD = [
     ({"bad_words": ["ok", "   "]}, "bad_words", "no tokens"),
     ({"bad_words": ["x" * 200]}, "bad_words", "at most"),
     ({"bad_words": "ok"}, "bad_words", None),
+    ({"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words", "response_format"),
+    # ids 5 and 6 are "%" and "&" here: the words ban both
+    ({"allowed_token_ids": [5, 6], "bad_words": ["%", "&"]}, "bad_words", "every token"),
     ({"thinking_token_budget": -1}, "thinking_token_budget", None),
     # This gateway has no --reasoning-parser (and a completion no reasoning block)
     ({"thinking_token_budget": 3}, "thinking_token_budget", None),

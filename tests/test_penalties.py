@@ -244,3 +244,14 @@ def test_each_row_counts_the_drafts_before_it() -> None:
     banned = [set(torch.nonzero(got[4 * width + j] == MASKED).flatten().tolist()) for j in range(width)]
     assert banned == [{11, 12}, {11, 13}, {11, 14}, {11, 12}]
     assert apply_penalties(logits, LogitPenalties.build([seqs[1]], None, 1, vocab, logits.device)) is logits
+
+
+def test_a_bad_word_gives_way_where_it_would_leave_no_token() -> None:
+    """allowed 7 and 9, 9 a stop token that min_tokens holds back, and the bad word "7 7": after a 7 nothing would be
+    left, so the word gives way there (a row without a token would emit token 0, allowed or not)."""
+    vocab, width = 16, 3
+    seq = _sequence([1], [7], frozenset({9}), min_tokens=4, allowed_token_ids=(7, 9), bad_words_token_ids=((7, 7),))
+    logits = torch.randn(width, vocab, generator=torch.Generator().manual_seed(2))
+    got = apply_penalties(logits, LogitPenalties.build([seq], [[9, 7]], width, vocab, logits.device))
+    finite = [torch.nonzero(row > MASKED).flatten().tolist() for row in got]
+    assert finite == [[7], [7], [7]]  # row 2 follows the draft 7: the word gives way again

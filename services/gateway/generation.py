@@ -34,6 +34,7 @@ from services.gateway.errors import (
 )
 from services.gateway.options import (
     bad_words_token_ids, check_allowed_token_ids, check_logit_bias, check_min_tokens, check_speculative,
+    check_token_sets,
 )
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
@@ -125,11 +126,10 @@ class Generator:
                 )
         calls_constrained = api == "chat" and body.tool_fields.constrains
         constrained = constraint[0] if constraint else "tool_choice" if calls_constrained else None
-        if constrained and body.allowed_token_ids is not None:
+        masking = "allowed_token_ids" if body.allowed_token_ids is not None else "bad_words" if body.bad_words else None
+        if constrained and masking:
             # Two masks of one position could leave no token at all; a grammar already says what may come.
-            raise bad_request(
-                f"allowed_token_ids does not go with an output constraint ({constrained})", param="allowed_token_ids"
-            )
+            raise bad_request(f"{masking} does not go with an output constraint ({constrained})", param=masking)
         structured = None
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
@@ -153,6 +153,7 @@ class Generator:
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
         bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
+        check_token_sets(body, bad_words, tokenizer.eos_token_ids)
         budget = None
         if body.thinking_token_budget is not None:
             budget = thinking_budget(body.thinking_token_budget, api, reasoning, tokenizer)

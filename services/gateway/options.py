@@ -67,12 +67,29 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[i
         inside = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         if not alone:
             raise bad_request(f"bad_words holds {word!r}, which has no tokens", param="bad_words")
-        if len(alone) > MAX_BAD_WORD_TOKENS:
+        if max(len(alone), len(inside)) > MAX_BAD_WORD_TOKENS:
             raise bad_request(
-                f"bad_words holds {word[:40]!r}..., of {len(alone)} tokens; at most {MAX_BAD_WORD_TOKENS} a word",
-                param="bad_words",
+                f"bad_words holds {word[:40]!r}..., of {max(len(alone), len(inside))} tokens; at most "
+                f"{MAX_BAD_WORD_TOKENS} a word", param="bad_words",
             )
         spelled.append(alone)
         if inside != alone:
             spelled.append(inside)
     return tuple(spelled)
+
+
+def check_token_sets(
+    body: ChatCompletionRequest | CompletionRequest, bad_words: tuple[tuple[int, ...], ...],
+    eos_token_ids: frozenset[int],
+) -> None:
+    """allowed_token_ids must leave a token that single-token bad words do not ban (nor min_tokens, if the stop tokens
+    are all that is left); a worker lets a longer bad word give way where it would leave none."""
+    allowed = body.allowed_token_ids
+    if allowed is None or not bad_words:
+        return
+    left = set(allowed) - {word[0] for word in bad_words if len(word) == 1}
+    if body.min_tokens:
+        left -= set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(eos_token_ids))
+    if not left:
+        raise bad_request("bad_words ban every token allowed_token_ids allows: nothing could be generated",
+                          param="bad_words")

@@ -1,4 +1,5 @@
-"""A request as the worker's bookkeeping sees it: tokens, slot, counters. Plain Python, no tensors."""
+"""A request as the worker's bookkeeping sees it: tokens, slot, counters. Plain Python; the one tensor is a device
+copy of its allowed tokens, kept for the sampler."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from shared.schemas import SamplingParams
 
 if TYPE_CHECKING:
     from services.worker.engine.handoff import ImportedChoice
+    from torch import Tensor
+
     from services.worker.sampling.thinking_budget import Scan
 
 SCORING_CHOICE = 0  # the choice whose first prefill scores the request's prompt (engine/prompt_logprobs.py)
@@ -57,6 +60,8 @@ class Sequence:
     # Where its reasoning block stood after its output's first tokens, for a thinking budget
     # (sampling/thinking_budget.py), kept so that a step scans only its new tokens
     thinking_scan: Scan | None = field(default=None, repr=False, compare=False)
+    # Its allowed_token_ids as the sampler's device holds them (sampling/penalties.py), built once
+    allowed_ids: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:

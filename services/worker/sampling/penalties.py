@@ -151,15 +151,17 @@ def _bias(
 ) -> Tensor | None:
     """[R, V] logit_bias of each row, with -inf outside the request's allowed_token_ids, at the stop tokens of the
     rows whose output position (the sequence's output plus the drafts before the row) is below min_tokens, and at
-    the last token of each bad word whose other tokens end that output; None when no row has any. Built from sparse
-    entries, so only the device holds a dense array."""
+    the last token of each bad word whose other tokens end that output; None when no row has any. A bad word gives
+    way in a row it would leave without a token (the gateway refuses sets that always would); a full thinking
+    budget leaves its row the closing tag alone, whatever else masks it."""
     biased: list[tuple[int, int, float]] = []  # (row, token, bias)
     masked: list[tuple[int, int]] = []  # (row, stop token)
-    allowed: list[tuple[int, Seq[int]]] = []  # (first row of the sequence, its allowed tokens)
+    banned: list[tuple[int, int]] = []  # (row, a bad word's last token)
+    allowed: list[tuple[int, Tensor]] = []  # (first row of the sequence, its allowed tokens on the device)
     forced: list[tuple[int, int]] = []  # (row, the one token it may have)
     for b, (seq, drafted) in enumerate(zip(seqs, num_drafts)):
         if seq.sampling.allowed_token_ids is not None:
-            allowed.append((b * width, seq.sampling.allowed_token_ids))
+            allowed.append((b * width, _allowed_ids(seq, device)))
         if (budget := seq.sampling.thinking_budget) is not None:
             seq.thinking_scan = scan_output(budget, seq.output_ids, seq.thinking_scan)
             for j in range(width):
@@ -172,8 +174,8 @@ def _bias(
             if len(seq.output_ids) + min(j, drafted) < seq.sampling.min_tokens:
                 masked += [(row, token) for token in seq.stop_ids]
             if seq.sampling.bad_words_token_ids:
-                masked += [(row, token) for token in _bad_words_due(seq, drafts[b][: min(j, drafted)])]
-    if not biased and not masked and not allowed and not forced:
+                banned += [(row, token) for token in _bad_words_due(seq, drafts[b][: min(j, drafted)])]
+    if not (biased or masked or banned or allowed or forced):
         return None
     bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
     # The masks after the biases: a forbidden token stays forbidden whatever its bias (index_put_ gives no order
@@ -182,17 +184,32 @@ def _bias(
         columns = list(zip(*biased))
         index = torch.tensor(columns[:2], dtype=torch.int64).to(device)  # [2, n]
         bias.index_put_((index[0], index[1]), torch.tensor(columns[2], dtype=torch.float32).to(device))
-    if allowed:
-        outside = np.ones((len(allowed), vocab_size), dtype=bool)  # [sequences, V]
-        for i, (_, tokens) in enumerate(allowed):
-            outside[i, list(tokens)] = False
-        rows = torch.from_numpy(np.add.outer([row for row, _ in allowed], np.arange(width)).reshape(-1)).to(device)
-        bias[rows] = bias[rows].masked_fill_(torch.from_numpy(np.repeat(outside, width, axis=0)).to(device), MASKED)
-    if masked:
-        index = torch.tensor(list(zip(*masked)), dtype=torch.int64).to(device)  # [2, n]
-        bias.index_put_((index[0], index[1]), torch.tensor(MASKED, device=device))
+    for first, ids in allowed:
+        rows = bias[first : first + width]  # [width, V], a view
+        kept = rows[:, ids]  # the allowed tokens' biases
+        rows.fill_(MASKED)[:, ids] = kept
+    _mask(bias, masked)
+    if banned:
+        unbanned = bias.clone()
+        _mask(bias, banned)
+        emptied = ~(bias > MASKED).any(dim=1)  # [R]
+        bias = torch.where(emptied[:, None], unbanned, bias)
     if forced:  # last, and whole: a forced row keeps its one token whatever the masks above took
         rows, tokens = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*forced))
         bias[rows] = MASKED
         bias[rows, tokens] = 0.0
     return bias
+
+
+def _mask(bias: Tensor, entries: list[tuple[int, int]]) -> None:
+    """-inf at these (row, token) entries."""
+    if entries:
+        index = torch.tensor(list(zip(*entries)), dtype=torch.int64).to(bias.device)  # [2, n]
+        bias.index_put_((index[0], index[1]), torch.tensor(MASKED, device=bias.device))
+
+
+def _allowed_ids(seq: Sequence, device: torch.device) -> Tensor:
+    """The sequence's allowed_token_ids on the device, built at its first step and kept."""
+    if seq.allowed_ids is None or seq.allowed_ids.device != device:
+        seq.allowed_ids = torch.tensor(seq.sampling.allowed_token_ids, dtype=torch.int64, device=device)
+    return seq.allowed_ids
