@@ -208,6 +208,18 @@ def test_skip_special_tokens_false_shows_their_text_and_logprobs(tokenizer, tabl
         assert text_of(chunk) == text and chunk.choice["logprobs"]["tokens"] == tokens
 
 
+def test_stop_strings_are_not_matched_in_control_tags_kept_for_the_parser(tokenizer, table) -> None:
+    """A tag shown for the gateway's parser (here EOS's "<|endoftext|>") is not text the client sees: "|" inside it
+    is no stop string, the one after it is; with skip_special_tokens false the client sees it, and it is."""
+    ids = byte_tokens(tokenizer, "a") + [eos(tokenizer)] + byte_tokens(tokenizer, "b|c")
+    for options, text in (
+        ({"shown_special_ids": (eos(tokenizer),)}, "a<|endoftext|>b"), ({"skip_special_tokens": False}, "a<"),
+    ):
+        assembler = RequestAssembler(opened(api="completion", stop=("|",), **options), table)
+        (chunk,) = run_steps(assembler, [ids], FinishReason.LENGTH)
+        assert text_of(chunk) == text and chunk.choice["finish_reason"] == "stop", options
+
+
 def test_stop_string_spanning_tokens_of_one_step_earliest_wins(tokenizer, table) -> None:
     assembler = RequestAssembler(opened(stop=("world", "o w")), table)
     ids = tokenizer.encode("hello world and more", add_special_tokens=False)

@@ -111,6 +111,8 @@ class RequestAssembler:
         self._table = table
         shown = open_msg.shown_special_ids if open_msg.skip_special_tokens else table.special_names
         self._decoder = IncrementalDecoder(table, shown)
+        # Control tags shown for the gateway's parser alone: stop strings are matched in the client's text only
+        self._parser_tags = frozenset(open_msg.shown_special_ids) if open_msg.skip_special_tokens else frozenset()
         self._stop = StopMatcher(open_msg.stop, include=open_msg.include_stop_str_in_output)
         self._top_k = open_msg.logprobs
         self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None
@@ -156,7 +158,7 @@ class RequestAssembler:
         self._hold_entries(target, rendered, step)
         if draft is not None and self._want_drafts:
             self._add_drafts(target, draft, step)
-        released, completing = self._find_stop(step, final=target.finished)
+        released, completing = self._find_stop(step, rendered, final=target.finished)
         if released.match is not None:
             self._count(ids if completing is None else ids[: completing + 1])
             self.cancel_reason = "stop_string"
@@ -258,7 +260,7 @@ class RequestAssembler:
         accepted = [j < draft.num_accepted for j in range(draft.num_tokens)]
         self._drafts.extend(logprobs.entries(draft.token_ids, draft.logprobs, self._top_k, offsets, accepted))
 
-    def _find_stop(self, step: DecodedStep, final: bool) -> tuple[Released, int | None]:
+    def _find_stop(self, step: DecodedStep, ids: list[int], final: bool) -> tuple[Released, int | None]:
         """Feeds the step's text to the stop matcher a token at a time, up to the first token that completes a stop
         string: which stop ends the output, and where, must not depend on how many tokens a step accepted. Returns
         what the matcher released and the index of the token that completed a match (None: the step's last)."""
@@ -267,7 +269,11 @@ class RequestAssembler:
         base = step.spans[0][0]
         texts = []
         for i, (start, end) in enumerate(step.spans):
-            released = self._stop.feed(step.text[start - base : end - base], final=final and i == len(step.spans) - 1)
+            piece = step.text[start - base : end - base]
+            if ids[i] in self._parser_tags:
+                texts.append(self._stop.pass_through(piece).text)
+                continue
+            released = self._stop.feed(piece, final=final and i == len(step.spans) - 1)
             texts.append(released.text)
             if released.match is not None:
                 return Released("".join(texts), released.match), i

@@ -72,6 +72,14 @@ class StopMatcher:
         self.released += len(out)
         return Released(out, None)
 
+    def pass_through(self, text: str) -> Released:
+        """Releases what is held and `text` after it, which no stop string may match in or across (a control tag
+        kept for the gateway's parser, which the client never sees as text)."""
+        out = self._pending + text
+        self._pending = self._tail = ""
+        self.released += len(out)
+        return Released(out, None)
+
     def _feed_included(self, text: str) -> Released:
         window = self._tail + text
         match = self._earliest(window)
