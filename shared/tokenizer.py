@@ -186,6 +186,11 @@ class Tokenizer:
                 return 1 if prepends else 0
         return 0
 
+    def token_strs(self, ids: Sequence[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (byte-level pieces such as "Ġthe"), as vLLM's /tokenize
+        returns them."""
+        return [self._tok.id_to_token(i) for i in ids]
+
     def single_token_id(self, text: str) -> int | None:
         """The id of the one token that is exactly this text (an added token, or a vocabulary entry), if any."""
         ids = self._tok.encode(text, add_special_tokens=False).ids

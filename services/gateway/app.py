@@ -29,6 +29,7 @@ from services.gateway.errors import UNAVAILABLE, OpenAIError, error_middleware, 
 from services.gateway.generation import Generator
 from services.gateway.responses.handler import ResponsesEndpoint
 from services.gateway.responses.store import ResponseStore
+from services.gateway.tokenize import Tokenization
 from services.gateway.limits import GatewayLimits
 from shared.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
 from services.gateway.protocol import DEFAULT_MAX_N
@@ -99,6 +100,7 @@ class Gateway:
             else REASONING_FORMATS[config.reasoning_parser].for_tokenizer(tokenizer.special_tokens),
         )
         self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc))
+        self.tokenization = Tokenization(self.generator, tokenizer, config.served_model_name, config.max_model_len)
         if self.generator.tool_format is None:
             log.warning(
                 "the chat template writes tool calls in no format this gateway reads: requests with tools are "
@@ -190,6 +192,8 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app.router.add_delete("/v1/responses/{response_id}", gateway.responses.delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", gateway.responses.input_items)
     app.router.add_get("/v1/models", gateway.list_models)
+    app.router.add_post("/tokenize", gateway.tokenization.tokenize)
+    app.router.add_post("/detokenize", gateway.tokenization.detokenize)
     app.router.add_get("/v1/models/{model}", gateway.get_model)
     add_routes(app, gateway.readiness)
     app.on_startup.append(gateway.start)

@@ -235,6 +235,10 @@ class Generator:
             )
         return self.tool_format
 
+    async def prompt_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+        """The token ids of each of the request's prompts, as serving it would compute them (/tokenize)."""
+        return await self._prompts_off_loop(body)
+
     async def _prompts_off_loop(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The prompts' token ids, computed on a thread where there is text to render or tokenize (a long one would
         hold up every stream of this gateway). Token ids only need checking: a thread hop would cost such a request
