@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CPU, sharing the worker's engine CPUs; NCCL on CUDA, rank r on GPU r (untested on a GPU). Passes run "
         "eagerly, without CUDA graphs. It must divide the model's attention heads, kv heads and intermediate size",
     )
+    parser.add_argument(
+        "--enable-expert-parallel", action="store_true", default=fields["enable_expert_parallel"].default,
+        help="with --tensor-parallel-size N, give each rank N-th of a MoE model's routed experts whole instead of "
+        "a slice of every expert (bigger products per expert, the same one all-reduce a layer); N must divide the "
+        "number of experts",
+    )
     default = fields["enable_prefix_caching"].default
     parser.add_argument(
         "--enable-prefix-caching", dest="prefix_caching", action="store_true", default=default,
@@ -83,7 +89,7 @@ def config_keys(args: argparse.Namespace) -> dict:
     return dict(
         enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_memory=args.kv_cache_memory,
+        enable_expert_parallel=args.enable_expert_parallel, kv_cache_memory=args.kv_cache_memory,
     )
 
 
@@ -94,4 +100,6 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
-    ] + (["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None else [])
+    ] + (["--enable-expert-parallel"] if args.enable_expert_parallel else []) + (
+        ["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None else []
+    )

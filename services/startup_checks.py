@@ -96,10 +96,15 @@ def servable_max_model_len(model: Path, requested: int | None) -> int:
     return max_model_len
 
 
-def check_tensor_parallel(model: Path, size: int) -> None:
-    """--tensor-parallel-size must split the model evenly (a servable model: servable_max_model_len first)."""
+def check_tensor_parallel(model: Path, size: int, expert_parallel: bool = False) -> None:
+    """--tensor-parallel-size must split the model evenly (a servable model: servable_max_model_len first), and
+    --enable-expert-parallel its routed experts."""
+    if expert_parallel and size == 1:
+        raise UsageError(
+            "--enable-expert-parallel splits experts over --tensor-parallel-size ranks: give a size above 1"
+        )
     try:
-        check_shardable(ModelConfig.from_dir(model), size)
+        check_shardable(ModelConfig.from_dir(model), size, expert_parallel)
     except ShardingError as exc:
         raise UsageError(str(exc)) from exc
 

@@ -164,9 +164,15 @@ class EngineConfig(BaseModel):
     # Ranks the model is split over (services/worker/tensor_parallel/): processes of one machine, one GPU each on
     # CUDA; their passes run eagerly (no CUDA graphs)
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
+    # Routed experts split over the tensor-parallel ranks by expert, each rank holding num_experts / size whole
+    # experts, instead of a slice of every expert (vLLM's --enable-expert-parallel)
+    enable_expert_parallel: bool = False
 
     @model_validator(mode="after")
     def _splits_what_can_be_split(self) -> "EngineConfig":
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel splits experts over tensor-parallel ranks: it needs "
+                             "tensor_parallel_size above 1")
         if self.speculative.draft_quantization == "int8" and (self.device != "cpu" or self.tensor_parallel_size > 1):
             raise ValueError(
                 f'draft_quantization "int8" on device {self.device!r} with tensor_parallel_size '

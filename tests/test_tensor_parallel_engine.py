@@ -49,8 +49,8 @@ def split_engine() -> Iterator[Callable[[str], Engine]]:
     """Builds TP engines and closes their groups after the test."""
     engines: list[Engine] = []
 
-    def build(method: str, model_dir: Path = Path(EngineConfig().model)) -> Engine:
-        engine = make_engine(model_dir, METHODS[method], tensor_parallel_size=TP)
+    def build(method: str, model_dir: Path = Path(EngineConfig().model), **overrides) -> Engine:
+        engine = make_engine(model_dir, METHODS[method], tensor_parallel_size=TP, **overrides)
         engines.append(engine)
         return engine
 
@@ -70,10 +70,11 @@ def test_two_ranks_give_the_tokens_of_one(method: str, split_engine) -> None:
     assert allocated == kv_budget._block_cost(engine.config)[0] * (cache.num_blocks + 1)
 
 
-def test_two_ranks_give_the_tokens_of_one_under_routed_experts(split_engine, tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "whole-experts"])
+def test_two_ranks_give_the_tokens_of_one_under_routed_experts(split_engine, tmp_path: Path, expert_parallel) -> None:
     model_dir = make_tiny_model_dir(tmp_path, "qwen3_moe")
     whole = _tokens(make_engine(model_dir, METHODS["ngram"]))
-    assert _tokens(split_engine("ngram", model_dir)) == whole
+    assert _tokens(split_engine("ngram", model_dir, enable_expert_parallel=expert_parallel)) == whole
 
 
 def test_a_rank_that_dies_mid_run_fails_the_next_step_loudly(split_engine) -> None:

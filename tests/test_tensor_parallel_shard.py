@@ -20,7 +20,8 @@ from services.worker.tensor_parallel.group import TensorParallelGroup
 from services.worker.tensor_parallel.model import ShardedCausalLM, load_shard
 from services.worker.tensor_parallel.divisible import shard_config
 from services.worker.tensor_parallel.shard import shard_state
-from shared.config import DEFAULT_MODEL_DIR
+from services.startup_checks import UsageError, check_tensor_parallel
+from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from tests.modelfixture import make_tiny_model_dir
 
 TP = 2
@@ -83,6 +84,27 @@ def test_routed_experts_are_split_by_their_intermediate_rows() -> None:
         check_shardable(_demo_config(**{**MOE, "moe_intermediate_size": 6}), 4)
 
 
+def test_expert_parallelism_gives_each_rank_whole_experts() -> None:
+    cfg = _demo_config(**MOE)
+    with torch.device("meta"):
+        names = CausalLM(cfg).state_dict()
+    whole = {name: torch.randn(t.shape) for name, t in names.items()}
+    shards = [shard_state(whole, cfg, rank, TP, expert_parallel=True) for rank in range(TP)]
+    for rank, shard in enumerate(shards):
+        with torch.device("meta"):
+            expected = ShardedCausalLM(cfg, TensorParallelGroup(rank, TP, cfg.vocab_size), True).state_dict()
+        assert {n: t.shape for n, t in shard.items()} == {n: t.shape for n, t in expected.items()}
+    experts = [name for name in whole if ".experts." in name]
+    for name in experts:  # each expert's tensors whole, on one rank only
+        holders = [shard[name] for shard in shards if name in shard]
+        assert len(holders) == 1 and torch.equal(holders[0], whole[name]), name
+    assert shard_config(cfg, TP, 1, expert_parallel=True).local_experts == range(2, 4)
+    with pytest.raises(ShardingError, match=r"must divide the model's num_experts \(6\)"):
+        check_shardable(_demo_config(**{**MOE, "num_experts": 6}), 4, expert_parallel=True)
+    with pytest.raises(ShardingError, match="no routed experts"):
+        check_shardable(_demo_config(), TP, expert_parallel=True)
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused_by_its_numbers() -> None:
     with pytest.raises(ShardingError, match=r"3 must divide the model's num_attention_heads \(8\)"):
         check_shardable(_demo_config(), 3)
@@ -104,14 +126,18 @@ def _passes(model: CausalLM) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def _groups(rank: int, model_dirs: list[Path]) -> list[TensorParallelGroup]:
+def _groups(rank: int, models: list[tuple[Path, bool]]) -> list[TensorParallelGroup]:
     """One group object per model (each knows its model's vocabulary slice); the first one joins the process
     group for all of them."""
-    return [TensorParallelGroup(rank, TP, ModelConfig.from_dir(d).vocab_size) for d in model_dirs]
+    return [TensorParallelGroup(rank, TP, ModelConfig.from_dir(d).vocab_size) for d, _ in models]
 
 
-def _sharded_passes(groups: list[TensorParallelGroup], port: int, model_dirs: list[Path]) -> list[dict]:
-    models = [load_shard(d, torch.float32, "cpu", "auto", MAX_MODEL_LEN, g) for d, g in zip(model_dirs, groups)]
+def _sharded_passes(groups: list[TensorParallelGroup], port: int, model_dirs: list[tuple[Path, bool]]) -> list[dict]:
+    """model_dirs: (checkpoint, whether its experts go whole to the ranks)."""
+    models = [
+        load_shard(d, torch.float32, "cpu", "auto", MAX_MODEL_LEN, g, expert_parallel)
+        for (d, expert_parallel), g in zip(model_dirs, groups)
+    ]
     groups[0].connect("cpu", port)
     try:
         return [_passes(model) for model in models]
@@ -119,14 +145,15 @@ def _sharded_passes(groups: list[TensorParallelGroup], port: int, model_dirs: li
         groups[0].leave()
 
 
-def _follower(port: int, model_dirs: list[Path]) -> None:
+def _follower(port: int, model_dirs: list[tuple[Path, bool]]) -> None:
     _sharded_passes(_groups(1, model_dirs), port, model_dirs)
 
 
 def test_two_ranks_compute_what_the_whole_model_does(tmp_path: Path) -> None:
-    model_dirs = [  # MTP and a tied head; q/k/v biases; routed experts
-        DEFAULT_MODEL_DIR, make_tiny_model_dir(tmp_path / "qwen2", "qwen2"),
-        make_tiny_model_dir(tmp_path / "moe", "qwen3_moe"),
+    moe = make_tiny_model_dir(tmp_path / "moe", "qwen3_moe")
+    model_dirs = [  # MTP and a tied head; q/k/v biases; routed experts sliced, and whole (expert parallelism)
+        (DEFAULT_MODEL_DIR, False), (make_tiny_model_dir(tmp_path / "qwen2", "qwen2"), False),
+        (moe, False), (moe, True),
     ]
     groups = _groups(0, model_dirs)
     port = groups[0].open_rendezvous()
@@ -137,10 +164,19 @@ def test_two_ranks_compute_what_the_whole_model_does(tmp_path: Path) -> None:
     finally:
         follower.join(RANK_TIMEOUT_S)
     assert follower.exitcode == 0
-    for model_dir, got in zip(model_dirs, sharded):
+    for (model_dir, _), got in zip(model_dirs, sharded):
         want = _passes(load_model(model_dir, max_model_len=MAX_MODEL_LEN))
         assert set(got) == set(want)
         assert torch.equal(got["embedded"], want["embedded"])
         for name in set(want) - {"embedded"}:
             scale = float(want[name].abs().max())
             torch.testing.assert_close(got[name], want[name], atol=TOLERANCE * scale, rtol=0, msg=name)
+
+
+def test_the_cli_refuses_expert_parallelism_it_cannot_do() -> None:
+    with pytest.raises(UsageError, match="--enable-expert-parallel .* above 1"):
+        check_tensor_parallel(DEFAULT_MODEL_DIR, 1, expert_parallel=True)
+    with pytest.raises(UsageError, match="no routed experts"):
+        check_tensor_parallel(DEFAULT_MODEL_DIR, TP, expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size above 1"):
+        EngineConfig(enable_expert_parallel=True)

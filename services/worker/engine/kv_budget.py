@@ -53,7 +53,7 @@ def bytes_per_block(config: EngineConfig, target: ModelConfig, draft: ModelConfi
     """The memory one more KV block takes in this worker process: the target's cache (its trunk, MTP modules and an
     EAGLE-3 head's layer, on this rank's kv heads) and a draft model's mirror of it."""
     itemsize = DTYPE_BYTES[config.dtype]
-    local = shard_config(target, config.tensor_parallel_size)
+    local = shard_config(target, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel)
     feature = eagle3_hidden_size if eagle3_hidden_size is not None else (
         target.hidden_size if target.num_mtp_layers else None
     )
@@ -88,7 +88,9 @@ def weight_bytes(config: EngineConfig, target: ModelConfig, draft: ModelConfig |
 
     itemsize = DTYPE_BYTES[config.dtype]
     with torch.device("meta"):
-        models = [CausalLM(target, shard_config(target, config.tensor_parallel_size))]
+        models = [CausalLM(target, shard_config(
+            target, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel
+        ))]
         models += [CausalLM(draft)] if draft is not None else []
     total = sum(p.numel() for m in models for p in m.parameters()) * itemsize
     if config.speculative.method == "eagle3":

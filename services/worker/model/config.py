@@ -142,6 +142,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # The routed experts this process holds (expert parallelism, tensor_parallel/divisible.py); None: all of them
+    local_experts: range | None = None
     # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
     # the same pass (drafting/draft_model.py); None: an autoregressive model
     pard_token: int | None = None

@@ -3,7 +3,9 @@ output is their outputs weighted by the router's probabilities (renormalised ove
 norm_topk_prob), as transformers' Qwen3MoeSparseMoeBlock computes it.
 
 Computed grouped by expert: the (token, expert) pairs are sorted by expert, and each expert used in the pass runs
-once over all its tokens, so a step loops over experts (at most num_experts), never over tokens. Each expert is an
+once over all its tokens, so a step loops over experts (at most num_experts), never over tokens. Under expert
+parallelism a rank holds a run of whole experts (cfg.local_experts) and adds up their outputs only: the tensor-parallel
+all-reduce after the block sums every rank's. Each expert is an
 ordinary gated MLP (layers.MLP), so checkpoints load, the CPU stores its projections transposed and dummy weights
 are drawn as for a dense layer.
 """
@@ -23,8 +25,13 @@ class SparseMoE(PlainModule):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.num_experts = cfg.num_experts
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.local_experts is None:
+            self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        else:  # keyed by their index in the checkpoint, so that their parameters keep its names
+            self.experts = nn.ModuleDict({str(i): expert(cfg, cfg.moe_intermediate_size) for i in cfg.local_experts})
+        self.first_expert = 0 if cfg.local_experts is None else cfg.local_experts.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -37,10 +44,11 @@ class SparseMoE(PlainModule):
         by_expert = chosen.flatten().argsort(stable=True)  # (token, choice) pairs, expert after expert
         tokens = by_expert // self.top_k
         pair_weights = weights.flatten()[by_expert]
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()  # one host copy a layer
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()  # one host copy a layer
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
+        start = sum(counts[: self.first_expert])  # the pairs of the experts before this rank's
+        experts = self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
+        for expert, count in zip(experts, counts[self.first_expert :]):
             if count:
                 rows = tokens[start : start + count]
                 out.index_add_(0, rows, expert(x[rows]) * pair_weights[start : start + count, None])

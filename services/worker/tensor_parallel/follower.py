@@ -63,7 +63,7 @@ def _load(config: EngineConfig, rank: int, num_blocks: int) -> ModelRunner:
     group = TensorParallelGroup(rank, size, ModelConfig.from_dir(config.model).vocab_size)
     model = load_shard(
         config.model, getattr(torch, config.dtype), rank_device(config.device, rank), config.load_format,
-        config.max_model_len, group,
+        config.max_model_len, group, config.enable_expert_parallel,
     )
     if config.speculative.method == "eagle3":
         attach_eagle3(config, model)

@@ -60,12 +60,13 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
         return runner
     size = config.tensor_parallel_size
     cfg = ModelConfig.from_dir(config.model)
-    check_shardable(cfg, size)  # before any process starts
+    check_shardable(cfg, size, config.enable_expert_parallel)  # before any process starts
     group = TensorParallelGroup(LEADER, size, cfg.vocab_size)
     followers = Followers.start(config, num_blocks, group.open_rendezvous())
     try:
         model = load_shard(
-            config.model, dtype, rank_device(config.device, LEADER), config.load_format, config.max_model_len, group
+            config.model, dtype, rank_device(config.device, LEADER), config.load_format, config.max_model_len, group,
+            config.enable_expert_parallel,
         )
         if config.speculative.method == "eagle3":
             attach_eagle3(config, model)

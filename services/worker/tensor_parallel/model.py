@@ -45,8 +45,8 @@ class RowParallel(PlainModule):
 
 
 class ShardedCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, group: TensorParallelGroup) -> None:
-        super().__init__(cfg, shard_config(cfg, group.size))
+    def __init__(self, cfg: ModelConfig, group: TensorParallelGroup, expert_parallel: bool = False) -> None:
+        super().__init__(cfg, shard_config(cfg, group.size, group.rank, expert_parallel))
         self.group = group
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -74,20 +74,23 @@ class ShardedCausalLM(CausalLM):
 
 def load_shard(
     model_dir: Path, dtype: torch.dtype, device: str, load_format: str, max_model_len: int | None,
-    group: TensorParallelGroup,
+    group: TensorParallelGroup, expert_parallel: bool = False,
 ) -> ShardedCausalLM:
     """This rank's shard of the checkpoint's model on `device`; with load_format "dummy", random weights drawn
-    for the shard alone (noise either way: only speed means anything with them)."""
+    for the shard alone (noise either way: only speed means anything with them). expert_parallel: its routed
+    experts whole, a run of them."""
     model_dir = Path(model_dir)
     cfg = served_config(model_dir, load_format, max_model_len)
     with torch.device("meta"):
-        model = ShardedCausalLM(cfg, group)
+        model = ShardedCausalLM(cfg, group, expert_parallel)
     if load_format == "dummy":
         state = dummy_state_dict(model, dtype, device)
     else:
         with torch.device("meta"):
             names = set(CausalLM(cfg).state_dict())
-        state = shard_state(checkpoint_state(model_dir, cfg, names, dtype), cfg, group.rank, group.size)
+        state = shard_state(
+            checkpoint_state(model_dir, cfg, names, dtype), cfg, group.rank, group.size, expert_parallel
+        )
     model = place(model, state, device, max_model_len)
     model.wrap_row_parallel()
     model.freeze_lookups()

@@ -13,12 +13,13 @@ replicated. The MTP module's decoder block is cut as the trunk's.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.weights import ATTENTION_MERGED, MLP_MERGED
-from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
+from services.worker.tensor_parallel.divisible import ShardingError, check_shardable, shard_config
 
 QKV = f".self_attn.{ATTENTION_MERGED}."
 # a dense MLP's (.mlp.gate_up_proj) or a routed expert's (.mlp.experts.<i>.gate_up_proj)
@@ -26,6 +27,7 @@ GATE_UP = f".{MLP_MERGED}."
 O_WEIGHT = ".self_attn.o_proj.weight"
 DOWN_WEIGHT = ".down_proj.weight"
 VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
+EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")  # a routed expert's tensor, and its index
 
 
 def _rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -50,12 +52,20 @@ def _vocab_rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return torch.cat([piece, pad])
 
 
-def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+def shard_state(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False
+) -> dict[str, torch.Tensor]:
     """The merged-name state dict (model/weights.py) of the whole model -> rank's shard of it, each tensor a copy
-    (the whole model's can be freed)."""
-    check_shardable(cfg, size)
+    (the whole model's can be freed). expert_parallel: rank's run of routed experts whole, the others left out."""
+    check_shardable(cfg, size, expert_parallel)
+    local = shard_config(cfg, size, rank, expert_parallel).local_experts
     shard = {}
     for name, tensor in state.items():
+        expert = EXPERT.search(name)
+        if expert is not None and local is not None:
+            if int(expert.group(1)) in local:
+                shard[name] = tensor.clone()
+            continue
         if QKV in name:
             piece = _qkv(tensor, cfg, rank, size)
         elif GATE_UP in name:
