@@ -201,6 +201,14 @@ def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(mesh: Mesh, client: 
         client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_time"),
                                        response_format={"type": "json_object"})
     assert both.value.body["param"] == "tool_choice" and "allowed tools" in both.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as continued:  # the continued message is read for calls, unheld
+        client.chat.completions.create(
+            **{**asked, "messages": MESSAGES + [{"role": "assistant", "content": "<tool_call>\n"}]},
+            tool_choice=_allowed("auto", "get_time"),
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )
+    error = continued.value.body
+    assert error["param"] == "tool_choice" and "continue_final_message" in error["message"]
 
 
 def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -136,6 +136,10 @@ def test_allowed_tools_take_chats_shape_and_the_response_shows_them_as_sent() ->
     auto = ChatCompletionRequest.model_validate(chat_body(request(tools=FLAT_TOOLS, tool_choice=_allowed(
         "auto", "f")), {})).tool_fields
     assert (auto.mode, [f.name for f in auto.callable], auto.limits_calls) == ("auto", ["f"], True)
+    definition = {"type": "function", "name": "g", "description": "g", "parameters": {}, "strict": True}
+    whole = {"type": "allowed_tools", "mode": "auto", "tools": [definition]}  # a whole definition names it too
+    shown = request(tools=FLAT_TOOLS, tool_choice=whole).tool_choice_shown
+    assert shown["tools"] == [{"type": "function", "name": "g"}]
 
 
 @pytest.mark.parametrize(("choice", "param"), [

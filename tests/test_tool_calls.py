@@ -386,6 +386,10 @@ def test_allowed_tools_narrow_what_is_called_not_what_the_template_shows() -> No
         '<tool_call>\n{"name":"get_time","arguments":'
     both = _chat(tool_choice=_allowed("required", "get_time", "get_weather")).tool_fields
     assert [f.name for f in both.callable] == ["get_weather", "get_time"] and both.forced_calls_parallel
+    # Whole tool definitions name the allowed functions as well (a client passing its filtered tools on)
+    definition = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {}}}
+    whole = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [definition]}}
+    assert [f.name for f in _chat(tool_choice=whole).tool_fields.callable] == ["get_time"]
 
 
 @pytest.mark.parametrize(("choice", "param"), [

@@ -124,6 +124,12 @@ class Generator:
                     f"tool_choice {fields.mode!r} makes the answer {made}; it does not go with another output "
                     "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
                 )
+            if fields.limits_calls and body.continue_final_message:
+                # The final message's text is read for calls with the answer, and no grammar holds it.
+                raise bad_request(
+                    "tool_choice allowed_tools does not go with continue_final_message: the continued message could "
+                    "call a tool the list leaves out", param="tool_choice",
+                )
         calls_constrained = api == "chat" and body.tool_fields.constrains
         constrained = constraint[0] if constraint else "tool_choice" if calls_constrained else None
         masking = "allowed_token_ids" if body.allowed_token_ids is not None else "bad_words" if body.bad_words else None

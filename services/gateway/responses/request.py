@@ -59,13 +59,22 @@ class NamedFunctionChoice(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
 
 
+class FunctionReference(BaseModel):
+    """A function named among allowed_tools, flat; a whole tool definition is taken (its name read), as OpenAI's."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
 class ResponsesAllowedTools(Strict):
     """allowed_tools in the Responses API's flat shape: the mode and the functions beside the type. Another kind of
     tool among them is refused, as in `tools`: this server runs no hosted tools."""
 
     type: Literal["allowed_tools"]
     mode: AllowedMode
-    tools: list[NamedFunctionChoice] = Field(min_length=1)
+    tools: list[FunctionReference] = Field(min_length=1)
 
     def for_chat(self) -> dict[str, Any]:
         tools = [{"type": "function", "function": {"name": tool.name}} for tool in self.tools]

@@ -77,6 +77,22 @@ class NamedToolChoice(BaseModel):
 AllowedMode = Literal["auto", "required"]
 
 
+class FunctionReference(BaseModel):
+    """A function named among allowed_tools. OpenAI takes whole tool definitions there, as a client may pass its
+    filtered `tools` on: what beside the name is read from `tools`, not from here."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class ToolReference(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionReference
+
+
 class AllowedTools(BaseModel):
     """The functions an answer may call, among the tools: `required` calls one or more of them, `auto` may answer in
     text instead."""
@@ -84,7 +100,7 @@ class AllowedTools(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: AllowedMode
-    tools: list[NamedToolChoice] = Field(min_length=1)  # each in chat's nested shape, as a named tool_choice is
+    tools: list[ToolReference] = Field(min_length=1)  # each in chat's nested shape, as a named tool_choice is
 
 
 class AllowedToolsChoice(BaseModel):
