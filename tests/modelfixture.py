@@ -30,7 +30,7 @@ MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")
 MISTRAL_WINDOW = 8  # a tiny Mistral's sliding window: shorter than the tests' prompts and outputs
 # A tiny Qwen3-MoE's experts (with MODEL_SHAPE's two layers, both sparse unless the config says otherwise)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
@@ -42,7 +42,7 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral with these config keys, its random weights drawn from
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 with these config keys, its random weights drawn from
     torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
@@ -53,6 +53,9 @@ def random_causal_lm(kind: str, **config):
     if kind == "mistral":
         config = dict(sliding_window=MISTRAL_WINDOW) | config
         return transformers.MistralForCausalLM(transformers.MistralConfig(**config))
+    if kind == "phi3":  # with a window too, as Phi-3-mini-4k's (2047); Phi3Config's token ids are its 32k vocab's
+        config = dict(sliding_window=MISTRAL_WINDOW, bos_token_id=0, eos_token_id=0, pad_token_id=0) | config
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**config))
     if kind in ("qwen3", "qwen3_moe"):  # Qwen3's head_dim defaults to 128, not hidden_size / heads
         head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
         if kind == "qwen3":

@@ -8,9 +8,11 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "MistralForCausalLM",
+    "MistralForCausalLM", "Phi3ForCausalLM",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
+# A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
+_PHI3 = "Phi3ForCausalLM"
 _MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has no such key (null: none)
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
 _QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # RMSNorm of every query and key head (q/k_norm)
@@ -26,7 +28,7 @@ _QWEN3_HEAD_DIM = 128
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
-    "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32,
+    "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -219,7 +221,7 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
             qk_norm=arch in _QWEN3_FAMILY,
-            attention_window=raw.get("sliding_window", _MISTRAL_WINDOW) if arch == _MISTRAL else None,
+            attention_window=_attention_window(raw, arch),
             pard_token=raw.get(PARD_TOKEN_KEY),
             **_experts(raw, arch),
         )
@@ -230,6 +232,16 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _attention_window(raw: dict, arch: str) -> int | None:
+    """The window every layer attends to: Mistral's (MistralConfig's default where config.json is silent), Phi-3's
+    (none unless config.json names one)."""
+    if arch == _MISTRAL:
+        return raw.get("sliding_window", _MISTRAL_WINDOW)
+    if arch == _PHI3:
+        return raw.get("sliding_window")
+    return None
 
 
 def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
@@ -249,8 +261,9 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError(
             "attention_bias true is not supported for Qwen3: its o_proj bias (beside the q/k/v ones) is not implemented"
         )
-    if arch in _QWEN3_FAMILY or arch == _MISTRAL:
-        return  # transformers' Qwen3 and Mistral MLPs have no bias whatever mlp_bias says, nor Mistral's attention
+    if arch in _QWEN3_FAMILY or arch in (_MISTRAL, _PHI3):
+        # transformers' Qwen3, Mistral and Phi-3 MLPs have no bias whatever mlp_bias says, nor the last two's attention
+        return
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias true is not supported: specmesh's MLP projections have no bias")
     if raw.get("attention_bias"):
