@@ -1,4 +1,5 @@
-"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral checkpoint with a real tokenizer, for tests that run the engine.
+"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 checkpoint with a real tokenizer, for tests that
+run the engine.
 
 Use the fixture by importing it into a test module (`from tests.modelfixture import tiny_model_dir`), or call
 `make_tiny_model_dir(path)` directly. The fixture builds the directory once per test session.
@@ -42,8 +43,8 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 with these config keys, its random weights drawn from
-    torch's global RNG."""
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 with these config keys, its random weights
+    drawn from torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
     if kind not in MODEL_KINDS:
