@@ -141,12 +141,13 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
             *_gateway_waits_for_streams(), subjects.ROUTED_SUBJECTS, subjects.cache_sync(ANY_TOKEN),
-            *_stores_responses(),
+            *_stores_responses(), subjects.CANCEL_BACKGROUND,
         ),
         subscribe=(
             subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
-            subjects.worker_state(ANY_TOKEN),
+            subjects.worker_state(ANY_TOKEN), subjects.CANCEL_BACKGROUND,
         ),
+        allow_responses=True,  # the gateway running a background response answers a cancel for it
     ),
     NatsRole.WORKER: Permissions(
         publish=(

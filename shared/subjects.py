@@ -110,5 +110,8 @@ def responses(gateway_id: str) -> str:
 # Stored responses (POST /v1/responses with `store`): a JetStream key-value bucket every gateway shares, so that a
 # response stored by one gateway is continued (previous_response_id), read or deleted through any other.
 RESPONSE_BUCKET = "specmesh_responses"
+# gateway -> gateways, request/reply: stop this background response (services/gateway/responses/background.py); the
+# gateway running it answers; body: the response id
+CANCEL_BACKGROUND = f"{PREFIX}.background.cancel"
 RESPONSE_STREAM = f"KV_{RESPONSE_BUCKET}"  # the bucket's stream, as JetStream names it
 RESPONSE_KEYS = f"$KV.{RESPONSE_BUCKET}.>"  # the subjects its entries are put and deleted on

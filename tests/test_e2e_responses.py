@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Literal
 
 import openai
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.e2e
 PROMPT = "def read_config(path):"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+POLL_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,8 @@ def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI, s
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
+    ({"background": True, "stream": True}, "stream"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nothing"}}}}, "text.format"),
     ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "x"}]}, "input.[0].call_id"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.tools"),
@@ -194,6 +197,40 @@ def test_a_stored_response_is_continued_read_and_deleted(mesh: Mesh, client: ope
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def _polled(client: openai.OpenAI, response_id: str) -> Any:
+    deadline = time.monotonic() + POLL_TIMEOUT_S
+    response = client.responses.retrieve(response_id)
+    while response.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        response = client.responses.retrieve(response_id)
+    return response
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_cancelled(
+    mesh: Mesh, client: openai.OpenAI
+) -> None:
+    asked = dict(model=mesh.model, input=PROMPT, max_output_tokens=16, temperature=0)
+    started = client.responses.create(**asked, background=True)
+    assert started.status in ("queued", "in_progress", "completed") and started.background is True
+    done = _polled(client, started.id)
+    foreground = client.responses.create(**asked)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (
+        foreground.status, foreground.output_text, foreground.usage.output_tokens)
+    assert client.responses.cancel(done.id).status == done.status  # ended: returned as it is
+    long = client.responses.create(**{**asked, "max_output_tokens": 900}, background=True,
+                                   extra_body={"ignore_eos": True})
+    time.sleep(0.5)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    assert cancelled.usage is None or cancelled.usage.output_tokens < 900
+    with pytest.raises(openai.BadRequestError) as foreground_cancel:
+        client.responses.cancel(foreground.id)
+    assert "background" in foreground_cancel.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:  # checked before it is answered: nothing is stored
+        client.responses.create(**{**asked, "max_output_tokens": 100_000}, background=True)
+    assert refused.value.body["param"] == "max_output_tokens"
 
 
 def test_a_calls_output_continues_the_stored_response_that_made_the_call(mesh: Mesh, client: openai.OpenAI) -> None:

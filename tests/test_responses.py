@@ -4,6 +4,7 @@ The whole path with the real openai client is tests/test_e2e_responses.py."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -18,6 +19,8 @@ from services.gateway import wire_json
 from services.gateway.request_body import RequestBodies
 from services.gateway.responses.handler import reasoning_counter, renamed, shown
 from services.gateway.responses.input_items import listed_items, page
+from services.gateway.responses.background import STALE_AFTER_S
+from services.gateway.responses.background import shown as background_shown
 from services.gateway.responses.store import StoredRecord
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.reasoning.parser import FORMATS
@@ -182,14 +185,14 @@ def test_what_the_server_cannot_do_is_refused_by_name(fields: dict, where: str) 
 
 
 @pytest.mark.parametrize("name, value", [
-    ("background", True), ("max_tool_calls", 3), ("conversation", "conv_1"), ("truncation", "auto"),
+    ("max_tool_calls", 3), ("conversation", "conv_1"), ("truncation", "auto"),
     ("prompt", {"id": "pmpt_1"}), ("context_management", [{"type": "compaction"}]),
 ])
 def test_refused_fields_are_400s_naming_them_unless_neutral(name: str, value: Any) -> None:
     with pytest.raises(OpenAIError) as caught:
         check_refused({name: value})
     assert caught.value.param == name
-    check_refused({"background": False, "truncation": "disabled", "max_tool_calls": None})
+    check_refused({"truncation": "disabled", "max_tool_calls": None})
 
 
 def test_chat_parameter_names_in_errors_become_the_responses_names() -> None:
@@ -395,3 +398,16 @@ def test_a_tool_schema_with_integers_past_64_bits_is_served_on_the_responses_api
                           "status": None}])[0] | {"id": ""} == {
         "type": "message", "role": "user", "status": "completed", "id": "",
         "content": [{"type": "output_text", "text": "x", "annotations": []}]}
+
+
+def test_a_running_background_response_whose_heartbeat_stopped_reads_as_failed() -> None:
+    """Its gateway died: the entry stopped being written, and a reader sees why instead of in_progress for ever."""
+    response = {"id": "resp_1", "status": "in_progress", "background": True, "error": None}
+    beating = StoredRecord(response, [], [], heartbeat=time.time())
+    assert background_shown(beating).response["status"] == "in_progress"
+    stopped = StoredRecord(response, [], [], heartbeat=time.time() - 2 * STALE_AFTER_S)
+    gone = background_shown(stopped).response
+    assert gone["status"] == "failed" and "stopped" in gone["error"]["message"]
+    done = StoredRecord({**response, "status": "completed"}, [], [], heartbeat=time.time() - 2 * STALE_AFTER_S)
+    assert background_shown(done).response["status"] == "completed"
+    assert StoredRecord.from_bytes(stopped.to_bytes()).heartbeat == stopped.heartbeat

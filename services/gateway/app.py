@@ -99,7 +99,7 @@ class Gateway:
             reasoning_format=None if config.reasoning_parser is None
             else REASONING_FORMATS[config.reasoning_parser].for_tokenizer(tokenizer.special_tokens),
         )
-        self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc))
+        self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc), nc)
         self.tokenization = Tokenization(self.generator, tokenizer, config.served_model_name, config.max_model_len)
         if self.generator.tool_format is None:
             log.warning(
@@ -135,6 +135,7 @@ class Gateway:
 
     async def start(self, app: web.Application) -> None:
         await self.router.start()
+        await self.responses.background.start()
         if self.prefix_router is not None:
             await self.prefix_router.start()
         # Ready once the streams exist (the admin declares them, shared/streams.py). Waited for apart, so that the
@@ -191,6 +192,7 @@ def create_app(config: GatewayConfig, nc: Client, tokenizer: Tokenizer | None = 
     app.router.add_get("/v1/responses/{response_id}", gateway.responses.get)
     app.router.add_delete("/v1/responses/{response_id}", gateway.responses.delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", gateway.responses.input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", gateway.responses.cancel)
     app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_post("/tokenize", gateway.tokenization.tokenize)
     app.router.add_post("/detokenize", gateway.tokenization.detokenize)

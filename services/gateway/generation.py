@@ -98,10 +98,11 @@ class Generator:
 
     async def generate(
         self, request: web.Request, api: Api, body: ChatCompletionRequest | CompletionRequest, started: float,
-        writer: Writer = answer,
+        writer: Writer = answer, validated: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Serves a validated request (received at monotonic `started`); `writer` answers its client, a chat
-        completion's by default (answer.py)."""
+        completion's by default (answer.py). `validated` is called once every check passed and the request waits for
+        admission (a background response is answered then)."""
         if body.model != self._model:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
@@ -175,6 +176,8 @@ class Generator:
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )
+        if validated is not None:
+            validated()
         metrics.IN_FLIGHT.inc()
         try:
             async with self._admission.request(client_identity(request, self._keys_checked)) as places:

@@ -47,6 +47,7 @@ class ResponsesAnswer:
     count_reasoning: ReasoningCounter
     keep: Keeper | None = None  # store: true
     output: ResponseOutput | None = None
+    response_id: str | None = None  # chosen before the request runs (a background response); else its request's
 
     async def __call__(
         self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
@@ -55,7 +56,8 @@ class ResponsesAnswer:
         """Answer's signature (services/gateway/answer.py), for Generator."""
         gen = gens[0]  # a Responses request is one prompt with one choice
         self.output = ResponseOutput(
-            RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs, self.with_draft_logprobs
+            self.response_id or RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs,
+            self.with_draft_logprobs,
         )
         reader = _ChatReader(gen, tool_format, reasoning_format)
         if gen.body.stream:

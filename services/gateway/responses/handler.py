@@ -7,16 +7,22 @@ Errors the chat path finds name chat's parameters; they reach the client under t
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from typing import Any
 
 from aiohttp import web
+from nats.aio.client import Client
 
 from services.gateway import wire_json
 from services.gateway.errors import OpenAIError, bad_request
+from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
-from services.gateway.responses.answer import Keeper, ReasoningCounter, ResponsesAnswer
+from services.gateway.responses.answer import RESPONSE_ID_PREFIX, Keeper, ReasoningCounter, ResponsesAnswer
+from services.gateway.responses.background import BackgroundRun, BackgroundRuns, run_detached
+from services.gateway.responses.background import shown as shown_record
 from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
 from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
@@ -30,15 +36,25 @@ DEFAULT_TOP_P = 1.0
 
 class ResponsesEndpoint:
     """POST /v1/responses, and the stored responses: GET and DELETE /v1/responses/{response_id}, GET
-    /v1/responses/{response_id}/input_items."""
+    /v1/responses/{response_id}/input_items, POST /v1/responses/{response_id}/cancel (a background one)."""
 
-    def __init__(self, generator: Generator, tokenizer: Tokenizer, store: ResponseStore) -> None:
+    def __init__(self, generator: Generator, tokenizer: Tokenizer, store: ResponseStore, nc: Client) -> None:
         self._generator = generator
         self._store = store
         self._count_reasoning = reasoning_counter(tokenizer, generator.reasoning_format)
+        self.background = BackgroundRuns(nc, store)
 
     async def get(self, request: web.Request) -> web.Response:
-        record = await self._store.get(request.match_info["response_id"])
+        record = shown_record(await self._store.get(request.match_info["response_id"]))
+        return web.json_response(record.response, dumps=wire_json.dumps_text)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        record = await self._store.get(response_id)
+        if not record.response.get("background"):
+            raise bad_request(f"Response '{response_id}' was not created with background true: only background "
+                              "responses can be cancelled")
+        record = await self.background.cancel(response_id)
         return web.json_response(record.response, dumps=wire_json.dumps_text)
 
     async def input_items(self, request: web.Request) -> web.Response:
@@ -55,21 +71,52 @@ class ResponsesEndpoint:
         bodies = self._generator.bodies
         try:
             body, data = await bodies.parse_responses(request)
+            check_background(body)
             history = [] if body.previous_response_id is None else await self._store.history(body.previous_response_id)
             turn = input_messages(body.input, call_ids(history))
-            chat = chat_body(body, data, history + turn)
-            if self._generator.reasoning_format is not None:
-                chat["return_token_ids"] = True  # the reasoning tokens are counted off them
+            chat = bodies.chat(chat_body(body, data, history + turn) | self._reasoning_ids())
             writer = ResponsesAnswer(
                 shown(body), body.logprobs_count is not None,
                 body.logprobs_count is not None and data.get("include_draft_logprobs") is True,
                 self._count_reasoning, self._keeper(turn, listed_items(body.input)) if body.store else None,
             )
-            return await self._generator.generate(request, "chat", bodies.chat(chat), started, writer)
+            if body.background:
+                return await self._start_background(request, chat, started, writer, turn, listed_items(body.input))
+            return await self._generator.generate(request, "chat", chat, started, writer)
         except InputError as exc:
             raise bad_request(str(exc), param=exc.param) from exc
         except OpenAIError as exc:
             raise renamed(exc) from exc
+
+    def _reasoning_ids(self) -> dict[str, Any]:
+        # The reasoning tokens are counted off the token ids
+        return {"return_token_ids": True} if self._generator.reasoning_format is not None else {}
+
+    async def _start_background(
+        self, request: web.Request, chat: ChatCompletionRequest, started: float, writer: ResponsesAnswer,
+        turn: list[dict[str, Any]], items: list[dict[str, Any]],
+    ) -> web.Response:
+        """Stores the response `queued`, runs it detached, and answers once it passed every check the foreground
+        request would (a bad one is its 4xx, and nothing is stored)."""
+        writer.response_id = RESPONSE_ID_PREFIX + uuid.uuid4().hex
+        queued = ResponseOutput(writer.response_id, int(time.time()), writer.shown, writer.with_logprobs)
+        queued.status = "queued"
+        run = BackgroundRun(self._store, StoredRecord(queued.snapshot(), turn, items))
+
+        async def keep(output: ResponseOutput) -> bool:
+            return await run.write(output.snapshot(), final=True)
+
+        writer.keep = keep
+        validated = asyncio.Event()
+        serving = self._generator.generate(request, "chat", chat, started, writer, validated=validated.set)
+        task = self.background.run(writer.response_id, run_detached(run, serving, lambda: writer.output, validated))
+        checked = asyncio.ensure_future(validated.wait())
+        await asyncio.wait([task, checked], return_when=asyncio.FIRST_COMPLETED)
+        checked.cancel()
+        if not validated.is_set():
+            task.result()  # refused before it ran: its error, as the foreground request would give it
+        await run.write(queued.snapshot())  # unless it ended meanwhile: then its end is what it shows
+        return web.json_response(run.record.response, dumps=wire_json.dumps_text)
 
     def _keeper(self, turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> Keeper:
         async def keep(output: ResponseOutput) -> bool:
@@ -96,12 +143,22 @@ def shown(body: ResponsesRequest) -> dict[str, Any]:
         "truncation": "disabled",
         "user": body.user,
         "metadata": body.metadata or {},
-        "background": False,
+        "background": body.background,
         "service_tier": "default",
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
         "prompt_cache_retention": body.prompt_cache_retention,
     }
+
+
+def check_background(body: ResponsesRequest) -> None:
+    """A background response is polled from the store: it needs store, and is not streamed."""
+    if body.background and not body.store:
+        raise bad_request("background responses are polled from the store: background needs store true",
+                          param="store")
+    if body.background and body.stream:
+        raise bad_request("a background response is polled (GET /v1/responses/{id}), not streamed: send stream false",
+                          param="stream")
 
 
 def renamed(exc: OpenAIError) -> OpenAIError:

@@ -157,7 +157,6 @@ class ReasoningOptions(Strict):
 REFUSED = {
     rule.name: rule
     for rule in (
-        Refused("background", (False,), "responses run in the foreground, for the request that asked"),
         Refused(
             "max_tool_calls", (), "the calls of an answer are bounded by parallel_tool_calls and max_output_tokens"
         ),
@@ -201,11 +200,11 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None  # how long OpenAI keeps a cached prefix; the prefix cache's own here
     service_tier: str | None = None
-    # Declared for the response object, which shows them; refused unless neutral by check_refused
+    # Declared for the response object, which shows it; refused unless neutral by check_refused
     truncation: str | None = None
-    background: bool | None = None
+    background: bool = False  # answered at once, run on, polled (background.py)
 
-    @field_validator("stream", "store", "parallel_tool_calls", mode="before")
+    @field_validator("stream", "store", "parallel_tool_calls", "background", mode="before")
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         """null asks for the default, as OpenAI's API and client take it."""

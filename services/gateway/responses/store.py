@@ -35,20 +35,26 @@ PREVIOUS = "previous_response_id"
 
 class StoredRecord:
     """One entry: the response object, its turn's input as chat messages and as the items listed for it
-    (input_items.py)."""
+    (input_items.py), and for a background response still running when its entry was last written (background.py)."""
 
-    def __init__(self, response: dict[str, Any], turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, response: dict[str, Any], turn: list[dict[str, Any]], items: list[dict[str, Any]],
+        heartbeat: float | None = None,
+    ) -> None:
         self.response = response
         self.turn = turn
         self.items = items
+        self.heartbeat = heartbeat
 
     def to_bytes(self) -> bytes:
-        return wire_json.dumps({"response": self.response, "turn": self.turn, "items": self.items})
+        record = {"response": self.response, "turn": self.turn, "items": self.items}
+        return wire_json.dumps(record if self.heartbeat is None else {**record, "heartbeat": self.heartbeat})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StoredRecord":
         record = orjson.loads(data)
-        return cls(record["response"], record["turn"], record.get("items", []))  # kept before items were
+        # items: kept before items were
+        return cls(record["response"], record["turn"], record.get("items", []), record.get("heartbeat"))
 
     def messages(self) -> list[dict[str, Any]]:
         """The turn as the next prompt's history holds it: its input, then its output read as input items (an empty

@@ -1,0 +1,157 @@
+"""Background responses (`background: true`, OpenAI's): the request is answered once it is validated, with the response
+`queued`, and runs on in this gateway detached from its HTTP exchange, kept in the store as it goes (store.py):
+`in_progress` with a heartbeat, then `completed`, `incomplete`, `failed` or `cancelled`. GET /v1/responses/{id} polls
+it from any gateway; POST /v1/responses/{id}/cancel stops it from any gateway (the one running it answers a NATS
+request on subjects.CANCEL_BACKGROUND).
+
+A gateway that dies takes its runs with it: their entries stop beating, and a response whose heartbeat is older than
+STALE_AFTER_S reads as `failed`, naming why, instead of `in_progress` for ever. A draining gateway ends its runs as
+its other requests end (a 503 each: `failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from services.gateway.errors import SERVER_ERROR, OpenAIError
+from services.gateway.responses.output import ResponseOutput
+from services.gateway.responses.store import ResponseStore, StoredRecord
+from shared import subjects
+from shared.natsutil import core_only
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0  # how often a running response's entry is written again
+STALE_AFTER_S = 4 * HEARTBEAT_S  # an entry not written for this long: its gateway is gone
+CANCEL_TIMEOUT_S = 2.0  # how long a cancel waits for the gateway running the response
+CANCELLED_REPLY = b"cancelled"
+RUNNING = ("queued", "in_progress")
+GONE = {"code": SERVER_ERROR, "message": "the gateway running this background response stopped before it finished"}
+
+
+class BackgroundRun:
+    """One background response's entry in the store, written as it goes and never after its last state: a heartbeat
+    that lost the race to the final write does not bring `in_progress` back."""
+
+    def __init__(self, store: ResponseStore, record: StoredRecord) -> None:
+        self._store = store
+        self.record = record
+        self._lock = asyncio.Lock()
+        self._final = False
+
+    async def write(self, response: dict[str, Any], final: bool = False) -> bool:
+        async with self._lock:
+            if self._final:
+                return False
+            self._final = final
+            self.record = StoredRecord(response, self.record.turn, self.record.items, heartbeat=time.time())
+            return await self._store.keep(self.record)
+
+    async def beat(self, output: Callable[[], ResponseOutput | None]) -> None:
+        """Writes the response as it stands every HEARTBEAT_S until cancelled."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            current = output()
+            await self.write(current.snapshot() if current is not None else self.record.response)
+
+
+class BackgroundRuns:
+    """This gateway's background responses, by id."""
+
+    def __init__(self, nc: Client, store: ResponseStore) -> None:
+        self._nc = nc
+        self._store = store
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> None:
+        await self._nc.subscribe(subjects.CANCEL_BACKGROUND, cb=core_only(self._on_cancel))
+
+    def run(self, response_id: str, work: Awaitable[None]) -> asyncio.Task:
+        task = asyncio.create_task(work, name=f"background {response_id}")
+        self._tasks[response_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+        return task
+
+    async def cancel(self, response_id: str) -> StoredRecord:
+        """Stops the response where it runs and returns its entry; one already ended is returned as it is."""
+        record = shown(await self._store.get(response_id))
+        if record.response.get("status") not in RUNNING:
+            return record
+        if not await self._cancel_here(response_id):
+            try:
+                await self._nc.request(subjects.CANCEL_BACKGROUND, response_id.encode(), timeout=CANCEL_TIMEOUT_S)
+            except (NatsTimeoutError, NoRespondersError):  # nobody runs it: its gateway is gone
+                response = {**record.response, "status": "cancelled"}
+                await self._store.keep(StoredRecord(response, record.turn, record.items, heartbeat=time.time()))
+        return shown(await self._store.get(response_id))
+
+    async def _cancel_here(self, response_id: str) -> bool:
+        task = self._tasks.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its entry says `cancelled` once this returns
+        return True
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        if await self._cancel_here(msg.data.decode()):
+            await msg.respond(CANCELLED_REPLY)
+
+
+def shown(record: StoredRecord) -> StoredRecord:
+    """The entry as a reader sees it: a running response whose heartbeat stopped has failed."""
+    response = record.response
+    stale = record.heartbeat is not None and time.time() - record.heartbeat > STALE_AFTER_S
+    if response.get("status") in RUNNING and stale:
+        return StoredRecord({**response, "status": "failed", "error": GONE}, record.turn, record.items,
+                            heartbeat=record.heartbeat)
+    return record
+
+
+async def run_detached(
+    run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput | None], validated: asyncio.Event,
+) -> None:
+    """Serves the response and writes how it ended: the answer's own last write (completed or incomplete), or
+    `failed` with the error, or `cancelled`. Until `validated` is set (the request passed every check) nothing is
+    written, and an error is raised as it is, for the client to hear."""
+    beating = asyncio.create_task(_beat_once_validated(run, output, validated))
+    try:
+        await serve
+    except asyncio.CancelledError:
+        if validated.is_set():
+            await asyncio.shield(_end(run, output(), "cancelled"))
+        raise
+    except OpenAIError as exc:
+        if not validated.is_set():
+            raise
+        await _end(run, output(), "failed", exc.body()["error"])
+    except Exception:
+        if not validated.is_set():
+            raise
+        log.exception("background response %s failed", run.record.response["id"])
+        await _end(run, output(), "failed", OpenAIError(500, "Internal error", type=SERVER_ERROR).body()["error"])
+    finally:
+        beating.cancel()
+
+
+async def _beat_once_validated(
+    run: BackgroundRun, output: Callable[[], ResponseOutput | None], validated: asyncio.Event
+) -> None:
+    await validated.wait()
+    await run.beat(output)
+
+
+async def _end(run: BackgroundRun, output: ResponseOutput | None, status: str, error: dict | None = None) -> None:
+    response = output.snapshot() if output is not None else dict(run.record.response)
+    response["status"] = status
+    if error is not None:
+        response["error"] = {"code": error.get("code") or error.get("type"), "message": error.get("message")}
+    await run.write(response, final=True)
