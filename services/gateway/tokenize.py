@@ -5,6 +5,7 @@ answers; no worker is asked. Clients count a prompt's tokens against max_model_l
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -62,12 +63,12 @@ class Tokenization:
                 {"model": self._model, **body.model_dump(exclude={"model", "return_token_strs"}, exclude_none=True)}
             )
             ids = (await self._generator.prompt_token_ids(chat))[0]
-        else:
-            ids = self._tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return web.json_response({
-            "count": len(ids), "max_model_len": self._max_model_len, "tokens": ids,
-            "token_strs": self._tokenizer.token_strs(ids) if body.return_token_strs else None,
-        })
+        else:  # on a thread, as a generation request's prompt: a long text would hold up every stream meanwhile
+            ids = await asyncio.to_thread(self._tokenizer.encode, body.prompt, body.add_special_tokens)
+        strs = await asyncio.to_thread(self._tokenizer.token_strs, ids) if body.return_token_strs else None
+        return web.json_response(
+            {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids, "token_strs": strs}
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = _validated(Detokenize, await _json(request))
@@ -75,7 +76,8 @@ class Tokenization:
         vocab = self._tokenizer.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise bad_request(f"Token id {bad[0]} is out of vocabulary (vocabulary size {vocab})", param="tokens")
-        return web.json_response({"prompt": self._tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        text = await asyncio.to_thread(self._tokenizer.decode, body.tokens, False)
+        return web.json_response({"prompt": text})
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._model:

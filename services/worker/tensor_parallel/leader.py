@@ -215,6 +215,8 @@ class LeaderRunner(ModelRunner):
 
     @inference
     def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        # Trunk rows with an EAGLE-3 head carry its feature layers too; the LM head reads the hidden state alone
+        hidden = hidden[..., : self.model.config.hidden_size]
         with self._mirrored():
             self.followers.send(Op.LOGITS, hidden.shape, hidden.dtype)
             self._send_hidden(hidden)
