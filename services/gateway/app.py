@@ -163,6 +163,7 @@ class Gateway:
         self.readiness.draining = True
         if self._streams_waited is not None:
             self._streams_waited.cancel()
+        await self.responses.background.stop()
         await self.router.stop()
 
 

@@ -74,6 +74,14 @@ class BackgroundRuns:
     async def start(self) -> None:
         await self._nc.subscribe(subjects.CANCEL_BACKGROUND, cb=core_only(self._on_cancel))
 
+    async def stop(self) -> None:
+        """Ends the runs still going (a drain fails them first, as the gateway's other requests): cancelled, while
+        the store can still be written."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def run(self, response_id: str, work: Awaitable[None]) -> asyncio.Task:
         task = asyncio.create_task(work, name=f"background {response_id}")
         self._tasks[response_id] = task
