@@ -66,19 +66,24 @@ def shard_state(
             if int(expert.group(1)) in local:
                 shard[name] = tensor.clone()
             continue
-        if QKV in name:
-            piece = _qkv(tensor, cfg, rank, size)
-        elif GATE_UP in name:
-            gate, up = tensor.chunk(2)
-            piece = torch.cat([_rows(gate, rank, size), _rows(up, rank, size)])
-        elif name.endswith((O_WEIGHT, DOWN_WEIGHT)):
-            piece = tensor.chunk(size, dim=1)[rank]
-        elif name in VOCAB_WEIGHTS:
-            piece = _vocab_rows(tensor, rank, size)
+        if name in VOCAB_WEIGHTS:
+            shard[name] = _vocab_rows(tensor, rank, size).clone()
         else:
-            piece = tensor
-        shard[name] = piece.clone()
+            shard[name] = _layer_piece(name, tensor, cfg, rank, size).clone()
     return shard
+
+
+def _layer_piece(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """Rank's piece of a decoder layer's tensor (q/k/v and gate/up by rows, o and down by the rows they read); any
+    other tensor whole."""
+    if QKV in name:
+        return _qkv(tensor, cfg, rank, size)
+    if GATE_UP in name:
+        gate, up = tensor.chunk(2)
+        return torch.cat([_rows(gate, rank, size), _rows(up, rank, size)])
+    if name.endswith((O_WEIGHT, DOWN_WEIGHT)):
+        return tensor.chunk(size, dim=1)[rank]
+    return tensor
 
 
 def head_layer_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -103,16 +108,4 @@ def check_head_shardable(cfg: ModelConfig, size: int) -> None:
 def shard_head_state(state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
     """An EAGLE-3 head's state (Eagle3Head's names) -> rank's: its decoder layer cut as a trunk layer is (q/k/v and
     gate/up by rows, o and down by the rows they read); fc, the norms, lm_head, d2t and an own embedding whole."""
-    shard = {}
-    for name, tensor in state.items():
-        if QKV in name:
-            piece = _qkv(tensor, cfg, rank, size)
-        elif GATE_UP in name:
-            gate, up = tensor.chunk(2)
-            piece = torch.cat([_rows(gate, rank, size), _rows(up, rank, size)])
-        elif name.endswith((O_WEIGHT, DOWN_WEIGHT)):
-            piece = tensor.chunk(size, dim=1)[rank]
-        else:
-            piece = tensor
-        shard[name] = piece.clone()
-    return shard
+    return {name: _layer_piece(name, tensor, cfg, rank, size).clone() for name, tensor in state.items()}
