@@ -1,5 +1,5 @@
-"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 checkpoint with a real tokenizer, for tests that
-run the engine.
+"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 or Granite checkpoint with a real tokenizer, for tests
+that run the engine.
 
 Use the fixture by importing it into a test module (`from tests.modelfixture import tiny_model_dir`), or call
 `make_tiny_model_dir(path)` directly. The fixture builds the directory once per test session.
@@ -31,7 +31,9 @@ MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")
+MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "granite")
+# A tiny Granite's scalars, none of them 1, so that each is read and applied
+GRANITE_SCALARS = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
 MISTRAL_WINDOW = 8  # a tiny Mistral's sliding window: shorter than the tests' prompts and outputs
 # A tiny Qwen3-MoE's experts (with MODEL_SHAPE's two layers, both sparse unless the config says otherwise)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
@@ -43,7 +45,7 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Phi-3 with these config keys, its random weights
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 or Granite with these config keys, its weights
     drawn from torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
@@ -54,6 +56,8 @@ def random_causal_lm(kind: str, **config):
     if kind == "mistral":
         config = dict(sliding_window=MISTRAL_WINDOW) | config
         return transformers.MistralForCausalLM(transformers.MistralConfig(**config))
+    if kind == "granite":
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**(GRANITE_SCALARS | config)))
     if kind == "phi3":  # with a window too, as Phi-3-mini-4k's (2047); Phi3Config's token ids are its 32k vocab's
         config = dict(sliding_window=MISTRAL_WINDOW, bos_token_id=0, eos_token_id=0, pad_token_id=0) | config
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**config))

@@ -1,5 +1,5 @@
 """Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE,
-Mistral and Phi-3),
+Mistral, Phi-3 and Granite),
 and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
 import shutil
@@ -41,7 +41,7 @@ def _save_tiny(kind: str, tied: bool, path: Path, **config) -> "transformers.Pre
 
 @pytest.mark.parametrize("kind,tied", [
     ("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-    ("mistral", False), ("phi3", False), ("phi3", True),
+    ("mistral", False), ("phi3", False), ("phi3", True), ("granite", False), ("granite", True),
 ])
 def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     reference = _save_tiny(kind, tied, tmp_path)
@@ -54,7 +54,7 @@ def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> Non
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite"])
 def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: str) -> None:
     """Prefill 10 tokens, then score 4 more in one pass against the cache: same logits as one full pass."""
     reference = _save_tiny(kind, False, tmp_path)
@@ -95,7 +95,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each family's tiny checkpoint, with beside it a copy as its draft model and a fitted EAGLE-3 head."""
     dirs = {}
-    for kind in ("qwen3", "qwen3_moe", "mistral", "phi3"):
+    for kind in ("qwen3", "qwen3_moe", "mistral", "phi3", "granite"):
         dirs[kind] = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind)
         shutil.copytree(dirs[kind], default_draft_dir(dirs[kind]))
         write_eagle3_head(dirs[kind], default_eagle3_dir(dirs[kind]), QUICK_FIT)
@@ -103,7 +103,7 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", ["naive", "ngram", "suffix", "draft_model", "eagle3"])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mistral", "phi3", "granite"])
 def test_greedy_tokens_equal_transformers_under_every_method(family_dirs, kind: str, name: str) -> None:
     """Every drafting method but MTP, which needs a checkpoint with MTP modules (these families ship none); the
     Mistral's window (8 positions) is shorter than every prompt and output, in prefill, decode and verify (the

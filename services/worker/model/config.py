@@ -8,11 +8,17 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "MistralForCausalLM", "Phi3ForCausalLM",
+    "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
 _PHI3 = "Phi3ForCausalLM"
+# A Llama with four scalars (IBM Granite 3.x): embeddings, each block's output and the logits scaled, and attention's
+# own softmax scale; GraniteConfig's defaults where config.json is silent
+_GRANITE = "GraniteForCausalLM"
+_GRANITE_DEFAULTS = dict(
+    embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0, logits_scaling=1.0,
+)
 _MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has no such key (null: none)
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
 _QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # RMSNorm of every query and key head (q/k_norm)
@@ -29,6 +35,7 @@ _QWEN3_HEAD_DIM = 128
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
+    "GraniteForCausalLM": 2048,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -146,6 +153,17 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     # The routed experts this process holds (expert parallelism, tensor_parallel/divisible.py); None: all of them
     local_experts: range | None = None
+    # Granite's scalars: embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before it joins the residual stream, attention's softmax scale attention_multiplier (None:
+    # head_dim ** -0.5), logits divided by logits_scaling (the last two folded into weights at load, loader.py)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
     # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
     # the same pass (drafting/draft_model.py); None: an autoregressive model
     pard_token: int | None = None
@@ -224,6 +242,7 @@ class ModelConfig:
             attention_window=_attention_window(raw, arch),
             pard_token=raw.get(PARD_TOKEN_KEY),
             **_experts(raw, arch),
+            **_granite_scalars(raw, arch),
         )
 
     @classmethod
@@ -232,6 +251,12 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _granite_scalars(raw: dict, arch: str) -> dict:
+    if arch != _GRANITE:
+        return {}
+    return {key: float(raw[key] if raw.get(key) is not None else default) for key, default in _GRANITE_DEFAULTS.items()}
 
 
 def _attention_window(raw: dict, arch: str) -> int | None:

@@ -43,7 +43,8 @@ class FlatDrafter:
             self.fusion = layer.eh_proj.weight_t  # [2 * hidden, hidden]
             self.rotary = model.rotary
         self.shape = FlatShape(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, model.all_reduce
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale,
+            model.all_reduce,
         )
         self.window = cfg.attention_window
         self.region_len = cache.region_len

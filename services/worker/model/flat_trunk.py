@@ -76,15 +76,12 @@ class FlatShape:
     num_kv_heads: int
     head_dim: int
     eps: float
+    scale: float  # attention's softmax scale (ModelConfig.attention_scale)
     all_reduce: Callable[[Tensor], Tensor] | None = None
 
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
 
 
 def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
@@ -180,7 +177,8 @@ class FlatTrunk:
         cfg = model.local_config  # a tensor-parallel rank's heads, kv heads and intermediate rows
         # o and down sum over a tensor-parallel group's ranks
         self.shape = FlatShape(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, model.all_reduce
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale,
+            model.all_reduce,
         )
         self.window = cfg.attention_window
         self.embed = model.embed  # vocab-parallel on a tensor-parallel rank

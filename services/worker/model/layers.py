@@ -117,7 +117,7 @@ class Attention(PlainModule):
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_scale
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
@@ -145,7 +145,7 @@ class Attention(PlainModule):
                 attention_mask = window_mask(q.shape[-3], self.window, q.device)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=attention_mask is None,
-                attn_mask=attention_mask, enable_gqa=True,
+                attn_mask=attention_mask, enable_gqa=True, scale=self.scale,
             ).transpose(1, 2)
         else:  # serving: [T, heads, head_dim] against the paged cache
             batch.cache.write(self.layer_index, batch.slot_mapping, k, v)

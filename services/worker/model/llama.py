@@ -118,8 +118,8 @@ class CausalLM(PlainModule):
         return torch.cat([x + residual, *(layer_inputs[i] for i in self.feature_layers)], dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [...] -> their embeddings [..., hidden]."""
-        return F.embedding(input_ids, self.model.embed_tokens.weight)
+        """Token ids [...] -> their embeddings [..., hidden] (times Granite's embedding_multiplier)."""
+        return scaled_embedding(F.embedding(input_ids, self.model.embed_tokens.weight), self.config)
 
     def logits(self, hidden: torch.Tensor, quantized: bool = False) -> torch.Tensor:
         """Trunk hidden states [..., hidden] (or forward's wider rows) -> logits [..., vocab] in float32 (quantized: a
@@ -172,3 +172,9 @@ class CausalLM(PlainModule):
         else:
             logits = normed @ self.head_weight.T
         return logits if logits.dtype == torch.float32 else logits.float()
+
+
+def scaled_embedding(embeds: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Looked-up embeddings times the config's embedding_multiplier (Granite's; 1 elsewhere, where nothing is paid). Not
+    folded into the table: a tied LM head reads it unscaled."""
+    return embeds if cfg.embedding_multiplier == 1.0 else embeds * cfg.embedding_multiplier

@@ -27,6 +27,10 @@ class CheckpointError(ValueError):
     pass
 
 
+TRUNK_PREFIX = "model.layers."
+RESIDUAL_OUTPUTS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight")
+FINAL_NORM = "model.norm.weight"
+
 def _shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / SHARD_INDEX
     if index.is_file():
@@ -127,7 +131,18 @@ def checkpoint_state(
             f"checkpoint {model_dir} does not match {cfg.architecture}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    return {k: v.to(dtype) for k, v in state.items()}
+    return {k: folded_scalar(k, v, cfg).to(dtype) for k, v in state.items()}
+
+
+def folded_scalar(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A tensor with the scalar its output is multiplied by folded in (Granite's): residual_multiplier into each
+    block's o and down projections (their outputs are all it scales), 1 / logits_scaling into the final norm's weight
+    (whose output only the LM head reads), so no pass pays for them."""
+    if cfg.residual_multiplier != 1.0 and name.startswith(TRUNK_PREFIX) and name.endswith(RESIDUAL_OUTPUTS):
+        return tensor.float() * cfg.residual_multiplier
+    if cfg.logits_scaling != 1.0 and name == FINAL_NORM:
+        return tensor.float() / cfg.logits_scaling
+    return tensor
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

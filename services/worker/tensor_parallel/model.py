@@ -17,7 +17,7 @@ import torch
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import dummy_state_dict
-from services.worker.model.llama import CausalLM
+from services.worker.model.llama import CausalLM, scaled_embedding
 from services.worker.model.loader import checkpoint_state, place, served_config
 from services.worker.model.moe import SparseMoE
 from services.worker.model.plain_module import PlainModule
@@ -53,7 +53,7 @@ class ShardedCausalLM(CausalLM):
         return self.group.all_reduce(partial)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.group.embed(input_ids, self.model.embed_tokens.weight)
+        return scaled_embedding(self.group.embed(input_ids, self.model.embed_tokens.weight), self.config)
 
     def _head(self, normed: torch.Tensor, quantized: bool = False) -> torch.Tensor | None:
         """-> the whole [..., vocab] logits in float32 on the leader; None on the other ranks."""
