@@ -1,13 +1,14 @@
-"""A background response is cancelled from any gateway (services/gateway/responses/background.py): the gateway
-running it answers on NATS, and one whose runner is gone is cancelled in the store. Real NATS (the gateway's user and
-permissions, the response bucket), two gateways' BackgroundRuns, a run that waits until it is cancelled."""
+"""Background responses across gateways (services/gateway/responses/background.py), on a real NATS server with the
+gateway's user and permissions and the response bucket: a cancel reaches the gateway running the response from any
+other, one nobody runs is cancelled in the store unless it ended meanwhile, a last state too large for the store is
+kept as a failure saying so, and a stopping gateway fails its runs."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from services.gateway.responses.background import BackgroundRun, BackgroundRuns, run_detached
+from services.gateway.responses.background import STOPPED, BackgroundRun, BackgroundRuns
 from services.gateway.responses.store import ResponseStore, StoredRecord
 from shared.nats_roles import NatsRole
 from tests.natsfixture import NatsServer, nats_server
@@ -18,7 +19,20 @@ __all__ = ["nats_server"]  # a fixture, imported for pytest to find
 def _queued(response_id: str) -> StoredRecord:
     response = {"id": response_id, "object": "response", "status": "queued", "background": True, "error": None,
                 "output": [], "usage": None}
-    return StoredRecord(response, [{"role": "user", "content": "hi"}], [])
+    return StoredRecord(response, [{"role": "user", "content": "hi"}], [], heartbeat=time.time())
+
+
+def _validated() -> asyncio.Event:
+    validated = asyncio.Event()
+    validated.set()
+    return validated
+
+
+async def _started(runs: BackgroundRuns, store: ResponseStore, response_id: str) -> asyncio.Task:
+    """A run that waits until it is stopped, its entry written queued."""
+    run = BackgroundRun(store, _queued(response_id))
+    await run.write(run.record.response)
+    return runs.run(run, asyncio.sleep(3600), lambda: None, _validated(), lambda exc: exc)
 
 
 async def test_a_cancel_reaches_the_gateway_running_the_response(nats_server: NatsServer) -> None:
@@ -27,16 +41,47 @@ async def test_a_cancel_reaches_the_gateway_running_the_response(nats_server: Na
         here, there = BackgroundRuns(running, ResponseStore(running)), BackgroundRuns(other, ResponseStore(other))
         await here.start()
         await there.start()
-        run = BackgroundRun(ResponseStore(running), _queued("resp_far"))
-        validated = asyncio.Event()
-        validated.set()
-        await run.write(run.record.response)
-        task = here.run("resp_far", run_detached(run, asyncio.sleep(3600), lambda: None, validated))
+        task = await _started(here, ResponseStore(running), "resp_far")
         cancelled = await there.cancel("resp_far")  # asked at the other gateway
         assert cancelled.response["status"] == "cancelled" and task.cancelled()
         # A response whose gateway is gone (stored running, nobody runs it): cancelled in the store
-        await ResponseStore(other).keep(StoredRecord(_queued("resp_orphan").response, [], [], heartbeat=time.time()))
+        store = ResponseStore(other)
+        await store.keep(_queued("resp_orphan"))
         assert (await there.cancel("resp_orphan")).response["status"] == "cancelled"
+        # ... unless its entry changed since it was read: a run that ended meanwhile keeps its end
+        await store.keep(_queued("resp_ended"))
+        record, revision = await store.get_entry("resp_ended")
+        await store.keep(StoredRecord({**record.response, "status": "completed"}, record.turn, record.items))
+        cancelled_late = StoredRecord({**record.response, "status": "cancelled"}, record.turn, record.items)
+        assert not await store.replace(cancelled_late, revision)
+        assert (await there.cancel("resp_ended")).response["status"] == "completed"
     finally:
         await running.close()
         await other.close()
+
+
+async def test_a_last_state_the_store_cannot_hold_is_kept_as_a_failure(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect_as(NatsRole.GATEWAY)
+    try:
+        store = ResponseStore(nc)
+        run = BackgroundRun(store, _queued("resp_huge"))
+        huge = {**run.record.response, "status": "completed", "output": [{"text": "x" * nc.max_payload}]}
+        assert not await run.write(huge, final=True)
+        kept = (await store.get("resp_huge")).response
+        assert kept["status"] == "failed" and kept["output"] == [] and "too large" in kept["error"]["message"]
+    finally:
+        await nc.close()
+
+
+async def test_a_stopping_gateway_fails_its_runs_saying_so(nats_server: NatsServer) -> None:
+    nc = await nats_server.connect_as(NatsRole.GATEWAY)
+    try:
+        store = ResponseStore(nc)
+        runs = BackgroundRuns(nc, store)
+        await _started(runs, store, "resp_stopped")
+        await runs.stop()
+        kept = (await store.get("resp_stopped")).response
+        assert kept["status"] == "failed" and kept["error"] == STOPPED
+    finally:
+        await nc.close()
+

@@ -222,12 +222,21 @@ def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_can
     long = client.responses.create(**{**asked, "max_output_tokens": 900}, background=True,
                                    extra_body={"ignore_eos": True})
     time.sleep(0.5)
+    with pytest.raises(openai.BadRequestError) as chained:  # it has not ended: nothing to continue yet
+        client.responses.create(**asked, previous_response_id=long.id)
+    assert chained.value.body["param"] == "previous_response_id" and "still" in chained.value.body["message"]
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
     assert cancelled.usage is None or cancelled.usage.output_tokens < 900
     with pytest.raises(openai.BadRequestError) as foreground_cancel:
         client.responses.cancel(foreground.id)
     assert "background" in foreground_cancel.value.body["message"]
+    deleted = client.responses.create(**{**asked, "max_output_tokens": 64}, background=True,
+                                      extra_body={"ignore_eos": True})
+    client.responses.delete(deleted.id)  # stopped first: its run, which would end in a moment, does not write it back
+    time.sleep(1.0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
     with pytest.raises(openai.BadRequestError) as refused:  # checked before it is answered: nothing is stored
         client.responses.create(**{**asked, "max_output_tokens": 100_000}, background=True)
     assert refused.value.body["param"] == "max_output_tokens"

@@ -10,7 +10,7 @@ import torch
 
 from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model.config import UnsupportedModelError
+from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.loader import load_model
 from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
@@ -78,6 +78,17 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
     with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):
         load_model(tmp_path)
+
+
+def test_phi3_config_reads_as_transformers_does() -> None:
+    """Phi3Config's rms_norm_eps where config.json is silent, and the rope types it reads as longrope refused."""
+    raw = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4}
+    assert ModelConfig.from_dict(raw).rms_norm_eps == transformers.Phi3Config().rms_norm_eps
+    for kind in ("longrope", "su", "yarn"):
+        with pytest.raises(UnsupportedModelError, match="Phi-3"):
+            ModelConfig.from_dict(raw | {"rope_scaling": {"type": kind, "factor": 2.0, "short_factor": [1.0],
+                                                          "long_factor": [1.0]}})
 
 
 def test_sharded_checkpoint_loads(tmp_path: Path) -> None:

@@ -176,11 +176,11 @@ class Generator:
         choices = ResponseChoices(
             api, [g.request_id for g in gens], [g.prompt_ids for g in gens], body.num_choices, body.return_token_ids
         )
-        if validated is not None:
-            validated()
         metrics.IN_FLIGHT.inc()
         try:
             async with self._admission.request(client_identity(request, self._keys_checked)) as places:
+                if validated is not None:  # counted against its client's bound: it waits for its places next
+                    validated()
                 submission = Submission(self._submitter, gens, places)
                 with self._router.open(
                     [g.request_id for g in gens], on_final=submission.ended,

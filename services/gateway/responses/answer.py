@@ -48,6 +48,7 @@ class ResponsesAnswer:
     keep: Keeper | None = None  # store: true
     output: ResponseOutput | None = None
     response_id: str | None = None  # chosen before the request runs (a background response); else its request's
+    admitted: Keeper | None = None  # told once the response runs (a background one is written in_progress)
 
     async def __call__(
         self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
@@ -60,6 +61,8 @@ class ResponsesAnswer:
             self.with_draft_logprobs,
         )
         reader = _ChatReader(gen, tool_format, reasoning_format)
+        if self.admitted is not None:
+            await self.admitted(self.output)
         if gen.body.stream:
             return await self._stream(request, gen, choices, chunks, reader)
         return await self._respond(gen, choices, chunks, reader)

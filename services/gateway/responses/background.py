@@ -1,12 +1,13 @@
-"""Background responses (`background: true`, OpenAI's): the request is answered once it is validated, with the response
-`queued`, and runs on in this gateway detached from its HTTP exchange, kept in the store as it goes (store.py):
-`in_progress` with a heartbeat, then `completed`, `incomplete`, `failed` or `cancelled`. GET /v1/responses/{id} polls
-it from any gateway; POST /v1/responses/{id}/cancel stops it from any gateway (the one running it answers a NATS
-request on subjects.CANCEL_BACKGROUND).
+"""Background responses (`background: true`, OpenAI's): the request is answered once it is validated and counted
+against its client's bound, with the response `queued`, and runs on in this gateway detached from its HTTP exchange,
+kept in the store as it goes (store.py): `in_progress` once it is admitted, written again every HEARTBEAT_S, then
+`completed`, `incomplete`, `failed` or `cancelled`. GET /v1/responses/{id} polls it from any gateway; POST
+/v1/responses/{id}/cancel stops it from any gateway (the one running it answers a NATS request on
+subjects.CANCEL_BACKGROUND), and so does DELETE before it removes the entry.
 
-A gateway that dies takes its runs with it: their entries stop beating, and a response whose heartbeat is older than
-STALE_AFTER_S reads as `failed`, naming why, instead of `in_progress` for ever. A draining gateway ends its runs as
-its other requests end (a 503 each: `failed`).
+A gateway that dies takes its runs with it: their entries stop being written, and a response whose heartbeat is older
+than STALE_AFTER_S reads as `failed`, naming why, instead of `in_progress` for ever (the gateways' clocks are taken to
+agree within it). A stopping gateway fails its runs, saying so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.responses.output import ResponseOutput
-from services.gateway.responses.store import ResponseStore, StoredRecord
+from services.gateway.responses.store import RUNNING_STATUSES, ResponseStore, StoredRecord
 from shared import subjects
 from shared.natsutil import core_only
 
@@ -33,8 +34,10 @@ HEARTBEAT_S = 5.0  # how often a running response's entry is written again
 STALE_AFTER_S = 4 * HEARTBEAT_S  # an entry not written for this long: its gateway is gone
 CANCEL_TIMEOUT_S = 2.0  # how long a cancel waits for the gateway running the response
 CANCELLED_REPLY = b"cancelled"
-RUNNING = ("queued", "in_progress")
+RUNNING = RUNNING_STATUSES
 GONE = {"code": SERVER_ERROR, "message": "the gateway running this background response stopped before it finished"}
+STOPPED = {"code": SERVER_ERROR, "message": "the gateway running this background response was stopped"}
+Renamer = Callable[[OpenAIError], OpenAIError]
 
 
 class BackgroundRun:
@@ -46,14 +49,25 @@ class BackgroundRun:
         self.record = record
         self._lock = asyncio.Lock()
         self._final = False
+        self._written = False
 
-    async def write(self, response: dict[str, Any], final: bool = False) -> bool:
+    async def write(self, response: dict[str, Any], final: bool = False, first: bool = False) -> bool:
+        """first: only if nothing was written yet (the `queued` entry, which a run admitted at once skips)."""
         async with self._lock:
-            if self._final:
+            if self._final or (first and self._written):
                 return False
-            self._final = final
+            self._final, self._written = final, True
             self.record = StoredRecord(response, self.record.turn, self.record.items, heartbeat=time.time())
-            return await self._store.keep(self.record)
+            if await self._store.keep(self.record) or not final:
+                return True
+            # The last state must reach the store, or the entry would later read as a gateway gone: without its
+            # output (over the store's message size, most likely), saying why.
+            error = {"code": SERVER_ERROR, "message": "the response was too large for the response store (over "
+                     "NATS's max_payload) or the store could not be written; it was not kept"}
+            kept = {**response, "status": "failed", "error": error, "output": []}
+            self.record = StoredRecord(kept, self.record.turn, self.record.items, heartbeat=time.time())
+            await self._store.keep(self.record)
+            return False
 
     async def beat(self, output: Callable[[], ResponseOutput | None]) -> None:
         """Writes the response as it stands every HEARTBEAT_S until cancelled."""
@@ -69,44 +83,57 @@ class BackgroundRuns:
     def __init__(self, nc: Client, store: ResponseStore) -> None:
         self._nc = nc
         self._store = store
-        self._tasks: dict[str, asyncio.Task] = {}
+        # Each run's task, entry and output so far, by response id
+        self._runs: dict[str, tuple[asyncio.Task, BackgroundRun, Callable[[], ResponseOutput | None]]] = {}
+        self._stopping = False
 
     async def start(self) -> None:
         await self._nc.subscribe(subjects.CANCEL_BACKGROUND, cb=core_only(self._on_cancel))
 
     async def stop(self) -> None:
-        """Ends the runs still going (a drain fails them first, as the gateway's other requests): cancelled, while
+        """Fails the runs still going (a drain fails those it reaches first, as the gateway's other requests), while
         the store can still be written."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._stopping = True
+        await asyncio.gather(*(self._cancel_here(response_id) for response_id in list(self._runs)))
 
-    def run(self, response_id: str, work: Awaitable[None]) -> asyncio.Task:
+    def run(
+        self, run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput | None],
+        validated: asyncio.Event, rename: Renamer,
+    ) -> asyncio.Task:
+        response_id = run.record.response["id"]
+        work = _run_detached(run, serve, output, validated, rename, self._ending)
         task = asyncio.create_task(work, name=f"background {response_id}")
-        self._tasks[response_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+        self._runs[response_id] = task, run, output
+        task.add_done_callback(lambda _: self._runs.pop(response_id, None))
         return task
 
     async def cancel(self, response_id: str) -> StoredRecord:
         """Stops the response where it runs and returns its entry; one already ended is returned as it is."""
-        record = shown(await self._store.get(response_id))
-        if record.response.get("status") not in RUNNING:
-            return record
         if not await self._cancel_here(response_id):
+            record, revision = await self._store.get_entry(response_id)
+            if shown(record).response.get("status") not in RUNNING:
+                return shown(record)
             try:
                 await self._nc.request(subjects.CANCEL_BACKGROUND, response_id.encode(), timeout=CANCEL_TIMEOUT_S)
-            except (NatsTimeoutError, NoRespondersError):  # nobody runs it: its gateway is gone
+            except (NatsTimeoutError, NoRespondersError):  # nobody runs it: it ended meanwhile, or its gateway is gone
                 response = {**record.response, "status": "cancelled"}
-                await self._store.keep(StoredRecord(response, record.turn, record.items, heartbeat=time.time()))
+                # Unless the entry changed since it was read (the run ended meanwhile): that end stands
+                await self._store.replace(StoredRecord(response, record.turn, record.items, heartbeat=time.time()),
+                                          revision)
         return shown(await self._store.get(response_id))
 
+    def _ending(self) -> tuple[str, dict | None]:
+        """How a run stopped here ends: failed when the gateway stops, cancelled when asked."""
+        return ("failed", STOPPED) if self._stopping else ("cancelled", None)
+
     async def _cancel_here(self, response_id: str) -> bool:
-        task = self._tasks.get(response_id)
-        if task is None:
+        if response_id not in self._runs:
             return False
+        task, run, output = self._runs[response_id]
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)  # its entry says `cancelled` once this returns
+        await asyncio.gather(task, return_exceptions=True)
+        # A task cancelled before its first step ran none of its own ending: written here (a no-op where it was)
+        await _end(run, output(), *self._ending())
         return True
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -124,23 +151,24 @@ def shown(record: StoredRecord) -> StoredRecord:
     return record
 
 
-async def run_detached(
+async def _run_detached(
     run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput | None], validated: asyncio.Event,
+    rename: Renamer, ending: Callable[[], tuple[str, dict | None]],
 ) -> None:
     """Serves the response and writes how it ended: the answer's own last write (completed or incomplete), or
-    `failed` with the error, or `cancelled`. Until `validated` is set (the request passed every check) nothing is
-    written, and an error is raised as it is, for the client to hear."""
+    `failed` with the error (under the Responses API's parameter names), or `cancelled`. Until `validated` is set
+    (the request passed every check) nothing is written, and an error is raised as it is, for the client to hear."""
     beating = asyncio.create_task(_beat_once_validated(run, output, validated))
     try:
         await serve
     except asyncio.CancelledError:
         if validated.is_set():
-            await asyncio.shield(_end(run, output(), "cancelled"))
+            await asyncio.shield(_end(run, output(), *ending()))
         raise
     except OpenAIError as exc:
         if not validated.is_set():
             raise
-        await _end(run, output(), "failed", exc.body()["error"])
+        await _end(run, output(), "failed", rename(exc).body()["error"])
     except Exception:
         if not validated.is_set():
             raise

@@ -21,7 +21,7 @@ from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.responses.answer import RESPONSE_ID_PREFIX, Keeper, ReasoningCounter, ResponsesAnswer
-from services.gateway.responses.background import BackgroundRun, BackgroundRuns, run_detached
+from services.gateway.responses.background import BackgroundRun, BackgroundRuns
 from services.gateway.responses.background import shown as shown_record
 from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
 from services.gateway.responses.input_items import listed_items, page
@@ -63,6 +63,8 @@ class ResponsesEndpoint:
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
+        if (await self._store.get(response_id)).response.get("background"):
+            await self.background.cancel(response_id)  # a run left going would write its entry back
         await self._store.delete(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -106,16 +108,25 @@ class ResponsesEndpoint:
         async def keep(output: ResponseOutput) -> bool:
             return await run.write(output.snapshot(), final=True)
 
-        writer.keep = keep
+        async def admitted(output: ResponseOutput) -> bool:
+            return await run.write(output.snapshot())  # in_progress
+
+        writer.keep, writer.admitted = keep, admitted
         validated = asyncio.Event()
         serving = self._generator.generate(request, "chat", chat, started, writer, validated=validated.set)
-        task = self.background.run(writer.response_id, run_detached(run, serving, lambda: writer.output, validated))
+        task = self.background.run(run, serving, lambda: writer.output, validated, renamed)
         checked = asyncio.ensure_future(validated.wait())
-        await asyncio.wait([task, checked], return_when=asyncio.FIRST_COMPLETED)
-        checked.cancel()
+        try:
+            await asyncio.wait([task, checked], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client left before it heard the id: nobody could poll the run
+            if not validated.is_set():
+                task.cancel()
+            raise
+        finally:
+            checked.cancel()
         if not validated.is_set():
             task.result()  # refused before it ran: its error, as the foreground request would give it
-        await run.write(queued.snapshot())  # unless it ended meanwhile: then its end is what it shows
+        await run.write(queued.snapshot(), first=True)  # unless it was written meanwhile (admitted, or ended)
         return web.json_response(run.record.response, dumps=wire_json.dumps_text)
 
     def _keeper(self, turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> Keeper:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from services.gateway import wire_json
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # conversation would not fit a context anyway.
 MAX_CHAIN = 256
 PREVIOUS = "previous_response_id"
+RUNNING_STATUSES = ("queued", "in_progress")  # a background response's, before it ends (background.py)
 
 
 class StoredRecord:
@@ -91,11 +92,23 @@ class ResponseStore:
 
     async def get(self, response_id: str) -> StoredRecord:
         """The stored response, or a 404 naming it."""
+        return (await self.get_entry(response_id))[0]
+
+    async def get_entry(self, response_id: str) -> tuple[StoredRecord, int]:
+        """The stored response and its entry's revision (for replace), or a 404 naming it."""
         try:
             entry = await (await self._bucket()).get(response_id)
         except (KeyNotFoundError, InvalidKeyError, BucketNotFoundError):
             raise not_found(response_id) from None
-        return StoredRecord.from_bytes(entry.value)
+        return StoredRecord.from_bytes(entry.value), entry.revision
+
+    async def replace(self, record: StoredRecord, revision: int) -> bool:
+        """Stores the response only if its entry is still at `revision` (nobody wrote it since it was read)."""
+        try:
+            await (await self._bucket()).update(record.response["id"], record.to_bytes(), last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def delete(self, response_id: str) -> None:
         await self.get(response_id)  # a 404 for one not stored, as OpenAI answers
@@ -117,6 +130,11 @@ class ResponseStore:
             except OpenAIError:
                 raise bad_request(f"Previous response with id '{response_id}' not found.", param=PREVIOUS,
                                   code="previous_response_not_found") from None
+            if record.response.get("status") in RUNNING_STATUSES:
+                raise bad_request(
+                    f"Response '{response_id}' is still {record.response['status']} in the background: continue it "
+                    "once it has ended", param=PREVIOUS,
+                )
             turns.append(record.messages())
             response_id = record.response.get(PREVIOUS)
         return [message for turn in reversed(turns) for message in turn]

@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = (
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
 _PHI3 = "Phi3ForCausalLM"
+# transformers' Phi3Config reads these rope types as longrope, which is not implemented
+_PHI3_LONGROPE_NAMES = ("longrope", "su", "yarn")
+_DEFAULT_RMS_NORM_EPS = {_PHI3: 1e-5}  # where config.json is silent (Phi3Config's; the others' 1e-6)
 # A Llama with four scalars (IBM Granite 3.x): embeddings, each block's output and the logits scaled, and attention's
 # own softmax scale; GraniteConfig's defaults where config.json is silent
 _GRANITE = "GraniteForCausalLM"
@@ -231,7 +234,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or (_QWEN3_HEAD_DIM if arch == _QWEN3_DENSE else raw["hidden_size"] // heads),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(arch, 1e-6))),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch in _QWEN2_FAMILY,  # a Llama with attention_bias was refused above
@@ -278,6 +281,10 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
     for factor in [raw.get("partial_rotary_factor")] + [d.get("partial_rotary_factor") for d in rope_dicts]:
         if factor is not None and float(factor) != 1.0:
             raise UnsupportedModelError(f"partial_rotary_factor {factor} is not supported: rope rotates whole heads")
+    if arch == _PHI3 and any((d.get("rope_type") or d.get("type")) in _PHI3_LONGROPE_NAMES for d in rope_dicts):
+        raise UnsupportedModelError(
+            "rope_scaling of Phi-3 (longrope, or su and yarn, which Phi3Config reads as longrope) is not supported"
+        )
     if raw.get("quantization_config"):
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     if arch in _QWEN2_FAMILY:
