@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nats.aio.client import Client
@@ -50,6 +50,7 @@ class BackgroundRun:
         self._lock = asyncio.Lock()
         self._final = False
         self._written = False
+        self.started = False  # its task took its first step (one cancelled before never awaits what it serves)
 
     async def write(self, response: dict[str, Any], final: bool = False, first: bool = False) -> bool:
         """first: only if nothing was written yet (the `queued` entry, which a run admitted at once skips)."""
@@ -83,8 +84,10 @@ class BackgroundRuns:
     def __init__(self, nc: Client, store: ResponseStore) -> None:
         self._nc = nc
         self._store = store
-        # Each run's task, entry and output so far, by response id
-        self._runs: dict[str, tuple[asyncio.Task, BackgroundRun, Callable[[], ResponseOutput | None]]] = {}
+        # Each run's task, entry, output so far and what it serves, by response id
+        self._runs: dict[
+            str, tuple[asyncio.Task, BackgroundRun, Callable[[], ResponseOutput | None], Coroutine[Any, Any, Any]]
+        ] = {}
         self._stopping = False
 
     async def start(self) -> None:
@@ -97,13 +100,13 @@ class BackgroundRuns:
         await asyncio.gather(*(self._cancel_here(response_id) for response_id in list(self._runs)))
 
     def run(
-        self, run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput | None],
+        self, run: BackgroundRun, serve: Coroutine[Any, Any, Any], output: Callable[[], ResponseOutput | None],
         validated: asyncio.Event, rename: Renamer,
     ) -> asyncio.Task:
         response_id = run.record.response["id"]
         work = _run_detached(run, serve, output, validated, rename, self._ending)
         task = asyncio.create_task(work, name=f"background {response_id}")
-        self._runs[response_id] = task, run, output
+        self._runs[response_id] = task, run, output, serve
         task.add_done_callback(lambda _: self._runs.pop(response_id, None))
         return task
 
@@ -129,11 +132,12 @@ class BackgroundRuns:
     async def _cancel_here(self, response_id: str) -> bool:
         if response_id not in self._runs:
             return False
-        task, run, output = self._runs[response_id]
+        task, run, output, serve = self._runs[response_id]
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        # A task cancelled before its first step ran none of its own ending: written here (a no-op where it was)
-        await _end(run, output(), *self._ending())
+        if not run.started:  # cancelled before its first step: it ran none of its own ending
+            serve.close()
+            await _end(run, output(), *self._ending())
         return True
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -158,6 +162,7 @@ async def _run_detached(
     """Serves the response and writes how it ended: the answer's own last write (completed or incomplete), or
     `failed` with the error (under the Responses API's parameter names), or `cancelled`. Until `validated` is set
     (the request passed every check) nothing is written, and an error is raised as it is, for the client to hear."""
+    run.started = True
     beating = asyncio.create_task(_beat_once_validated(run, output, validated))
     try:
         await serve
