@@ -219,6 +219,9 @@ def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_can
     assert (done.status, done.output_text, done.usage.output_tokens) == (
         foreground.status, foreground.output_text, foreground.usage.output_tokens)
     assert client.responses.cancel(done.id).status == done.status  # ended: returned as it is
+    with pytest.raises(openai.BadRequestError) as replayed:  # its events are not kept to stream again
+        client.responses.retrieve(done.id, stream=True)
+    assert replayed.value.body["param"] == "stream"
     long = client.responses.create(**{**asked, "max_output_tokens": 900}, background=True,
                                    extra_body={"ignore_eos": True})
     time.sleep(0.5)

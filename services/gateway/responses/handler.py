@@ -45,6 +45,10 @@ class ResponsesEndpoint:
         self.background = BackgroundRuns(nc, store)
 
     async def get(self, request: web.Request) -> web.Response:
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            # OpenAI replays a background response's events from `starting_after`; this server keeps none
+            raise bad_request("a stored response is read whole here: its events are not kept to stream again; "
+                              "poll it without stream", param="stream")
         record = shown_record(await self._store.get(request.match_info["response_id"]))
         return web.json_response(record.response, dumps=wire_json.dumps_text)
 
