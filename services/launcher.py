@@ -158,7 +158,7 @@ def resolve_args(args: argparse.Namespace) -> None:
     gateway and the workers are then both given."""
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
-    check_tensor_parallel(args.model, args.tensor_parallel_size, args.enable_expert_parallel)
+    check_tensor_parallel(args.model, args.tensor_parallel_size, args.enable_expert_parallel, args.speculative_config)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
     args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
     check_kv_cache_memory(EngineConfig(

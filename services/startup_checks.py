@@ -96,15 +96,26 @@ def servable_max_model_len(model: Path, requested: int | None) -> int:
     return max_model_len
 
 
-def check_tensor_parallel(model: Path, size: int, expert_parallel: bool = False) -> None:
-    """--tensor-parallel-size must split the model evenly (a servable model: servable_max_model_len first), and
-    --enable-expert-parallel its routed experts."""
+def check_tensor_parallel(
+    model: Path, size: int, expert_parallel: bool = False, speculative: str | None = None
+) -> None:
+    """--tensor-parallel-size must split the model evenly (a servable model: servable_max_model_len first),
+    --enable-expert-parallel its routed experts, and an EAGLE-3 head (--speculative-config) its layer."""
     if expert_parallel and size == 1:
         raise UsageError(
             "--enable-expert-parallel splits experts over --tensor-parallel-size ranks: give a size above 1"
         )
     try:
-        check_shardable(ModelConfig.from_dir(model), size, expert_parallel)
+        target = ModelConfig.from_dir(model)
+        check_shardable(target, size, expert_parallel)
+        spec = SpeculativeConfig.from_json(speculative)
+        if size > 1 and spec.method == "eagle3":
+            from services.worker.drafting.checkpoints import default_eagle3_dir  # torch, only for such a worker
+            from services.worker.model.eagle3 import Eagle3Config
+            from services.worker.tensor_parallel.shard import check_head_shardable
+
+            head = Eagle3Config.from_dir(spec.model or default_eagle3_dir(model), target)
+            check_head_shardable(head.layer, size)
     except ShardingError as exc:
         raise UsageError(str(exc)) from exc
 

@@ -6,6 +6,7 @@ gathered logits, to float rounding (the all-reduce sums in another order)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from services.worker.tensor_parallel.model import ShardedCausalLM, load_shard
 from services.worker.tensor_parallel.divisible import shard_config
 from services.worker.tensor_parallel.shard import shard_state
 from services.startup_checks import UsageError, check_tensor_parallel
+from services.worker.drafting.checkpoints import default_eagle3_dir
 from shared.config import DEFAULT_MODEL_DIR, EngineConfig
 from tests.modelfixture import make_tiny_model_dir
 
@@ -172,6 +174,16 @@ def test_two_ranks_compute_what_the_whole_model_does(tmp_path: Path) -> None:
         for name in set(want) - {"embedded"}:
             scale = float(want[name].abs().max())
             torch.testing.assert_close(got[name], want[name], atol=TOLERANCE * scale, rtol=0, msg=name)
+
+
+def test_the_cli_refuses_an_eagle3_head_the_size_cannot_split(tmp_path: Path) -> None:
+    """At start, not once its shard loads in the follower processes."""
+    config = json.loads((default_eagle3_dir(DEFAULT_MODEL_DIR) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 705}))
+    check_tensor_parallel(DEFAULT_MODEL_DIR, TP, speculative='{"method": "eagle3"}')  # the shipped head splits
+    with pytest.raises(UsageError, match="EAGLE-3 head's intermediate_size"):
+        unsplittable = json.dumps({"method": "eagle3", "model": str(tmp_path)})
+        check_tensor_parallel(DEFAULT_MODEL_DIR, TP, speculative=unsplittable)
 
 
 def test_the_cli_refuses_expert_parallelism_it_cannot_do() -> None:

@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_args(args: argparse.Namespace) -> None:
     """The engine must be able to serve the model; --max-model-len defaults to its context length."""
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
-    check_tensor_parallel(args.model, args.tensor_parallel_size, args.enable_expert_parallel)
+    check_tensor_parallel(args.model, args.tensor_parallel_size, args.enable_expert_parallel, args.speculative_config)
     check_kv_cache_memory(engine_config(args))
     args.cpu_plan = cpu_plan.plan_for(args, 1)
 
