@@ -411,3 +411,12 @@ def test_a_running_background_response_whose_heartbeat_stopped_reads_as_failed()
     done = StoredRecord({**response, "status": "completed"}, [], [], heartbeat=time.time() - 2 * STALE_AFTER_S)
     assert background_shown(done).response["status"] == "completed"
     assert StoredRecord.from_bytes(stopped.to_bytes()).heartbeat == stopped.heartbeat
+
+
+def test_a_stored_integer_past_64_bits_reads_back_as_written() -> None:
+    """A client's tool schema may hold one, and the stored response echoes the tools; orjson reads it as a float."""
+    big = 2**70
+    response = {"id": "resp_1", "tools": [{"parameters": {"maximum": big, "minimum": -big, "multipleOf": 1e30}}]}
+    read = StoredRecord.from_bytes(StoredRecord(response, [], []).to_bytes()).response
+    assert read["tools"][0]["parameters"] == {"maximum": big, "minimum": -big, "multipleOf": 1e30}
+    assert isinstance(read["tools"][0]["parameters"]["maximum"], int)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -53,7 +52,7 @@ class StoredRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StoredRecord":
-        record = orjson.loads(data)
+        record = wire_json.loads(data)
         # items: kept before items were
         return cls(record["response"], record["turn"], record.get("items", []), record.get("heartbeat"))
 
