@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from services.gateway.responses.background import STOPPED, BackgroundRun, BackgroundRuns
-from services.gateway.responses.store import ResponseStore, StoredRecord
+from services.gateway.responses.store import STALE_AFTER_S, ResponseStore, StoredRecord
 from shared.nats_roles import NatsRole
 from tests.natsfixture import NatsServer, nats_server
 
@@ -69,6 +69,13 @@ async def test_a_last_state_the_store_cannot_hold_is_kept_as_a_failure(nats_serv
         assert not await run.write(huge, final=True)
         kept = (await store.get("resp_huge")).response
         assert kept["status"] == "failed" and kept["output"] == [] and "too large" in kept["error"]["message"]
+        # An input over the store's size too: kept without it
+        long_input = [{"role": "user", "content": "x" * nc.max_payload}]
+        run = BackgroundRun(store, StoredRecord(_queued("resp_long").response, long_input, []))
+        assert await run.write(run.record.response, first=True) is False  # the queued entry: not kept
+        assert not await run.write({**run.record.response, "status": "completed"}, final=True)
+        kept = await store.get("resp_long")
+        assert kept.response["status"] == "failed" and kept.turn == []
     finally:
         await nc.close()
 
@@ -85,3 +92,20 @@ async def test_a_stopping_gateway_fails_its_runs_saying_so(nats_server: NatsServ
     finally:
         await nc.close()
 
+
+
+async def test_a_response_whose_gateway_died_reads_and_continues_as_failed(nats_server: NatsServer) -> None:
+    """Its entry stopped being written: readers, a cancel (which writes what they see) and a continuation take it as
+    failed, never as running for ever."""
+    nc = await nats_server.connect_as(NatsRole.GATEWAY)
+    try:
+        store = ResponseStore(nc)
+        dead = _queued("resp_dead")
+        running = {**dead.response, "status": "in_progress", "output": []}
+        await store.keep(StoredRecord(running, dead.turn, [], heartbeat=time.time() - 2 * STALE_AFTER_S))
+        assert (await store.history("resp_dead"))[0] == dead.turn[0]  # continued: no 400 for a run that cannot end
+        runs = BackgroundRuns(nc, store)
+        assert (await runs.cancel("resp_dead")).response["status"] == "failed"
+        assert (await store.get("resp_dead")).response["status"] == "failed"  # written, as readers saw it
+    finally:
+        await nc.close()

@@ -24,18 +24,16 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.responses.output import ResponseOutput
-from services.gateway.responses.store import RUNNING_STATUSES, ResponseStore, StoredRecord
+from services.gateway.responses.store import RUNNING_STATUSES, STALE_AFTER_S, ResponseStore, StoredRecord
 from shared import subjects
 from shared.natsutil import core_only
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 5.0  # how often a running response's entry is written again
-STALE_AFTER_S = 4 * HEARTBEAT_S  # an entry not written for this long: its gateway is gone
+HEARTBEAT_S = STALE_AFTER_S / 4  # how often a running response's entry is written again
 CANCEL_TIMEOUT_S = 2.0  # how long a cancel waits for the gateway running the response
 CANCELLED_REPLY = b"cancelled"
 RUNNING = RUNNING_STATUSES
-GONE = {"code": SERVER_ERROR, "message": "the gateway running this background response stopped before it finished"}
 STOPPED = {"code": SERVER_ERROR, "message": "the gateway running this background response was stopped"}
 Renamer = Callable[[OpenAIError], OpenAIError]
 
@@ -52,22 +50,25 @@ class BackgroundRun:
         self._written = False
         self.started = False  # its task took its first step (one cancelled before never awaits what it serves)
 
-    async def write(self, response: dict[str, Any], final: bool = False, first: bool = False) -> bool:
-        """first: only if nothing was written yet (the `queued` entry, which a run admitted at once skips)."""
+    async def write(self, response: dict[str, Any], final: bool = False, first: bool = False) -> bool | None:
+        """Whether the entry now holds this state; None where it was not written (after the last state, or `first`
+        (the `queued` entry, which a run admitted at once skips) after any other)."""
         async with self._lock:
             if self._final or (first and self._written):
-                return False
+                return None
             self._final, self._written = final, True
             self.record = StoredRecord(response, self.record.turn, self.record.items, heartbeat=time.time())
-            if await self._store.keep(self.record) or not final:
+            if await self._store.keep(self.record):
                 return True
-            # The last state must reach the store, or the entry would later read as a gateway gone: without its
-            # output (over the store's message size, most likely), saying why.
-            error = {"code": SERVER_ERROR, "message": "the response was too large for the response store (over "
-                     "NATS's max_payload) or the store could not be written; it was not kept"}
-            kept = {**response, "status": "failed", "error": error, "output": []}
-            self.record = StoredRecord(kept, self.record.turn, self.record.items, heartbeat=time.time())
-            await self._store.keep(self.record)
+            if final:
+                # The last state must reach the store, or the entry would later read as a gateway gone: without its
+                # output and input (over the store's message size, most likely), saying why.
+                error = {"code": SERVER_ERROR, "message": "the response was too large for the response store (over "
+                         "NATS's max_payload) or the store could not be written; it was kept without its output and "
+                         "its input"}
+                kept = {**response, "status": "failed", "error": error, "output": []}
+                self.record = StoredRecord(kept, [], [], heartbeat=time.time())
+                await self._store.keep(self.record)
             return False
 
     async def beat(self, output: Callable[[], ResponseOutput | None]) -> None:
@@ -114,8 +115,11 @@ class BackgroundRuns:
         """Stops the response where it runs and returns its entry; one already ended is returned as it is."""
         if not await self._cancel_here(response_id):
             record, revision = await self._store.get_entry(response_id)
-            if shown(record).response.get("status") not in RUNNING:
-                return shown(record)
+            if record.as_read is not record:  # its gateway is gone: the failure readers see becomes the entry
+                await self._store.replace(record.as_read, revision)
+                return shown(await self._store.get(response_id))
+            if record.response.get("status") not in RUNNING:
+                return record
             try:
                 await self._nc.request(subjects.CANCEL_BACKGROUND, response_id.encode(), timeout=CANCEL_TIMEOUT_S)
             except (NatsTimeoutError, NoRespondersError):  # nobody runs it: it ended meanwhile, or its gateway is gone
@@ -146,13 +150,8 @@ class BackgroundRuns:
 
 
 def shown(record: StoredRecord) -> StoredRecord:
-    """The entry as a reader sees it: a running response whose heartbeat stopped has failed."""
-    response = record.response
-    stale = record.heartbeat is not None and time.time() - record.heartbeat > STALE_AFTER_S
-    if response.get("status") in RUNNING and stale:
-        return StoredRecord({**response, "status": "failed", "error": GONE}, record.turn, record.items,
-                            heartbeat=record.heartbeat)
-    return record
+    """The entry as a reader sees it (StoredRecord.as_read)."""
+    return record.as_read
 
 
 async def _run_detached(

@@ -16,7 +16,7 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from services.gateway import wire_json
-from services.gateway.errors import OpenAIError, bad_request
+from services.gateway.errors import UNAVAILABLE, OpenAIError, bad_request
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
@@ -30,6 +30,7 @@ from services.gateway.responses.store import ResponseStore, StoredRecord
 from services.gateway.responses.request import ResponsesRequest
 from shared.tokenizer import Tokenizer
 
+SERVER_UNAVAILABLE = 503
 DEFAULT_TEMPERATURE = 1.0  # what the response object shows for a parameter the request left out, as OpenAI's does
 DEFAULT_TOP_P = 1.0
 
@@ -130,7 +131,12 @@ class ResponsesEndpoint:
             checked.cancel()
         if not validated.is_set():
             task.result()  # refused before it ran: its error, as the foreground request would give it
-        await run.write(queued.snapshot(), first=True)  # unless it was written meanwhile (admitted, or ended)
+        # Unless it was written meanwhile (admitted, or ended)
+        if await run.write(queued.snapshot(), first=True) is False:  # nothing a poll could find: not run
+            await self.background.cancel(writer.response_id)
+            raise OpenAIError(SERVER_UNAVAILABLE, "The background response could not be kept in the response store "
+                              "(its input is over the store's message size, or the store is unreachable); send it "
+                              "without background", type=UNAVAILABLE)
         return web.json_response(run.record.response, dumps=wire_json.dumps_text)
 
     def _keeper(self, turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> Keeper:

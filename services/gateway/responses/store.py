@@ -13,6 +13,7 @@ carried over, as OpenAI's are not.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from nats.aio.client import Client
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 MAX_CHAIN = 256
 PREVIOUS = "previous_response_id"
 RUNNING_STATUSES = ("queued", "in_progress")  # a background response's, before it ends (background.py)
+# A running background response's entry is written every few seconds (background.py's HEARTBEAT_S); one not written
+# for this long lost its gateway
+STALE_AFTER_S = 20.0
+GONE = {"code": "server_error", "message": "the gateway running this background response stopped before it finished"}
 
 
 class StoredRecord:
@@ -55,6 +60,15 @@ class StoredRecord:
         record = wire_json.loads(data)
         # items: kept before items were
         return cls(record["response"], record["turn"], record.get("items", []), record.get("heartbeat"))
+
+    @property
+    def as_read(self) -> "StoredRecord":
+        """The entry as a reader sees it: a running background response whose heartbeat stopped has failed."""
+        stale = self.heartbeat is not None and time.time() - self.heartbeat > STALE_AFTER_S
+        if self.response.get("status") in RUNNING_STATUSES and stale:
+            return StoredRecord({**self.response, "status": "failed", "error": GONE}, self.turn, self.items,
+                                heartbeat=self.heartbeat)
+        return self
 
     def messages(self) -> list[dict[str, Any]]:
         """The turn as the next prompt's history holds it: its input, then its output read as input items (an empty
@@ -125,7 +139,7 @@ class ResponseStore:
                     param=PREVIOUS,
                 )
             try:
-                record = await self.get(response_id)
+                record = (await self.get(response_id)).as_read
             except OpenAIError:
                 raise bad_request(f"Previous response with id '{response_id}' not found.", param=PREVIOUS,
                                   code="previous_response_not_found") from None
