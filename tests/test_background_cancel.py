@@ -8,9 +8,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
+
 from services.gateway.responses.background import STOPPED, BackgroundRun, BackgroundRuns
 from services.gateway.responses.store import STALE_AFTER_S, ResponseStore, StoredRecord
+from services.gateway.limits import GatewayLimits
+from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_roles import NatsRole
+from tests.gatewayfixture import MODEL, start_gateway
+from tests.test_drain import Service
 from tests.natsfixture import NatsServer, nats_server
 
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find
@@ -109,3 +115,26 @@ async def test_a_response_whose_gateway_died_reads_and_continues_as_failed(nats_
         assert (await store.get("resp_dead")).response["status"] == "failed"  # written, as readers saw it
     finally:
         await nc.close()
+
+
+async def test_a_client_over_its_bound_hears_its_429_and_nothing_is_stored(nats_server: NatsServer) -> None:
+    """A background request is answered once counted against its client's bound, as the foreground one is: the
+    second at once of a client allowed one is a 429, not a `failed` entry. A gateway and a detokenizer with no worker
+    behind them, so the first stays queued."""
+    detokenizer = await asyncio.to_thread(Service, "detokenizer", nats_server)
+    server, nc = await start_gateway(nats_server, DEFAULT_MODEL_DIR, limits=GatewayLimits(max_concurrent_per_key=1))
+    try:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "background": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.make_url("/v1/responses"), json=body) as first:
+                queued = await first.json()
+            assert first.status == 200 and queued["status"] == "queued"
+            async with session.post(server.make_url("/v1/responses"), json=body) as second:
+                refused = await second.json()
+            assert second.status == 429 and refused["error"]["code"] == "rate_limit_exceeded"
+            async with session.post(server.make_url(f"/v1/responses/{queued['id']}/cancel")) as cancelled:
+                assert (await cancelled.json())["status"] == "cancelled"
+    finally:
+        await server.close()
+        await nc.drain()
+        detokenizer.kill()
