@@ -34,7 +34,6 @@ from services.gateway.errors import (
 )
 from services.gateway.options import (
     bad_words_token_ids, check_allowed_token_ids, check_logit_bias, check_min_tokens, check_speculative,
-    check_token_sets,
 )
 from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
@@ -107,7 +106,8 @@ class Generator:
             raise model_not_found(body.model)
         self._check_stop_token_ids(body)
         check_logit_bias(body, self._tokenizer.vocab_size)
-        check_allowed_token_ids(body, self._tokenizer.vocab_size, self._tokenizer.eos_token_ids)
+        bad_words = bad_words_token_ids(body.bad_words, self._tokenizer) if body.bad_words else ()
+        check_allowed_token_ids(body, self._tokenizer.vocab_size, self._tokenizer.eos_token_ids, bad_words)
         check_logprob_token_ids(body, self._tokenizer.vocab_size)
         check_speculative(body, self._server_drafts)
         limit = prompt_limit(body, self._max_model_len)
@@ -159,8 +159,6 @@ class Generator:
             prediction = await asyncio.to_thread(
                 prediction_token_ids, body.prediction, tokenizer, self._max_model_len
             )
-        bad_words = bad_words_token_ids(body.bad_words, tokenizer) if body.bad_words else ()
-        check_token_sets(body, bad_words, tokenizer.eos_token_ids)
         budget = None
         if body.thinking_token_budget is not None:
             budget = thinking_budget(body.thinking_token_budget, api, reasoning, tokenizer)

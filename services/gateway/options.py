@@ -21,20 +21,28 @@ def check_logit_bias(body: ChatCompletionRequest | CompletionRequest, vocab_size
 
 
 def check_allowed_token_ids(
-    body: ChatCompletionRequest | CompletionRequest, vocab_size: int, eos_token_ids: frozenset[int]
+    body: ChatCompletionRequest | CompletionRequest, vocab_size: int, eos_token_ids: frozenset[int],
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> None:
-    """The allowed tokens must lie inside the vocabulary, and leave min_tokens something to generate."""
+    """The allowed tokens must lie inside the vocabulary, and leave something to generate: not only stop tokens that
+    min_tokens forbids, nor only tokens single-token bad words ban (bad_words_token_ids' spellings); a worker lets a
+    longer bad word give way where it would leave none."""
     allowed = body.allowed_token_ids
     if allowed is None:
         return
     if bad := sorted({token for token in allowed if not 0 <= token < vocab_size}):
         raise bad_request(out_of_vocab("allowed_token_ids", bad, vocab_size), param="allowed_token_ids")
-    stops = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(eos_token_ids))
-    if body.min_tokens and set(allowed) <= stops:
+    held = set()  # the stop tokens, while min_tokens forbids them
+    if body.min_tokens:
+        held = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(eos_token_ids))
+    if set(allowed) <= held:
         raise bad_request(
             f"allowed_token_ids holds only stop tokens ({sorted(set(allowed))}), which min_tokens ({body.min_tokens}) "
             "forbids: nothing could be generated", param="allowed_token_ids",
         )
+    if set(allowed) <= held | {word[0] for word in bad_words if len(word) == 1}:
+        raise bad_request("bad_words ban every token allowed_token_ids allows: nothing could be generated",
+                          param="bad_words")
 
 
 def check_min_tokens(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> None:
@@ -77,19 +85,3 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[i
             spelled.append(inside)
     return tuple(spelled)
 
-
-def check_token_sets(
-    body: ChatCompletionRequest | CompletionRequest, bad_words: tuple[tuple[int, ...], ...],
-    eos_token_ids: frozenset[int],
-) -> None:
-    """allowed_token_ids must leave a token that single-token bad words do not ban (nor min_tokens, if the stop tokens
-    are all that is left); a worker lets a longer bad word give way where it would leave none."""
-    allowed = body.allowed_token_ids
-    if allowed is None or not bad_words:
-        return
-    left = set(allowed) - {word[0] for word in bad_words if len(word) == 1}
-    if body.min_tokens:
-        left -= set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(eos_token_ids))
-    if not left:
-        raise bad_request("bad_words ban every token allowed_token_ids allows: nothing could be generated",
-                          param="bad_words")
