@@ -62,7 +62,7 @@ class LogitPenalties:
         if not asking:
             return None
         chosen = [seqs[b] for b in asking]
-        num_drafts = [len(drafts[b]) if drafts else 0 for b in asking]
+        drafted = [drafts[b] if drafts else () for b in asking]  # each row j counts the first j as generated
         rows = np.add.outer(np.asarray(asking, dtype=np.int64) * width, np.arange(width)).reshape(-1)
         sampling = [s.sampling for s in chosen]
         per_row = torch.tensor(
@@ -74,7 +74,7 @@ class LogitPenalties:
         if wants_counts or wants_seen:
             # Each sequence's output once, widened to its rows, plus the drafts before each row.
             counts = _counts([s.output_ids for s in chosen], vocab_size, device).repeat_interleave(width, dim=0)
-            prefixes = [drafts[b][: min(j, n)] if n else [] for b, n in zip(asking, num_drafts) for j in range(width)]
+            prefixes = [tokens[:j] for tokens in drafted for j in range(width)]
             counts.index_put_(*_pairs(prefixes, device), accumulate=True)
         if wants_seen:
             prompt = _counts([s.prompt_ids for s in chosen], vocab_size, device).repeat_interleave(width, dim=0)
@@ -83,7 +83,7 @@ class LogitPenalties:
             rows=torch.from_numpy(rows).to(device),
             counts=counts if wants_counts else None,
             seen=seen,
-            bias=_bias(chosen, [drafts[b] if drafts else () for b in asking], num_drafts, width, vocab_size, device),
+            bias=_bias(chosen, drafted, width, vocab_size, device),
             presence=per_row[:, 0],
             frequency=per_row[:, 1],
             repetition=per_row[:, 2],
@@ -146,8 +146,7 @@ def _counts(token_rows: list[Seq[int]], vocab_size: int, device: torch.device) -
 
 
 def _bias(
-    seqs: list[Sequence], drafts: list[Seq[int]], num_drafts: list[int], width: int, vocab_size: int,
-    device: torch.device,
+    seqs: list[Sequence], drafts: list[Seq[int]], width: int, vocab_size: int, device: torch.device,
 ) -> Tensor | None:
     """[R, V] logit_bias of each row, with -inf outside the request's allowed_token_ids, at the stop tokens of the
     rows whose output position (the sequence's output plus the drafts before the row) is below min_tokens, and at
@@ -159,22 +158,21 @@ def _bias(
     banned: list[tuple[int, int]] = []  # (row, a bad word's last token)
     allowed: list[tuple[int, Tensor]] = []  # (first row of the sequence, its allowed tokens on the device)
     forced: list[tuple[int, int]] = []  # (row, the one token it may have)
-    for b, (seq, drafted) in enumerate(zip(seqs, num_drafts)):
+    for b, seq in enumerate(seqs):
+        budget = seq.sampling.thinking_budget
         if seq.sampling.allowed_token_ids is not None:
             allowed.append((b * width, _allowed_ids(seq, device)))
-        if (budget := seq.sampling.thinking_budget) is not None:
+        if budget is not None:
             seq.thinking_scan = scan_output(budget, seq.output_ids, seq.thinking_scan)
-            for j in range(width):
-                token = seq.thinking_scan.advance(budget, drafts[b][: min(j, drafted)]).forced(budget)
-                if token is not None:
-                    forced.append((b * width + j, token))
         for j in range(width):
-            row = b * width + j
+            row, before = b * width + j, drafts[b][:j]  # the drafts this row counts as generated
             biased += [(row, token, value) for token, value in seq.sampling.logit_bias.items()]
-            if len(seq.output_ids) + min(j, drafted) < seq.sampling.min_tokens:
+            if len(seq.output_ids) + len(before) < seq.sampling.min_tokens:
                 masked += [(row, token) for token in seq.stop_ids]
             if seq.sampling.bad_words_token_ids:
-                banned += [(row, token) for token in _bad_words_due(seq, drafts[b][: min(j, drafted)])]
+                banned += [(row, token) for token in _bad_words_due(seq, before)]
+            if budget is not None and (token := seq.thinking_scan.advance(budget, before).forced(budget)) is not None:
+                forced.append((row, token))
     if not (biased or masked or banned or allowed or forced):
         return None
     bias = torch.zeros(len(seqs) * width, vocab_size, dtype=torch.float32, device=device)
