@@ -19,9 +19,7 @@ from services.gateway import wire_json
 from services.gateway.request_body import RequestBodies
 from services.gateway.responses.handler import reasoning_counter, renamed, shown
 from services.gateway.responses.input_items import listed_items, page
-from services.gateway.responses.background import STALE_AFTER_S
-from services.gateway.responses.background import shown as background_shown
-from services.gateway.responses.store import StoredRecord
+from services.gateway.responses.store import STALE_AFTER_S, StoredRecord
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.reasoning.parser import FORMATS
 from services.gateway.responses.request import ResponsesRequest, check_refused
@@ -404,12 +402,12 @@ def test_a_running_background_response_whose_heartbeat_stopped_reads_as_failed()
     """Its gateway died: the entry stopped being written, and a reader sees why instead of in_progress for ever."""
     response = {"id": "resp_1", "status": "in_progress", "background": True, "error": None}
     beating = StoredRecord(response, [], [], heartbeat=time.time())
-    assert background_shown(beating).response["status"] == "in_progress"
+    assert beating.as_read.response["status"] == "in_progress"
     stopped = StoredRecord(response, [], [], heartbeat=time.time() - 2 * STALE_AFTER_S)
-    gone = background_shown(stopped).response
+    gone = stopped.as_read.response
     assert gone["status"] == "failed" and "stopped" in gone["error"]["message"]
     done = StoredRecord({**response, "status": "completed"}, [], [], heartbeat=time.time() - 2 * STALE_AFTER_S)
-    assert background_shown(done).response["status"] == "completed"
+    assert done.as_read.response["status"] == "completed"
     assert StoredRecord.from_bytes(stopped.to_bytes()).heartbeat == stopped.heartbeat
 
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import SERVER_ERROR, OpenAIError
-from services.gateway.responses.output import ResponseOutput
+from services.gateway.responses.output import ResponseOutput, response_error
 from services.gateway.responses.store import RUNNING_STATUSES, STALE_AFTER_S, ResponseStore, StoredRecord
 from shared import subjects
 from shared.natsutil import core_only
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = STALE_AFTER_S / 4  # how often a running response's entry is written again
 CANCEL_TIMEOUT_S = 2.0  # how long a cancel waits for the gateway running the response
 CANCELLED_REPLY = b"cancelled"
-RUNNING = RUNNING_STATUSES
 STOPPED = {"code": SERVER_ERROR, "message": "the gateway running this background response was stopped"}
 Renamer = Callable[[OpenAIError], OpenAIError]
 
@@ -117,8 +116,8 @@ class BackgroundRuns:
             record, revision = await self._store.get_entry(response_id)
             if record.as_read is not record:  # its gateway is gone: the failure readers see becomes the entry
                 await self._store.replace(record.as_read, revision)
-                return shown(await self._store.get(response_id))
-            if record.response.get("status") not in RUNNING:
+                return (await self._store.get(response_id)).as_read
+            if record.response.get("status") not in RUNNING_STATUSES:
                 return record
             try:
                 await self._nc.request(subjects.CANCEL_BACKGROUND, response_id.encode(), timeout=CANCEL_TIMEOUT_S)
@@ -127,7 +126,7 @@ class BackgroundRuns:
                 # Unless the entry changed since it was read (the run ended meanwhile): that end stands
                 await self._store.replace(StoredRecord(response, record.turn, record.items, heartbeat=time.time()),
                                           revision)
-        return shown(await self._store.get(response_id))
+        return (await self._store.get(response_id)).as_read
 
     def _ending(self) -> tuple[str, dict | None]:
         """How a run stopped here ends: failed when the gateway stops, cancelled when asked."""
@@ -147,11 +146,6 @@ class BackgroundRuns:
     async def _on_cancel(self, msg: Msg) -> None:
         if await self._cancel_here(msg.data.decode()):
             await msg.respond(CANCELLED_REPLY)
-
-
-def shown(record: StoredRecord) -> StoredRecord:
-    """The entry as a reader sees it (StoredRecord.as_read)."""
-    return record.as_read
 
 
 async def _run_detached(
@@ -193,5 +187,5 @@ async def _end(run: BackgroundRun, output: ResponseOutput | None, status: str, e
     response = output.snapshot() if output is not None else dict(run.record.response)
     response["status"] = status
     if error is not None:
-        response["error"] = {"code": error.get("code") or error.get("type"), "message": error.get("message")}
+        response["error"] = response_error(error)
     await run.write(response, final=True)

@@ -22,7 +22,6 @@ from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
 from services.gateway.responses.answer import RESPONSE_ID_PREFIX, Keeper, ReasoningCounter, ResponsesAnswer
 from services.gateway.responses.background import BackgroundRun, BackgroundRuns
-from services.gateway.responses.background import shown as shown_record
 from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
 from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
@@ -50,7 +49,7 @@ class ResponsesEndpoint:
             # OpenAI replays a background response's events from `starting_after`; this server keeps none
             raise bad_request("a stored response is read whole here: its events are not kept to stream again; "
                               "poll it without stream", param="stream")
-        record = shown_record(await self._store.get(request.match_info["response_id"]))
+        record = (await self._store.get(request.match_info["response_id"])).as_read
         return web.json_response(record.response, dumps=wire_json.dumps_text)
 
     async def cancel(self, request: web.Request) -> web.Response:

@@ -33,6 +33,12 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def response_error(error: dict[str, Any]) -> dict[str, Any]:
+    """An API error body's `error` as a response object carries it: OpenAI's `code` (the type where there is none)
+    and `message`."""
+    return {"code": error.get("code") or error.get("type"), "message": error.get("message")}
+
+
 class ResponseOutput:
     """One response: its envelope (`shown`: the request's parameters as the response object echoes them), its
     output items, and the events that report them."""
@@ -117,7 +123,7 @@ class ResponseOutput:
         """`response.failed`, with the error OpenAI's way (`code`, `message`)."""
         events = self._close("incomplete")
         self.status = "failed"
-        self.error = {"code": error.get("code") or error.get("type"), "message": error.get("message")}
+        self.error = response_error(error)
         return events + [self._event("response.failed", response=self.snapshot())]
 
     def _reasoning(self, text: str) -> list[Event]:
