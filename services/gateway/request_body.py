@@ -35,14 +35,14 @@ class RequestBodies:
         self.unknown_fields = UnknownFields(strict_params, {**known, RESPONSES: RESPONSES_FIELDS})
 
     async def parse(self, request: web.Request, api: Api) -> ChatCompletionRequest | CompletionRequest:
-        raw, data = await _read(request)
+        raw, data = await read_object(request)
         self._extensions.check(data, api)
         self.unknown_fields.check(data, api)
         return self._validated(REQUEST_MODELS[api], raw)
 
     async def parse_responses(self, request: web.Request) -> tuple[ResponsesRequest, dict[str, Any]]:
         """A Responses request, and its raw JSON object (where its extensions are read from)."""
-        raw, data = await _read(request)
+        raw, data = await read_object(request)
         check_refused(data)
         self.unknown_fields.check(data, RESPONSES)
         return self._validated(ResponsesRequest, raw), data
@@ -58,7 +58,8 @@ class RequestBodies:
             raise from_validation_error(exc) from exc
 
 
-async def _read(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+async def read_object(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    """The body's bytes and the JSON object they hold; a 400 for anything else."""
     raw = await request.read()  # raises 413 past the app's client_max_size
     try:
         data = orjson.loads(raw)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.chat_request import ChatMessage
 from services.gateway.errors import bad_request, from_validation_error, model_not_found
 from services.gateway.generation import Generator
+from services.gateway.request_body import read_object
 from shared.tokenizer import Tokenizer
 
 
@@ -55,8 +55,8 @@ class Tokenization:
         self._max_model_len = max_model_len
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        data = await _json(request)
-        body = _validated(TokenizeChat if "messages" in data else TokenizeText, data)
+        raw, data = await read_object(request)
+        body = _validated(TokenizeChat if "messages" in data else TokenizeText, raw)
         self._check_model(body.model)
         if isinstance(body, TokenizeChat):
             chat = self._generator.bodies.chat(
@@ -71,7 +71,7 @@ class Tokenization:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = _validated(Detokenize, await _json(request))
+        body = _validated(Detokenize, (await read_object(request))[0])
         self._check_model(body.model)
         vocab = self._tokenizer.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
@@ -84,18 +84,8 @@ class Tokenization:
             raise model_not_found(model)
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        data = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    return data
-
-
-def _validated(model: type[_Strict], data: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate_json(orjson.dumps(data))
+def _validated(model: type[_Strict], raw: bytes) -> Any:
+    try:  # the raw JSON: strict mode is JSON's
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
