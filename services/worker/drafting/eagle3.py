@@ -87,8 +87,11 @@ def load_eagle3_head(head_dir: Path, target: CausalLM, dtype: torch.dtype, load_
 
 
 def attach_eagle3(config: EngineConfig, target: CausalLM) -> None:
-    """Loads method eagle3's head (the speculative config's `model`, or the one shipped beside the target) onto
-    `target`, before its runner sizes the KV cache (the head has a layer of its own)."""
+    """Under method eagle3, loads its head (the speculative config's `model`, or the one shipped beside the target)
+    onto `target` (whole, or this rank's shard), before its runner sizes the KV cache (the head has a layer of its
+    own); under any other method, nothing."""
+    if config.speculative.method != "eagle3":
+        return
     path = config.speculative.model or default_eagle3_dir(config.model)
     if not (Path(path) / "config.json").is_file():
         raise ValueError(

@@ -65,8 +65,7 @@ def _load(config: EngineConfig, rank: int, num_blocks: int) -> ModelRunner:
         config.model, getattr(torch, config.dtype), rank_device(config.device, rank), config.load_format,
         config.max_model_len, group, config.enable_expert_parallel,
     )
-    if config.speculative.method == "eagle3":
-        attach_eagle3(config, model)
+    attach_eagle3(config, model)
     return ModelRunner(
         model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
     )

@@ -50,8 +50,7 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
     dtype = getattr(torch, config.dtype)
     if config.tensor_parallel_size == 1:
         model = load_model(config.model, dtype, config.device, config.load_format, config.max_model_len)
-        if config.speculative.method == "eagle3":
-            attach_eagle3(config, model)
+        attach_eagle3(config, model)
         runner = ModelRunner(
             model, config.max_num_seqs, config.max_model_len, config.block_size, num_blocks, config.graph_query_lens
         )
@@ -68,8 +67,7 @@ def build_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
             config.model, dtype, rank_device(config.device, LEADER), config.load_format, config.max_model_len, group,
             config.enable_expert_parallel,
         )
-        if config.speculative.method == "eagle3":
-            attach_eagle3(config, model)
+        attach_eagle3(config, model)
         followers.wait_loaded()
         group.connect(str(next(model.parameters()).device), 0)
         return LeaderRunner(model, config, num_blocks, followers)

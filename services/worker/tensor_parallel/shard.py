@@ -87,15 +87,10 @@ def _layer_piece(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, s
 
 
 def head_layer_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """An EAGLE-3 head's decoder layer on one rank: its heads, kv heads and intermediate rows; the vocabulary whole
-    (the head maps its draft vocabulary onto the target's, and its own embedding, if any, is replicated)."""
+    """An EAGLE-3 head's decoder layer on one rank, cut as a trunk layer is (shard_config); the vocabulary whole (the
+    head maps its draft vocabulary onto the target's, and its own embedding, if any, is replicated)."""
     check_head_shardable(cfg, size)
-    return dataclasses.replace(
-        cfg,
-        num_attention_heads=cfg.num_attention_heads // size,
-        num_key_value_heads=cfg.num_key_value_heads // size,
-        intermediate_size=cfg.intermediate_size // size,
-    )
+    return dataclasses.replace(shard_config(cfg, size), vocab_size=cfg.vocab_size)
 
 
 def check_head_shardable(cfg: ModelConfig, size: int) -> None:
