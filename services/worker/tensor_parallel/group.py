@@ -95,13 +95,7 @@ class TensorParallelGroup:
         [..., kv_heads, head_dim], in the checkpoint's head order (shard.py gives rank r the r-th equal run of heads);
         None on the other ranks. A KV handoff carries the unsplit blocks, so a prefill worker and a decode worker
         split over different numbers of ranks read each other's."""
-        blocks = blocks.contiguous()
-        if not self.is_leader:
-            dist.gather(blocks, None, dst=LEADER)
-            return None
-        pieces = [torch.empty_like(blocks) for _ in range(self.size)]
-        dist.gather(blocks, pieces, dst=LEADER)
-        return torch.cat(pieces, dim=-2)
+        return self._gather(blocks, dim=-2)
 
     def head_shard(self, blocks: torch.Tensor) -> torch.Tensor:
         """Unsplit KV blocks [..., kv_heads, head_dim] -> this rank's heads of them, as gather_heads reads them."""
@@ -119,10 +113,15 @@ class TensorParallelGroup:
         """Each rank's logits over its vocabulary slice [..., vocab_per_rank] -> on the leader the whole
         distribution [..., vocab], on the other ranks None: only the leader samples, verifies and reports
         logprobs, so nothing else needs it."""
-        logits = logits.contiguous()
+        whole = self._gather(logits, dim=-1)
+        return None if whole is None else whole[..., : self.vocab_size]
+
+    def _gather(self, piece: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Every rank's piece, rank after rank along `dim`, on the leader; None on the other ranks."""
+        piece = piece.contiguous()
         if not self.is_leader:
-            dist.gather(logits, None, dst=LEADER)
+            dist.gather(piece, None, dst=LEADER)
             return None
-        slices = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.gather(logits, slices, dst=LEADER)
-        return torch.cat(slices, dim=-1)[..., : self.vocab_size]
+        pieces = [torch.empty_like(piece) for _ in range(self.size)]
+        dist.gather(piece, pieces, dst=LEADER)
+        return torch.cat(pieces, dim=dim)
