@@ -27,11 +27,10 @@ class SparseMoE(PlainModule):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.num_experts = cfg.num_experts
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        if cfg.local_experts is None:
-            self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        else:  # keyed by their index in the checkpoint, so that their parameters keep its names
-            self.experts = nn.ModuleDict({str(i): expert(cfg, cfg.moe_intermediate_size) for i in cfg.local_experts})
-        self.first_expert = 0 if cfg.local_experts is None else cfg.local_experts.start
+        held = range(cfg.num_experts) if cfg.local_experts is None else cfg.local_experts
+        # Keyed by their index in the checkpoint, so that their parameters keep its names (a run of them, split)
+        self.experts = nn.ModuleDict({str(i): expert(cfg, cfg.moe_intermediate_size) for i in held})
+        self.first_expert = held.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -47,8 +46,7 @@ class SparseMoE(PlainModule):
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()  # one host copy a layer
         out = torch.zeros_like(x)
         start = sum(counts[: self.first_expert])  # the pairs of the experts before this rank's
-        experts = self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
-        for expert, count in zip(experts, counts[self.first_expert :]):
+        for expert, count in zip(self.experts.values(), counts[self.first_expert :]):
             if count:
                 rows = tokens[start : start + count]
                 out.index_add_(0, rows, expert(x[rows]) * pair_weights[start : start + count, None])
