@@ -89,6 +89,18 @@ async def connect(settings: NatsSettings, service: str, on_reconnect: Callable[[
     return nc
 
 
+async def barrier(nc: Client) -> None:
+    """Returns once the server has processed every command this connection sent before the call: a subscription
+    made, after which another connection may publish to it, or a publish made.
+
+    nats-py's flush() is not that: it writes its PING straight to the socket, ahead of commands still waiting in the
+    client's buffer for its flusher task (a SUB just made), so its PONG can come back before the server has read
+    them, and a request from another connection then finds no responders. Waiting on the first PONG lets the flusher
+    run (it was woken before any reply can be read); the second PING follows everything it wrote."""
+    await nc.flush()
+    await nc.flush()
+
+
 def core_only(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
     """A core subscription's handler that drops what a JetStream consumer delivers. A push consumer delivers its
     stream's messages on whatever subject its creator names, past the creator's own publish permissions: a worker's

@@ -22,7 +22,7 @@ import pytest
 
 from shared import subjects
 from shared.nats_roles import NatsRole
-from shared.natsutil import connect
+from shared.natsutil import barrier, connect
 from shared.schemas import WorkRequest
 from tests.natsfixture import running_nats_server
 from tests.test_drain import Service
@@ -134,7 +134,7 @@ class QueuedRequests:
         nc = await connect(mesh.nats.settings(NatsRole.ADMIN), "test-admin")
         await nc.subscribe(subjects.REQUESTS, cb=self._on_request)
         await nc.subscribe(subjects.ROUTED_SUBJECTS, cb=self._on_request)  # those sent to the worker holding them
-        await nc.flush()
+        await barrier(nc)
         return nc
 
     async def _on_request(self, msg) -> None:

@@ -18,7 +18,7 @@ from services.gateway.errors import OpenAIError
 from services.gateway.limits import GatewayLimits
 from shared import subjects
 from shared.nats_roles import NatsRole
-from shared.natsutil import connect
+from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, DetokOpen, DetokReady
 from tests.gatewayfixture import MODEL, model_dir, nats_server, start_gateway
 from tests.natsfixture import NatsServer
@@ -189,7 +189,7 @@ async def test_a_later_prompt_that_cannot_be_submitted_fails_the_response_and_fr
 
     taking = await peer.subscribe(subjects.DETOK_OPEN, cb=take_one)
     await peer.subscribe(subjects.CANCEL, cb=on_cancel)
-    await peer.flush()
+    await barrier(peer)
     key = KEYS[0].get_secret_value()
     async with openai.AsyncOpenAI(base_url=str(one_stream_gateway.make_url("/v1")), api_key=key, max_retries=0) as c:
         with pytest.raises(openai.InternalServerError) as info:

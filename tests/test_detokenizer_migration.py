@@ -11,6 +11,7 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind
+from shared.natsutil import barrier
 from shared.schemas import Cancel, ChoiceProgress, HeldQuery, HeldReport, ProgressQuery, ProgressReport, TakeOver
 from shared.tokenizer import Tokenizer
 from services.detokenizer.handlers import RELEASE_REPEAT_S
@@ -41,7 +42,7 @@ async def ask_progress(
 async def streaming(nc: Client, tokenizer: Tokenizer) -> str:
     """A request open at the detokenizer whose first piece of output WORKER_ID sent and its client received."""
     request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
+    await barrier(nc)
     await publish_target(nc, WORKER_ID, 1, request_id, tokenizer.encode("def f(x", add_special_tokens=False),
                          seq_no=0, offset=0)
     await next_chunk(chunks)
@@ -50,7 +51,7 @@ async def streaming(nc: Client, tokenizer: Tokenizer) -> str:
 
 async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, tokenizer: Tokenizer) -> None:
     request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
+    await barrier(nc)
     first = tokenizer.encode("def f(x", add_special_tokens=False)
     second = tokenizer.encode("):\n    return x", add_special_tokens=False)
     await publish_target(nc, WORKER_ID, 1, request_id, first, seq_no=0, offset=0)
@@ -64,7 +65,7 @@ async def test_a_worker_taking_over_continues_from_the_output_sent(nc: Client, t
     stale_before = counter("specmesh_detokenizer_stale_records_total")
     stops: asyncio.Queue = asyncio.Queue()
     await nc.subscribe(subjects.STOP, cb=stops.put)
-    await nc.flush()
+    await barrier(nc)
     # The worker that lost the request is still alive and sends its next steps: dropped, and it is told, once, to
     # drop the request without settling its message; told again if it still sends a while later (the release went
     # on core NATS, and may have been lost).
@@ -90,7 +91,7 @@ async def test_a_worker_that_lost_a_request_again_is_released_again(nc: Client, 
     request_id, chunks = await open_request(nc, api="completion")
     stops: asyncio.Queue = asyncio.Queue()
     await nc.subscribe(subjects.STOP, cb=stops.put)
-    await nc.flush()
+    await barrier(nc)
     ids = tokenizer.encode("ab", add_special_tokens=False)
     await publish_target(nc, WORKER_ID, 1, request_id, ids, seq_no=0, offset=0)
     await next_chunk(chunks)
@@ -108,7 +109,7 @@ async def test_a_request_that_keeps_losing_its_worker_ends_with_an_error(nc: Cli
     request_id, chunks = await open_request(nc, api="completion")
     stops: asyncio.Queue = asyncio.Queue()
     await nc.subscribe(subjects.STOP, cb=stops.put)
-    await nc.flush()
+    await barrier(nc)
     for migration in range(1, DEFAULT_MAX_MIGRATIONS + 1):
         report = await ask_progress(nc, request_id, NEW_WORKER_ID + migration)
         assert report.outcome is TakeOver.CONTINUE and report.migrations == migration
@@ -127,7 +128,7 @@ async def test_a_handoff_from_the_owner_is_no_migration_and_one_from_another_is(
     """A prefill worker hands its request to a decode worker: not counted. A stale handoff (the prefill worker no
     longer owns the request) is an ordinary take-over, counted and bounded."""
     request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
+    await barrier(nc)
     first = tokenizer.encode("def f(x", add_special_tokens=False)
     await publish_target(nc, WORKER_ID, 1, request_id, first, seq_no=0, offset=0)
     await next_chunk(chunks)
@@ -210,14 +211,14 @@ async def test_malformed_queries_are_counted_and_unanswered(nc: Client, raw: byt
     label = subjects.progress(DETOK_ID)
     before = counter("specmesh_detokenizer_bad_messages_total", subject=label)
     await nc.publish(label, raw)
-    await nc.flush()
+    await barrier(nc)
     await asyncio.sleep(SILENCE_S)
     assert counter("specmesh_detokenizer_bad_messages_total", subject=label) == before + 1
 
 
 async def test_only_unfinished_choices_are_taken_over(nc: Client, tokenizer: Tokenizer) -> None:
     request_id, chunks = await open_request(nc, api="completion", n=2)
-    await nc.flush()
+    await barrier(nc)
     done, going = tokenizer.encode("x = 1", add_special_tokens=False), tokenizer.encode("y", add_special_tokens=False)
     await publish_target(nc, WORKER_ID, 1, request_id, done, seq_no=0, offset=0, choice=0, finish=FinishReason.LENGTH)
     await publish_target(nc, WORKER_ID, 1, request_id, going, seq_no=0, offset=0, choice=1)

@@ -20,7 +20,7 @@ from services.detokenizer import service
 from shared import subjects
 from shared.frames import FrameBuilder, FrameKind
 from shared.nats_roles import NatsRole
-from shared.natsutil import connect
+from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from services.worker.demo_model.tokenizer import train_tokenizer
 from tests.natsfixture import NatsServer, nats_server
@@ -139,7 +139,7 @@ def _drain(queue: asyncio.Queue) -> list:
 async def test_a_cancel_that_overtakes_the_opening_closes_the_request(mesh: Mesh) -> None:
     request_id = uuid.uuid4().hex
     await mesh.nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
-    await mesh.nc.flush()
+    await barrier(mesh.nc)
     await asyncio.sleep(0.1)  # the cancel is handled first
     await mesh.open(request_id)
     _drain(mesh.chunks)

@@ -22,6 +22,7 @@ from services.worker.demo_model.tokenizer import train_tokenizer
 from shared import subjects
 from shared.frames import FinishReason, FrameBuilder, FrameKind, SeqStatus
 from shared.nats_roles import NatsRole
+from shared.natsutil import barrier
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from shared.tokenizer import Tokenizer
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
@@ -146,7 +147,7 @@ async def nc(nats_server: NatsServer, model_dir: Path, tokenizer: Tokenizer) -> 
         except nats.errors.NoRespondersError:
             await asyncio.sleep(PROBE_TIMEOUT_S)
             continue
-        await client.flush()
+        await barrier(client)
         await finish_immediately(client, worker, request_id, eos)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(chunks.get(), PROBE_TIMEOUT_S)
@@ -173,7 +174,7 @@ async def test_chat_stream_with_drafts_and_a_stop_string(nc: Client, worker: Wor
 
     await nc.subscribe(subjects.STOP, cb=cancelled)
     request_id, chunks = await open_request(nc, stop=["\n\n", " x"], logprobs=1, include_draft_logprobs=True)
-    await nc.flush()
+    await barrier(nc)
     first = tokenizer.encode("hello", add_special_tokens=False)
     second = tokenizer.encode(" wor x\n\n and more", add_special_tokens=False)
 
@@ -206,7 +207,7 @@ async def test_malformed_frames_are_counted_and_do_not_stop_the_service(
     await nc.publish(DETOK_FRAMES, b"\x00" * 3)
 
     request_id, chunks = await open_request(nc, api="completion")
-    await nc.flush()
+    await barrier(nc)
     ids = tokenizer.encode("print(1)", add_special_tokens=False)
     draft, target = worker.builders()
     Worker.add(target, request_id, ids, seq_no=0, offset=0, finish=FinishReason.LENGTH)
@@ -226,7 +227,7 @@ async def test_frames_of_unknown_requests_are_counted_and_dropped(nc: Client, wo
     await worker.publish(draft, target)
 
     request_id, chunks = await open_request(nc)
-    await nc.flush()
+    await barrier(nc)
     draft, target = worker.builders()
     Worker.add(target, request_id, [], seq_no=0, offset=0, finish=FinishReason.ABORT)
     await worker.publish(draft, target)
@@ -237,7 +238,7 @@ async def test_frames_of_unknown_requests_are_counted_and_dropped(nc: Client, wo
 
 async def test_cancelled_request_gets_no_more_chunks(nc: Client, worker: Worker, tokenizer: Tokenizer) -> None:
     request_id, chunks = await open_request(nc)
-    await nc.flush()
+    await barrier(nc)
     ids = tokenizer.encode("abc def", add_special_tokens=False)
     draft, target = worker.builders()
     Worker.add(target, request_id, ids[:1], seq_no=0, offset=0)
@@ -246,7 +247,7 @@ async def test_cancelled_request_gets_no_more_chunks(nc: Client, worker: Worker,
 
     unknown_before = counter("specmesh_detokenizer_unknown_request_frames_total")
     await nc.publish(subjects.CANCEL, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
-    await nc.flush()
+    await barrier(nc)
     await asyncio.sleep(SILENCE_S)
     draft, target = worker.builders()
     Worker.add(target, request_id, ids[1:], seq_no=1, offset=1)
@@ -259,7 +260,7 @@ async def test_cancelled_request_gets_no_more_chunks(nc: Client, worker: Worker,
 async def test_two_requests_in_one_frame_with_a_gap(nc: Client, worker: Worker, tokenizer: Tokenizer) -> None:
     healthy, healthy_chunks = await open_request(nc, api="completion", logprobs=0)
     broken, broken_chunks = await open_request(nc)
-    await nc.flush()
+    await barrier(nc)
     ids = tokenizer.encode("x = 1", add_special_tokens=False)
     draft, target = worker.builders()
     Worker.add(target, broken, ids, seq_no=1, offset=3)

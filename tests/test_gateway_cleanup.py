@@ -14,7 +14,7 @@ from nats.js.api import DiscardPolicy
 
 from shared import subjects
 from shared.nats_roles import NatsRole
-from shared.natsutil import connect
+from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, DetokOpen, DetokReady
 from shared.stream_limits import StreamLimits
 from tests.gatewayfixture import MODEL, gateway, model_dir, nats_server, start_gateway
@@ -37,7 +37,7 @@ async def _detokenizer(nats: NatsServer, *, answer: bool) -> tuple[Client, async
             await msg.respond(DetokReady(detok_id="test").to_bytes())
 
     await nc.subscribe(subjects.DETOK_OPEN, cb=take)
-    await nc.flush()
+    await barrier(nc)
     return nc, opened
 
 

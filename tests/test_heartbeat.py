@@ -20,7 +20,7 @@ from shared.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from shared.frames import FrameKind, decode
 from shared.nats_roles import NatsRole
 from shared import streams
-from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S
+from shared.natsutil import REQUEST_ACK_WAIT_S, REQUEST_HEARTBEAT_S, barrier
 from shared.schemas import SamplingParams, WorkRequest
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (fixtures are used by name)
 
@@ -61,7 +61,7 @@ async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: Na
 
     await admin.subscribe(f"$JS.ACK.{subjects.REQUEST_STREAM}.{subjects.WORKER_CONSUMER}.>", cb=on_ack)
     await admin.subscribe(subjects.frames(DETOK_ID), cb=on_frame)
-    await admin.flush()
+    await barrier(admin)
     worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(DEFAULT_MODEL_DIR.name, spec.method, WORKER_ID))
     psub = await worker_nc.jetstream().pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     rng = random.Random(0)

@@ -25,6 +25,7 @@ from shared import nats_settings, subjects
 from shared.nats_credentials import PASSWORD_ENV, USER_ENV, CredentialsError, MeshCredentials, NatsCredentials
 from shared.nats_roles import NatsRole, authorization_config
 from shared.nats_server import AUTH_CONFIG, credentials_dir, server_binary
+from shared.natsutil import barrier
 from shared.ports import free_port, wait_for_port
 from shared.nats_settings import NatsSettings
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
@@ -145,7 +146,7 @@ async def test_tls_options_reach_nats_py(tls_server) -> None:
     settings = NatsSettings.from_args(parse("--nats-url", url, *tls), NatsRole.GATEWAY, env)
     nc = await nats.connect(url, allow_reconnect=False, **settings.connect_options())
     await nc.publish(subjects.CANCEL, b"over tls")
-    await nc.flush()
+    await barrier(nc)
     await nc.close()
 
     async def refused(*options: str) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from shared import subjects
 from shared.nats_roles import PERMISSIONS, SERVICE_ROLES, NatsRole
 from shared import streams
-from shared.natsutil import PERMISSIONS_VIOLATION, core_only
+from shared.natsutil import PERMISSIONS_VIOLATION, barrier, core_only
 from shared.schemas import Cancel
 from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
 
@@ -145,7 +145,7 @@ async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> No
     chunks = await gateway.subscribe(subjects.responses(GATEWAY_ID))
     worker_cancels = await worker.subscribe(subjects.CANCEL)
     stops = await worker.subscribe(subjects.STOP)
-    await asyncio.gather(detok.flush(), worker.flush(), gateway.flush())
+    await asyncio.gather(barrier(detok), barrier(worker), barrier(gateway))
 
     assert (await gateway.request(subjects.DETOK_OPEN, b"open", timeout=WAIT_S)).data == DETOK_ID.encode()
     await gateway.jetstream().publish(subjects.REQUESTS, b"work", timeout=WAIT_S)
@@ -171,7 +171,7 @@ async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> No
     await store.put("resp_1", b"stored")
     assert (await store.get("resp_1")).value == b"stored"
     await store.delete("resp_1")
-    await asyncio.gather(detok.flush(), worker.flush(), gateway.flush())
+    await asyncio.gather(barrier(detok), barrier(worker), barrier(gateway))
     assert {role: e.reported for role, e in errors.items()} == {role: [] for role in SERVICE_ROLES}
 
 
@@ -179,14 +179,14 @@ async def test_each_role_plays_its_part_of_the_protocol(connect: Callable) -> No
 async def test_a_role_cannot_forge_another_roles_messages(connect: Callable, role: NatsRole, subject: str) -> None:
     watcher = await connect(NatsRole.ADMIN)
     seen = await watcher.subscribe(subject)
-    await watcher.flush()
+    await barrier(watcher)
     errors = Errors()
     forger = await connect(role, errors)
     await forger.publish(subject, FORGED)
     # The server handles the publish before the forger's PONG, and sends anything it routed to the watcher before
     # the watcher's own PONG: after both flushes a delivered message would be there.
-    await forger.flush()
-    await watcher.flush()
+    await barrier(forger)
+    await barrier(watcher)
     assert seen.pending_msgs == 0, f"{role} published on {subject}"
     assert await errors.first_violations() == [f'nats: permissions violation for publish to "{subject.lower()}"']
 
@@ -196,11 +196,11 @@ async def test_a_role_cannot_read_what_is_not_its_own(connect: Callable, role: N
     errors = Errors()
     reader = await connect(role, errors)
     heard = await reader.subscribe(subject)
-    await reader.flush()
+    await barrier(reader)
     publisher = await connect(NatsRole.ADMIN)
     await publisher.publish(subject.replace(">", "x"), FORGED)
-    await publisher.flush()
-    await reader.flush()
+    await barrier(publisher)
+    await barrier(reader)
     assert heard.pending_msgs == 0, f"{role} read {subject}"
     assert await errors.first_violations() == [
         f'nats: permissions violation for subscription to "{subject.lower()}"'  # nats-py lowers the subject
@@ -242,7 +242,7 @@ async def test_what_a_jetstream_consumer_delivers_on_a_services_subject_is_dropp
         received.append(msg.data)
 
     await detok.subscribe(subjects.CANCEL, cb=core_only(on_cancel))
-    await detok.flush()
+    await barrier(detok)
     refused = _refusals()
     js = worker.jetstream()
     await js.add_consumer(subjects.ROUTED_STREAM, ConsumerConfig(

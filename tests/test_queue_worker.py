@@ -26,6 +26,7 @@ from shared.config import EngineConfig, SpeculativeConfig
 from shared.frames import Frame, FrameKind, SeqStatus, decode
 from shared.nats_roles import NatsRole
 from shared import streams
+from shared.natsutil import barrier
 from shared.schemas import (
     Cancel, ChoiceProgress, ProgressQuery, ProgressReport, SamplingParams, TakeOver, WorkRequest,
 )
@@ -84,7 +85,7 @@ async def running(nats_server: NatsServer, tiny_model_dir: Path) -> AsyncIterato
     await nc.jetstream().purge_stream(subjects.REQUEST_STREAM)
     received = Received()
     await nc.subscribe(subjects.frames(DETOK_ID), cb=received.on_frame)
-    await nc.flush()
+    await barrier(nc)
     worker = QueueWorker(engine, worker_nc, WORKER_ID, WorkerMetrics(tiny_model_dir.name, spec.method, WORKER_ID))
     psub = await js.pull_subscribe_bind(subjects.WORKER_CONSUMER, subjects.REQUEST_STREAM)
     fetching = asyncio.create_task(worker.fetch_loop(psub))
@@ -173,7 +174,7 @@ async def test_stop_publishes_every_step_taken(running: Running, tiny_model_dir:
     await until(lambda: len(running.received.targets()) >= 3, "three steps")
     running.worker.stop()
     await asyncio.wait_for(running.stepping, RECEIVE_TIMEOUT_S)
-    await running.nc.flush()
+    await barrier(running.nc)
     await asyncio.sleep(0.1)  # the subscriber's callbacks run
     (choice,) = running.engine.stopped.unfinished[request.request_id].progress
     records = [r for f in running.received.targets() for r in f.records]
@@ -190,7 +191,7 @@ async def came_back_to(
     one is moved); returns the query this worker sends its detokenizer, unanswered."""
     queries: asyncio.Queue = asyncio.Queue()
     await running.nc.subscribe(subjects.progress(detok_id), cb=queries.put)
-    await running.nc.flush()
+    await barrier(running.nc)
     request = WorkRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(Tokenizer(model_dir).encode(REPETITIVE)),
                           detok_id=detok_id, sampling=sampling, created=time.time())
     await running.nc.jetstream().publish(subjects.RESUMED_REQUESTS, request.to_bytes(),

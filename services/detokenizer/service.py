@@ -79,8 +79,8 @@ async def run(args: argparse.Namespace) -> None:
     reaping = asyncio.create_task(detok.reap_loop())
     watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:
-        # Subscriptions are registered at the server only once flushed; callers may publish right after.
-        await nc.flush()
+        # Subscriptions are registered at the server only once it has read them; callers may publish right after.
+        await natsutil.barrier(nc)
         readiness.started = True
         log.info("detokenizer serving on %s", args.nats_url)
         await asyncio.Future()

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from shared import subjects
 from services.worker.handoff.transport import TransferFailed
-from shared.natsutil import core_only
+from shared.natsutil import barrier, core_only
 
 log = logging.getLogger("specmesh.worker")
 
@@ -66,7 +66,7 @@ class NatsKvTransport:
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.kv_transfer(self.worker_id), cb=core_only(self._on_chunk))
-        await self.nc.flush()  # the server knows of the subscription before anyone is told this worker is up
+        await barrier(self.nc)  # the server knows of the subscription before anyone is told this worker is up
 
     @property
     def num_held(self) -> int:
