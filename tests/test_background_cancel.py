@@ -66,6 +66,32 @@ async def test_a_cancel_reaches_the_gateway_running_the_response(nats_server: Na
         await other.close()
 
 
+async def test_a_run_whose_reply_lands_with_the_cancel_is_cancelled_all_the_same(nats_server: NatsServer) -> None:
+    """Python 3.11's asyncio.wait_for (under every nats-py request) returns a reply that arrived in the step the
+    cancellation landed in, and drops the cancellation: the run, a queued response asking its detokenizer whether it
+    still holds the request, would wait for its chunks for ten minutes, and the cancel with it."""
+    nc = await nats_server.connect_as(NatsRole.GATEWAY)
+    try:
+        store, reply = ResponseStore(nc), asyncio.get_running_loop().create_future()
+        runs = BackgroundRuns(nc, store)
+        asked = asyncio.Event()
+
+        async def queued_response() -> None:
+            asked.set()
+            await asyncio.wait_for(reply, timeout=60)  # as nats-py's request waits for its reply
+            await asyncio.sleep(3600)  # the chunks of a request no worker takes
+
+        run = BackgroundRun(store, _queued("resp_reply"))
+        await run.write(run.record.response)
+        task = runs.run(run, queued_response(), lambda: None, _validated(), lambda exc: exc)
+        await asyncio.wait_for(asked.wait(), 5)
+        reply.set_result(b"held")  # in the same step as the cancel: before the waiter is resumed
+        cancelled = await asyncio.wait_for(runs.cancel("resp_reply"), 10)
+        assert cancelled.response["status"] == "cancelled" and task.done()
+    finally:
+        await nc.close()
+
+
 async def test_a_last_state_the_store_cannot_hold_is_kept_as_a_failure(nats_server: NatsServer) -> None:
     nc = await nats_server.connect_as(NatsRole.GATEWAY)
     try:

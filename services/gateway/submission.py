@@ -24,6 +24,7 @@ from nats.aio.client import Client
 
 from services.gateway import metrics
 from services.gateway.admission import RETRY_AFTER, Places
+from services.gateway.cancelling import cancel_until_done
 from services.gateway.completion_request import CompletionRequest
 from services.gateway.errors import SERVER_ERROR, UNAVAILABLE, OpenAIError
 from services.gateway.in_flight import Generation
@@ -169,8 +170,7 @@ class Submission:
     async def close(self, unfinished: list[str], reason: str) -> None:
         """Stops submitting, and cancels the prompts the mesh may still hold (of `unfinished`, those opened)."""
         if self._rest is not None:
-            self._rest.cancel()
-            await asyncio.gather(self._rest, return_exceptions=True)
+            await cancel_until_done(self._rest)
         await self._submitter.cancel(self._opened(unfinished), reason)
 
     def _opened(self, unfinished: list[str]) -> list[str]:

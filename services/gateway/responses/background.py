@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
+from services.gateway.cancelling import cancel_until_done
 from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.responses.output import ResponseOutput, response_error
 from services.gateway.responses.store import RUNNING_STATUSES, STALE_AFTER_S, ResponseStore, StoredRecord
@@ -48,6 +49,7 @@ class BackgroundRun:
         self._final = False
         self._written = False
         self.started = False  # its task took its first step (one cancelled before never awaits what it serves)
+        self.ending = False  # it took a cancellation and writes how it ended
 
     async def write(self, response: dict[str, Any], final: bool = False, first: bool = False) -> bool | None:
         """Whether the entry now holds this state; None where it was not written (after the last state, or `first`
@@ -136,8 +138,7 @@ class BackgroundRuns:
         if response_id not in self._runs:
             return False
         task, run, output, serve = self._runs[response_id]
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_until_done(task, cancellable=lambda: not run.ending)
         if not run.started:  # cancelled before its first step: it ran none of its own ending
             serve.close()
             await _end(run, output(), *self._ending())
@@ -160,6 +161,7 @@ async def _run_detached(
     try:
         await serve
     except asyncio.CancelledError:
+        run.ending = True
         if validated.is_set():
             await asyncio.shield(_end(run, output(), *ending()))
         raise
