@@ -84,9 +84,14 @@ def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: opena
     else:
         assert whole.finish_reason == "tool_calls"
     assert all(len(c.id) == CALL_ID_CHARS and c.id.isalnum() for c in whole.message.tool_calls)
+    assert streamed_calls(client.chat.completions.create(stream=True, **params)) == (calls, whole.finish_reason)
+
+
+def streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
+    """A streamed answer's calls, put together from their deltas, and its finish reason; none of it content."""
     streamed: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(stream=True, **params):
+    for chunk in stream:
         for choice in chunk.choices:
             assert not choice.delta.content, "the tags and calls never stream as content"
             for entry in choice.delta.tool_calls or ():
@@ -94,8 +99,7 @@ def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: opena
                 call["name"] = call["name"] or entry.function.name
                 call["arguments"] += entry.function.arguments or ""
             finish = choice.finish_reason or finish
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
-    assert finish == whole.finish_reason
+    return [(c["name"], json.loads(c["arguments"])) for c in streamed.values()], finish
 
 
 def test_a_conversation_with_other_clients_call_ids_renders(client: openai.OpenAI, mesh: Mesh) -> None:

@@ -191,9 +191,11 @@ def test_the_format_follows_the_chat_template() -> None:
     assert format_for(None, "llama3_json").name == "llama3_json"
     assert format_for("{% if message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}{% endif %}").name \
         == "mistral"
-    # A template that writes calls in a format not read here (Granite's <|tool_call|>): none, so that requests with
-    # tools are refused.
-    assert format_for("{% if message.tool_calls %}<|tool_call|>{{ message.tool_calls | tojson }}{% endif %}") is None
+    assert format_for("{% if message.tool_calls %}<|tool_call|>{{ message.tool_calls | tojson }}{% endif %}").name \
+        == "granite"
+    # A template that writes calls in a format not read here (Granite 20B's <function_call>): none, so that requests
+    # with tools are refused.
+    assert format_for("{% for call in message.tool_calls %}<function_call>{{ call | tojson }}{% endfor %}") is None
     assert format_for(None) is None
 
 

@@ -9,9 +9,7 @@ import json
 import random
 from pathlib import Path
 
-import llguidance
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
@@ -25,6 +23,7 @@ from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
+from tests.grammarwalk import walk
 from tests.test_tool_calls import _assembled, _streamed
 
 MISTRAL = FORMATS["mistral"]
@@ -119,20 +118,10 @@ def test_what_the_grammar_allows_reads_back_as_calls(tmp_path: Path, per_call_ta
     eos = next(iter(tokenizer.eos_token_ids))
     ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
     table = TokenTable.from_tokenizer(tokenizer)
-    words = (tokenizer.vocab_size + 31) // 32
     rng = random.Random(7)
     for _ in range(8):
-        matcher = llguidance.LLMatcher(ll, grammar)
-        out: list[int] = []
-        while not matcher.is_stopped():
-            mask = torch.full((words,), 0, dtype=torch.int32)
-            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
-            allowed = [t for t in range(tokenizer.vocab_size) if mask[t // 32] >> (t % 32) & 1]
-            token = eos if eos in allowed and rng.random() < 0.5 else rng.choice(allowed)
-            assert matcher.consume_token(token)
-            out.append(token)
-        assert out[0] == tokenizer.special_tokens[CALLS_TAG]
-        generated = out[:-1] if out[-1] == eos else out  # it stops by itself where nothing may follow
+        generated, _ = walk(ll, grammar, tokenizer, rng, drawn_to=(eos,))
+        assert generated[0] == tokenizer.special_tokens[CALLS_TAG]
         text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
         content, calls = fmt.split(text)
         assert content == "" and calls, text
@@ -181,27 +170,12 @@ def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: P
     tag = tokenizer.special_tokens[CALLS_TAG]
     ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
     table = TokenTable.from_tokenizer(tokenizer)
-    words = (tokenizer.vocab_size + 31) // 32
     rng = random.Random(11)
     answers = {"text": 0, "calls": 0}
     for _ in range(24):
-        matcher = llguidance.LLMatcher(ll, grammar)
-        out: list[int] = []
-        while not matcher.is_stopped() and len(out) < 64:
-            mask = torch.full((words,), 0, dtype=torch.int32)
-            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
-            allowed_ids = [t for t in range(tokenizer.vocab_size) if mask[t // 32] >> (t % 32) & 1]
-            if tag in allowed_ids and rng.random() < 0.2:
-                token = tag
-            elif eos in allowed_ids and rng.random() < 0.2:
-                token = eos
-            else:
-                token = rng.choice(allowed_ids)
-            assert matcher.consume_token(token)
-            out.append(token)
-        if not matcher.is_stopped():
+        generated, ended = walk(ll, grammar, tokenizer, rng, drawn_to=(tag, eos), draw=0.2, max_tokens=64)
+        if not ended:
             continue  # cut short: a call cut so is read as text (NOT_CALLS)
-        generated = out[:-1] if out[-1] == eos else out
         text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
         content, calls = fmt.split(text)
         assert (tag in generated) == bool(calls) and [call.name for call in calls] == ["get_time"] * len(calls)

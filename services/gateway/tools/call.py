@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.tags import partial_suffix
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
@@ -89,6 +90,46 @@ def parsed_call(obj: Any, arguments_key: str) -> ParsedCall | None:
         return None
     key = next((k for k in (arguments_key, *ARGUMENT_KEYS) if k in obj), None)
     return ParsedCall(obj["name"], json_text(obj[key] if key is not None else {}))
+
+
+def calls_array_schema(functions: list[FunctionDefinition], parallel: bool, arguments_key: str) -> dict[str, Any]:
+    """The schema of one JSON array of calls of `functions` (at most one without `parallel`), written compact: what
+    Mistral before v11 and Granite write after their calls tag."""
+    items = call_schema(functions, arguments_key)
+    del items["x-guidance"]
+    definitions = items.pop("$defs", None)  # at the root, where the references point
+    return {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+            **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
+
+
+def json_value(text: str) -> object:
+    """The JSON value that is the whole text (whitespace around it aside), or None."""
+    try:
+        value, end = JSON_PREFIX.raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    return value if not text[end:].strip() else None
+
+
+def json_calls(text: str, arguments_key: str) -> list[ParsedCall] | None:
+    """The calls a text is, whole: a JSON array of call objects, or one call object; None when it is anything else
+    (or an empty array)."""
+    value = json_value(text)
+    objects = value if isinstance(value, list) else [value]
+    calls = []
+    for obj in objects:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or arguments_key not in obj:
+            return None
+        calls.append(ParsedCall(obj["name"], json_text(obj[arguments_key])))
+    return calls or None
+
+
+def content_before_tag(held: str, tag: str) -> int:
+    """How much of a streamed answer's text held so far goes out as content, for a format whose calls follow `tag`
+    to the end of the answer: what precedes the tag or what may become it, and the whitespace before that."""
+    start = held.find(tag)
+    end = start if start >= 0 else len(held) - partial_suffix(held, tag)
+    return len(held[:end].rstrip())
 
 
 class CallIds:

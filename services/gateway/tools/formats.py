@@ -6,6 +6,7 @@ parsing of calls out of its text.
   after some text.
 - Llama 3.x JSON: the answer is a call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>` or
   some text, and possibly more chained with ";".
+- Mistral (mistral.py) and Granite 3.x (granite.py): the calls after a tag, to the end of the answer.
 
 The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every
 token up to the first argument value is forced and drafted for free (services/worker/grammar/).
@@ -23,6 +24,7 @@ from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
     COMPACT, CallIds, JSON_PREFIX, ParsedCall, call_schema, json_text, parsed_call, text_or_calls,
 )
+from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
 from services.gateway.tools.tool_request import FunctionDefinition
 
@@ -244,17 +246,19 @@ class Llama3Json(CallIds):
         return match.start() if match is not None else None
 
 
-ToolFormat = Hermes | Llama3Json | Mistral
-FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name)
+ToolFormat = Hermes | Llama3Json | Mistral | Granite
+FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name, Granite.name)
 
 
 def make_format(
     name: str, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None
 ) -> ToolFormat:
-    """The format `name` for a tokenizer with these special tokens (by text) and chat template: Mistral writes its
-    tags as tokens, in the layout its template shows."""
+    """The format `name` for a tokenizer with these special tokens (by text) and chat template: Mistral and Granite
+    write their tags as tokens, Mistral in the layout its template shows."""
     if name == Mistral.name:
         return Mistral(special_tokens, chat_template)
+    if name == Granite.name:
+        return Granite(special_tokens)
     return {Hermes.name: Hermes, Llama3Json.name: Llama3Json}[name]()
 
 
@@ -288,6 +292,8 @@ def format_for(
     if configured != "auto":
         return make_format(configured, special_tokens, chat_template)
     template = chat_template or ""
+    if GRANITE_TAG in template:
+        return make_format(Granite.name, special_tokens)
     if Hermes.open_tag in template:
         return make_format(Hermes.name)
     if CALLS_TAG in template:

@@ -20,9 +20,9 @@ import secrets
 import string
 from collections.abc import Mapping
 
-from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
-    COMPACT, JSON_PREFIX, CallIds, ParsedCall, call_schema, json_text, text_or_calls,
+    COMPACT, CallIds, ParsedCall, calls_array_schema, content_before_tag, json_calls, json_text, json_value,
+    text_or_calls,
 )
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
 
@@ -78,11 +78,7 @@ class Mistral(CallIds):
 
     def _array(self, functions: list[FunctionDefinition], parallel: bool) -> dict:
         """Before v11: the schema of the array of calls after [TOOL_CALLS]."""
-        items = call_schema(functions, self.arguments_key)
-        del items["x-guidance"]
-        definitions = items.pop("$defs", None)  # at the root, where the references point
-        return {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
-                **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
+        return calls_array_schema(functions, parallel, self.arguments_key)
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
@@ -114,42 +110,19 @@ class Mistral(CallIds):
         return text[:start].rstrip(), calls
 
     def content_until(self, held: str) -> int:
-        """How much of a streamed answer's text held so far goes out as content: what precedes [TOOL_CALLS] or
-        what may become it, and the whitespace before that."""
-        start = held.find(CALLS_TAG)
-        end = start if start >= 0 else len(held) - partial_suffix(held, CALLS_TAG)
-        return len(held[:end].rstrip())
+        """How much of a streamed answer's text held so far goes out as content (call.content_before_tag)."""
+        return content_before_tag(held, CALLS_TAG)
 
 
 def _calls_in(piece: str) -> list[ParsedCall] | None:
     """The calls one [TOOL_CALLS] introduces: a JSON array of them or one call object (before v11), or a name and
     its arguments (v11 and later); None when the piece is anything else."""
     if piece.startswith(("[", "{")):
-        return _json_calls(piece)
+        return json_calls(piece, "arguments")
     match = NAMED_CALL.match(piece)
     if match is None:
         return None
-    arguments = _json_value(piece[match.end() :])
+    arguments = json_value(piece[match.end() :])
     if not isinstance(arguments, dict):
         return None
     return [ParsedCall(match["name"], json_text(arguments))]
-
-
-def _json_calls(piece: str) -> list[ParsedCall] | None:
-    value = _json_value(piece)
-    objects = value if isinstance(value, list) else [value]
-    calls = []
-    for obj in objects:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
-            return None
-        calls.append(ParsedCall(obj["name"], json_text(obj["arguments"])))
-    return calls or None
-
-
-def _json_value(text: str) -> object:
-    """The JSON value that is the whole text (whitespace around it aside), or None."""
-    try:
-        value, end = JSON_PREFIX.raw_decode(text)
-    except json.JSONDecodeError:
-        return None
-    return value if not text[end:].strip() else None

@@ -1,0 +1,64 @@
+"""Granite's tool calls (Granite 3.x, `--tool-call-parser granite`): the answer's calls as one JSON array after the
+<|tool_call|> tag, `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, possibly after some text.
+
+The tag is a control token of Granite's tokenizer, which generated text leaves out: a request read for calls keeps
+it in its text (shown_special_ids), and the calls take it out again; the grammar tool_choice imposes writes it as
+that token. A tokenizer without it has the tag written as text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from services.gateway.tools.call import (
+    CallIds, ParsedCall, calls_array_schema, content_before_tag, json_calls, text_or_calls,
+)
+from services.gateway.tools.tool_request import FunctionDefinition
+
+CALL_TAG = "<|tool_call|>"
+
+
+class Granite(CallIds):
+    name = "granite"
+    arguments_key = "arguments"
+    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+
+    def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
+        self.tag_id = (special_tokens or {}).get(CALL_TAG)
+
+    @property
+    def shown_special_ids(self) -> tuple[int, ...]:
+        """The control token a request read for calls keeps in its text."""
+        return () if self.tag_id is None else (self.tag_id,)
+
+    def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        return f"start: {self._tag()} %json {self._array(functions, parallel)}\n"
+
+    def text_or_calls_grammar(
+        self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+    ) -> str:
+        """Text without the tag, or text then the array of calls of `functions`; neither opens with `block_open`
+        (tools/call.text_or_calls)."""
+        return text_or_calls(CALL_TAG, self.tag_id, f"%json {self._array(functions, parallel)}", None, block_open)
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(the text before the calls, the calls); all text when what follows the tag is not an array of calls."""
+        start = text.find(CALL_TAG)
+        if start < 0:
+            return text, []
+        calls = json_calls(text[start + len(CALL_TAG) :].strip(), self.arguments_key)
+        if calls is None:
+            return text, []
+        return text[:start].rstrip(), calls
+
+    def content_until(self, held: str) -> int:
+        """How much of a streamed answer's text held so far goes out as content (call.content_before_tag)."""
+        return content_before_tag(held, CALL_TAG)
+
+    def _tag(self) -> str:
+        """The tag in a grammar: its token, or its text where the tokenizer has no such token."""
+        return f"<[{self.tag_id}]>" if self.tag_id is not None else json.dumps(CALL_TAG)
+
+    def _array(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        return json.dumps(calls_array_schema(functions, parallel, self.arguments_key))

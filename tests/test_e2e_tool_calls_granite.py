@@ -1,0 +1,70 @@
+"""Tool calls on a Granite checkpoint through the whole mesh (`specmesh up`, real processes and NATS, the openai
+client): its template names the format, a forced call is written after the <|tool_call|> token and comes back as
+OpenAI's tool_calls, the same whole and streamed, and a conversation holding an earlier call and its result renders
+and is answered. A tiny random Granite: the grammar, not the weights, makes the calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.gateway.tools.granite import CALL_TAG
+from services.mesh_process import Mesh, start_mesh
+from tests.demomeshfixture import client_of
+from tests.modelfixture import make_tiny_model_dir
+from tests.test_e2e_tool_calls_mistral import MESSAGES, TIME, WEATHER, _calls, _valid, streamed_calls
+
+pytestmark = pytest.mark.e2e
+
+CONTROL_TOKENS = (CALL_TAG, "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")
+# Written for this test after Granite 3.x's templates: roles between their tags, the assistant's calls as one JSON
+# array after <|tool_call|>, a tool's result in a role of its own.
+TEMPLATE = (
+    "{% if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}<|end_of_text|>{% endif %}"
+    "{% for message in messages %}<|start_of_role|>{{ message.role }}<|end_of_role|>"
+    "{% if message.tool_calls %}<|tool_call|>{{ message.tool_calls | map(attribute='function') | list | tojson }}"
+    "{% else %}{{ message.content }}{% endif %}<|end_of_text|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-granite"), "granite", CONTROL_TOKENS, TEMPLATE)
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", model=model)
+    yield m
+    assert m.stop() == 0, "".join(m.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return client_of(mesh)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
+                                                                   tool_choice) -> None:
+    params = dict(model=mesh.model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=11)
+    whole = client.chat.completions.create(**params).choices[0]
+    assert whole.message.content is None and whole.message.tool_calls, whole
+    calls = _calls(whole.message.tool_calls)
+    assert len(calls) == 1 and _valid(*calls[0]), calls
+    assert whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    assert streamed_calls(client.chat.completions.create(stream=True, **params)) == (calls, whole.finish_reason)
+
+
+def test_a_conversation_with_an_earlier_call_renders(client: openai.OpenAI, mesh: Mesh) -> None:
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_8f2c1d0e9b7a6c5d4e3f2a1b", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_8f2c1d0e9b7a6c5d4e3f2a1b", "content": "Sunny, 21 C"},
+    ]
+    answer = client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER, TIME],
+                                            max_tokens=4, temperature=0)
+    assert answer.usage.prompt_tokens > 0 and answer.choices[0].finish_reason in ("stop", "length", "tool_calls")

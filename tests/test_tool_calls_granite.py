@@ -1,0 +1,127 @@
+"""Granite's tool calls (services/gateway/tools/granite.py) without a model: the array after <|tool_call|> read
+whole and streamed alike, text that is not calls left as text, the format told from Granite's chat template, and
+what the grammars of tool_choice and allowed_tools allow read back as calls, the tag written as its token and kept
+in the detokenizer's text."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from services.detokenizer.incremental import IncrementalDecoder, TokenTable
+from services.gateway.tools.formats import FORMATS, Hermes, format_for
+from services.gateway.tools.granite import CALL_TAG, Granite
+from services.gateway.tools.tool_calls import message_with_calls
+from services.gateway.tools.tool_request import ToolFields
+from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
+from shared.tokenizer import Tokenizer
+from tests.grammarwalk import walk
+from tests.test_tool_calls import _assembled, _streamed
+from tests.test_tool_calls_mistral import EXPECTED, TIME, WEATHER
+
+GRANITE = FORMATS["granite"]
+CALLS = '[{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, {"name": "get_time", "arguments": {}}]'
+# (answer, content) whose calls are EXPECTED
+ANSWERS = [(CALL_TAG + CALLS, ""), ("Let me check. " + CALL_TAG + " " + CALLS, "Let me check.")]
+NOT_CALLS = [
+    "No tools needed: 4.",
+    CALLS,  # the array without the tag is an answer in JSON
+    CALL_TAG + '[{"name": "get_weather"}]',  # no arguments
+    CALL_TAG + '[{"name": "get_weather", "arguments": {"city": ',  # cut short
+    CALL_TAG + "[]",
+]
+# How Granite 3.x's chat templates write an assistant's calls
+TEMPLATE = ("{%- if message.tool_calls %}{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + "
+            "message.tool_calls | tojson + '<|end_of_text|>' }}{%- endif %}")
+
+
+@pytest.mark.parametrize(("answer", "content"), ANSWERS)
+def test_the_array_after_the_tag_reads_the_same_whole_and_in_any_cut(answer: str, content: str) -> None:
+    message = {"role": "assistant", "content": answer}
+    assert message_with_calls(message, "stop", GRANITE) == "tool_calls"
+    assert message["content"] == (content or None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
+    for pieces in ([], [1] * (len(answer) - 1), [3, 11, 7]):
+        assert _assembled(_streamed(answer, pieces, format_name="granite"))[:3] == (content, EXPECTED, "tool_calls")
+
+
+@pytest.mark.parametrize("answer", NOT_CALLS)
+def test_what_is_not_calls_stays_text_whole_and_streamed(answer: str) -> None:
+    message = {"role": "assistant", "content": answer}
+    assert message_with_calls(message, "stop", GRANITE) == "stop" and message["content"] == answer
+    assert _assembled(_streamed(answer, [2] * (len(answer) // 2), format_name="granite"))[:3] == (answer, [], "stop")
+
+
+def test_granites_template_picks_the_format_and_its_tag_token() -> None:
+    fmt = format_for(TEMPLATE, "auto", {CALL_TAG: 49153})
+    assert isinstance(fmt, Granite) and fmt.shown_special_ids == (49153,)
+    assert isinstance(format_for("<tool_call>{{ call | tojson }}</tool_call>", "auto", {}), Hermes)
+    text_tag = Granite({})  # a tokenizer without the tag as a token writes it as text
+    fields = ToolFields(tools=[TIME], tool_choice="required")
+    assert text_tag.shown_special_ids == ()
+    assert text_tag.grammar(fields.callable, False).startswith(f"start: {json.dumps(CALL_TAG)} ")
+
+
+def granite_tokenizer_dir(path: Path) -> Path:
+    """A trained byte-level BPE with Granite's tool-call tag as a special token."""
+    train_tokenizer(["def f(x):\n    return {'city': x}\n" * 40], 300, path)
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([CALL_TAG])
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_what_the_forced_grammar_allows_reads_back_as_calls(tmp_path: Path, tool_choice) -> None:
+    tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
+    fmt = format_for(None, "granite", tokenizer.special_tokens)
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=tool_choice)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.grammar(fields.callable,
+                                                                          fields.forced_calls_parallel)))
+    eos = next(iter(tokenizer.eos_token_ids))
+    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
+    table = TokenTable.from_tokenizer(tokenizer)
+    rng = random.Random(5)
+    for _ in range(8):
+        generated, _ = walk(ll, grammar, tokenizer, rng, drawn_to=(eos,))
+        assert generated[0] == tokenizer.special_tokens[CALL_TAG]
+        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
+        content, calls = fmt.split(text)
+        assert content == "" and calls, text
+        if tool_choice != "required":
+            assert len(calls) == 1
+        for call in calls:
+            arguments = json.loads(call.arguments)
+            if call.name == "get_weather":
+                assert arguments["city"] in ("Paris", "Oslo") and isinstance(arguments["metric"], bool)
+            else:
+                assert call.name == "get_time" and arguments == {}
+
+
+def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: Path) -> None:
+    tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
+    fmt = format_for(None, "granite", tokenizer.special_tokens)
+    allowed = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=allowed)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.text_or_calls_grammar(fields.callable, True)))
+    eos, tag = next(iter(tokenizer.eos_token_ids)), tokenizer.special_tokens[CALL_TAG]
+    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
+    table = TokenTable.from_tokenizer(tokenizer)
+    rng = random.Random(13)
+    answers = {"text": 0, "calls": 0}
+    for _ in range(24):
+        generated, ended = walk(ll, grammar, tokenizer, rng, drawn_to=(tag, eos), draw=0.2, max_tokens=64)
+        if not ended:
+            continue
+        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
+        content, calls = fmt.split(text)
+        assert (tag in generated) == bool(calls) and [call.name for call in calls] == ["get_time"] * len(calls)
+        answers["calls" if calls else "text"] += 1
+    assert answers["text"] and answers["calls"]
