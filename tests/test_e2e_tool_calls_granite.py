@@ -14,7 +14,7 @@ from services.gateway.tools.granite import CALL_TAG
 from services.mesh_process import Mesh, start_mesh
 from tests.demomeshfixture import client_of
 from tests.modelfixture import make_tiny_model_dir
-from tests.test_e2e_tool_calls_mistral import MESSAGES, TIME, WEATHER, _calls, _valid, streamed_calls
+from tests.test_e2e_tool_calls_mistral import MESSAGES, TIME, WEATHER, forced_call
 
 pytestmark = pytest.mark.e2e
 
@@ -47,14 +47,7 @@ def client(mesh: Mesh) -> openai.OpenAI:
                          ids=["required", "named"])
 def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
                                                                    tool_choice) -> None:
-    params = dict(model=mesh.model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                  parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=11)
-    whole = client.chat.completions.create(**params).choices[0]
-    assert whole.message.content is None and whole.message.tool_calls, whole
-    calls = _calls(whole.message.tool_calls)
-    assert len(calls) == 1 and _valid(*calls[0]), calls
-    assert whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
-    assert streamed_calls(client.chat.completions.create(stream=True, **params)) == (calls, whole.finish_reason)
+    forced_call(client, mesh, tool_choice, max_tokens=96)  # a random model's integers run long
 
 
 def test_a_conversation_with_an_earlier_call_renders(client: openai.OpenAI, mesh: Mesh) -> None:

@@ -73,18 +73,26 @@ def _valid(name: str, arguments: dict) -> bool:
                          ids=["required", "named"])
 def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
                                                                    tool_choice) -> None:
+    whole = forced_call(client, mesh, tool_choice, max_tokens=48)
+    assert all(len(c.id) == CALL_ID_CHARS and c.id.isalnum() for c in whole.message.tool_calls)
+
+
+def forced_call(client: openai.OpenAI, mesh: Mesh, tool_choice, max_tokens: int):
+    """The choice of a seeded chat request whose `tool_choice` forces one call of WEATHER or TIME, checked: a valid
+    call and no content, finish_reason `tool_calls` (`stop` for a named function, as OpenAI answers), and the same
+    call and finish streamed."""
     params = dict(model=mesh.model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                  parallel_tool_calls=False, max_tokens=48, temperature=1.0, seed=11)
+                  parallel_tool_calls=False, max_tokens=max_tokens, temperature=1.0, seed=11)
     whole = client.chat.completions.create(**params).choices[0]
     assert whole.message.content is None and whole.message.tool_calls, whole
     calls = _calls(whole.message.tool_calls)
     assert len(calls) == 1 and _valid(*calls[0]), calls
     if tool_choice != "required":
-        assert calls[0][0] == "get_weather" and whole.finish_reason == "stop"  # named: OpenAI's "stop"
+        assert calls[0][0] == "get_weather" and whole.finish_reason == "stop"
     else:
         assert whole.finish_reason == "tool_calls"
-    assert all(len(c.id) == CALL_ID_CHARS and c.id.isalnum() for c in whole.message.tool_calls)
     assert streamed_calls(client.chat.completions.create(stream=True, **params)) == (calls, whole.finish_reason)
+    return whole
 
 
 def streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:

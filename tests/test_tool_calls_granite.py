@@ -6,26 +6,24 @@ in the detokenizer's text."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.detokenizer.incremental import IncrementalDecoder, TokenTable
 from services.gateway.tools.formats import FORMATS, Hermes, format_for
 from services.gateway.tools.granite import CALL_TAG, Granite
 from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
-from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
-from tests.grammarwalk import walk
+from tests.toolgrammar import TIME, check_allowed_auto, forced_answers
 from tests.test_tool_calls import _assembled, _streamed
-from tests.test_tool_calls_mistral import EXPECTED, TIME, WEATHER
+from tests.test_tool_calls_mistral import EXPECTED
 
 GRANITE = FORMATS["granite"]
-CALLS = '[{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, {"name": "get_time", "arguments": {}}]'
+CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, '
+         '{"name": "get_time", "arguments": {}}]')
 # (answer, content) whose calls are EXPECTED
 ANSWERS = [(CALL_TAG + CALLS, ""), ("Let me check. " + CALL_TAG + " " + CALLS, "Let me check.")]
 NOT_CALLS = [
@@ -80,48 +78,10 @@ def granite_tokenizer_dir(path: Path) -> Path:
                          ids=["required", "named"])
 def test_what_the_forced_grammar_allows_reads_back_as_calls(tmp_path: Path, tool_choice) -> None:
     tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
-    fmt = format_for(None, "granite", tokenizer.special_tokens)
-    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=tool_choice)
-    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.grammar(fields.callable,
-                                                                          fields.forced_calls_parallel)))
-    eos = next(iter(tokenizer.eos_token_ids))
-    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
-    table = TokenTable.from_tokenizer(tokenizer)
-    rng = random.Random(5)
-    for _ in range(8):
-        generated, _ = walk(ll, grammar, tokenizer, rng, drawn_to=(eos,))
-        assert generated[0] == tokenizer.special_tokens[CALL_TAG]
-        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
-        content, calls = fmt.split(text)
-        assert content == "" and calls, text
-        if tool_choice != "required":
-            assert len(calls) == 1
-        for call in calls:
-            arguments = json.loads(call.arguments)
-            if call.name == "get_weather":
-                assert arguments["city"] in ("Paris", "Oslo") and isinstance(arguments["metric"], bool)
-            else:
-                assert call.name == "get_time" and arguments == {}
+    assert forced_answers(format_for(None, "granite", tokenizer.special_tokens), tokenizer, CALL_TAG, tool_choice,
+                          tmp_path)
 
 
 def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: Path) -> None:
     tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
-    fmt = format_for(None, "granite", tokenizer.special_tokens)
-    allowed = {"type": "allowed_tools", "allowed_tools": {
-        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
-    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=allowed)
-    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.text_or_calls_grammar(fields.callable, True)))
-    eos, tag = next(iter(tokenizer.eos_token_ids)), tokenizer.special_tokens[CALL_TAG]
-    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
-    table = TokenTable.from_tokenizer(tokenizer)
-    rng = random.Random(13)
-    answers = {"text": 0, "calls": 0}
-    for _ in range(24):
-        generated, ended = walk(ll, grammar, tokenizer, rng, drawn_to=(tag, eos), draw=0.2, max_tokens=64)
-        if not ended:
-            continue
-        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
-        content, calls = fmt.split(text)
-        assert (tag in generated) == bool(calls) and [call.name for call in calls] == ["get_time"] * len(calls)
-        answers["calls" if calls else "text"] += 1
-    assert answers["text"] and answers["calls"]
+    check_allowed_auto(format_for(None, "granite", tokenizer.special_tokens), tokenizer, CALL_TAG, tmp_path)

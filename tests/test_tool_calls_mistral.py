@@ -6,7 +6,6 @@ text where it leaves other control tokens out."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -14,24 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.detokenizer.incremental import IncrementalDecoder, TokenTable
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.tools.formats import FORMATS, format_for
 from services.gateway.tools.mistral import ARGS_TAG, CALL_ID_CHARS, CALLS_TAG, TAGS, Mistral
 from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
-from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
-from tests.grammarwalk import walk
+from tests.toolgrammar import TIME, check_allowed_auto, forced_answers
 from tests.test_tool_calls import _assembled, _streamed
 
 MISTRAL = FORMATS["mistral"]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
-    "required": ["city", "metric"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {}, "additionalProperties": False}}}
 EXPECTED = [("get_weather", {"city": "Paris", "metric": True}), ("get_time", {})]
 # (answer, content) whose calls are EXPECTED
 ANSWERS = [
@@ -108,32 +100,13 @@ def mistral_tokenizer_dir(path: Path, per_call_tags: bool = True) -> Path:
                          ids=["required", "named"])
 def test_what_the_grammar_allows_reads_back_as_calls(tmp_path: Path, per_call_tags: bool, tool_choice) -> None:
     """Random walks through the forced-call grammar: the tags are their tokens, kept in the text the detokenizer
-    makes, and every answer the grammar ends reads as calls of the offered functions with schema-valid arguments."""
+    makes, and every answer the grammar ends reads as calls of the offered functions with schema-valid arguments
+    (tests/toolgrammar.py), in the layout of the tokenizer's version."""
     tokenizer = Tokenizer(mistral_tokenizer_dir(tmp_path, per_call_tags))
     fmt = format_for(None, "mistral", tokenizer.special_tokens)
     assert fmt.per_call_tags is per_call_tags and len(fmt.shown_special_ids) == (3 if per_call_tags else 1)
-    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=tool_choice)
-    spec = fmt.grammar(fields.callable, fields.forced_calls_parallel)
-    grammar = grammar_of(StructuredOutput(kind="grammar", spec=spec))
-    eos = next(iter(tokenizer.eos_token_ids))
-    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
-    table = TokenTable.from_tokenizer(tokenizer)
-    rng = random.Random(7)
-    for _ in range(8):
-        generated, _ = walk(ll, grammar, tokenizer, rng, drawn_to=(eos,))
-        assert generated[0] == tokenizer.special_tokens[CALLS_TAG]
-        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
-        content, calls = fmt.split(text)
-        assert content == "" and calls, text
-        if tool_choice != "required":
-            assert len(calls) == 1
-        for call in calls:
-            arguments = json.loads(call.arguments)
-            if call.name == "get_weather":
-                assert arguments["city"] in ("Paris", "Oslo") and isinstance(arguments["metric"], bool)
-            else:
-                assert call.name == "get_time" and arguments == {}
-        assert (ARGS_TAG in text) is per_call_tags
+    texts = forced_answers(fmt, tokenizer, CALLS_TAG, tool_choice, tmp_path)
+    assert texts and all((ARGS_TAG in text) is per_call_tags for text in texts)
 
 
 def test_a_template_that_writes_calls_without_args_picks_the_layout_before_v11() -> None:
@@ -158,26 +131,6 @@ def test_a_tokenizer_without_the_tags_writes_them_as_text() -> None:
 
 @pytest.mark.parametrize("per_call_tags", [True, False], ids=["v11", "before-v11"])
 def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: Path, per_call_tags: bool) -> None:
-    """Random walks through allowed_tools auto's grammar, drawn to the tag: an answer is text without the tag's
-    text, or calls after its token, and every call the answer reads as names the allowed function."""
+    """Random walks through allowed_tools auto's grammar, drawn to the tag (tests/toolgrammar.py)."""
     tokenizer = Tokenizer(mistral_tokenizer_dir(tmp_path, per_call_tags))
-    fmt = format_for(None, "mistral", tokenizer.special_tokens)
-    allowed = {"type": "allowed_tools", "allowed_tools": {
-        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
-    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=allowed)
-    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.text_or_calls_grammar(fields.callable, True)))
-    eos = next(iter(tokenizer.eos_token_ids))
-    tag = tokenizer.special_tokens[CALLS_TAG]
-    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, (eos,))
-    table = TokenTable.from_tokenizer(tokenizer)
-    rng = random.Random(11)
-    answers = {"text": 0, "calls": 0}
-    for _ in range(24):
-        generated, ended = walk(ll, grammar, tokenizer, rng, drawn_to=(tag, eos), draw=0.2, max_tokens=64)
-        if not ended:
-            continue  # cut short: a call cut so is read as text (NOT_CALLS)
-        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
-        content, calls = fmt.split(text)
-        assert (tag in generated) == bool(calls) and [call.name for call in calls] == ["get_time"] * len(calls)
-        answers["calls" if calls else "text"] += 1
-    assert answers["text"] and answers["calls"]
+    check_allowed_auto(format_for(None, "mistral", tokenizer.special_tokens), tokenizer, CALLS_TAG, tmp_path)
