@@ -3,7 +3,8 @@
 Python 3.11's asyncio.wait_for, which every nats-py request waits in, returns the reply instead of raising when the
 cancellation lands in the step its reply arrived (fixed in 3.12): the task goes on as if never cancelled. A task
 waited for after its cancel (a background response's run, a request's prompts still being submitted) would then
-hold its waiter until it ended on its own, ten minutes for a request no worker takes.
+hold its waiter until it ended on its own, ten minutes for a request no worker takes. (The worker's fetch loops,
+which hold no deep call paths, check `cancelling()` after each fetch instead: queue_worker.fetch_loop.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ CANCEL_REPEAT_S = 0.5  # how long a task has to take a cancellation before it is
 
 async def cancel_until_done(task: asyncio.Task, cancellable: Callable[[], bool] = lambda: True) -> None:
     """Cancels `task` until it ends; not again once `cancellable()` is false (it took the cancellation and is
-    ending, which another cancellation would cut short)."""
+    ending, which another cancellation would cut short). An error it ended with is the owner's to read, if any: it
+    is not logged as never retrieved."""
     while not task.done():
         if cancellable():
             task.cancel()
         await asyncio.wait([task], timeout=CANCEL_REPEAT_S)
+    if not task.cancelled():
+        task.exception()
