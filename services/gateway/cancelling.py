@@ -10,7 +10,10 @@ which hold no deep call paths, check `cancelling()` after each fetch instead: qu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CANCEL_REPEAT_S = 0.5  # how long a task has to take a cancellation before it is cancelled again
 
@@ -25,3 +28,22 @@ async def cancel_until_done(task: asyncio.Task, cancellable: Callable[[], bool] 
         await asyncio.wait([task], timeout=CANCEL_REPEAT_S)
     if not task.cancelled():
         task.exception()
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Awaits `aw`, on a task of its own, to its end however often the caller is cancelled meanwhile (asyncio.shield
+    alone returns at the first cancellation, the clean-up still running); then raises the cancellation, if any."""
+    inner = asyncio.ensure_future(aw)
+    cancelled = False
+    while not inner.done():
+        try:
+            await asyncio.shield(inner)
+        except asyncio.CancelledError:
+            if inner.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the cancellation is what the caller hears
+        raise asyncio.CancelledError
+    return inner.result()

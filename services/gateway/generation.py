@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from services.gateway import metrics
 from services.gateway.admission import Admission
+from services.gateway.cancelling import to_the_end
 from shared.prefix_router import PrefixRouter
 from services.gateway.aggregate import Api
 from services.gateway.answer import answer
@@ -196,11 +197,12 @@ class Generator:
                         raise
                     finally:
                         # Every way out (a client gone while the detokenizer's answer was awaited included) frees
-                        # what the mesh still holds; shielded, so a second cancellation cannot cut it short. An
+                        # what the mesh still holds, to its end whatever cancellations follow (a background run's
+                        # are repeated, cancelling.py): the places go back only once the mesh was told. An
                         # answer given whole holds nothing: no await, where a client closing its connection at once
                         # would cancel a request that succeeded (counted as a disconnect).
                         if submission.holds(chunks.unfinished):
-                            await asyncio.shield(submission.close(chunks.unfinished, reason))
+                            await to_the_end(submission.close(chunks.unfinished, reason))
         finally:
             metrics.IN_FLIGHT.dec()
 
