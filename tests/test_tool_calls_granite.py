@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import llguidance
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.gateway.tools.formats import FORMATS, Hermes, format_for
-from services.gateway.tools.granite import CALL_TAG, Granite
+from services.gateway.tools.granite import CALL_TAG, TEXT_TAG, Granite
 from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
-from tests.toolgrammar import TIME, check_allowed_auto, forced_answers
+from tests.toolgrammar import ALLOWED_TIME, TIME, WEATHER, check_allowed_auto, forced_answers
 from tests.test_tool_calls import _assembled, _streamed
 from tests.test_tool_calls_mistral import EXPECTED
 
@@ -25,13 +27,17 @@ GRANITE = FORMATS["granite"]
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, '
          '{"name": "get_time", "arguments": {}}]')
 # (answer, content) whose calls are EXPECTED
-ANSWERS = [(CALL_TAG + CALLS, ""), ("Let me check. " + CALL_TAG + " " + CALLS, "Let me check.")]
+ANSWERS = [
+    (CALL_TAG + CALLS, ""), ("Let me check. " + CALL_TAG + " " + CALLS, "Let me check."),
+    (TEXT_TAG + CALLS, ""), ("Let me check.\n" + TEXT_TAG + CALLS, "Let me check."),  # Granite 3.1's spelling
+]
 NOT_CALLS = [
     "No tools needed: 4.",
     CALLS,  # the array without the tag is an answer in JSON
     CALL_TAG + '[{"name": "get_weather"}]',  # no arguments
     CALL_TAG + '[{"name": "get_weather", "arguments": {"city": ',  # cut short
     CALL_TAG + "[]",
+    TEXT_TAG + "get_time()",
 ]
 # How Granite 3.x's chat templates write an assistant's calls
 TEMPLATE = ("{%- if message.tool_calls %}{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + "
@@ -85,3 +91,17 @@ def test_what_the_forced_grammar_allows_reads_back_as_calls(tmp_path: Path, tool
 def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tools(tmp_path: Path) -> None:
     tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
     check_allowed_auto(format_for(None, "granite", tokenizer.special_tokens), tokenizer, CALL_TAG, tmp_path)
+
+
+def test_allowed_auto_text_holds_neither_spelling_of_the_tag(tmp_path: Path) -> None:
+    """Text that opened calls by Granite 3.1's spelling would read as calls of any tool, allowed or not: the grammar
+    of allowed_tools auto rules it out as it rules out the token's text."""
+    tokenizer = Tokenizer(granite_tokenizer_dir(tmp_path))
+    fmt = format_for(None, "granite", tokenizer.special_tokens)
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=ALLOWED_TIME)
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=fmt.text_or_calls_grammar(fields.callable, True)))
+    ll = ll_tokenizer(tmp_path, tokenizer.vocab_size, tuple(tokenizer.eos_token_ids))
+    for text, allowed in [("Sunny today.", True), ("Sure. " + TEXT_TAG + CALLS, False),
+                          ("Sure. " + CALL_TAG + CALLS, False)]:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert (llguidance.LLMatcher(ll, grammar).validate_tokens(tokens) == len(tokens)) is allowed, text

@@ -43,7 +43,7 @@ def call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict
 
 def text_or_calls(
     tag: str, tag_token: int | None, call: str, between: str | None, block_open: str | None = None,
-    block_close: str | None = None,
+    block_close: str | None = None, also_not: tuple[str, ...] = (),
 ) -> str:
     """The Lark grammar of an answer that is text, or text then calls: text never holds the calls' opening `tag`
     (as its text: a tag's text in an answer reads as a call either way), and the tag is followed by `call` (Lark:
@@ -52,16 +52,18 @@ def text_or_calls(
     `block_open`: the text tag of a reasoning block the answer may open with, which neither the text nor the text
     before a call opens with (reasoning/parser.opening_tag); with `block_close`, this grammar reads the block
     itself, as a format that reads no calls in it does (Hermes), so that a tag the model thinks about is not made a
-    call."""
+    call. `also_not`: other texts that open calls in the format (another spelling of the tag), which the text never
+    holds either."""
     tag_regex = lark_regex_literal(tag)
-    not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
-    lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{not_block}\n"
+    excluded = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+    excluded += "".join(f" & ~/(.|\\n)*{lark_regex_literal(other)}(.|\\n)*/" for other in also_not)
+    lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{excluded}\n"
     if tag_token is None:
         # The text before a call, tag included, is one lazy lexeme: a greedy one would run into the tag and find no
         # way out of it (text may not hold the tag, and the call's lexeme cannot start inside it). Only a rule
         # takes `lazy`, only a token `&`: the rule is the token.
         tag_lark, opening = json.dumps(tag), "opened"
-        lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{not_block}\n"
+        lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{excluded}\n"
     else:
         # A special token: no text lexeme holds it, so the text ends where it comes.
         tag_lark = f"<[{tag_token}]>"

@@ -1,9 +1,11 @@
 """Granite's tool calls (Granite 3.x, `--tool-call-parser granite`): the answer's calls as one JSON array after the
-<|tool_call|> tag, `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, possibly after some text.
+<|tool_call|> tag, `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, possibly after some text. Granite 3.1
+writes the tag as the text `<tool_call>` instead (vLLM's granite parser reads both): that opens calls too.
 
 The tag is a control token of Granite's tokenizer, which generated text leaves out: a request read for calls keeps
 it in its text (shown_special_ids), and the calls take it out again; the grammar tool_choice imposes writes it as
-that token. A tokenizer without it has the tag written as text.
+that token, and text under allowed_tools `auto` holds neither spelling. A tokenizer without the token has the tag
+written as text.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from services.gateway.tools.call import (
 from services.gateway.tools.tool_request import FunctionDefinition
 
 CALL_TAG = "<|tool_call|>"
+TEXT_TAG = "<tool_call>"  # Granite 3.1's spelling, as text
 
 
 class Granite(CallIds):
@@ -40,21 +43,25 @@ class Granite(CallIds):
     ) -> str:
         """Text without the tag, or text then the array of calls of `functions`; neither opens with `block_open`
         (tools/call.text_or_calls)."""
-        return text_or_calls(CALL_TAG, self.tag_id, f"%json {self._array(functions, parallel)}", None, block_open)
+        return text_or_calls(CALL_TAG, self.tag_id, f"%json {self._array(functions, parallel)}", None, block_open,
+                             also_not=(TEXT_TAG,))
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text before the calls, the calls); all text when what follows the tag is not an array of calls."""
-        start = text.find(CALL_TAG)
-        if start < 0:
+        """(the text before the calls, the calls); all text when what follows the first tag, in either spelling, is
+        not an array of calls."""
+        found = [(start, tag) for tag in (CALL_TAG, TEXT_TAG) if (start := text.find(tag)) >= 0]
+        if not found:
             return text, []
-        calls = json_calls(text[start + len(CALL_TAG) :].strip(), self.arguments_key)
+        start, tag = min(found)
+        calls = json_calls(text[start + len(tag) :].strip(), self.arguments_key)
         if calls is None:
             return text, []
         return text[:start].rstrip(), calls
 
     def content_until(self, held: str) -> int:
-        """How much of a streamed answer's text held so far goes out as content (call.content_before_tag)."""
-        return content_before_tag(held, CALL_TAG)
+        """How much of a streamed answer's text held so far goes out as content: what precedes either spelling of
+        the tag or what may become one (call.content_before_tag)."""
+        return min(content_before_tag(held, tag) for tag in (CALL_TAG, TEXT_TAG))
 
     def _tag(self) -> str:
         """The tag in a grammar: its token, or its text where the tokenizer has no such token."""
