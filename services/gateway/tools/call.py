@@ -41,6 +41,11 @@ def call_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict
     return {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
 
 
+def grammar_tag(tag: str, token: int | None) -> str:
+    """A tag in a Lark grammar: its special token, or its text where the tokenizer has no such token."""
+    return json.dumps(tag) if token is None else f"<[{token}]>"
+
+
 def text_or_calls(
     tag: str, tag_token: int | None, call: str, between: str | None, block_open: str | None = None,
     block_close: str | None = None, also_not: tuple[str, ...] = (),
@@ -58,15 +63,15 @@ def text_or_calls(
     excluded = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
     excluded += "".join(f" & ~/(.|\\n)*{lark_regex_literal(other)}(.|\\n)*/" for other in also_not)
     lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{excluded}\n"
+    tag_lark = grammar_tag(tag, tag_token)
     if tag_token is None:
         # The text before a call, tag included, is one lazy lexeme: a greedy one would run into the tag and find no
         # way out of it (text may not hold the tag, and the call's lexeme cannot start inside it). Only a rule
         # takes `lazy`, only a token `&`: the rule is the token.
-        tag_lark, opening = json.dumps(tag), "opened"
+        opening = "opened"
         lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{excluded}\n"
     else:
         # A special token: no text lexeme holds it, so the text ends where it comes.
-        tag_lark = f"<[{tag_token}]>"
         opening = f"TEXT {tag_lark}"
     more = "" if between is None else f" ({' '.join(filter(None, (between, tag_lark)))} call)*"
     answer = f"TEXT | {opening} call{more}"

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 
 from services.gateway.tools.call import (
-    CallIds, ParsedCall, calls_array_schema, content_before_tag, json_calls, text_or_calls,
+    CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, text_or_calls,
 )
 from services.gateway.tools.tool_request import FunctionDefinition
 
@@ -36,7 +36,7 @@ class Granite(CallIds):
         return () if self.tag_id is None else (self.tag_id,)
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
-        return f"start: {self._tag()} %json {self._array(functions, parallel)}\n"
+        return f"start: {grammar_tag(CALL_TAG, self.tag_id)} %json {self._array(functions, parallel)}\n"
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
@@ -62,10 +62,6 @@ class Granite(CallIds):
         """How much of a streamed answer's text held so far goes out as content: what precedes either spelling of
         the tag or what may become one (call.content_before_tag)."""
         return min(content_before_tag(held, tag) for tag in (CALL_TAG, TEXT_TAG))
-
-    def _tag(self) -> str:
-        """The tag in a grammar: its token, or its text where the tokenizer has no such token."""
-        return f"<[{self.tag_id}]>" if self.tag_id is not None else json.dumps(CALL_TAG)
 
     def _array(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         return json.dumps(calls_array_schema(functions, parallel, self.arguments_key))

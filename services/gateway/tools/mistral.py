@@ -21,8 +21,8 @@ import string
 from collections.abc import Mapping
 
 from services.gateway.tools.call import (
-    COMPACT, CallIds, ParsedCall, calls_array_schema, content_before_tag, json_calls, json_text, json_value,
-    text_or_calls,
+    COMPACT, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, json_text,
+    json_value, text_or_calls,
 )
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
 
@@ -93,8 +93,7 @@ class Mistral(CallIds):
         return text_or_calls(CALLS_TAG, self.tag_ids.get(CALLS_TAG), call, between, block_open)
 
     def _tag(self, tag: str) -> str:
-        """A tag in a grammar: its token, or its text where the tokenizer has no such token."""
-        return f"<[{self.tag_ids[tag]}]>" if tag in self.tag_ids else json.dumps(tag)
+        return grammar_tag(tag, self.tag_ids.get(tag))
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text before the calls, the calls); all text when what follows [TOOL_CALLS] is not calls."""
