@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 
@@ -34,11 +36,13 @@ def _validated() -> asyncio.Event:
     return validated
 
 
-async def _started(runs: BackgroundRuns, store: ResponseStore, response_id: str) -> asyncio.Task:
-    """A run that waits until it is stopped, its entry written queued."""
+async def _started(
+    runs: BackgroundRuns, store: ResponseStore, response_id: str, serve: Coroutine[Any, Any, Any] | None = None
+) -> asyncio.Task:
+    """A run of `serve` (by default one that waits until it is stopped), its entry written queued."""
     run = BackgroundRun(store, _queued(response_id))
     await run.write(run.record.response)
-    return runs.run(run, asyncio.sleep(3600), lambda: None, _validated(), lambda exc: exc)
+    return runs.run(run, serve or asyncio.sleep(3600), lambda: None, _validated(), lambda exc: exc)
 
 
 async def test_a_cancel_reaches_the_gateway_running_the_response(nats_server: NatsServer) -> None:
@@ -81,9 +85,7 @@ async def test_a_run_whose_reply_lands_with_the_cancel_is_cancelled_all_the_same
             await asyncio.wait_for(reply, timeout=60)  # as nats-py's request waits for its reply
             await asyncio.sleep(3600)  # the chunks of a request no worker takes
 
-        run = BackgroundRun(store, _queued("resp_reply"))
-        await run.write(run.record.response)
-        task = runs.run(run, queued_response(), lambda: None, _validated(), lambda exc: exc)
+        task = await _started(runs, store, "resp_reply", queued_response())
         await asyncio.wait_for(asked.wait(), 5)
         reply.set_result(b"held")  # in the same step as the cancel: before the waiter is resumed
         cancelled = await asyncio.wait_for(runs.cancel("resp_reply"), 10)
