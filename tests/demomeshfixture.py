@@ -4,6 +4,7 @@ server options, with an openai client and the demo tokenizer: import the fixture
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,9 +20,11 @@ TOOLS_MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 CLIENT_TIMEOUT_S = 120
 
 
-def running_mesh(tmp_path_factory: pytest.TempPathFactory, *options: str) -> Iterator[Mesh]:
-    """A fixture's body: `specmesh up` with `options`, stopped cleanly after the tests that use it."""
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), *options)
+def running_mesh(
+    tmp_path_factory: pytest.TempPathFactory, *options: str, model: Path = DEFAULT_MODEL_DIR
+) -> Iterator[Mesh]:
+    """A fixture's body: `specmesh up` with `options` on `model`, stopped cleanly after the tests that use it."""
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), *options, model=model)
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
 

@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from services.gateway.tools.granite import CALL_TAG
-from services.mesh_process import Mesh, start_mesh
-from tests.demomeshfixture import client_of
+from services.mesh_process import Mesh
+from tests.demomeshfixture import client_of, running_mesh
 from tests.modelfixture import make_tiny_model_dir
-from tests.test_e2e_tool_calls_mistral import MESSAGES, TIME, WEATHER, forced_call
+from tests.test_e2e_tool_calls_mistral import answers_after_a_call, forced_call
 
 pytestmark = pytest.mark.e2e
 
@@ -33,9 +33,7 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-granite"), "granite", CONTROL_TOKENS, TEMPLATE)
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", model=model)
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
+    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +49,4 @@ def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: opena
 
 
 def test_a_conversation_with_an_earlier_call_renders(client: openai.OpenAI, mesh: Mesh) -> None:
-    messages = [
-        *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_8f2c1d0e9b7a6c5d4e3f2a1b", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-        {"role": "tool", "tool_call_id": "call_8f2c1d0e9b7a6c5d4e3f2a1b", "content": "Sunny, 21 C"},
-    ]
-    answer = client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER, TIME],
-                                            max_tokens=4, temperature=0)
-    assert answer.usage.prompt_tokens > 0 and answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    answers_after_a_call(client, mesh)

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from services.gateway.tools.mistral import CALL_ID_CHARS, TAGS
-from services.mesh_process import Mesh, start_mesh
-from tests.demomeshfixture import client_of
+from services.mesh_process import Mesh
+from tests.demomeshfixture import client_of, running_mesh
 from tests.modelfixture import make_tiny_model_dir
 
 pytestmark = pytest.mark.e2e
@@ -49,9 +49,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), "mistral", CONTROL_TOKENS, TEMPLATE)
-    m = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", model=model)
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
+    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +110,11 @@ def streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
 
 def test_a_conversation_with_other_clients_call_ids_renders(client: openai.OpenAI, mesh: Mesh) -> None:
     """OpenAI's ids (call_ and 24 characters) reach Mistral's template cut to their last nine, as vLLM cuts them."""
+    answers_after_a_call(client, mesh)
+
+
+def answers_after_a_call(client: openai.OpenAI, mesh: Mesh) -> None:
+    """A conversation holding an earlier call, under an id of OpenAI's shape, and its result: rendered and answered."""
     messages = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [

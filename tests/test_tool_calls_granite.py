@@ -12,21 +12,19 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.gateway.tools.formats import FORMATS, Hermes, format_for
+from services.gateway.tools.formats import Hermes, format_for
 from services.gateway.tools.granite import CALL_TAG, TEXT_TAG, Granite
-from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
-from tests.toolgrammar import ALLOWED_TIME, TIME, WEATHER, check_allowed_auto, forced_answers
-from tests.test_tool_calls import _assembled, _streamed
-from tests.test_tool_calls_mistral import EXPECTED
+from tests.toolgrammar import (
+    ALLOWED_TIME, TIME, WEATHER, check_allowed_auto, check_reads_calls, check_stays_text, forced_answers,
+)
 
-GRANITE = FORMATS["granite"]
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, '
          '{"name": "get_time", "arguments": {}}]')
-# (answer, content) whose calls are EXPECTED
+# (answer, content) whose calls are toolgrammar.EXPECTED
 ANSWERS = [
     (CALL_TAG + CALLS, ""), ("Let me check. " + CALL_TAG + " " + CALLS, "Let me check."),
     (TEXT_TAG + CALLS, ""), ("Let me check.\n" + TEXT_TAG + CALLS, "Let me check."),  # Granite 3.1's spelling
@@ -46,19 +44,12 @@ TEMPLATE = ("{%- if message.tool_calls %}{{- '<|start_of_role|>assistant<|end_of
 
 @pytest.mark.parametrize(("answer", "content"), ANSWERS)
 def test_the_array_after_the_tag_reads_the_same_whole_and_in_any_cut(answer: str, content: str) -> None:
-    message = {"role": "assistant", "content": answer}
-    assert message_with_calls(message, "stop", GRANITE) == "tool_calls"
-    assert message["content"] == (content or None)
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
-    for pieces in ([], [1] * (len(answer) - 1), [3, 11, 7]):
-        assert _assembled(_streamed(answer, pieces, format_name="granite"))[:3] == (content, EXPECTED, "tool_calls")
+    check_reads_calls("granite", answer, content)
 
 
 @pytest.mark.parametrize("answer", NOT_CALLS)
 def test_what_is_not_calls_stays_text_whole_and_streamed(answer: str) -> None:
-    message = {"role": "assistant", "content": answer}
-    assert message_with_calls(message, "stop", GRANITE) == "stop" and message["content"] == answer
-    assert _assembled(_streamed(answer, [2] * (len(answer) // 2), format_name="granite"))[:3] == (answer, [], "stop")
+    check_stays_text("granite", answer)
 
 
 def test_granites_template_picks_the_format_and_its_tag_token() -> None:

@@ -20,12 +20,13 @@ from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
 from shared.tokenizer import Tokenizer
-from tests.toolgrammar import TIME, check_allowed_auto, forced_answers
+from tests.toolgrammar import (
+    EXPECTED, TIME, check_allowed_auto, check_reads_calls, check_stays_text, forced_answers,
+)
 from tests.test_tool_calls import _assembled, _streamed
 
 MISTRAL = FORMATS["mistral"]
-EXPECTED = [("get_weather", {"city": "Paris", "metric": True}), ("get_time", {})]
-# (answer, content) whose calls are EXPECTED
+# (answer, content) whose calls are toolgrammar.EXPECTED
 ANSWERS = [
     # Before v11: one array after the tag
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}, '
@@ -48,19 +49,12 @@ NOT_CALLS = [
 
 @pytest.mark.parametrize(("answer", "content"), ANSWERS)
 def test_both_layouts_read_the_same_whole_and_in_any_cut(answer: str, content: str) -> None:
-    message = {"role": "assistant", "content": answer}
-    assert message_with_calls(message, "stop", MISTRAL) == "tool_calls"
-    assert message["content"] == (content or None)
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
-    for pieces in ([], [1] * (len(answer) - 1), [3, 11, 7]):
-        assert _assembled(_streamed(answer, pieces, format_name="mistral"))[:3] == (content, EXPECTED, "tool_calls")
+    check_reads_calls("mistral", answer, content)
 
 
 @pytest.mark.parametrize("answer", NOT_CALLS)
 def test_what_is_not_calls_stays_text_whole_and_streamed(answer: str) -> None:
-    message = {"role": "assistant", "content": answer}
-    assert message_with_calls(message, "stop", MISTRAL) == "stop" and message["content"] == answer
-    assert _assembled(_streamed(answer, [2] * (len(answer) // 2), format_name="mistral"))[:3] == (answer, [], "stop")
+    check_stays_text("mistral", answer)
 
 
 @settings(max_examples=60, deadline=None)

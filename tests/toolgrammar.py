@@ -1,6 +1,7 @@
-"""What the tests of the tool-call formats whose calls follow a control tag (Mistral, Granite) share: two tools, and
-random walks through the grammars tool_choice imposes, token by token as the worker's masks would let a model write,
-read back by the format."""
+"""What the tests of the tool-call formats whose calls follow a control tag (Mistral, Granite) share: two tools and
+the calls of them an answer holds, reading an answer whole and streamed in any cut, and random walks through the
+grammars tool_choice imposes, token by token as the worker's masks would let a model write, read back by the
+format."""
 
 from __future__ import annotations
 
@@ -12,18 +13,39 @@ import llguidance
 import torch
 
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
-from services.gateway.tools.formats import ToolFormat
+from services.gateway.tools.formats import FORMATS, ToolFormat
+from services.gateway.tools.tool_calls import message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
+from tests.test_tool_calls import _assembled, _streamed
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
     "required": ["city", "metric"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
+EXPECTED = [("get_weather", {"city": "Paris", "metric": True}), ("get_time", {})]  # the calls the answers hold
 ALLOWED_TIME = {"type": "allowed_tools", "allowed_tools": {
     "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+
+
+def check_reads_calls(format_name: str, answer: str, content: str) -> None:
+    """`answer` holds EXPECTED after `content`: read so whole (finish_reason tool_calls), and streamed in any cut."""
+    message = {"role": "assistant", "content": answer}
+    assert message_with_calls(message, "stop", FORMATS[format_name]) == "tool_calls"
+    assert message["content"] == (content or None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == EXPECTED
+    for pieces in ([], [1] * (len(answer) - 1), [3, 11, 7]):
+        assert _assembled(_streamed(answer, pieces, format_name=format_name))[:3] == (content, EXPECTED, "tool_calls")
+
+
+def check_stays_text(format_name: str, answer: str) -> None:
+    """`answer` holds no calls: all of it content, whole and streamed."""
+    message = {"role": "assistant", "content": answer}
+    assert message_with_calls(message, "stop", FORMATS[format_name]) == "stop" and message["content"] == answer
+    pieces = [2] * (len(answer) // 2)
+    assert _assembled(_streamed(answer, pieces, format_name=format_name))[:3] == (answer, [], "stop")
 
 
 def walk(
