@@ -131,6 +131,13 @@ def _stores_responses() -> tuple[str, ...]:
     )
 
 
+def _logs_response_events() -> tuple[str, ...]:
+    """services/gateway/responses/event_log.py: look the stream up (streams.wait_for), append a background response's
+    events to it, read them back by direct gets, and hear new ones as they are appended."""
+    stream = subjects.RESPONSE_EVENTS_STREAM
+    return _stream_info(stream), subjects.response_events(ANY_TOKEN), f"{JS_API}.DIRECT.GET.{stream}"
+
+
 def _inbox(role: NatsRole) -> str:
     return f"{inbox_prefix(role)}.{ANY_REST}"
 
@@ -141,11 +148,11 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         publish=(
             subjects.REQUESTS, subjects.DETOK_OPEN, subjects.CANCEL, subjects.held(ANY_TOKEN),
             *_gateway_waits_for_streams(), subjects.ROUTED_SUBJECTS, subjects.cache_sync(ANY_TOKEN),
-            *_stores_responses(), subjects.CANCEL_BACKGROUND,
+            *_stores_responses(), subjects.CANCEL_BACKGROUND, *_logs_response_events(),
         ),
         subscribe=(
             subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
-            subjects.worker_state(ANY_TOKEN), subjects.CANCEL_BACKGROUND,
+            subjects.worker_state(ANY_TOKEN), subjects.CANCEL_BACKGROUND, subjects.response_events(ANY_TOKEN),
         ),
         allow_responses=True,  # the gateway running a background response answers a cancel for it
     ),

@@ -67,6 +67,7 @@ class Needed:
 
 GATEWAY_NEEDS = (
     Needed(subjects.REQUEST_STREAM), Needed(subjects.ROUTED_STREAM), Needed(subjects.RESPONSE_STREAM),
+    Needed(subjects.RESPONSE_EVENTS_STREAM),
 )
 WORKER_NEEDS = (
     Needed(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER),
@@ -108,6 +109,16 @@ def _response_store(limits: StreamLimits) -> StreamConfig:
     )
 
 
+def _response_events(limits: StreamLimits) -> StreamConfig:
+    """Background responses' streaming events (services/gateway/responses/event_log.py), kept as long as the
+    responses are and within as many bytes again, the oldest dropped first; read back by direct gets."""
+    return StreamConfig(
+        name=subjects.RESPONSE_EVENTS_STREAM, subjects=[subjects.response_events("*")],
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=limits.response_store_max_age_s,
+        max_bytes=limits.response_store_max_bytes, discard=DiscardPolicy.OLD, allow_direct=True,
+    )
+
+
 async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
@@ -118,14 +129,15 @@ async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_streams(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> None:
-    """Creates the request, routed and dead-letter streams and their shared consumers, and the response store, or
-    brings existing ones to this configuration. Needs the admin user."""
+    """Creates the request, routed and dead-letter streams and their shared consumers, the response store and the
+    background responses' event log, or brings existing ones to this configuration. Needs the admin user."""
     await _create_or_update(js, _work_queue(subjects.REQUEST_STREAM, list(subjects.REQUEST_SUBJECTS), limits))
     await js.add_consumer(subjects.REQUEST_STREAM, request_consumer_config(subjects.WORKER_CONSUMER))
     await _create_or_update(js, _work_queue(subjects.ROUTED_STREAM, [subjects.ROUTED_SUBJECTS], limits))
     await _create_or_update(js, _dead_letters())
     await js.add_consumer(subjects.DEAD_LETTER_STREAM, _dead_letter_consumer())
     await _create_or_update(js, _response_store(limits))
+    await _create_or_update(js, _response_events(limits))
 
 
 async def _missing(js: JetStreamContext, needs: tuple[Needed, ...]) -> list[Needed]:

@@ -115,3 +115,11 @@ RESPONSE_BUCKET = "specmesh_responses"
 CANCEL_BACKGROUND = f"{PREFIX}.background.cancel"
 RESPONSE_STREAM = f"KV_{RESPONSE_BUCKET}"  # the bucket's stream, as JetStream names it
 RESPONSE_KEYS = f"$KV.{RESPONSE_BUCKET}.>"  # the subjects its entries are put and deleted on
+# A background response created with `stream: true` keeps its streaming events, so that any gateway can stream them
+# again from where a client's connection dropped (GET /v1/responses/{id}?stream=true&starting_after=N,
+# services/gateway/responses/event_log.py): gateway -> JetStream, a subject per response; body: a JSON list of events.
+RESPONSE_EVENTS_STREAM = "SPECMESH_RESPONSE_EVENTS"
+
+
+def response_events(response_id: str) -> str:
+    return f"{PREFIX}.response_events.{response_id}"

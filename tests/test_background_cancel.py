@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.background import STOPPED, BackgroundRun, BackgroundRuns
 from services.gateway.responses.store import STALE_AFTER_S, ResponseStore, StoredRecord
 from services.gateway.limits import GatewayLimits
@@ -24,10 +25,15 @@ from tests.natsfixture import NatsServer, nats_server
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find
 
 
+def _output(response_id: str) -> ResponseOutput:
+    output = ResponseOutput(response_id, int(time.time()), {"background": True}, with_logprobs=False)
+    output.status = "queued"
+    return output
+
+
 def _queued(response_id: str) -> StoredRecord:
-    response = {"id": response_id, "object": "response", "status": "queued", "background": True, "error": None,
-                "output": [], "usage": None}
-    return StoredRecord(response, [{"role": "user", "content": "hi"}], [], heartbeat=time.time())
+    return StoredRecord(_output(response_id).snapshot(), [{"role": "user", "content": "hi"}], [],
+                        heartbeat=time.time())
 
 
 def _validated() -> asyncio.Event:
@@ -40,9 +46,10 @@ async def _started(
     runs: BackgroundRuns, store: ResponseStore, response_id: str, serve: Coroutine[Any, Any, Any] | None = None
 ) -> asyncio.Task:
     """A run of `serve` (by default one that waits until it is stopped), its entry written queued."""
-    run = BackgroundRun(store, _queued(response_id))
+    output = _output(response_id)
+    run = BackgroundRun(store, StoredRecord(output.snapshot(), [], [], heartbeat=time.time()))
     await run.write(run.record.response)
-    return runs.run(run, serve or asyncio.sleep(3600), lambda: None, _validated(), lambda exc: exc)
+    return runs.run(run, serve or asyncio.sleep(3600), lambda: output, _validated(), lambda exc: exc)
 
 
 async def test_a_cancel_reaches_the_gateway_running_the_response(nats_server: NatsServer) -> None:

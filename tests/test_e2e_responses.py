@@ -1,7 +1,7 @@
 """POST /v1/responses through the whole mesh with the real openai client (`client.responses`): the same tokens as the
 chat completion it stands for, streamed events that add up to the whole response, function calls out and their
-outputs back in, allowed_tools, JSON schemas through `responses.parse`, logprobs, and errors naming the Responses
-parameter."""
+outputs back in, allowed_tools, JSON schemas through `responses.parse`, logprobs, background responses polled,
+cancelled and streamed (picked up again after the client left), and errors naming the Responses parameter."""
 
 from __future__ import annotations
 
@@ -152,7 +152,6 @@ def test_logprobs_come_with_the_output_text(mesh: Mesh, client: openai.OpenAI, s
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"background": True, "store": False}, "store"),
-    ({"background": True, "stream": True}, "stream"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nothing"}}}}, "text.format"),
     ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "x"}]}, "input.[0].call_id"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.tools"),
@@ -243,6 +242,53 @@ def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_can
     with pytest.raises(openai.BadRequestError) as refused:  # checked before it is answered: nothing is stored
         client.responses.create(**{**asked, "max_output_tokens": 100_000}, background=True)
     assert refused.value.body["param"] == "max_output_tokens"
+
+
+def test_a_streamed_background_response_is_picked_up_where_its_client_left(
+    mesh: Mesh, client: openai.OpenAI
+) -> None:
+    """OpenAI's resumable streaming: the client that drops its stream reads the rest from `starting_after` the last
+    event it had, and the whole stream can be read again; the response ran on meanwhile, to the foreground's text."""
+    asked = dict(model=mesh.model, input=PROMPT, max_output_tokens=24, temperature=0)
+    foreground = client.responses.create(**asked)
+    first: list[Any] = []
+    with client.responses.create(**asked, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if len(first) == 6:
+                break  # the connection drops
+    response_id = first[0].response.id
+    assert [event.type for event in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0].response.status == "queued" and first[0].response.background is True
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == foreground.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [event.model_dump() for event in again] == [event.model_dump() for event in events]
+    assert client.responses.retrieve(response_id).output_text == foreground.output_text
+    with pytest.raises(openai.BadRequestError) as after_what:
+        client.responses.retrieve(response_id, starting_after=3)  # without stream
+    assert after_what.value.body["param"] == "starting_after"
+    with pytest.raises(openai.BadRequestError) as foreground_stream:
+        client.responses.retrieve(foreground.id, stream=True)
+    assert foreground_stream.value.body["param"] == "stream"
+
+
+def test_a_streamed_background_response_cancelled_midway_ends_its_stream(mesh: Mesh, client: openai.OpenAI) -> None:
+    stream = client.responses.create(model=mesh.model, input=PROMPT, max_output_tokens=900, temperature=0,
+                                     background=True, stream=True, extra_body={"ignore_eos": True})
+    events: list[Any] = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta" and len(events) == 8:
+            assert client.responses.cancel(events[0].response.id).status == "cancelled"
+    kinds = [event.type for event in events]
+    assert kinds[-1] == "response.output_item.done" and events[-1].item.status == "incomplete"
+    assert not {"response.completed", "response.incomplete", "response.failed"} & set(kinds)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert client.responses.retrieve(events[0].response.id).status == "cancelled"
 
 
 def test_a_calls_output_continues_the_stored_response_that_made_the_call(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from nats.js.api import DiscardPolicy
 
 from services import cli, launcher
 from shared import streams, subjects
@@ -62,6 +63,8 @@ async def test_declaring_again_sets_the_limits_of_existing_streams(nats_server_w
             assert (config.max_msgs, config.max_bytes, config.max_age) == (7, 1 << 20, 60.0)
         store = (await js.stream_info(subjects.RESPONSE_STREAM)).config
         assert (store.max_age, store.max_bytes, store.max_msgs_per_subject) == (120.0, 1 << 21, 1)
+        events = (await js.stream_info(subjects.RESPONSE_EVENTS_STREAM)).config  # kept as long as the responses
+        assert (events.max_age, events.max_bytes, events.discard) == (120.0, 1 << 21, DiscardPolicy.OLD)
         consumer = (await js.consumer_info(subjects.REQUEST_STREAM, subjects.WORKER_CONSUMER)).config
         assert consumer.filter_subject is None  # the shared consumer takes every request subject
     finally:

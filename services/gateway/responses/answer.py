@@ -1,6 +1,7 @@
 """A Responses request's answer: its chat answer's chunks, split by the reasoning parser and the tool-call reader as a
 chat answer's are, made into output items (output.py), and sent as the Responses API's named server-sent events or as
-one response object.
+one response object; a streamed background response's events go to the event log (event_log.py) instead, for its
+clients to read from there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from services.gateway.errors import SERVER_ERROR, OpenAIError
 from services.gateway.in_flight import Generation
 from services.gateway.latency import ResponseLatency
 from services.gateway.reasoning.parser import ReasoningFormat
-from services.gateway.responses.output import ResponseOutput, responses_usage
+from services.gateway.responses.output import Event, ResponseOutput, responses_usage
 from services.gateway.router import ResponseStream
 from services.gateway.tools.formats import ToolFormat
 
@@ -31,6 +32,8 @@ INTERNAL_ERROR = 500
 ReasoningCounter = Callable[[list[int], str], int]
 # Keeps a finished response (store.py) before the client hears it is done; False where it could not.
 Keeper = Callable[[ResponseOutput], Awaitable[bool]]
+# Takes a background response's events in order (event_log.EventWriter.put).
+EventSink = Callable[[list[Event]], None]
 
 
 RESPONSE_ID_PREFIX = "resp_"
@@ -46,9 +49,10 @@ class ResponsesAnswer:
     with_draft_logprobs: bool
     count_reasoning: ReasoningCounter
     keep: Keeper | None = None  # store: true
+    # Made before the request runs (a background response, queued); else once its answer begins
     output: ResponseOutput | None = None
-    response_id: str | None = None  # chosen before the request runs (a background response); else its request's
     admitted: Keeper | None = None  # told once the response runs (a background one is written in_progress)
+    events: EventSink | None = None  # where a streamed background response's events go
 
     async def __call__(
         self, request: web.Request, gens: list[Generation], choices: ResponseChoices, chunks: ResponseStream,
@@ -56,46 +60,53 @@ class ResponsesAnswer:
     ) -> web.StreamResponse:
         """Answer's signature (services/gateway/answer.py), for Generator."""
         gen = gens[0]  # a Responses request is one prompt with one choice
-        self.output = ResponseOutput(
-            self.response_id or RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs,
-            self.with_draft_logprobs,
-        )
+        if self.output is None:
+            self.output = ResponseOutput(
+                RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs,
+                self.with_draft_logprobs,
+            )
+            first = self.output.started()
+        else:  # a background response's: it was created, and queued, when the request was validated
+            first = self.output.progressing()
         reader = _ChatReader(gen, tool_format, reasoning_format)
         if self.admitted is not None:
             await self.admitted(self.output)
+        if self.events is not None:
+            self.events(first)
+            return await self._respond(gen, choices, chunks, reader)
         if gen.body.stream:
-            return await self._stream(request, gen, choices, chunks, reader)
+            return await self._stream(request, gen, choices, chunks, reader, first)
         return await self._respond(gen, choices, chunks, reader)
 
     async def _stream(
         self, request: web.Request, gen: Generation, choices: ResponseChoices, chunks: ResponseStream,
-        reader: "_ChatReader",
+        reader: "_ChatReader", first: list[Event],
     ) -> web.StreamResponse:
         response = await sse.open_stream(request)
         latency = ResponseLatency(gen.api, gen.started)
         output = self.output
         # At once, as OpenAI sends them: a client sees its response exist while the prompt waits or computes.
-        await response.write(b"".join(map(_sse, output.started())))
+        await response.write(b"".join(map(named_event, first)))
         unsent: list[bytes] = []
         try:
             async for chunk in chunks:
                 latency.observe(chunk)
                 choices.observe(chunk)
                 choice = reader.read(choices.streamed(chunk))
-                unsent += map(_sse, output.feed(choice))
+                unsent += map(named_event, output.feed(choice))
                 if not chunks.finished:
                     await sse.write_caught_up(response, unsent, chunks.has_ready)
                     continue
                 latency.finished()
-                unsent += map(_sse, await self._finish(choice, choices, reader))
+                unsent += map(named_event, await self._finish(choice, choices, reader))
         except OpenAIError as exc:
-            unsent += map(_sse, output.fail(exc.body()["error"]))
+            unsent += map(named_event, output.fail(exc.body()["error"]))
         except ConnectionResetError:
             raise
         except Exception:
             log.exception("response %s failed while streaming", output.response_id)
             error = OpenAIError(INTERNAL_ERROR, "Internal error", type=SERVER_ERROR).body()["error"]
-            unsent += map(_sse, output.fail(error))
+            unsent += map(named_event, output.fail(error))
         await response.write_eof(b"".join(unsent))
         return response
 
@@ -108,10 +119,14 @@ class ResponsesAnswer:
             latency.observe(chunk)
             choices.observe(chunk)
             choice = reader.read(choices.streamed(chunk))
-            self.output.feed(choice)
+            self._emit(self.output.feed(choice))
         latency.finished()
-        await self._finish(choice, choices, reader)
+        self._emit(await self._finish(choice, choices, reader))
         return web.json_response(self.output.snapshot(), dumps=wire_json.dumps_text)
+
+    def _emit(self, events: list[Event]) -> None:
+        if self.events is not None:
+            self.events(events)
 
     async def _finish(self, choice: dict[str, Any], choices: ResponseChoices, reader: "_ChatReader") -> list[dict]:
         usage = responses_usage(choices.usage(), self.count_reasoning(reader.token_ids, reader.reasoning))
@@ -137,6 +152,6 @@ class _ChatReader:
         return choice
 
 
-def _sse(event: dict[str, Any]) -> bytes:
+def named_event(event: Event) -> bytes:
     """A named event, as the Responses API streams them (no [DONE] after the last)."""
     return b"event: " + event["type"].encode() + b"\ndata: " + wire_json.dumps(event) + b"\n\n"

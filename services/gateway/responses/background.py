@@ -3,7 +3,8 @@ against its client's bound, with the response `queued`, and runs on in this gate
 kept in the store as it goes (store.py): `in_progress` once it is admitted, written again every HEARTBEAT_S, then
 `completed`, `incomplete`, `failed` or `cancelled`. GET /v1/responses/{id} polls it from any gateway; POST
 /v1/responses/{id}/cancel stops it from any gateway (the one running it answers a NATS request on
-subjects.CANCEL_BACKGROUND), and so does DELETE before it removes the entry.
+subjects.CANCEL_BACKGROUND), and so does DELETE before it removes the entry. One created with `stream: true` also
+appends its events to the event log (event_log.py) as it goes, its last after its last state is stored.
 
 A gateway that dies takes its runs with it: their entries stop being written, and a response whose heartbeat is older
 than STALE_AFTER_S reads as `failed`, naming why, instead of `in_progress` for ever (the gateways' clocks are taken to
@@ -22,9 +23,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
-from services.gateway.cancelling import cancel_until_done
+from services.gateway.cancelling import cancel_until_done, to_the_end
 from services.gateway.errors import SERVER_ERROR, OpenAIError
-from services.gateway.responses.output import ResponseOutput, response_error
+from services.gateway.responses.event_log import EventWriter
+from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import RUNNING_STATUSES, STALE_AFTER_S, ResponseStore, StoredRecord
 from shared import subjects
 from shared.natsutil import core_only
@@ -42,9 +44,10 @@ class BackgroundRun:
     """One background response's entry in the store, written as it goes and never after its last state: a heartbeat
     that lost the race to the final write does not bring `in_progress` back."""
 
-    def __init__(self, store: ResponseStore, record: StoredRecord) -> None:
+    def __init__(self, store: ResponseStore, record: StoredRecord, events: EventWriter | None = None) -> None:
         self._store = store
         self.record = record
+        self.events = events  # a streamed one's (event_log.py)
         self._lock = asyncio.Lock()
         self._final = False
         self._written = False
@@ -72,12 +75,15 @@ class BackgroundRun:
                 await self._store.keep(self.record)
             return False
 
-    async def beat(self, output: Callable[[], ResponseOutput | None]) -> None:
+    async def close_events(self) -> None:
+        if self.events is not None:
+            await self.events.close()
+
+    async def beat(self, output: Callable[[], ResponseOutput]) -> None:
         """Writes the response as it stands every HEARTBEAT_S until cancelled."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            current = output()
-            await self.write(current.snapshot() if current is not None else self.record.response)
+            await self.write(output().snapshot())
 
 
 class BackgroundRuns:
@@ -88,7 +94,7 @@ class BackgroundRuns:
         self._store = store
         # Each run's task, entry, output so far and what it serves, by response id
         self._runs: dict[
-            str, tuple[asyncio.Task, BackgroundRun, Callable[[], ResponseOutput | None], Coroutine[Any, Any, Any]]
+            str, tuple[asyncio.Task, BackgroundRun, Callable[[], ResponseOutput], Coroutine[Any, Any, Any]]
         ] = {}
         self._stopping = False
 
@@ -102,7 +108,7 @@ class BackgroundRuns:
         await asyncio.gather(*(self._cancel_here(response_id) for response_id in list(self._runs)))
 
     def run(
-        self, run: BackgroundRun, serve: Coroutine[Any, Any, Any], output: Callable[[], ResponseOutput | None],
+        self, run: BackgroundRun, serve: Coroutine[Any, Any, Any], output: Callable[[], ResponseOutput],
         validated: asyncio.Event, rename: Renamer,
     ) -> asyncio.Task:
         response_id = run.record.response["id"]
@@ -142,6 +148,7 @@ class BackgroundRuns:
         if not run.started:  # cancelled before its first step: it ran none of its own ending
             serve.close()
             await _end(run, output(), *self._ending())
+            await run.close_events()
         return True
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -150,7 +157,7 @@ class BackgroundRuns:
 
 
 async def _run_detached(
-    run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput | None], validated: asyncio.Event,
+    run: BackgroundRun, serve: Awaitable[Any], output: Callable[[], ResponseOutput], validated: asyncio.Event,
     rename: Renamer, ending: Callable[[], tuple[str, dict | None]],
 ) -> None:
     """Serves the response and writes how it ended: the answer's own last write (completed or incomplete), or
@@ -176,18 +183,18 @@ async def _run_detached(
         await _end(run, output(), "failed", OpenAIError(500, "Internal error", type=SERVER_ERROR).body()["error"])
     finally:
         beating.cancel()
+        await to_the_end(run.close_events())
 
 
 async def _beat_once_validated(
-    run: BackgroundRun, output: Callable[[], ResponseOutput | None], validated: asyncio.Event
+    run: BackgroundRun, output: Callable[[], ResponseOutput], validated: asyncio.Event
 ) -> None:
     await validated.wait()
     await run.beat(output)
 
 
-async def _end(run: BackgroundRun, output: ResponseOutput | None, status: str, error: dict | None = None) -> None:
-    response = output.snapshot() if output is not None else dict(run.record.response)
-    response["status"] = status
-    if error is not None:
-        response["error"] = response_error(error)
-    await run.write(response, final=True)
+async def _end(run: BackgroundRun, output: ResponseOutput, status: str, error: dict | None = None) -> None:
+    """Writes the response's last state, `failed` with the error or `cancelled`, and its events (a streamed one's)."""
+    events = output.fail(error) if status == "failed" else output.cancel()
+    if await run.write(output.snapshot(), final=True) is not None and run.events is not None:
+        run.events.put(events)

@@ -1,6 +1,8 @@
 """POST /v1/responses: a Responses request is read, turned into the chat request it stands for
 (conversation.py), with the conversation it continues (store.py), served by the chat path (generation.py) and
-answered as a response (answer.py), which the store keeps unless the request says `store: false`.
+answered as a response (answer.py), which the store keeps unless the request says `store: false`. A background
+response (background.py) is answered once it is validated, with its queued response object, or with its events as
+the event log keeps them (event_log.py), which GET streams again from any gateway.
 
 Errors the chat path finds name chat's parameters; they reach the client under the Responses API's names.
 """
@@ -10,18 +12,23 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 from nats.aio.client import Client
 
-from services.gateway import wire_json
+from services.gateway import sse, wire_json
 from services.gateway.errors import UNAVAILABLE, OpenAIError, bad_request
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.generation import Generator
 from services.gateway.reasoning.parser import ReasoningFormat
-from services.gateway.responses.answer import RESPONSE_ID_PREFIX, Keeper, ReasoningCounter, ResponsesAnswer
+from services.gateway.responses.answer import (
+    RESPONSE_ID_PREFIX, Keeper, ReasoningCounter, ResponsesAnswer, named_event,
+)
 from services.gateway.responses.background import BackgroundRun, BackgroundRuns
+from services.gateway.responses.event_log import EventLog
 from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
 from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
@@ -30,6 +37,8 @@ from services.gateway.responses.request import ResponsesRequest
 from shared.tokenizer import Tokenizer
 
 SERVER_UNAVAILABLE = 503
+NOTHING_SEEN = -1  # the sequence number before the first event's
+TRUE_WORDS, FALSE_WORDS = ("true", "1"), ("false", "0")
 DEFAULT_TEMPERATURE = 1.0  # what the response object shows for a parameter the request left out, as OpenAI's does
 DEFAULT_TOP_P = 1.0
 
@@ -43,14 +52,18 @@ class ResponsesEndpoint:
         self._store = store
         self._count_reasoning = reasoning_counter(tokenizer, generator.reasoning_format)
         self.background = BackgroundRuns(nc, store)
+        self._events = EventLog(nc, store)
 
-    async def get(self, request: web.Request) -> web.Response:
-        if request.query.get("stream", "false").lower() not in ("false", "0"):
-            # OpenAI replays a background response's events from `starting_after`; this server keeps none
-            raise bad_request("a stored response is read whole here: its events are not kept to stream again; "
-                              "poll it without stream", param="stream")
-        record = (await self._store.get(request.match_info["response_id"])).as_read
-        return web.json_response(record.response, dumps=wire_json.dumps_text)
+    async def get(self, request: web.Request) -> web.StreamResponse:
+        response_id = request.match_info["response_id"]
+        stream, after = stream_query(request.query)
+        record = (await self._store.get(response_id)).as_read
+        if not stream:
+            return web.json_response(record.response, dumps=wire_json.dumps_text)
+        if not record.response.get("background") or not await self._events.kept(response_id):
+            raise bad_request(f"Response '{response_id}' cannot be streamed: only a response created with background "
+                              "true and stream true can, while it is stored; poll it without stream", param="stream")
+        return await self._follow(request, response_id, after)
 
     async def cancel(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -103,11 +116,15 @@ class ResponsesEndpoint:
         turn: list[dict[str, Any]], items: list[dict[str, Any]],
     ) -> web.Response:
         """Stores the response `queued`, runs it detached, and answers once it passed every check the foreground
-        request would (a bad one is its 4xx, and nothing is stored)."""
-        writer.response_id = RESPONSE_ID_PREFIX + uuid.uuid4().hex
-        queued = ResponseOutput(writer.response_id, int(time.time()), writer.shown, writer.with_logprobs)
+        request would (a bad one is its 4xx, and nothing is stored): with the response object, or streamed, with
+        its events as the event log keeps them."""
+        response_id = RESPONSE_ID_PREFIX + uuid.uuid4().hex
+        queued = ResponseOutput(response_id, int(time.time()), writer.shown, writer.with_logprobs,
+                                writer.with_draft_logprobs)
         queued.status = "queued"
-        run = BackgroundRun(self._store, StoredRecord(queued.snapshot(), turn, items))
+        writer.output = queued
+        events = self._events.writer(response_id) if chat.stream else None
+        run = BackgroundRun(self._store, StoredRecord(queued.snapshot(), turn, items), events)
 
         async def keep(output: ResponseOutput) -> bool:
             return await run.write(output.snapshot(), final=True)
@@ -117,8 +134,15 @@ class ResponsesEndpoint:
 
         writer.keep, writer.admitted = keep, admitted
         validated = asyncio.Event()
-        serving = self._generator.generate(request, "chat", chat, started, writer, validated=validated.set)
-        task = self.background.run(run, serving, lambda: writer.output, validated, renamed)
+
+        def on_validated() -> None:
+            if events is not None:  # before the run can go on: in order, ahead of what it makes
+                writer.events = events.put
+                events.put(queued.queued())
+            validated.set()
+
+        serving = self._generator.generate(request, "chat", chat, started, writer, validated=on_validated)
+        task = self.background.run(run, serving, lambda: queued, validated, renamed)
         checked = asyncio.ensure_future(validated.wait())
         try:
             await asyncio.wait([task, checked], return_when=asyncio.FIRST_COMPLETED)
@@ -132,11 +156,23 @@ class ResponsesEndpoint:
             task.result()  # refused before it ran: its error, as the foreground request would give it
         # Unless it was written meanwhile (admitted, or ended)
         if await run.write(queued.snapshot(), first=True) is False:  # nothing a poll could find: not run
-            await self.background.cancel(writer.response_id)
+            await self.background.cancel(response_id)
             raise OpenAIError(SERVER_UNAVAILABLE, "The background response could not be kept in the response store "
                               "(its input is over the store's message size, or the store is unreachable); send it "
                               "without background", type=UNAVAILABLE)
+        if events is not None:
+            return await self._follow(request, response_id, NOTHING_SEEN)
         return web.json_response(run.record.response, dumps=wire_json.dumps_text)
+
+    async def _follow(self, request: web.Request, response_id: str, after: int) -> web.StreamResponse:
+        """Streams a background response's events numbered above `after` until its last; a client that leaves
+        stops only its own stream (the response runs on)."""
+        response = await sse.open_stream(request)
+        async with aclosing(self._events.follow(response_id, after)) as followed:  # a client gone: unsubscribed now
+            async for events in followed:
+                await response.write(b"".join(map(named_event, events)))
+        await response.write_eof()
+        return response
 
     def _keeper(self, turn: list[dict[str, Any]], items: list[dict[str, Any]]) -> Keeper:
         async def keep(output: ResponseOutput) -> bool:
@@ -172,13 +208,28 @@ def shown(body: ResponsesRequest) -> dict[str, Any]:
 
 
 def check_background(body: ResponsesRequest) -> None:
-    """A background response is polled from the store: it needs store, and is not streamed."""
+    """A background response is polled from the store: it needs store."""
     if body.background and not body.store:
         raise bad_request("background responses are polled from the store: background needs store true",
                           param="store")
-    if body.background and body.stream:
-        raise bad_request("a background response is polled (GET /v1/responses/{id}), not streamed: send stream false",
-                          param="stream")
+
+
+def stream_query(query: Mapping[str, str]) -> tuple[bool, int]:
+    """GET /v1/responses/{id}'s `stream` and `starting_after` (the sequence number of the last event the client
+    has; NOTHING_SEEN where it names none): a 400 naming the one that is malformed, or given without stream."""
+    stream = query.get("stream", "false").lower()
+    if stream not in TRUE_WORDS + FALSE_WORDS:
+        raise bad_request(f"stream must be true or false, not {query['stream']!r}", param="stream")
+    after = query.get("starting_after")
+    if after is None:
+        return stream in TRUE_WORDS, NOTHING_SEEN
+    if stream not in TRUE_WORDS:
+        raise bad_request("starting_after picks where a stream starts: send it with stream=true",
+                          param="starting_after")
+    if not after.isdigit():
+        raise bad_request(f"starting_after must be an event's sequence number (an integer from 0), not {after!r}",
+                          param="starting_after")
+    return True, int(after)
 
 
 def renamed(exc: OpenAIError) -> OpenAIError:

@@ -78,8 +78,16 @@ class ResponseOutput:
         }
 
     def started(self) -> list[Event]:
+        return [self._event("response.created", response=_copy(self.snapshot())), *self.progressing()]
+
+    def queued(self) -> list[Event]:
+        """A background response's first events: it exists, and waits to run."""
         return [self._event("response.created", response=_copy(self.snapshot())),
-                self._event("response.in_progress", response=_copy(self.snapshot()))]
+                self._event("response.queued", response=_copy(self.snapshot()))]
+
+    def progressing(self) -> list[Event]:
+        self.status = "in_progress"
+        return [self._event("response.in_progress", response=_copy(self.snapshot()))]
 
     def feed(self, choice: dict[str, Any]) -> list[Event]:
         """The events of one chat stream choice (its delta's reasoning, content and tool calls, in that order)."""
@@ -125,6 +133,12 @@ class ResponseOutput:
         self.status = "failed"
         self.error = response_error(error)
         return events + [self._event("response.failed", response=self.snapshot())]
+
+    def cancel(self) -> list[Event]:
+        """Closes the open item, cancelled midway; the Responses API has no event for the response's own end."""
+        events = self._close("incomplete")
+        self.status = "cancelled"
+        return events
 
     def _reasoning(self, text: str) -> list[Event]:
         events = []
