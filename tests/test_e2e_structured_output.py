@@ -138,25 +138,32 @@ def test_required_and_named_tool_calls_follow_the_schemas(mesh: Mesh, client: op
     )
     ((name, arguments),) = _calls(named.choices[0].message)
     assert name == "get_time" and arguments["zone"] in ("utc", "cet")
-    # Streamed: the deltas (index, id and name, then the arguments) add up to the same call.
-    stream = client.chat.completions.create(
-        model=mesh.model, messages=MESSAGES, tools=tools, max_tokens=64, temperature=0, parallel_tool_calls=False,
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True,
-    )
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        finish = chunk.choices[0].finish_reason or finish
-        for delta in chunk.choices[0].delta.tool_calls or ():
-            call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
-            if delta.function.name:
-                assert delta.id and call["name"] is None
-                call["name"] = delta.function.name
-            call["arguments"] += delta.function.arguments or ""
-    assert finish == "stop"  # a named function's, as OpenAI answers
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [(name, arguments)]
+    weather = client.chat.completions.create(
+        model=mesh.model, messages=MESSAGES, tools=tools, max_tokens=64, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ).choices[0].message.tool_calls[0].function
+    # Streamed: the deltas (index, id and name, then the arguments as they are written) add up to the same call.
+    for whole in (named.choices[0].message.tool_calls[0].function, weather):
+        stream = client.chat.completions.create(
+            model=mesh.model, messages=MESSAGES, tools=tools, max_tokens=64, temperature=0, parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": whole.name}}, stream=True,
+        )
+        calls: dict[int, dict] = {}
+        finish, pieces = None, []
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            finish = chunk.choices[0].finish_reason or finish
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+                if delta.function.name:
+                    assert delta.id and call["name"] is None
+                    call["name"] = delta.function.name
+                pieces += [delta.function.arguments] if delta.function.arguments else []
+                call["arguments"] += delta.function.arguments or ""
+        assert finish == "stop"  # a named function's, as OpenAI answers
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [(whole.name, whole.arguments)]
+    assert len(pieces) > 1, pieces  # the city's arguments came as they were written, not at the call's end
 
 
 def _allowed(mode: str, *names: str) -> dict:

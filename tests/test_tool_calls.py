@@ -99,15 +99,19 @@ def test_text_without_calls_streams_unchanged_and_keeps_its_finish() -> None:
 
 
 def test_a_call_cut_short_keeps_its_name_and_the_arguments_written() -> None:
+    """...compact as a whole call's (what went out while they were written), the rest as written."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
     choices = _streamed(text, [20, 20], finish="length")
     entries = [e for c in choices for e in c["delta"].get("tool_calls", [])]
     assert entries[0]["function"]["name"] == "get_weather"
-    assert "".join(e["function"].get("arguments", "") for e in entries) == '{"city": "Pa'
+    assert "".join(e["function"].get("arguments", "") for e in entries) == '{"city":"Pa'
     assert choices[-1]["finish_reason"] == "length"
     message = {"role": "assistant", "content": text}
     assert message_with_calls(message, "length", FORMATS["hermes"]) == "length"
-    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city":"Pa'
+    malformed = {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1, } trailing'}
+    message_with_calls(malformed, "length", FORMATS["hermes"])
+    assert malformed["tool_calls"][0]["function"]["arguments"] == '{"a":1,} trailing'
 
 
 @pytest.mark.parametrize(
@@ -337,7 +341,7 @@ def test_a_hermes_call_with_parameters_keeps_its_arguments_whole_and_streamed() 
     cut = text[:-len('"}}\n</tool_call>')]  # cut short by max_tokens inside the arguments
     message = {"role": "assistant", "content": cut}
     message_with_calls(message, "length", FORMATS["hermes"])
-    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo'
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo'
 
 
 def test_a_schema_with_integers_past_64_bits_still_makes_a_forced_call() -> None:

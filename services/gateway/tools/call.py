@@ -14,7 +14,27 @@ from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
 
 COMPACT = {"whitespace_flexible": False}
-JSON_PREFIX = json.JSONDecoder()  # raw_decode: the JSON value a text begins with, whatever follows it
+
+
+class JsonObject(dict):
+    """A JSON object as a model wrote it: looked up as a dict, written back with every member in its place (a key
+    written twice keeps both), as a stream's compact arguments (arguments.py) have it."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self._pairs = pairs
+
+    def items(self):  # json's encoder writes a dict subclass's members from items()
+        return self._pairs
+
+
+def first(obj: dict, key: str) -> Any:
+    """The value of the key's first member (a stream has sent it before any other could follow)."""
+    return next(value for name, value in obj.items() if name == key)
+
+
+# Reads JSON as models write it (JsonObject); raw_decode: the JSON value a text begins with, whatever follows it
+JSON = json.JSONDecoder(object_pairs_hook=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -92,11 +112,12 @@ ARGUMENT_KEYS = ("arguments", "parameters")  # what models name a call's argumen
 
 
 def parsed_call(obj: Any, arguments_key: str) -> ParsedCall | None:
-    """The call a JSON object is: its arguments under the format's key, else under the other name models use."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """The call a JSON object is: its arguments under the format's key, else under the other name
+    models use; a key written twice counts where it first stands, as a stream reads it."""
+    if not isinstance(obj, dict) or "name" not in obj or not isinstance(first(obj, "name"), str):
         return None
     key = next((k for k in (arguments_key, *ARGUMENT_KEYS) if k in obj), None)
-    return ParsedCall(obj["name"], json_text(obj[key] if key is not None else {}))
+    return ParsedCall(first(obj, "name"), json_text(first(obj, key) if key is not None else {}))
 
 
 def calls_array_schema(functions: list[FunctionDefinition], parallel: bool, arguments_key: str) -> dict[str, Any]:
@@ -112,7 +133,7 @@ def calls_array_schema(functions: list[FunctionDefinition], parallel: bool, argu
 def json_value(text: str) -> object:
     """The JSON value that is the whole text (whitespace around it aside), or None."""
     try:
-        value, end = JSON_PREFIX.raw_decode(text)
+        value, end = JSON.raw_decode(text)
     except json.JSONDecodeError:
         return None
     return value if not text[end:].strip() else None
@@ -125,9 +146,10 @@ def json_calls(text: str, arguments_key: str) -> list[ParsedCall] | None:
     objects = value if isinstance(value, list) else [value]
     calls = []
     for obj in objects:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or arguments_key not in obj:
+        if not isinstance(obj, dict) or "name" not in obj or not isinstance(first(obj, "name"), str) \
+                or arguments_key not in obj:
             return None
-        calls.append(ParsedCall(obj["name"], json_text(obj[arguments_key])))
+        calls.append(ParsedCall(first(obj, "name"), json_text(first(obj, arguments_key))))
     return calls or None
 
 

@@ -22,8 +22,9 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    COMPACT, CallIds, JSON_PREFIX, ParsedCall, call_schema, json_text, parsed_call, text_or_calls,
+    COMPACT, JSON, CallIds, ParsedCall, call_schema, json_text, parsed_call, text_or_calls,
 )
+from services.gateway.tools.arguments import partial_arguments
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
 from services.gateway.tools.tool_request import FunctionDefinition
@@ -148,7 +149,7 @@ class Hermes(CallIds):
             return None
         name = json.loads(match.group(1))
         try:
-            call = parsed_call(JSON_PREFIX.raw_decode(block.lstrip())[0], self.arguments_key)
+            call = parsed_call(JSON.raw_decode(block.lstrip())[0], self.arguments_key)
         except json.JSONDecodeError:
             call = None
         if call is not None:
@@ -157,9 +158,9 @@ class Hermes(CallIds):
         if arguments is None:
             return ParsedCall(name, "")
         try:
-            value = JSON_PREFIX.raw_decode(arguments.group(1))[0]
+            value = JSON.raw_decode(arguments.group(1))[0]
         except json.JSONDecodeError:
-            return ParsedCall(name, arguments.group(1).rstrip())
+            return ParsedCall(name, partial_arguments(arguments.group(1)))
         return ParsedCall(name, json_text(value))
 
     def dangling_tag(self, text: str) -> bool:
@@ -170,7 +171,7 @@ class Hermes(CallIds):
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:
-            return parsed_call(json.loads(block), self.arguments_key)
+            return parsed_call(JSON.decode(block), self.arguments_key)
         except json.JSONDecodeError:
             return None
 
@@ -216,7 +217,7 @@ class Llama3Json(CallIds):
         calls, rest = [], text[start:].removeprefix(self.python_tag).lstrip()
         while rest:
             try:
-                obj, end = JSON_PREFIX.raw_decode(rest)
+                obj, end = JSON.raw_decode(rest)
             except json.JSONDecodeError:
                 return text, []
             call = parsed_call(obj, self.arguments_key)  # None when obj is no object with a name

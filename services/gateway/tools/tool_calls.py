@@ -1,8 +1,9 @@
 """Tool calls out of a chat answer, in OpenAI's shapes: a whole message's `tool_calls`, or a stream's deltas.
 
 Streamed, each call goes out as soon as its parts are known, whatever the chunking: its index, id and name once its
-name is written, then its arguments when the call closes; text outside calls streams as content, holding back only
-what could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
+name is written, then its arguments, a Hermes call's as they are written (made compact as the whole answer's are,
+arguments.py), the others' when the call closes; text outside calls streams as content, holding back only what
+could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
 accepts many tokens a step): each call gets its own entry, by index, in order.
 """
 
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
+from services.gateway.tools.arguments import CallArguments
 from services.gateway.tools.formats import LAYOUT, NAME, ToolFormat, separated
 
 TOOL_CALLS_FINISH = "tool_calls"
@@ -53,6 +55,7 @@ class ToolCallStream:
         self._held_space = ""  # whitespace at the end of the text so far: layout if a call follows it
         self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
+        self._arguments: CallArguments | None = None  # the open call's, while they stream
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
         self._reasoning: bool | None = None
@@ -96,6 +99,10 @@ class ToolCallStream:
             if end < 0:
                 if not self._named and (match := NAME.match(self._buffer)):
                     deltas.append(self._open_call(json.loads(match.group(1))))
+                    self._arguments = CallArguments(match.end(), fmt.arguments_key)
+                if self._arguments is not None:
+                    readable = len(self._buffer) - (0 if final else partial_suffix(self._buffer, fmt.close_tag))
+                    deltas += self._arguments_delta(self._arguments.read(self._buffer[:readable]))
                 if final:  # cut short (max_tokens): a named call keeps the arguments written so far
                     partial = fmt.partial_call(self._buffer)
                     if partial is None:
@@ -105,7 +112,7 @@ class ToolCallStream:
                         self._called()
                         if not self._named:
                             deltas.append(self._open_call(partial.name))
-                        deltas.append({"index": self._calls - 1, "function": {"arguments": partial.arguments}})
+                        deltas += self._arguments_delta(self._rest_of(partial.arguments))
                     self._buffer, self._inside = "", False
                 break
             block, self._buffer = self._buffer[:end], self._buffer[end + len(fmt.close_tag) :]
@@ -117,8 +124,20 @@ class ToolCallStream:
             self._called()
             if not self._named:
                 deltas.append(self._open_call(call.name))
-            deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
+            deltas += self._arguments_delta(self._rest_of(call.arguments))
         return "".join(content), deltas
+
+    def _rest_of(self, arguments: str) -> str:
+        """A call's arguments as the whole answer reads them, less what went out as they were written (a prefix of
+        them: arguments.CompactJson); the call is over."""
+        reader, self._arguments = self._arguments, None
+        sent = reader.sent if reader is not None else ""
+        if not arguments.startswith(sent):
+            raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {arguments!r}")
+        return arguments[len(sent) :]
+
+    def _arguments_delta(self, arguments: str) -> list[dict]:
+        return [{"index": self._calls - 1, "function": {"arguments": arguments}}] if arguments else []
 
     def _text(self, piece: str, final: bool) -> str:
         """What goes out of a piece of text outside calls: the line breaks after a call are dropped, and those it
