@@ -106,7 +106,9 @@ class ChoiceReader:
         self._calls = None
         if tools is not None and body.tool_fields.parses_calls:
             fields = body.tool_fields
-            self._calls = StreamedToolCalls(tools, fields.parallel_tool_calls, named=fields.mode == "named")
+            self._calls = StreamedToolCalls(
+                tools.reading(fields.functions), fields.parallel_tool_calls, named=fields.mode == "named"
+            )
 
     def read(self, choice: dict) -> dict:
         if self._thinking is not None:
@@ -160,8 +162,8 @@ async def _respond(
             if tools is not None:
                 fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(
-                    choice["message"], choice["finish_reason"], tools, fields.parallel_tool_calls,
-                    fields.mode == "named",
+                    choice["message"], choice["finish_reason"], tools.reading(fields.functions),
+                    fields.parallel_tool_calls, fields.mode == "named",
                 )
             prompt_logprobs = choice.pop("prompt_logprobs", None)
         if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice

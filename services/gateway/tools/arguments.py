@@ -231,12 +231,13 @@ def partial_arguments(text: str) -> str:
 
 
 class CallArguments:
-    """The arguments of a call being written as `{"name": ..., "<key>": <value>}`, streamed from the block's text as
-    it grows: nothing until the key follows the name (a call laid out otherwise sends its arguments whole when it
-    closes), then the value made compact."""
+    """A call written as `{"name": ..., "<key>": <value>}`: its name, and its arguments streamed from the block's
+    text as it grows: nothing until the key follows the name (a call laid out otherwise sends its arguments whole
+    when it closes), then the value made compact."""
 
-    def __init__(self, after_name: int, key: str) -> None:
+    def __init__(self, name: str, after_name: int, key: str) -> None:
         """after_name: where the name's string ends in the block's text; key: the format's arguments key."""
+        self.name = name
         self._at = after_name
         self._key = json.dumps(key)
         self._value: CompactJson | None = None

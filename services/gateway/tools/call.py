@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,41 @@ def content_before_tag(held: str, tag: str) -> int:
     return len(held[:end].rstrip())
 
 
+# The line breaks around a call's tags (Hermes', Qwen3-Coder's) and values (Qwen3-Coder's), as chat templates write
+# them: not text
+LAYOUT = "\n"
+
+
+def separated(before: str, after: str) -> str:
+    """`after`, the text that follows a call, with a line break in front where the call's layout was all that kept it
+    apart from the text before (their words would run together)."""
+    return LAYOUT + after if before and after and not before[-1].isspace() and not after[0].isspace() else after
+
+
+class TextAroundCalls:
+    """The text of an answer outside its calls, as a whole answer and a stream both read it: the line breaks next to
+    a call (around its tags) are layout, dropped, and a line break stands for them where text meets text; any other
+    whitespace is text."""
+
+    def __init__(self, start: str = "") -> None:
+        self._parts = [start]
+        self.after_call = False  # nothing but whitespace since the last call
+
+    def add(self, piece: str) -> None:
+        if self.after_call:
+            piece = separated(self.text, piece.lstrip(LAYOUT))
+            self.after_call = not piece
+        self._parts.append(piece)
+
+    def call(self) -> None:
+        self._parts = ["".join(self._parts).rstrip(LAYOUT)]
+        self.after_call = True
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
 class CallIds:
     """The ids of the calls a format parses: OpenAI's shape, which a chat template takes back as it is."""
 
@@ -170,3 +206,8 @@ class CallIds:
     def template_call_id(self, call_id: str) -> str:
         """An earlier call's id as the chat template reads it."""
         return call_id
+
+    def reading(self, functions: Sequence[Any]) -> "CallIds":
+        """This format reading the calls of a request's functions (one whose reading depends on their schemas makes
+        a copy that knows them)."""
+        return self

@@ -7,6 +7,7 @@ parsing of calls out of its text.
 - Llama 3.x JSON: the answer is a call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>` or
   some text, and possibly more chained with ";".
 - Mistral (mistral.py) and Granite 3.x (granite.py): the calls after a tag, to the end of the answer.
+- Qwen3-Coder (qwen3_coder.py): `<tool_call>` blocks of XML, a parameter per element.
 
 The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every
 token up to the first argument value is forced and drafted for free (services/worker/grammar/).
@@ -22,50 +23,21 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    COMPACT, JSON, CallIds, ParsedCall, call_schema, json_text, parsed_call, text_or_calls,
+    COMPACT, JSON, LAYOUT, CallIds, ParsedCall, TextAroundCalls, call_schema, json_text, parsed_call, text_or_calls,
 )
-from services.gateway.tools.arguments import partial_arguments
+from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
+from services.gateway.tools.qwen3_coder import Qwen3Coder, XmlArguments
 from services.gateway.tools.tool_request import FunctionDefinition
 
+QWEN3_CODER_FUNCTION = "<function="  # how Qwen3-Coder's template writes a call's function
 # A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
 NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 CALL_START = '{"name":'  # a compact Llama 3 call's opening
-LAYOUT = "\n"  # the line breaks around a Hermes call's tags, as chat templates write them: not text
-
-
-def separated(before: str, after: str) -> str:
-    """`after`, the text that follows a call, with a line break in front where the call's layout was all that kept it
-    apart from the text before (their words would run together)."""
-    return LAYOUT + after if before and after and not before[-1].isspace() and not after[0].isspace() else after
-
-
-class TextAroundCalls:
-    """The text of an answer outside its calls, as a whole answer and a stream both read it: the line breaks next to
-    a call (around its tags) are layout, dropped, and a line break stands for them where text meets text; any other
-    whitespace is text."""
-
-    def __init__(self, start: str = "") -> None:
-        self._parts = [start]
-        self.after_call = False  # nothing but whitespace since the last call
-
-    def add(self, piece: str) -> None:
-        if self.after_call:
-            piece = separated(self.text, piece.lstrip(LAYOUT))
-            self.after_call = not piece
-        self._parts.append(piece)
-
-    def call(self) -> None:
-        self._parts = ["".join(self._parts).rstrip(LAYOUT)]
-        self.after_call = True
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
 
 
 class Hermes(CallIds):
@@ -169,6 +141,13 @@ class Hermes(CallIds):
         stripped = text.lstrip(LAYOUT)  # the line breaks after the call are layout; the rest is text
         return bool(stripped) and self.open_tag.startswith(stripped)
 
+    def opened_call(self, block: str) -> CallArguments | None:
+        """The call a block's text so far opens, once its name is written (its first key)."""
+        match = NAME.match(block)
+        if match is None:
+            return None
+        return CallArguments(json.loads(match.group(1)), match.end(), self.arguments_key)
+
     def parse_block(self, block: str) -> ParsedCall | None:
         try:
             return parsed_call(JSON.decode(block), self.arguments_key)
@@ -247,8 +226,9 @@ class Llama3Json(CallIds):
         return match.start() if match is not None else None
 
 
-ToolFormat = Hermes | Llama3Json | Mistral | Granite
-FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name, Granite.name)
+ToolFormat = Hermes | Llama3Json | Mistral | Granite | Qwen3Coder
+FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name, Granite.name, Qwen3Coder.name)
+OpenedCall = CallArguments | XmlArguments  # a call being written, its name known (the block formats')
 
 
 def make_format(
@@ -260,7 +240,7 @@ def make_format(
         return Mistral(special_tokens, chat_template)
     if name == Granite.name:
         return Granite(special_tokens)
-    return {Hermes.name: Hermes, Llama3Json.name: Llama3Json}[name]()
+    return {Hermes.name: Hermes, Llama3Json.name: Llama3Json, Qwen3Coder.name: Qwen3Coder}[name]()
 
 
 # Each format as a tokenizer without special tokens of its own writes it
@@ -293,6 +273,8 @@ def format_for(
     if configured != "auto":
         return make_format(configured, special_tokens, chat_template)
     template = chat_template or ""
+    if QWEN3_CODER_FUNCTION in template:  # before Hermes: its calls are <tool_call> blocks too
+        return make_format(Qwen3Coder.name)
     if GRANITE_TAG in template:
         return make_format(Granite.name, special_tokens)
     if Hermes.open_tag in template:

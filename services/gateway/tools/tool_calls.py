@@ -9,12 +9,11 @@ accepts many tokens a step): each call gets its own entry, by index, in order.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
-from services.gateway.tools.arguments import CallArguments
-from services.gateway.tools.formats import LAYOUT, NAME, ToolFormat, separated
+from services.gateway.tools.call import LAYOUT, separated
+from services.gateway.tools.formats import OpenedCall, ToolFormat
 
 TOOL_CALLS_FINISH = "tool_calls"
 
@@ -55,7 +54,7 @@ class ToolCallStream:
         self._held_space = ""  # whitespace at the end of the text so far: layout if a call follows it
         self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
-        self._arguments: CallArguments | None = None  # the open call's, while they stream
+        self._arguments: OpenedCall | None = None  # the open call's, while they stream
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
         self._reasoning: bool | None = None
@@ -97,9 +96,9 @@ class ToolCallStream:
                 continue
             end = self._buffer.find(fmt.close_tag)
             if end < 0:
-                if not self._named and (match := NAME.match(self._buffer)):
-                    deltas.append(self._open_call(json.loads(match.group(1))))
-                    self._arguments = CallArguments(match.end(), fmt.arguments_key)
+                if not self._named and (opened := fmt.opened_call(self._buffer)) is not None:
+                    deltas.append(self._open_call(opened.name))
+                    self._arguments = opened
                 if self._arguments is not None:
                     readable = len(self._buffer) - (0 if final else partial_suffix(self._buffer, fmt.close_tag))
                     deltas += self._arguments_delta(self._arguments.read(self._buffer[:readable]))
@@ -162,8 +161,8 @@ class ToolCallStream:
         calls (as Hermes.split reads a whole answer); None while it is not known yet whether the answer opens with
         one."""
         fmt = self.format
-        if self._reasoning is None:
-            self._reasoning = opens_with(self._buffer, fmt.think_open, final)
+        if self._reasoning is None:  # a format without reasoning tags reads them as text
+            self._reasoning = fmt.think_open is not None and opens_with(self._buffer, fmt.think_open, final)
             if self._reasoning is None:
                 return None
         if not self._reasoning:

@@ -14,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tool-call-parser", choices=[AUTO, *FORMAT_NAMES], default=AUTO,
         help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, the demo model), "
-        "llama3_json (one JSON call with parameters: Llama 3.x) or mistral (after [TOOL_CALLS]: Mistral); auto reads "
-        "it off the chat template",
+        "llama3_json (one JSON call with parameters: Llama 3.x), mistral (after [TOOL_CALLS]: Mistral), granite "
+        "(after <|tool_call|>: Granite 3.x) or qwen3_coder (<tool_call> XML blocks: Qwen3-Coder); auto reads it off "
+        "the chat template",
     )
 
 

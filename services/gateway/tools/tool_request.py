@@ -214,6 +214,11 @@ class ToolFields(BaseModel):
         return self.tool_choice
 
     @property
+    def functions(self) -> list[FunctionDefinition]:
+        """Every tool's function, in the tools' order."""
+        return [tool.function for tool in self.tools or ()]
+
+    @property
     def callable(self) -> list[FunctionDefinition]:
         """The functions the output may call: the named one, the allowed ones (in the tools' order), or every tool."""
         functions = [tool.function for tool in self.tools or ()]

@@ -1,0 +1,299 @@
+"""Qwen3-Coder's tool calls (`--tool-call-parser qwen3_coder`): each call a `<tool_call>` block of XML, a parameter
+per element, its value as written (code needs no JSON escaping):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A value's type comes from the function's schema: a string parameter's value is its text (the line breaks next to its
+tags are layout); an integer, number, boolean, null, object or array one is read as that JSON where it is one, else
+kept as text. The arguments are those pairs as a compact JSON object, members where they were written.
+
+Streamed, a call's name goes out once `<function=name>` is written, and its arguments as they are written: each
+key once its tag closes, a string's text as it comes (made JSON as the whole answer's), any other value once its
+element closes, so that the pieces add up to the whole answer's arguments.
+
+The grammar tool_choice imposes writes each function's parameters in its schema's order, the required ones always,
+a string's text up to its closing tag, any other value as its schema's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from services.gateway.tags import partial_suffix
+from services.gateway.tools.call import (
+    JSON, LAYOUT, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
+)
+from services.gateway.tools.tool_request import FunctionDefinition
+from shared.structured import lark_regex_literal
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+PARAMETER_OPEN = "<parameter="
+PARAMETER_CLOSE = "</parameter>"
+FUNCTION_CLOSE = "</function>"
+STRING_TYPES = ("string", None)  # a parameter of no known type is read as text
+JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
+              "array": list}
+# Lark: the JSON a typed value is written as (the value then ends at its closing tag)
+INTEGER_LARK = r"/-?(0|[1-9][0-9]*)/"
+NUMBER_LARK = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+
+
+def parameter_types(functions: Sequence[FunctionDefinition]) -> dict[str, dict[str, Any]]:
+    """Each function's parameters' schemas, by function and parameter name."""
+    return {f.name: dict((f.parameters or {}).get("properties") or {}) for f in functions}
+
+
+def value_of(text: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's value from its text: text for a string (or a parameter the schema does not type), else the
+    JSON of its type the text is, or the text where it is none."""
+    kinds = (schema or {}).get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if any(kind in STRING_TYPES for kind in kinds):
+        return text
+    try:
+        value = JSON.decode(text.strip())
+    except json.JSONDecodeError:
+        return text
+    wanted = tuple(JSON_TYPES[kind] for kind in kinds if kind in JSON_TYPES)
+    is_bool = isinstance(value, bool)
+    if isinstance(value, wanted) and (is_bool == (bool in wanted)):
+        return value
+    return text
+
+
+class XmlArguments:
+    """A call's name, and its arguments streamed from its block's text as it grows (the text after
+    `<function=name>`)."""
+
+    def __init__(self, name: str, after_name: int, types: dict[str, Any]) -> None:
+        self.name = name
+        self._at = after_name
+        self._types = types
+        self._key: str | None = None  # the open parameter's
+        self._value_at = 0  # where its value's text starts
+        self._streamed = 0  # how much of a string value went out
+        self._count = 0  # parameters opened
+        self.closed = False  # </function> was written
+        self.sent = ""
+
+    def read(self, block: str) -> str:
+        """The compact arguments the block's text so far adds (it only grows)."""
+        out: list[str] = []
+        while not self.closed:
+            if self._key is None:
+                if not self._next_parameter(block, out):
+                    break
+                continue
+            end = block.find(PARAMETER_CLOSE, self._value_at)
+            if end < 0:
+                self._stream_string(block, len(block) - _closing_suffix(block), out)
+                break
+            self._close_parameter(block, end, out)
+        piece = "".join(out)
+        self.sent += piece
+        return piece
+
+    def _next_parameter(self, block: str, out: list[str]) -> bool:
+        """Opens the next parameter once its tag is whole, or closes the object at </function>."""
+        start = block.find(PARAMETER_OPEN, self._at)
+        close = block.find(FUNCTION_CLOSE, self._at)
+        if close >= 0 and (start < 0 or close < start):
+            out.append("{}" if self._count == 0 else "}")
+            self.closed = True
+            return False
+        tag_end = block.find(">", start) if start >= 0 else -1
+        if tag_end < 0:
+            return False
+        self._key = block[start + len(PARAMETER_OPEN) : tag_end]
+        out.append(("{" if self._count == 0 else ",") + json.dumps(self._key, ensure_ascii=False) + ":")
+        self._count += 1
+        self._value_at, self._streamed = tag_end + 1, 0
+        if self._is_string():
+            out.append('"')
+        return True
+
+    def _stream_string(self, block: str, until: int, out: list[str]) -> None:
+        """A string value's text up to `until` that went out not yet (a leading line break waits: layout)."""
+        if not self._is_string():
+            return
+        text = block[self._value_at : until]
+        if text in ("", LAYOUT[: len(text)]):
+            return
+        text = text.removeprefix(LAYOUT)
+        out.append(json_text(text[self._streamed :])[1:-1])
+        self._streamed = len(text)
+
+    def _close_parameter(self, block: str, end: int, out: list[str]) -> None:
+        text = _value_text(block[self._value_at : end])
+        if self._is_string():
+            self._stream_string(block, self._value_at + len(LAYOUT) * block.startswith(LAYOUT, self._value_at)
+                                + len(text), out)
+            out.append('"')
+        else:
+            out.append(json_text(value_of(text, self._types.get(self._key))))
+        self._key, self._at = None, end + len(PARAMETER_CLOSE)
+
+    def _is_string(self) -> bool:
+        kinds = (self._types.get(self._key) or {}).get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        return any(kind in STRING_TYPES for kind in kinds)
+
+
+def _value_text(text: str) -> str:
+    """A value's text without the line breaks next to its tags."""
+    return text.removeprefix(LAYOUT).removesuffix(LAYOUT)
+
+
+class Qwen3Coder(CallIds):
+    name = "qwen3_coder"
+    open_tag, close_tag = OPEN_TAG, CLOSE_TAG
+    streams_whole = False  # each call's name and arguments go out as they are written (tool_calls.ToolCallStream)
+    shown_special_ids = ()  # its tags are text
+    think_open = think_close = None  # Qwen3-Coder does not think
+
+    def __init__(self, functions: Sequence[FunctionDefinition] = ()) -> None:
+        self._types = parameter_types(functions)
+
+    def reading(self, functions: Sequence[FunctionDefinition]) -> "Qwen3Coder":
+        """This format reading the calls of these functions, their parameters typed by their schemas."""
+        return Qwen3Coder(functions)
+
+    def opened_call(self, block: str) -> XmlArguments | None:
+        """The call a block's text so far opens, once its function's name is written."""
+        match = FUNCTION.match(block)
+        if match is None:
+            return None
+        return XmlArguments(match.group(1), match.end(), self._types.get(match.group(1), {}))
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        content, calls, rest = TextAroundCalls(), [], text
+        while (start := rest.find(OPEN_TAG)) >= 0:
+            end = rest.find(CLOSE_TAG, start)
+            block = rest[start + len(OPEN_TAG) : end if end >= 0 else len(rest)]
+            call = self.parse_block(block)
+            if call is None and end >= 0:
+                content.add(rest[: end + len(CLOSE_TAG)])
+            elif call is not None:
+                content.add(rest[:start])
+                content.call()
+                calls.append(call)
+            elif calls:  # a next call cut before its name: dropped, as its tag
+                rest = ""
+                break
+            else:
+                break
+            rest = "" if end < 0 else rest[end + len(CLOSE_TAG) :]
+        if calls and content.after_call and self.dangling_tag(rest):
+            rest = ""
+        content.add(rest)
+        return content.text, calls
+
+    def parse_block(self, block: str) -> ParsedCall | None:
+        """The call a block (closed, or cut short) holds once its function's name is written: the parameters whose
+        tags are whole, the last one's value as far as it was written."""
+        opened = self.opened_call(block)
+        if opened is None:
+            return None
+        pairs: list[tuple[str, Any]] = []
+        types = self._types.get(opened.name, {})
+        at = FUNCTION.match(block).end()
+        while (start := block.find(PARAMETER_OPEN, at)) >= 0:
+            close = block.find(FUNCTION_CLOSE, at)
+            if 0 <= close < start or (tag_end := block.find(">", start)) < 0:
+                break
+            key = block[start + len(PARAMETER_OPEN) : tag_end]
+            end = block.find(PARAMETER_CLOSE, tag_end)
+            text = block[tag_end + 1 : end] if end >= 0 else _cut_value(block[tag_end + 1 :])
+            pairs.append((key, value_of(_value_text(text) if end >= 0 else text, types.get(key))))
+            if end < 0:
+                break
+            at = end + len(PARAMETER_CLOSE)
+        return ParsedCall(opened.name, json_text(JsonObject(pairs)))
+
+    def partial_call(self, block: str) -> ParsedCall | None:
+        return self.parse_block(block)
+
+    def dangling_tag(self, text: str) -> bool:
+        """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
+        ends with, never content."""
+        stripped = text.lstrip(LAYOUT)
+        return bool(stripped) and OPEN_TAG.startswith(stripped)
+
+    def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return f"start: {calls}\ncall: {json.dumps(OPEN_TAG)} {self._call_rest(functions)}\n{self._rules(functions)}"
+
+    def text_or_calls_grammar(
+        self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+    ) -> str:
+        """Text without a call tag, or text then calls of `functions` (several in a row with `parallel`), as the
+        forced grammar writes them; neither opens with `block_open` (tools/call.text_or_calls)."""
+        between = '"\\n"' if parallel else None
+        return text_or_calls(OPEN_TAG, None, self._call_rest(functions), between, block_open) + self._rules(functions)
+
+    def _call_rest(self, functions: list[FunctionDefinition]) -> str:
+        """What follows the opening tag in a call of any of `functions`."""
+        options = " | ".join(f"function_{i}" for i in range(len(functions)))
+        return f'"\\n" ({options}) {json.dumps(LAYOUT + CLOSE_TAG)}'
+
+    def _rules(self, functions: list[FunctionDefinition]) -> str:
+        # A string's text and its closing tag, one lazy lexeme: it ends at the first closing tag
+        rules = [f"STRING_VALUE: /(.|\\n)*\\n{lark_regex_literal(PARAMETER_CLOSE)}\\n/",
+                 "string_value[lazy]: STRING_VALUE"]
+        for i, function in enumerate(functions):
+            head = json.dumps(f"<function={function.name}>{LAYOUT}")
+            schema = function.schema
+            properties = schema.get("properties") or {}
+            required = set(schema.get("required") or ())
+            parts = []
+            for j, (key, value_schema) in enumerate(properties.items()):
+                rule = f"parameter_{i}_{j}"
+                rules.append(f"{rule}: {json.dumps(f'{PARAMETER_OPEN}{key}>{LAYOUT}')} {_value_grammar(value_schema)}")
+                parts.append(rule if key in required else f"{rule}?")
+            if not properties and schema.get("additionalProperties", True) is not False:
+                rules.append(f"any_parameter_{i}: {json.dumps(PARAMETER_OPEN)} /[a-zA-Z0-9_.-]+/ "
+                             f"{json.dumps('>' + LAYOUT)} string_value")
+                parts.append(f"any_parameter_{i}*")
+            rules.append(f"function_{i}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}")
+        return "\n".join(rules) + "\n"
+
+
+def _value_grammar(schema: dict[str, Any]) -> str:
+    """Lark: a parameter's value and its closing tag, by its schema's type."""
+    closing = json.dumps(LAYOUT + PARAMETER_CLOSE + LAYOUT)
+    kinds = schema.get("type")
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return f"({' | '.join(json.dumps(v) for v in schema['enum'])}) {closing}"
+    if kinds in STRING_TYPES or isinstance(kinds, list):
+        return "string_value"
+    if kinds == "integer":
+        return f"{INTEGER_LARK} {closing}"
+    if kinds == "number":
+        return f"{NUMBER_LARK} {closing}"
+    if kinds == "boolean":
+        return f'("true" | "false") {closing}'
+    if kinds == "null":
+        return f'"null" {closing}'
+    return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})} {closing}"
+
+
+def _closing_suffix(text: str) -> int:
+    """How much of the end of a value's text may be the start of its closing tag (with its line break or not: the
+    first closing tag ends the value)."""
+    return max(partial_suffix(text, LAYOUT + PARAMETER_CLOSE), partial_suffix(text, PARAMETER_CLOSE))
+
+
+def _cut_value(text: str) -> str:
+    """A value cut short: its text so far, without a leading line break or the start of its closing tag."""
+    text = text.removeprefix(LAYOUT)
+    return text[: len(text) - _closing_suffix(text)]

@@ -1,0 +1,191 @@
+"""Qwen3-Coder's XML tool calls (services/gateway/tools/qwen3_coder.py): each value read as its schema's type
+(text for a string, the JSON of any other type where it is that, else text), the calls the same whole and streamed
+in any cut (the arguments going out as they are written, a string's text as it comes), a cut or malformed answer
+streamed as a prefix of what the whole one reads, the template picking the format, and the grammars tool_choice
+imposes writing only calls of the offered functions whose arguments follow their schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.tools.formats import FORMATS, format_for
+from services.gateway.tools.qwen3_coder import Qwen3Coder
+from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
+from services.gateway.tools.tool_request import ToolFields
+from services.worker.demo_model.tokenizer import train_tokenizer
+from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
+from shared.tokenizer import Tokenizer
+from tests.toolgrammar import _walks
+
+EXAMPLES = int(os.environ.get("SPECMESH_FUZZ_EXAMPLES", "300"))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "note": {"type": "string"}, "hours": {"type": "array", "items": {"type": "integer"}},
+    }, "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+FUNCTIONS = ToolFields(tools=[WEATHER, TIME]).functions
+FORMAT = Qwen3Coder().reading(FUNCTIONS)
+
+
+def _call(name: str, parameters: list[tuple[str, str]]) -> str:
+    """A call as Qwen3-Coder's template writes one."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+ANSWER = ("I will look.\n" + _call("get_weather", [("city", "Paris"), ("days", "3"), ("note", 'say "hi"\n<b>'),
+                                                   ("hours", "[9, 17]")]) + "\n" + _call("get_time", []))
+EXPECTED = [("get_weather", {"city": "Paris", "days": 3, "note": 'say "hi"\n<b>', "hours": [9, 17]}),
+            ("get_time", {})]
+
+
+def _read(answer: str, finish: str = "stop", fmt: Any = FORMAT) -> tuple[str | None, list[list[str]]]:
+    message = {"role": "assistant", "content": answer}
+    message_with_calls(message, finish, fmt)
+    return message["content"], [[c["function"]["name"], c["function"]["arguments"]] for c in message.get(
+        "tool_calls", ())]
+
+
+def _stream(answer: str, pieces: list[int], finish: str = "stop", fmt: Any = FORMAT) -> list[dict]:
+    """The chunks' choices for `answer` cut at `pieces` (lengths), the last one finishing."""
+    calls = StreamedToolCalls(fmt)
+    points = [sum(pieces[:i]) for i in range(len(pieces) + 1)] + [len(answer)]
+    texts = [answer[a:b] for a, b in zip(points, points[1:])]
+    return [calls.choice({"index": 0, "delta": {"content": text}, "finish_reason": finish if last else None})
+            for last, text in ((i == len(texts) - 1, text) for i, text in enumerate(texts))]
+
+
+def _streamed_calls(answer: str, pieces: list[int], finish: str = "stop") -> tuple[str, list[list[str]]]:
+    choices = _stream(answer, pieces, finish)
+    content = "".join(choice["delta"].get("content") or "" for choice in choices)
+    calls: dict[int, list[str]] = {}
+    for entry in (e for choice in choices for e in choice["delta"].get("tool_calls", ())):
+        name, arguments = calls.setdefault(entry["index"], ["", ""])
+        calls[entry["index"]] = [name + entry["function"].get("name", ""), arguments + entry["function"]["arguments"]]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("pieces", [[], [1] * (len(ANSWER) - 1), [5, 17, 3, 40]], ids=["whole", "characters", "mixed"])
+def test_calls_read_as_their_schemas_types_whole_and_in_any_cut(pieces: list[int]) -> None:
+    content, calls = _read(ANSWER)
+    assert content == "I will look." and [(name, json.loads(arguments)) for name, arguments in calls] == EXPECTED
+    assert _streamed_calls(ANSWER, pieces) == (content, calls)
+    assert _read(ANSWER)[1][0][1] == '{"city":"Paris","days":3,"note":"say \\"hi\\"\\n<b>","hours":[9,17]}'
+
+
+def test_a_value_not_of_its_type_and_a_parameter_of_no_known_type_are_text() -> None:
+    answer = _call("get_weather", [("city", "Paris"), ("days", "three"), ("metric", "TRUE"), ("extra", "42")])
+    assert json.loads(_read(answer)[1][0][1]) == {"city": "Paris", "days": "three", "metric": "TRUE", "extra": "42"}
+    untyped = FORMATS["qwen3_coder"]  # without the request's functions every value is text
+    assert json.loads(_read(ANSWER, fmt=untyped)[1][0][1])["days"] == "3"
+
+
+def test_streamed_arguments_go_out_as_they_are_written() -> None:
+    answer = _call("get_weather", [("city", "Paris"), ("note", "a long note")])
+    choices = _stream(answer, [1] * (len(answer) - 1))
+    pieces = [e["function"]["arguments"] for c in choices for e in c["delta"].get("tool_calls", ())
+              if e["function"]["arguments"]]
+    assert pieces[:3] == ['{"city":"', "P", "a"] and "".join(pieces) == '{"city":"Paris","note":"a long note"}'
+
+
+def test_a_call_cut_short_keeps_what_was_written_and_blocks_not_calls_are_text() -> None:
+    whole = _call("get_weather", [("city", "Paris"), ("note", "half")])
+    cut = whole[: whole.index("f\n</parameter>")]  # max_tokens ends the answer inside a value
+    assert _read(cut, "length") == (None, [["get_weather", '{"city":"Paris","note":"hal"}']])
+    assert _streamed_calls(cut, [1] * (len(cut) - 1), "length") == ("", _read(cut, "length")[1])
+    text = "Use <tool_call>\nnot xml\n</tool_call> here."
+    assert _read(text) == (text, []) and _streamed_calls(text, [2] * 20) == (text, [])
+
+
+VALUE_TEXT = st.lists(st.sampled_from([*'ab "\\\n<>/=é', "</parameter", "<parameter=", "\n</", "</function>"]),
+                     max_size=8).map("".join)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(values=st.lists(st.tuples(st.sampled_from(["city", "days", "metric", "note", "hours", "other"]),
+                                 VALUE_TEXT | st.sampled_from(["3", "-1", "true", "[1, 2]", "Paris"])), max_size=4),
+       second=st.booleans(), cut=st.none() | st.integers(0, 300), points=st.lists(st.integers(0, 400), max_size=10))
+def test_stream_and_whole_answer_agree_in_any_cut(values, second: bool, cut: int | None, points: list[int]) -> None:
+    answer = "Text first.\n" + _call("get_weather", values) + ("\n" + _call("get_time", []) if second else "")
+    finish = "stop" if cut is None else "length"
+    answer = answer if cut is None else answer[:cut]
+    points = sorted({min(p, len(answer)) for p in points})
+    pieces = [b - a for a, b in zip([0, *points], points)]
+    content, calls = _read(answer, finish)
+    assert _streamed_calls(answer, pieces, finish) == (content or "", calls)
+
+
+def test_the_template_that_writes_function_elements_picks_the_format() -> None:
+    template = "{% for call in message.tool_calls %}<tool_call>\n<function={{ call.name }}>{% endfor %}"
+    assert isinstance(format_for(template), Qwen3Coder)
+    assert format_for("<tool_call>{{ call | tojson }}</tool_call>").name == "hermes"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small trained byte-level BPE (a walk through a grammar computes a mask over the vocabulary each token)."""
+    path = tmp_path_factory.mktemp("qwen3-coder-tokenizer")
+    train_tokenizer([ANSWER * 20, "def f(x):\n    return x\n" * 20], 300, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+def _closing(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens a walk is drawn to: the ends of a value, a function and a call, and the end of the answer."""
+    closing = tokenizer.encode("\n</parameter>\n</function>\n</tool_call>", add_special_tokens=False)
+    return (*closing, *tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_what_the_forced_grammar_allows_reads_back_as_valid_calls(
+    tokenizer_dir: Path, tokenizer: Tokenizer, tool_choice
+) -> None:
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=tool_choice)
+    spec = FORMAT.grammar(fields.callable, fields.forced_calls_parallel)
+    answers = list(_walks(FORMAT, tokenizer, spec, tokenizer_dir, seed=5, count=8, drawn_to=_closing(tokenizer),
+                          max_tokens=160))
+    assert len(answers) >= 3
+    for _, text in answers:
+        content, calls = _read(text)
+        assert content is None and calls and (tool_choice == "required" or len(calls) == 1), text
+        for name, arguments in calls:
+            arguments = json.loads(arguments)
+            if name == "get_time":
+                assert arguments == {}
+                continue
+            assert name == "get_weather" and arguments["city"] in ("Paris", "Oslo"), text
+            assert isinstance(arguments["days"], int) and not isinstance(arguments["days"], bool), text
+            assert set(arguments) <= set(WEATHER["function"]["parameters"]["properties"])
+            assert isinstance(arguments.get("metric", True), bool) and isinstance(arguments.get("note", ""), str)
+            assert all(isinstance(h, int) for h in arguments.get("hours", []))
+
+
+def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tool(tokenizer_dir: Path, tokenizer: Tokenizer) -> None:
+    """Text without the tag, or calls of the allowed function only (the grammar's answers, token by token)."""
+    allowed = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=allowed)
+    spec = FORMAT.text_or_calls_grammar(fields.callable, True)
+    ll = ll_tokenizer(tokenizer_dir, tokenizer.vocab_size, tuple(tokenizer.eos_token_ids))
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=spec))
+    for text, allowed_text in [("Sunny today.", True), ("Sure.\n" + _call("get_time", []), True),
+                               (_call("get_time", []) + "\n" + _call("get_time", []), True),
+                               ("Sure.\n" + _call("get_weather", [("city", "Paris"), ("days", "1")]), False),
+                               ("I would write <tool_call> here", False)]:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert (llguidance.LLMatcher(ll, grammar).validate_tokens(tokens) == len(tokens)) is allowed_text, text
