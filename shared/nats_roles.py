@@ -133,9 +133,11 @@ def _stores_responses() -> tuple[str, ...]:
 
 def _logs_response_events() -> tuple[str, ...]:
     """services/gateway/responses/event_log.py: look the stream up (streams.wait_for), append a background response's
-    events to it, read them back by direct gets, and hear new ones as they are appended."""
+    events to it, read them back by direct gets, hear new ones as they are appended, and drop a deleted response's
+    (a purge by subject)."""
     stream = subjects.RESPONSE_EVENTS_STREAM
-    return _stream_info(stream), subjects.response_events(ANY_TOKEN), f"{JS_API}.DIRECT.GET.{stream}"
+    return (_stream_info(stream), subjects.response_events(ANY_TOKEN), f"{JS_API}.DIRECT.GET.{stream}",
+            f"{JS_API}.STREAM.PURGE.{stream}")
 
 
 def _inbox(role: NatsRole) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -96,7 +97,15 @@ async def barrier(nc: Client) -> None:
     nats-py's flush() is not that: it writes its PING straight to the socket, ahead of commands still waiting in the
     client's buffer for its flusher task (a SUB just made), so its PONG can come back before the server has read
     them, and a request from another connection then finds no responders. Waiting on the first PONG lets the flusher
-    run (it was woken before any reply can be read); the second PING follows everything it wrote."""
+    run (it was woken before any reply can be read); the second PING follows everything it wrote.
+
+    A caller cancelled meanwhile returns at once, but the flushes run to their PONGs on a task of their own: nats-py
+    leaves a cancelled flush's future among those its PONGs resolve, and resolving it raises in the connection's read
+    loop, which then stops reading (every later request on the connection times out)."""
+    await asyncio.shield(asyncio.ensure_future(_flush_twice(nc)))
+
+
+async def _flush_twice(nc: Client) -> None:
     await nc.flush()
     await nc.flush()
 

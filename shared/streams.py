@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STREAM_NAME_IN_USE = 10058  # JetStream API error code: a stream of this name exists with another configuration
+RESPONSE_EVENTS_MAX_AGE_S = 24 * 3600.0
 MAX_DEAD_LETTERS = 10_000  # advisories and requests kept for operators to look at; the oldest go first
 DEAD_LETTER_MAX_AGE_S = 7 * 24 * 3600.0
 DEAD_LETTER_HANDLING_ACK_WAIT_S = 30.0  # a worker that dies while moving a request leaves its advisory to another
@@ -110,11 +111,13 @@ def _response_store(limits: StreamLimits) -> StreamConfig:
 
 
 def _response_events(limits: StreamLimits) -> StreamConfig:
-    """Background responses' streaming events (services/gateway/responses/event_log.py), kept as long as the
-    responses are and within as many bytes again, the oldest dropped first; read back by direct gets."""
+    """Background responses' streaming events (services/gateway/responses/event_log.py), for picking a dropped stream
+    up again: kept a day (or as long as the responses, if less), within as many bytes as the responses, the oldest
+    dropped first (a response's events take tens of times its entry's bytes); read back by direct gets."""
     return StreamConfig(
         name=subjects.RESPONSE_EVENTS_STREAM, subjects=[subjects.response_events("*")],
-        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=limits.response_store_max_age_s,
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+        max_age=min(limits.response_store_max_age_s, RESPONSE_EVENTS_MAX_AGE_S),
         max_bytes=limits.response_store_max_bytes, discard=DiscardPolicy.OLD, allow_direct=True,
     )
 

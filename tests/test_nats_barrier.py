@@ -78,3 +78,23 @@ async def test_a_subscription_reaches_the_server_before_the_barrier_returns(reco
         assert recorder.sent.find(PING, sub) > sub, f"no PING after the SUB: {bytes(recorder.sent[sub:])!r}"
     finally:
         await nc.close()
+
+
+async def test_a_caller_cancelled_while_it_waits_leaves_the_connection_reading(nats_server: NatsServer) -> None:
+    """nats-py resolves a flush's PONG future even after its waiter was cancelled, and the InvalidStateError that
+    raises stops the connection's read loop: every later request would time out. A barrier cancelled while its PING
+    is out (an HTTP client leaving a stream as it starts) must not do that."""
+    nc = await nats_server.connect_as(NatsRole.GATEWAY)
+    try:
+        for _ in range(3):
+            waiting = asyncio.create_task(barrier(nc))
+            while not nc._pongs:  # its PING is out and its PONG awaited
+                await asyncio.sleep(0)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        await asyncio.sleep(0.2)  # the PONGs arrive
+        assert not nc._reading_task.done()
+        await asyncio.wait_for(nc.flush(), 2)  # the connection still hears its server
+    finally:
+        await nc.close()

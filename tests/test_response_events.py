@@ -11,11 +11,15 @@ from typing import Any
 
 import pytest
 
-from services.gateway.responses.event_log import EVENT_TOO_LARGE, EventLog
+from services.gateway import wire_json
+from services.gateway.responses.answer import ResponsesAnswer
+from services.gateway.responses.background import BackgroundRun, BackgroundRuns
+from services.gateway.responses.event_log import END_HEADER, EVENT_TOO_LARGE, EventLog, _Reading
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import STALE_AFTER_S, ResponseStore, StoredRecord
 from shared.nats_roles import NatsRole
-from tests.natsfixture import NatsServer, nats_server
+from shared.stream_limits import StreamLimits
+from tests.natsfixture import NatsServer, nats_server, running_nats_server
 
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find
 
@@ -61,7 +65,7 @@ async def test_kept_events_are_read_whole_or_after_a_sequence_number_through_ano
     assert await _followed(log, "resp_whole") == events
     assert await _followed(log, "resp_whole", after=4) == events[5:]
     assert await _followed(log, "resp_whole", after=len(events) + 3) == []
-    assert await log.kept("resp_whole") and not await log.kept("resp_never_streamed")
+    assert await log.first_kept("resp_whole") == 0 and await log.first_kept("resp_never_streamed") is None
 
 
 async def test_a_reader_hears_the_events_as_they_come_and_each_once(gateways) -> None:
@@ -104,7 +108,7 @@ async def test_a_stream_whose_gateway_died_ends_as_the_store_reads_the_response(
     writer = log.writer("resp_gone")
     for batch in batches[:3]:  # then its gateway died: no more events, and no end
         writer.put(batch)
-    while not await log.kept("resp_gone"):  # the three went out together
+    while await log.first_kept("resp_gone") is None:  # what was put is kept
         await asyncio.sleep(0.01)
     store = ResponseStore(reading)
     in_progress = {**output.snapshot(), "status": "in_progress"}
@@ -115,3 +119,83 @@ async def test_a_stream_whose_gateway_died_ends_as_the_store_reads_the_response(
     assert events[-1]["type"] == "response.failed" and events[-1]["sequence_number"] == sent[-1]["sequence_number"] + 1
     assert events[-1]["response"]["status"] == "failed" and "stopped" in events[-1]["response"]["error"]["message"]
     await writer.close()
+
+
+class SlowAckStore(ResponseStore):
+    """A store whose last write of a completed response is sent at once and acknowledged late (a busy server)."""
+
+    def __init__(self, nc, sent: asyncio.Event) -> None:
+        super().__init__(nc)
+        self.sent = sent
+
+    async def keep(self, record: StoredRecord) -> bool:
+        kept = await super().keep(record)
+        if record.response["status"] == "completed":
+            self.sent.set()
+            await asyncio.sleep(0.5)
+        return kept
+
+
+async def test_a_cancel_during_the_last_write_leaves_the_response_ended_and_its_events_whole(gateways) -> None:
+    """The answer's last write is under way when the cancel comes: the response stays completed, in the store and
+    in its stream, which ends with response.completed (a cancel came too late to stop it)."""
+    running, reading = gateways
+    sent = asyncio.Event()
+    store = SlowAckStore(running, sent)
+    runs = BackgroundRuns(running, store)
+    await runs.start()
+    output = ResponseOutput("resp_last_write", int(time.time()), {"background": True}, with_logprobs=False)
+    output.status = "queued"
+    writer = EventLog(running, store).writer("resp_last_write")
+    run = BackgroundRun(store, StoredRecord(output.snapshot(), [], [], heartbeat=time.time()), writer)
+
+    async def keep(kept: ResponseOutput) -> bool:
+        return await run.write(kept.snapshot(), final=True)
+
+    answer = ResponsesAnswer({"background": True}, False, False, lambda ids, text: 0, keep=keep, output=output,
+                             events=writer.put)
+
+    async def serve() -> None:  # as the answer of a validated request
+        writer.put(output.queued())
+        writer.put(output.progressing())
+        answer._emit(output.feed({"delta": {"content": "hello"}}))
+        answer._emit(await answer._finish("stop", {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}))
+
+    validated = asyncio.Event()
+    validated.set()
+    task = runs.run(run, serve(), lambda: output, validated, lambda exc: exc)
+    await asyncio.wait_for(sent.wait(), 5)
+    cancelled = await runs.cancel("resp_last_write")
+    assert cancelled.response["status"] == "completed" and task.done()
+    assert (await ResponseStore(reading).get("resp_last_write")).response["status"] == "completed"
+    events = await _followed(EventLog(reading, ResponseStore(reading), idle_check_s=IDLE_CHECK_S), "resp_last_write")
+    assert events[-1]["type"] == "response.completed"
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+
+
+async def test_a_log_that_dropped_a_responses_first_events_says_where_they_start(tmp_path) -> None:
+    """The log drops its oldest messages first when it is full: a reader asks where a response's kept events start
+    (GET then refuses to stream from before there)."""
+    limits = StreamLimits(response_store_max_bytes=64 * 1024)
+    with running_nats_server(tmp_path / "nats", limits=limits) as server:
+        nc = await server.connect_as(NatsRole.GATEWAY)
+        try:
+            log = EventLog(nc, ResponseStore(nc))
+            writer = log.writer("resp_long")
+            for batch in _answer("resp_long", ["word "] * 400)[1]:
+                writer.put(batch)
+                await asyncio.sleep(0.001)  # a message per batch, as a run's chunks come
+            await writer.close()
+            assert (await log.first_kept("resp_long") or 0) > 0
+        finally:
+            await nc.close()
+
+
+def test_a_message_heard_ahead_of_what_was_read_sends_the_reader_back_to_the_log() -> None:
+    reading = _Reading(after=-1)
+    _, batches = _answer("resp_gap", ["a", "b", "c"])
+    assert reading.follows_on(wire_json.dumps(batches[0]), None)
+    reading.take(wire_json.dumps(batches[0]), None)
+    assert reading.follows_on(wire_json.dumps(batches[1]), None)
+    assert not reading.follows_on(wire_json.dumps(batches[2]), None)  # batches[1] was not read
+    assert not reading.follows_on(b"[]", {END_HEADER: "1"})  # the end: once all that is kept is read

@@ -6,6 +6,7 @@ clients to read from there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from services.gateway import sse
 from services.gateway.answer import ChoiceReader
+from services.gateway.cancelling import to_the_end
 from services.gateway.choices import ResponseChoices
 from services.gateway import wire_json
 from services.gateway.errors import SERVER_ERROR, OpenAIError
@@ -98,7 +100,8 @@ class ResponsesAnswer:
                     await sse.write_caught_up(response, unsent, chunks.has_ready)
                     continue
                 latency.finished()
-                unsent += map(named_event, await self._finish(choice, choices, reader))
+                last = await self._finish(choice.get("finish_reason"), self._usage(choices, reader))
+                unsent += map(named_event, last)
         except OpenAIError as exc:
             unsent += map(named_event, output.fail(exc.body()["error"]))
         except ConnectionResetError:
@@ -121,17 +124,33 @@ class ResponsesAnswer:
             choice = reader.read(choices.streamed(chunk))
             self._emit(self.output.feed(choice))
         latency.finished()
-        self._emit(await self._finish(choice, choices, reader))
+        self._emit(await self._finish(choice.get("finish_reason"), self._usage(choices, reader)))
         return web.json_response(self.output.snapshot(), dumps=wire_json.dumps_text)
 
     def _emit(self, events: list[Event]) -> None:
         if self.events is not None:
             self.events(events)
 
-    async def _finish(self, choice: dict[str, Any], choices: ResponseChoices, reader: "_ChatReader") -> list[dict]:
-        usage = responses_usage(choices.usage(), self.count_reasoning(reader.token_ids, reader.reasoning))
-        events = self.output.finish(choice.get("finish_reason"), usage)
-        if self.keep is not None and not await self.keep(self.output):
+    def _usage(self, choices: ResponseChoices, reader: "_ChatReader") -> dict[str, Any]:
+        return responses_usage(choices.usage(), self.count_reasoning(reader.token_ids, reader.reasoning))
+
+    async def _finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[Event]:
+        """The closing events, once the response is kept. Kept to the end (a background response's last state)
+        whatever cancellation comes meanwhile, which then finds it ended: its events go out all the same."""
+        events = self.output.finish(finish_reason, usage)
+        if self.keep is None:
+            return events
+        keeping = asyncio.ensure_future(self.keep(self.output))
+        try:
+            kept = await to_the_end(keeping)
+        except asyncio.CancelledError:
+            if not keeping.cancelled() and keeping.exception() is None:
+                self._emit(self._marked_kept(events, keeping.result()))
+            raise
+        return self._marked_kept(events, kept)
+
+    def _marked_kept(self, events: list[Event], kept: bool) -> list[Event]:
+        if not kept:
             self.output.shown["store"] = events[-1]["response"]["store"] = False
         return events
 

@@ -75,6 +75,11 @@ class BackgroundRun:
                 await self._store.keep(self.record)
             return False
 
+    @property
+    def ended(self) -> bool:
+        """Its last state was written, or is being written."""
+        return self._final
+
     async def close_events(self) -> None:
         if self.events is not None:
             await self.events.close()
@@ -194,7 +199,10 @@ async def _beat_once_validated(
 
 
 async def _end(run: BackgroundRun, output: ResponseOutput, status: str, error: dict | None = None) -> None:
-    """Writes the response's last state, `failed` with the error or `cancelled`, and its events (a streamed one's)."""
+    """Writes the response's last state, `failed` with the error or `cancelled`, and its events (a streamed one's);
+    nothing where its answer wrote its last state (completed, or incomplete) before the cancellation came."""
+    if run.ended:
+        return
     events = output.fail(error) if status == "failed" else output.cancel()
     if await run.write(output.snapshot(), final=True) is not None and run.events is not None:
         run.events.put(events)

@@ -121,12 +121,22 @@ class EventLog:
     def writer(self, response_id: str) -> EventWriter:
         return EventWriter(self._nc, response_id)
 
-    async def kept(self, response_id: str) -> bool:
-        """Whether any of the response's events are kept (it was streamed, and they have not aged out)."""
-        return await self._kept_after(subjects.response_events(response_id), 0) is not None
+    async def first_kept(self, response_id: str) -> int | None:
+        """The sequence number of the response's first event still kept; None where none is (it was not streamed,
+        or they aged out). The log drops its oldest messages first: what is kept runs from there to the last."""
+        subject, cursor = subjects.response_events(response_id), 0
+        while (kept := await self._kept_after(subject, cursor)) is not None:
+            cursor, data, _ = kept
+            if events := wire_json.loads(data):
+                return events[0]["sequence_number"]
+        return None  # none, or only the end marker
 
     async def follow(self, response_id: str, after: int) -> AsyncIterator[list[Event]]:
-        """The response's events numbered above `after`, as they were kept and then as they come, until its last."""
+        """The response's events numbered above `after`, as they were kept and then as they come, until its last.
+
+        Messages heard on the subject carry events as they are appended; where one does not follow on from what was
+        read (JetStream may store a message after it was delivered, so one appended as this reader subscribed can be
+        missing from the kept ones it read), and at its end, the kept ones are read again from where the reader was."""
         subject = subjects.response_events(response_id)
         heard: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -134,30 +144,40 @@ class EventLog:
             heard.put_nowait(msg)
 
         live = await self._nc.subscribe(subject, cb=core_only(hear))
-        await barrier(self._nc)  # the subscription is in place before the kept events are read
-        reading = _Reading(after)
         try:
-            stream_sequence = 0
-            while (kept := await self._kept_after(subject, stream_sequence)) is not None:
-                stream_sequence, data, headers = kept
-                events = reading.take(data, headers)
-                if events:
-                    yield events
-                if reading.ended:
-                    return
-            idle_since = time.monotonic()
-            while not reading.ended:
+            await barrier(self._nc)  # the subscription is in place before the kept events are read
+            reading, cursor = _Reading(after), 0
+            behind, idle_since = True, time.monotonic()
+            msg: Msg | None = None
+            while True:
+                while behind and (kept := await self._kept_after(subject, cursor)) is not None:
+                    cursor, data, headers = kept
+                    if events := reading.take(data, headers):
+                        yield events
+                    if reading.ended:
+                        return
+                if msg is not None:  # heard ahead of what was kept: taken once they are read
+                    if events := reading.take(msg.data, msg.headers):
+                        yield events
+                    if reading.ended:
+                        return
                 try:
                     msg = await asyncio.wait_for(heard.get(), self._idle_check_s)
                 except asyncio.TimeoutError:
-                    events = await self._ended_without_events(response_id, reading, time.monotonic() - idle_since)
-                else:
-                    idle_since = time.monotonic()
-                    events = reading.take(msg.data, msg.headers)
-                if events:
-                    yield events
+                    msg, behind = None, True  # what was missed is kept by now
+                    if events := await self._ended_without_events(response_id, reading, time.monotonic() - idle_since):
+                        yield events
+                    if reading.ended:
+                        return
+                    continue
+                idle_since = time.monotonic()
+                behind = not reading.follows_on(msg.data, msg.headers)
         finally:
             await live.unsubscribe()
+
+    async def purge(self, response_id: str) -> None:
+        """Drops the response's events (it was deleted)."""
+        await self._js.purge_stream(subjects.RESPONSE_EVENTS_STREAM, subject=subjects.response_events(response_id))
 
     async def _kept_after(self, subject: str, stream_sequence: int) -> tuple[int, bytes, dict | None] | None:
         """The subject's first kept message after `stream_sequence`: its sequence, data and headers."""
@@ -175,6 +195,9 @@ class EventLog:
             stored = await self._store.get(response_id)
         except OpenAIError:  # deleted meanwhile
             reading.ended = True
+            return []
+        except Exception as exc:  # the store does not answer now: nothing tells the response ended
+            log.warning("the store did not say whether response %s ended: %r", response_id, exc)
             return []
         record = stored.as_read
         status = record.response.get("status")
@@ -194,15 +217,24 @@ class _Reading:
         self.last = -1
         self.ended = False
 
+    def follows_on(self, data: bytes, headers: dict | None) -> bool:
+        """Whether a message heard holds nothing that would leave events unseen before it (the end marker is taken
+        only once every kept message was read)."""
+        if headers and END_HEADER in headers:
+            return False
+        events = wire_json.loads(data)
+        return not events or events[0]["sequence_number"] <= self.last + 1
+
     def take(self, data: bytes, headers: dict | None) -> list[Event]:
-        """The events of one kept message it has not seen yet."""
+        """The events of one message it has not seen yet."""
         if headers and END_HEADER in headers:
             self.ended = True
             return []
         fresh = [event for event in wire_json.loads(data) if event["sequence_number"] > self.last]
         if fresh:
             self.last = fresh[-1]["sequence_number"]
-        self.ended = any(event["type"] in TERMINAL_EVENTS.values() for event in fresh)  # nothing follows them
+        # Nothing follows a response's own end
+        self.ended = self.ended or any(event["type"] in TERMINAL_EVENTS.values() for event in fresh)
         return [event for event in fresh if event["sequence_number"] > self.after]
 
 

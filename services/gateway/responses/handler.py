@@ -60,9 +60,14 @@ class ResponsesEndpoint:
         record = (await self._store.get(response_id)).as_read
         if not stream:
             return web.json_response(record.response, dumps=wire_json.dumps_text)
-        if not record.response.get("background") or not await self._events.kept(response_id):
+        first = await self._events.first_kept(response_id) if record.response.get("background") else None
+        if first is None:
             raise bad_request(f"Response '{response_id}' cannot be streamed: only a response created with background "
-                              "true and stream true can, while it is stored; poll it without stream", param="stream")
+                              "true and stream true can, while its events are kept; poll it without stream",
+                              param="stream")
+        if first > after + 1:
+            raise bad_request(f"Response '{response_id}''s events before {first} are no longer kept: stream it "
+                              f"starting_after {first - 1} or later, or poll it without stream", param="starting_after")
         return await self._follow(request, response_id, after)
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -82,6 +87,7 @@ class ResponsesEndpoint:
         response_id = request.match_info["response_id"]
         if (await self._store.get(response_id)).response.get("background"):
             await self.background.cancel(response_id)  # a run left going would write its entry back
+            await self._events.purge(response_id)
         await self._store.delete(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
