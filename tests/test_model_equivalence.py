@@ -2,6 +2,7 @@
 Mistral, Phi-3 and Granite),
 and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -120,8 +121,16 @@ def test_greedy_tokens_equal_transformers_under_every_method(family_dirs, kind: 
     Mistral's window (8 positions) is shorter than every prompt and output, in prefill, decode and verify (the
     EAGLE-3 head's own layer, a Llama's, attends to every position)."""
     model_dir = family_dirs[kind]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = make_engine(model_dir, METHODS[name])
+    for prompt, expected in _transformers_greedy(model_dir):
+        assert tokens_alone(engine, make_request(prompt, max_tokens=24, **GREEDY)) == expected
+
+
+@functools.cache
+def _transformers_greedy(model_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """Each prompt and transformers' greedy tokens after it, once per checkpoint for every method."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pairs = []
     for prompt in encode_prompts(model_dir, PROMPT_TEXTS[:2]):
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -129,7 +138,8 @@ def test_greedy_tokens_equal_transformers_under_every_method(family_dirs, kind: 
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, eos_token_id=None,
                 pad_token_id=0,
             )[0, len(prompt):].tolist()
-        assert tokens_alone(engine, make_request(prompt, max_tokens=24, **GREEDY)) == expected
+        pairs.append((prompt, expected))
+    return pairs
 
 
 @pytest.mark.parametrize("experts", [
