@@ -12,9 +12,8 @@ import pytest
 
 from services.gateway.tools.granite import CALL_TAG
 from services.mesh_process import Mesh
-from tests.demomeshfixture import client_of, running_mesh
-from tests.modelfixture import make_tiny_model_dir
-from tests.test_e2e_tool_calls_mistral import answers_after_a_call, forced_call
+from tests.demomeshfixture import client_of
+from tests.test_e2e_tool_calls_mistral import FORCING, answers_after_a_call, forced_call, tiny_family_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +31,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-granite"), "granite", CONTROL_TOKENS, TEMPLATE)
-    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
+    yield from tiny_family_mesh(tmp_path_factory, "granite", CONTROL_TOKENS, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +39,7 @@ def client(mesh: Mesh) -> openai.OpenAI:
     return client_of(mesh)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@FORCING
 def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
                                                                    tool_choice) -> None:
     forced_call(client, mesh, tool_choice, max_tokens=96)  # a random model's integers run long

@@ -46,10 +46,23 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+# tool_choice values that force a call, and their test ids
+FORCING = pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"],
+)
+
+
+def tiny_family_mesh(
+    tmp_path_factory: pytest.TempPathFactory, kind: str, control_tokens: tuple[str, ...], template: str,
+) -> Iterator[Mesh]:
+    """A fixture's body: the mesh on a tiny random checkpoint of `kind` with a family's control tokens and template."""
+    model = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind, control_tokens, template)
+    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), "mistral", CONTROL_TOKENS, TEMPLATE)
-    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
+    yield from tiny_family_mesh(tmp_path_factory, "mistral", CONTROL_TOKENS, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +80,7 @@ def _valid(name: str, arguments: dict) -> bool:
     return name == "get_weather" and arguments["city"] in ("Paris", "Oslo") and isinstance(arguments["days"], int)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@FORCING
 def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
                                                                    tool_choice) -> None:
     whole = forced_call(client, mesh, tool_choice, max_tokens=48)
