@@ -134,3 +134,14 @@ def test_numbers_stream_as_they_read_back(numbers: list[str], points: list[int])
     text = "[" + " , ".join(numbers) + "]"
     reader = CompactJson()
     assert "".join(reader.feed(piece) for piece in _cuts(text, points)) == json_text(JSON.decode(text))
+
+
+def test_an_integer_past_pythons_digit_limit_streams_as_the_whole_answer_reads_it() -> None:
+    """json refuses to read an integer of more than 4300 digits (a ValueError, not a JSONDecodeError): the call
+    keeps it as written, whole and streamed alike."""
+    answer = '<tool_call>\n{"name": "f", "arguments": {"n": ' + "9" * 5000 + '}}\n</tool_call>'
+    message = {"role": "assistant", "content": answer}
+    message_with_calls(message, "stop", FORMATS["hermes"])
+    whole = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
+    assert whole[0][1].startswith('{"n":9999')  # what reads as JSON made compact, then the rest as written
+    assert _hermes_stream(answer, _cuts(answer, [60, 200, 3000]), "stop") == ("", whole)

@@ -84,8 +84,8 @@ def test_calls_read_as_their_schemas_types_whole_and_in_any_cut(pieces: list[int
 
 
 def test_a_value_not_of_its_type_and_a_parameter_of_no_known_type_are_text() -> None:
-    answer = _call("get_weather", [("city", "Paris"), ("days", "three"), ("metric", "TRUE"), ("extra", "42")])
-    assert json.loads(_read(answer)[1][0][1]) == {"city": "Paris", "days": "three", "metric": "TRUE", "extra": "42"}
+    answer = _call("get_weather", [("city", "Paris"), ("days", "three"), ("metric", "yes"), ("extra", "42")])
+    assert json.loads(_read(answer)[1][0][1]) == {"city": "Paris", "days": "three", "metric": "yes", "extra": "42"}
     untyped = FORMATS["qwen3_coder"]  # without the request's functions every value is text
     assert json.loads(_read(ANSWER, fmt=untyped)[1][0][1])["days"] == "3"
 
@@ -189,3 +189,55 @@ def test_allowed_auto_answers_are_text_or_calls_of_the_allowed_tool(tokenizer_di
                                ("I would write <tool_call> here", False)]:
         tokens = tokenizer.encode(text, add_special_tokens=False)
         assert (llguidance.LLMatcher(ll, grammar).validate_tokens(tokens) == len(tokens)) is allowed_text, text
+
+
+def test_text_before_a_next_call_cut_before_its_name_stays_whole_and_streamed() -> None:
+    answer = _call("get_time", []) + "\nLet me also check <tool_call>\n"
+    assert _read(answer, "length") == ("Let me also check ", [["get_time", "{}"]])  # as Hermes' reads
+    assert _streamed_calls(answer, [1] * (len(answer) - 1), "length") == ("Let me also check ", [["get_time", "{}"]])
+
+
+def test_values_templates_write_back_and_values_no_type_reads_are_text() -> None:
+    """Python's True and None, as a template writes a call's earlier arguments back; an integer past Python's digit
+    limit and a number past a float's range are text, whole and streamed alike."""
+    huge = "9" * 5000
+    answer = _call("get_weather", [("city", "Paris"), ("metric", "True"), ("days", huge), ("hours", "None")])
+    arguments = json.loads(_read(answer)[1][0][1])
+    assert arguments == {"city": "Paris", "metric": True, "days": huge, "hours": "None"}  # hours: an array, not null
+    assert _streamed_calls(answer, [7] * (len(answer) // 7)) == ("", _read(answer)[1])
+    optional = Qwen3Coder().reading(ToolFields(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}}}]).functions)
+    assert [json.loads(_read(_call("f", [("n", value)]), fmt=optional)[1][0][1])["n"] for value in
+            ("None", "1e400", "2.5")] == [None, "1e400", 2.5]
+
+
+REFERRING = {"type": "function", "function": {"name": "locate", "parameters": {
+    "type": "object", "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"], "additionalProperties": False}},
+    "properties": {"place": {"$ref": "#/$defs/Place"}, "near": {"type": ["integer", "null"]},
+                   "level": {"enum": [1, 2]}, "label": {"type": "string"}},
+    "required": ["place", "near", "level", "label"], "additionalProperties": False}}}
+
+
+def test_the_forced_grammar_refuses_values_that_would_read_back_otherwise(tokenizer_dir: Path,
+                                                                          tokenizer: Tokenizer) -> None:
+    """A string holding a closing tag, a value not of its type (a type list, an enum of numbers), and a reference to
+    the function's definitions compiles."""
+    fields = ToolFields(tools=[REFERRING], tool_choice="required")
+    ll = ll_tokenizer(tokenizer_dir, tokenizer.vocab_size, tuple(tokenizer.eos_token_ids))
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMAT.grammar(fields.callable, False)))
+
+    def call(near: str = "3", level: str = "1", label: str = "home") -> str:
+        return _call("locate", [("place", '{"city":"Oslo"}'), ("near", near), ("level", level), ("label", label)])
+
+    for text, allowed in [(call(), True), (call(near="null"), True), (call(near="hello"), False),
+                          (call(level="banana"), False), (call(level="3"), False),
+                          (call(label="x</tool_call>y"), False), (call(label="x</parameter>y"), False),
+                          (call(label="a <parameter=b> c"), True)]:
+        tokens = [*tokenizer.encode(text, add_special_tokens=False), *tokenizer.eos_token_ids]  # whole, and ended
+        assert (llguidance.LLMatcher(ll, grammar).validate_tokens(tokens) == len(tokens)) is allowed, text
+
+
+def test_seed_oss_template_is_not_read_as_qwen3_coder() -> None:
+    """Seed-OSS writes `<seed:tool_call><function=...>`: a format this server does not read, not Qwen3-Coder's."""
+    assert format_for("{{ '<seed:tool_call>\\n<function=' + call.name + '>' }}") is None

@@ -203,7 +203,7 @@ class CompactJson:
         token, self._pending = self._pending, ""
         try:
             value = json.loads(token)
-        except json.JSONDecodeError:
+        except ValueError:  # no JSON, or an integer past Python's digit limit
             return False
         out.append(json.dumps(value))
         self._value_done()

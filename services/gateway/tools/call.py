@@ -18,8 +18,9 @@ COMPACT = {"whitespace_flexible": False}
 
 
 class JsonObject(dict):
-    """A JSON object as a model wrote it: looked up as a dict, written back with every member in its place (a key
-    written twice keeps both), as a stream's compact arguments (arguments.py) have it."""
+    """A JSON object as a model wrote it: looked up as a dict, written back by json_text with every member in its
+    place (a key written twice keeps both), as a stream's compact arguments (arguments.py) have it. Only json's
+    encoder reads its members so (orjson, len, == see the dict: the last value of each key)."""
 
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
@@ -135,7 +136,7 @@ def json_value(text: str) -> object:
     """The JSON value that is the whole text (whitespace around it aside), or None."""
     try:
         value, end = JSON.raw_decode(text)
-    except json.JSONDecodeError:
+    except ValueError:  # no JSON, or an integer past Python's digit limit
         return None
     return value if not text[end:].strip() else None
 

@@ -40,6 +40,17 @@ CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 CALL_START = '{"name":'  # a compact Llama 3 call's opening
 
 
+def _name(block: str) -> str | None:
+    """A Hermes block's call's name, once written: its first key's string (None where it is no JSON string)."""
+    match = NAME.match(block)
+    if match is None:
+        return None
+    try:
+        return json.loads(match.group(1))
+    except ValueError:
+        return None
+
+
 class Hermes(CallIds):
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
@@ -116,13 +127,13 @@ class Hermes(CallIds):
         """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole
         where they were written whole (followed by the rest of a closing tag, or by anything), else their text so
         far."""
-        match = NAME.match(block)
-        if match is None:
+        name = _name(block)
+        if name is None:
             return None
-        name = json.loads(match.group(1))
+        match = NAME.match(block)
         try:
             call = parsed_call(JSON.raw_decode(block.lstrip())[0], self.arguments_key)
-        except json.JSONDecodeError:
+        except ValueError:  # no JSON, or an integer past Python's digit limit
             call = None
         if call is not None:
             return call
@@ -131,7 +142,7 @@ class Hermes(CallIds):
             return ParsedCall(name, "")
         try:
             value = JSON.raw_decode(arguments.group(1))[0]
-        except json.JSONDecodeError:
+        except ValueError:  # no JSON, or an integer past Python's digit limit
             return ParsedCall(name, partial_arguments(arguments.group(1)))
         return ParsedCall(name, json_text(value))
 
@@ -143,15 +154,15 @@ class Hermes(CallIds):
 
     def opened_call(self, block: str) -> CallArguments | None:
         """The call a block's text so far opens, once its name is written (its first key)."""
-        match = NAME.match(block)
-        if match is None:
+        name = _name(block)
+        if name is None:
             return None
-        return CallArguments(json.loads(match.group(1)), match.end(), self.arguments_key)
+        return CallArguments(name, NAME.match(block).end(), self.arguments_key)
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:
             return parsed_call(JSON.decode(block), self.arguments_key)
-        except json.JSONDecodeError:
+        except ValueError:  # no JSON, or an integer past Python's digit limit
             return None
 
 
@@ -197,7 +208,7 @@ class Llama3Json(CallIds):
         while rest:
             try:
                 obj, end = JSON.raw_decode(rest)
-            except json.JSONDecodeError:
+            except ValueError:  # no JSON, or an integer past Python's digit limit
                 return text, []
             call = parsed_call(obj, self.arguments_key)  # None when obj is no object with a name
             if call is None or self.arguments_key not in obj and "arguments" not in obj:
@@ -273,7 +284,7 @@ def format_for(
     if configured != "auto":
         return make_format(configured, special_tokens, chat_template)
     template = chat_template or ""
-    if QWEN3_CODER_FUNCTION in template:  # before Hermes: its calls are <tool_call> blocks too
+    if QWEN3_CODER_FUNCTION in template and Qwen3Coder.open_tag in template:  # before Hermes: <tool_call> too
         return make_format(Qwen3Coder.name)
     if GRANITE_TAG in template:
         return make_format(Granite.name, special_tokens)

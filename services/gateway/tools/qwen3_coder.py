@@ -10,29 +10,34 @@ per element, its value as written (code needs no JSON escaping):
     </tool_call>
 
 A value's type comes from the function's schema: a string parameter's value is its text (the line breaks next to its
-tags are layout); an integer, number, boolean, null, object or array one is read as that JSON where it is one, else
-kept as text. The arguments are those pairs as a compact JSON object, members where they were written.
+tags are layout), as is an untyped one's; any other is read as JSON of a type the schema allows where the text is
+that (`True` and `None` too, as templates write Python's values back), else kept as text. A value ends at the first
+`</parameter>`. The arguments are those pairs as a compact JSON object, members where they were written.
 
 Streamed, a call's name goes out once `<function=name>` is written, and its arguments as they are written: each
 key once its tag closes, a string's text as it comes (made JSON as the whole answer's), any other value once its
 element closes, so that the pieces add up to the whole answer's arguments.
 
 The grammar tool_choice imposes writes each function's parameters in its schema's order, the required ones always,
-a string's text up to its closing tag, any other value as its schema's JSON.
+a string's text up to its closing tag (holding neither `</parameter>` nor `</tool_call>`: reading would end there),
+a string enum's value, any other value as its schema's JSON. A string's other limits (length, pattern) are not
+forced, and a parameter whose name holds `>` or a line break is never written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
-    JSON, LAYOUT, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
+    COMPACT, JSON, LAYOUT, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
 )
 from services.gateway.tools.tool_request import FunctionDefinition
+from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -40,12 +45,14 @@ FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
-STRING_TYPES = ("string", None)  # a parameter of no known type is read as text
-JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
-              "array": list}
-# Lark: the JSON a typed value is written as (the value then ends at its closing tag)
-INTEGER_LARK = r"/-?(0|[1-9][0-9]*)/"
-NUMBER_LARK = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+CLOSING = LAYOUT + PARAMETER_CLOSE + LAYOUT  # after a value, as the template writes it
+# Lark regexes: a value's closing, and the tags a string's text may not hold
+CLOSING_LARK = "\\n" + lark_regex_literal(PARAMETER_CLOSE) + "\\n"
+TAGS_LARK = f"{lark_regex_literal(PARAMETER_CLOSE)}|{lark_regex_literal(CLOSE_TAG)}"
+KEY = re.compile(r"[a-zA-Z0-9_.-]+")  # a parameter name the grammar writes (no `>`, no line break)
+ROOT_DEFINITIONS = "parameters"
+JSON_KINDS = (("boolean", bool), ("integer", int), ("number", (int, float)), ("null", type(None)),
+              ("object", dict), ("array", list), ("string", str))
 
 
 def parameter_types(functions: Sequence[FunctionDefinition]) -> dict[str, dict[str, Any]]:
@@ -53,22 +60,44 @@ def parameter_types(functions: Sequence[FunctionDefinition]) -> dict[str, dict[s
     return {f.name: dict((f.parameters or {}).get("properties") or {}) for f in functions}
 
 
+def _kinds(schema: dict[str, Any]) -> set[str]:
+    """The JSON types a parameter's schema allows: its `type`s, its alternatives' (anyOf, oneOf), its enum's or
+    const's values'; none for an untyped one."""
+    kinds = schema.get("type")
+    found = set(kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else [])
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            found |= _kinds(option) if isinstance(option, dict) else set()
+    for value in [*(schema.get("enum") or ()), *([schema["const"]] if "const" in schema else [])]:
+        found.add(next(kind for kind, python in JSON_KINDS if isinstance(value, python)))
+    return found
+
+
+def is_text(schema: dict[str, Any] | None) -> bool:
+    """Whether a parameter's value is its text: a string, or a parameter the schema gives no type."""
+    kinds = _kinds(schema or {})
+    return not kinds or "string" in kinds
+
+
 def value_of(text: str, schema: dict[str, Any] | None) -> Any:
-    """A parameter's value from its text: text for a string (or a parameter the schema does not type), else the
-    JSON of its type the text is, or the text where it is none."""
-    kinds = (schema or {}).get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if any(kind in STRING_TYPES for kind in kinds):
+    """A parameter's value from its text: the text for a string (or a parameter the schema does not type), else
+    the JSON of a type it allows that the text is (`True`, `None`: as a template writes Python's values back), or
+    the text where it is none."""
+    if is_text(schema):
         return text
+    kinds, stripped = _kinds(schema), text.strip()
+    if "boolean" in kinds and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if "null" in kinds and stripped in ("null", "None"):
+        return None
     try:
-        value = JSON.decode(text.strip())
-    except json.JSONDecodeError:
+        value = JSON.decode(stripped)
+    except ValueError:  # no JSON, or an integer past Python's digit limit
         return text
-    wanted = tuple(JSON_TYPES[kind] for kind in kinds if kind in JSON_TYPES)
-    is_bool = isinstance(value, bool)
-    if isinstance(value, wanted) and (is_bool == (bool in wanted)):
-        return value
-    return text
+    if isinstance(value, float) and not math.isfinite(value):
+        return text
+    kind = next(kind for kind, python in JSON_KINDS if isinstance(value, python))
+    return value if kind in kinds or (kind == "integer" and "number" in kinds) else text
 
 
 class XmlArguments:
@@ -144,9 +173,7 @@ class XmlArguments:
         self._key, self._at = None, end + len(PARAMETER_CLOSE)
 
     def _is_string(self) -> bool:
-        kinds = (self._types.get(self._key) or {}).get("type")
-        kinds = kinds if isinstance(kinds, list) else [kinds]
-        return any(kind in STRING_TYPES for kind in kinds)
+        return is_text(self._types.get(self._key))
 
 
 def _value_text(text: str) -> str:
@@ -187,7 +214,8 @@ class Qwen3Coder(CallIds):
                 content.add(rest[:start])
                 content.call()
                 calls.append(call)
-            elif calls:  # a next call cut before its name: dropped, as its tag
+            elif calls:  # a next call cut before its name: dropped, as its tag; the text before it stays
+                content.add(rest[:start])
                 rest = ""
                 break
             else:
@@ -247,44 +275,42 @@ class Qwen3Coder(CallIds):
         return f'"\\n" ({options}) {json.dumps(LAYOUT + CLOSE_TAG)}'
 
     def _rules(self, functions: list[FunctionDefinition]) -> str:
-        # A string's text and its closing tag, one lazy lexeme: it ends at the first closing tag
-        rules = [f"STRING_VALUE: /(.|\\n)*\\n{lark_regex_literal(PARAMETER_CLOSE)}\\n/",
+        # A string's text and its closing tag, one lazy lexeme: it ends at the first closing tag, and holds no
+        # other (the value and the call would end there when the answer is read)
+        rules = [f"STRING_VALUE: /(.|\\n)*{CLOSING_LARK}/ & ~/(.|\\n)*({TAGS_LARK})(.|\\n)*{CLOSING_LARK}/",
                  "string_value[lazy]: STRING_VALUE"]
         for i, function in enumerate(functions):
-            head = json.dumps(f"<function={function.name}>{LAYOUT}")
-            schema = function.schema
+            _, definitions = embedded(function.schema, ROOT_DEFINITIONS)  # its references, from a parameter's schema
+            schema = definitions.get(ROOT_DEFINITIONS, function.schema)
             properties = schema.get("properties") or {}
             required = set(schema.get("required") or ())
             parts = []
             for j, (key, value_schema) in enumerate(properties.items()):
+                if not KEY.fullmatch(key):  # a key the format cannot write: never a forced argument
+                    continue
                 rule = f"parameter_{i}_{j}"
-                rules.append(f"{rule}: {json.dumps(f'{PARAMETER_OPEN}{key}>{LAYOUT}')} {_value_grammar(value_schema)}")
+                opening = json.dumps(f"{PARAMETER_OPEN}{key}>{LAYOUT}")
+                rules.append(f"{rule}: {opening} {_value_grammar(value_schema, definitions)}")
                 parts.append(rule if key in required else f"{rule}?")
             if not properties and schema.get("additionalProperties", True) is not False:
-                rules.append(f"any_parameter_{i}: {json.dumps(PARAMETER_OPEN)} /[a-zA-Z0-9_.-]+/ "
+                rules.append(f"any_parameter_{i}: {json.dumps(PARAMETER_OPEN)} /{KEY.pattern}/ "
                              f"{json.dumps('>' + LAYOUT)} string_value")
                 parts.append(f"any_parameter_{i}*")
+            head = json.dumps(f"<function={function.name}>{LAYOUT}")
             rules.append(f"function_{i}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}")
         return "\n".join(rules) + "\n"
 
 
-def _value_grammar(schema: dict[str, Any]) -> str:
-    """Lark: a parameter's value and its closing tag, by its schema's type."""
-    closing = json.dumps(LAYOUT + PARAMETER_CLOSE + LAYOUT)
-    kinds = schema.get("type")
-    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        return f"({' | '.join(json.dumps(v) for v in schema['enum'])}) {closing}"
-    if kinds in STRING_TYPES or isinstance(kinds, list):
+def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any]) -> str:
+    """Lark: a parameter's value and its closing tag: a string's text (one of its enum's, if it has one), any other
+    value as its schema's JSON (with the function schema's definitions it refers to)."""
+    if is_text(schema):
+        options = schema.get("enum")
+        if options and all(isinstance(option, str) for option in options):
+            return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(CLOSING)}"
         return "string_value"
-    if kinds == "integer":
-        return f"{INTEGER_LARK} {closing}"
-    if kinds == "number":
-        return f"{NUMBER_LARK} {closing}"
-    if kinds == "boolean":
-        return f'("true" | "false") {closing}'
-    if kinds == "null":
-        return f'"null" {closing}'
-    return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})} {closing}"
+    embedded_schema = {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
+    return f"%json {json.dumps(embedded_schema)} {json.dumps(CLOSING)}"
 
 
 def _closing_suffix(text: str) -> int:
