@@ -267,6 +267,12 @@ def test_a_streamed_background_response_is_picked_up_where_its_client_left(
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
     again = list(client.responses.retrieve(response_id, stream=True))
     assert [event.model_dump() for event in again] == [event.model_dump() for event in events]
+    completed = client.responses.create(**asked, background=True, stream=True, extra_body={"stop": ["\n"]})
+    completed_id = next(iter(completed)).response.id
+    completed.close()
+    with client.responses.stream(response_id=completed_id) as helper:  # the openai client's own way back in
+        final = helper.get_final_response()  # it needs response.completed: an answer that stopped on its own
+    assert final.status == "completed" and final.output_text == client.responses.retrieve(completed_id).output_text
     assert client.responses.retrieve(response_id).output_text == foreground.output_text
     with pytest.raises(openai.BadRequestError) as after_what:
         client.responses.retrieve(response_id, starting_after=3)  # without stream
