@@ -6,6 +6,7 @@ text where it leaves other control tokens out."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tests.toolgrammar import (
 from tests.test_tool_calls import _assembled, _streamed
 
 MISTRAL = FORMATS["mistral"]
+EXAMPLES = int(os.environ.get("SPECMESH_FUZZ_EXAMPLES", "300"))  # more with SPECMESH_FUZZ_EXAMPLES
 # (answer, content) whose calls are toolgrammar.EXPECTED
 ANSWERS = [
     # Before v11: one array after the tag
@@ -42,7 +44,8 @@ NOT_CALLS = [
     "No tools needed: 4.",
     '{"name": "get_weather", "arguments": {}}',  # JSON without the tag is an answer in JSON
     "[TOOL_CALLS] [{\"name\": \"get_weather\"}]",  # no arguments
-    "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",  # cut short
+    "[TOOL_CALLS]get_weather[ARGS]",  # cut short before its arguments
+    "[TOOL_CALLS]hello there[TOOL_CALLS]get_time[ARGS]{}",  # what follows the first tag is no call
     "[TOOL_CALLS]get weather[ARGS]{}",  # no function name
 ]
 
@@ -62,6 +65,57 @@ def test_what_is_not_calls_stays_text_whole_and_streamed(answer: str) -> None:
 def test_any_cut_of_a_v11_answer_streams_its_calls(pieces: list[int]) -> None:
     answer, content = ANSWERS[1]
     assert _assembled(_streamed(answer, pieces, format_name="mistral"))[:3] == (content, EXPECTED, "tool_calls")
+
+
+def _whole_and_streamed(answer: str, pieces: list[int], finish: str) -> tuple[tuple, tuple]:
+    message = {"role": "assistant", "content": answer}
+    message_with_calls(message, finish, MISTRAL)
+    whole = (message["content"] or "", [[c["function"]["name"], c["function"]["arguments"]]
+                                        for c in message.get("tool_calls", ())])
+    choices = _streamed(answer, pieces, finish, format_name="mistral")
+    calls: dict[int, list[str]] = {}
+    for entry in (e for choice in choices for e in choice["delta"].get("tool_calls", ())):
+        name, arguments = calls.setdefault(entry["index"], ["", ""])
+        calls[entry["index"]] = [name + entry["function"].get("name", ""), arguments + entry["function"]["arguments"]]
+    content = "".join(choice["delta"].get("content") or "" for choice in choices)
+    return whole, (content, [calls[i] for i in sorted(calls)])
+
+
+def test_a_v11_calls_arguments_stream_as_they_are_written() -> None:
+    answer = 'Checking. [TOOL_CALLS]write_file[ARGS]{"path": "a.py", "text": "print(1)"}'
+    choices = _streamed(answer, [1] * (len(answer) - 1), format_name="mistral")
+    pieces = [e["function"]["arguments"] for c in choices for e in c["delta"].get("tool_calls", ())
+              if e["function"]["arguments"]]
+    assert pieces[:3] == ["{", '"', "p"] and "".join(pieces) == '{"path":"a.py","text":"print(1)"}'
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    # cut short: the name and what was written of the arguments, compact where it reads as JSON
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', ("", [["get_weather", '{"city":"Pa']])),
+    # after the calls, what is no call is dropped; what follows an object is not its arguments
+    ('[TOOL_CALLS]get_time[ARGS]{} thanks[TOOL_CALLS]oops', ("", [["get_time", "{}"]])),
+])
+def test_a_v11_call_is_read_once_its_arguments_open_whole_and_streamed(answer: str, expected: tuple) -> None:
+    for pieces in ([], [1] * (len(answer) - 1), [4, 9, 2]):
+        whole, streamed = _whole_and_streamed(answer, pieces, "length")
+        assert whole == streamed == expected
+
+
+V11_VALUE = st.lists(st.sampled_from([*'ab "\\{}[],:', "[TOOL_CALLS]", "[ARGS]", "\n", "1e5", "true"]),
+                     max_size=8).map("".join)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(values=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "bad name"]), V11_VALUE), max_size=3),
+       before=st.sampled_from(["", "Checking. ", "x\n"]), cut=st.none() | st.integers(0, 120),
+       points=st.lists(st.integers(0, 150), max_size=10))
+def test_v11_answers_read_the_same_whole_and_streamed(values, before: str, cut: int | None, points) -> None:
+    answer = before + "".join(f"[TOOL_CALLS]{name}[ARGS]{value}" for name, value in values)
+    finish = "stop" if cut is None else "length"
+    answer = answer if cut is None else answer[:cut]
+    points = sorted({min(p, len(answer)) for p in points})
+    whole, streamed = _whole_and_streamed(answer, [b - a for a, b in zip([0, *points], points)], finish)
+    assert streamed == whole
 
 
 def test_call_ids_are_nine_letters_and_digits_and_others_reach_the_template_cut_to_nine() -> None:

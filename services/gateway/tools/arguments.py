@@ -235,12 +235,13 @@ class CallArguments:
     text as it grows: nothing until the key follows the name (a call laid out otherwise sends its arguments whole
     when it closes), then the value made compact."""
 
-    def __init__(self, name: str, after_name: int, key: str) -> None:
-        """after_name: where the name's string ends in the block's text; key: the format's arguments key."""
+    def __init__(self, name: str, after_name: int, key: str | None) -> None:
+        """after_name: where the name ends in the block's text; key: the format's arguments key, or None where the
+        value starts there (Mistral's `name[ARGS]{...}`)."""
         self.name = name
         self._at = after_name
-        self._key = json.dumps(key)
-        self._value: CompactJson | None = None
+        self._key = json.dumps(key) if key is not None else None
+        self._value: CompactJson | None = None if key is not None else CompactJson()
         self._off = False  # the key does not follow the name
         self.sent = ""
 

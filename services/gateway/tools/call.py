@@ -201,6 +201,8 @@ class TextAroundCalls:
 class CallIds:
     """The ids of the calls a format parses: OpenAI's shape, which a chat template takes back as it is."""
 
+    streams_pieces = False  # whether its calls after a tag stream as they are written (Mistral's from v11)
+
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -5,7 +5,10 @@ of the model's tokenizer version.
 - v11 and later (Mistral Small 3.1+, Devstral, Magistral): each call as `[TOOL_CALLS]name[ARGS]{...}`, the
   arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
 
-A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. The
+A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. Reading
+tells them apart by what follows the first tag: JSON (an array, or an object) is read whole, or it is all text; a
+name is a call once the `{` of its arguments follows it, and its name and arguments then stream as they are
+written (tool_calls.ToolCallStream). The
 tags are control tokens, which generated text leaves out: a request read for calls keeps them in its text
 (shown_special_ids), and the calls take them out again. Mistral's chat templates refuse call ids other than nine
 letters and digits: this format makes such ids, and gives the template the last nine characters of others' (as
@@ -20,8 +23,9 @@ import secrets
 import string
 from collections.abc import Mapping
 
+from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.call import (
-    COMPACT, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, json_text,
+    COMPACT, JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, json_text,
     json_value, text_or_calls,
 )
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
@@ -34,12 +38,14 @@ ARRAY_SEPARATOR = " "  # between [TOOL_CALLS] and the array of calls, as the v0.
 NAMED_CALL = re.compile(
     rf"(?P<name>{FUNCTION_NAME.strip('^$')})\s*(?:{re.escape(CALL_ID_TAG)}\s*\w*\s*)?(?:{re.escape(ARGS_TAG)})?\s*"
 )
+OPENED_CALL = re.compile(rf"\s*{NAMED_CALL.pattern}(?=\{{)")  # a v11 call, once its arguments' `{` is written
 
 
 class Mistral(CallIds):
     name = "mistral"
     arguments_key = "arguments"
-    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is (before v11)
+    streams_pieces = True  # from v11, each call's name and arguments go out as they are written
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
         """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.
@@ -96,21 +102,56 @@ class Mistral(CallIds):
         return grammar_tag(tag, self.tag_ids.get(tag))
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text before the calls, the calls); all text when what follows [TOOL_CALLS] is not calls."""
+        """(the text before the calls, the calls); all text when what follows the first [TOOL_CALLS] is no call.
+        From v11, a call is read once its name and the `{` of its arguments are written (as a stream sends it):
+        arguments cut short or malformed are what was written (compact where it reads as JSON), and a piece
+        after the calls that is no call is dropped. Before v11 the JSON after the tag is calls whole, or text."""
         start = text.find(CALLS_TAG)
         if start < 0:
             return text, []
+        pieces = text[start + len(CALLS_TAG) :].split(CALLS_TAG)
         calls: list[ParsedCall] = []
-        for piece in text[start + len(CALLS_TAG) :].split(CALLS_TAG):
-            parsed = _calls_in(piece.strip())
-            if parsed is None:
-                return text, []
-            calls += parsed
+        if pieces[0].strip().startswith(("[", "{")):  # before v11
+            for piece in pieces:
+                parsed = _calls_in(piece.strip())
+                if parsed is None:
+                    return text, []
+                calls += parsed
+        else:
+            for piece in pieces:
+                call = named_call(piece)
+                if call is None and not calls:
+                    return text, []
+                calls += [call] if call is not None else []
         return text[:start].rstrip(), calls
+
+    open_tag = CALLS_TAG
+
+    def piece_call(self, piece: str) -> ParsedCall | None:
+        return named_call(piece)
+
+    def opened_call(self, piece: str) -> CallArguments | None:
+        """The call a v11 piece's text so far opens: its name, once the `{` of its arguments follows it."""
+        match = OPENED_CALL.match(piece)
+        return None if match is None else CallArguments(match["name"], match.end(), key=None)
 
     def content_until(self, held: str) -> int:
         """How much of a streamed answer's text held so far goes out as content (call.content_before_tag)."""
         return content_before_tag(held, CALLS_TAG)
+
+
+def named_call(piece: str) -> ParsedCall | None:
+    """The v11 call a piece holds once its name and the `{` of its arguments are written: the arguments whole,
+    else what was written of them (arguments.partial_arguments)."""
+    match = OPENED_CALL.match(piece)
+    if match is None:
+        return None
+    rest = piece[match.end() :]
+    try:
+        value = JSON.raw_decode(rest)[0]
+    except ValueError:  # cut short or malformed (or an integer past Python's digit limit)
+        return ParsedCall(match["name"], partial_arguments(rest))
+    return ParsedCall(match["name"], json_text(value))
 
 
 def _calls_in(piece: str) -> list[ParsedCall] | None:

@@ -55,6 +55,7 @@ class ToolCallStream:
         self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
         self._arguments: OpenedCall | None = None  # the open call's, while they stream
+        self._pieces: str | None = None  # Mistral from v11: the text after the first tag, once it calls
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
         self._reasoning: bool | None = None
@@ -65,6 +66,8 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to stream, tool_calls delta entries) for the next piece of the answer's text."""
+        if self.format.streams_pieces:
+            return self._feed_pieces(text, final)
         if self.format.streams_whole:
             return self._feed_whole(text, final)
         return self._feed_blocks(text, final)
@@ -184,6 +187,40 @@ class ToolCallStream:
         return {"index": self._calls - 1, "id": self._ids[-1], "type": "function",
                 "function": {"name": name, "arguments": ""}}
 
+    def _feed_pieces(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """Mistral: as _feed_whole until the first call after the tag opens (its name and the `{` of its arguments
+        written, from v11); from there each piece between tags is a call whose name and arguments go out as they
+        are written, or (after the calls) nothing, as the whole answer reads it (Mistral.split)."""
+        tag = self.format.open_tag
+        content = ""
+        if self._pieces is None:
+            held = self._held + text
+            start = held.find(tag)
+            if start < 0 or self.format.opened_call(_first_piece(held[start + len(tag) :], tag)) is None:
+                return self._feed_whole(text, final)
+            content, _ = self._feed_whole(text, final=False)  # the text before the tag, as it streams
+            start = self._held.find(tag)
+            self._pieces, self._held, text = self._held[start + len(tag) :], "", ""
+        self._pieces += text
+        deltas: list[dict] = []
+        while True:
+            end = self._pieces.find(tag)
+            readable = end if end >= 0 else len(self._pieces) - (0 if final else partial_suffix(self._pieces, tag))
+            piece = self._pieces[:readable]
+            if self._arguments is None and (opened := self.format.opened_call(piece)) is not None:
+                deltas.append(self._open_call(opened.name))
+                self._arguments = opened
+            if self._arguments is not None:
+                deltas += self._arguments_delta(self._arguments.read(piece))
+            if end < 0 and not final:
+                return content, deltas
+            if self._arguments is not None:  # the piece is over: its call as the whole answer reads it
+                deltas += self._arguments_delta(self._rest_of(self.format.piece_call(piece).arguments))
+            if end < 0:
+                self._pieces = ""
+                return content, deltas
+            self._pieces = self._pieces[end + len(tag) :]
+
     def _feed_whole(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """Llama 3 JSON and Mistral: text streams as content up to where a call may begin (format.content_until);
         from there the answer is held to its end, then read as a whole answer is: calls and the text before them,
@@ -202,6 +239,12 @@ class ToolCallStream:
         cut = self.format.content_until(self._held)
         streamed, self._held = self._held[:cut], self._held[cut:]
         return streamed, []
+
+
+def _first_piece(after_tag: str, tag: str) -> str:
+    """The text after the first tag up to the next: what decides whether the answer calls."""
+    end = after_tag.find(tag)
+    return after_tag if end < 0 else after_tag[:end]
 
 
 def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict[str, Any]:
