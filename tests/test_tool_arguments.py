@@ -143,5 +143,5 @@ def test_an_integer_past_pythons_digit_limit_streams_as_the_whole_answer_reads_i
     message = {"role": "assistant", "content": answer}
     message_with_calls(message, "stop", FORMATS["hermes"])
     whole = [[c["function"]["name"], c["function"]["arguments"]] for c in message["tool_calls"]]
-    assert whole[0][1].startswith('{"n":9999')  # what reads as JSON made compact, then the rest as written
+    assert whole[0][1].startswith('{"n": 9999')  # what reads as JSON made compact, then the rest as written
     assert _hermes_stream(answer, _cuts(answer, [60, 200, 3000]), "stop") == ("", whole)

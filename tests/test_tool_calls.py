@@ -111,7 +111,7 @@ def test_a_call_cut_short_keeps_its_name_and_the_arguments_written() -> None:
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city":"Pa'
     malformed = {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1, } trailing'}
     message_with_calls(malformed, "length", FORMATS["hermes"])
-    assert malformed["tool_calls"][0]["function"]["arguments"] == '{"a":1,} trailing'
+    assert malformed["tool_calls"][0]["function"]["arguments"] == '{"a":1, } trailing'
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,14 @@ def test_a_v11_calls_arguments_stream_as_they_are_written() -> None:
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', ("", [["get_weather", '{"city":"Pa']])),
     # after the calls, what is no call is dropped; what follows an object is not its arguments
     ('[TOOL_CALLS]get_time[ARGS]{} thanks[TOOL_CALLS]oops', ("", [["get_time", "{}"]])),
+    # malformed: the text that is no JSON stays apart from the number before it (never 12)
+    ('Sure. [TOOL_CALLS]f[ARGS]{"x": 1 2}', ("Sure.", [["f", '{"x":1 2}']])),
+    # an array of calls after a v11 call (before v11's layout) is calls too
+    ('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS][{"name": "b", "arguments": {}}]',
+     ("", [["a", '{"x":1}'], ["b", "{}"]])),
+    # nested past Python's recursion limit: what was written, not an error
+    ('[TOOL_CALLS]f[ARGS]{"a": ' + "[" * 1200 + "]" * 1200 + "}",
+     ("", [["f", '{"a":' + "[" * 1200 + "]" * 1200 + "}"]])),
 ])
 def test_a_v11_call_is_read_once_its_arguments_open_whole_and_streamed(answer: str, expected: tuple) -> None:
     for pieces in ([], [1] * (len(answer) - 1), [4, 9, 2]):

@@ -49,7 +49,7 @@ class CompactJson:
         self._escape = ""  # an escape being read, from its backslash
         self._high: int | None = None  # a high surrogate's code, written once what follows it is known
         self._read = 0  # characters fed so far
-        self.settled = 0  # characters whose output is written (the rest is pending, or no JSON)
+        self.settled = 0  # characters whose output is written (the rest is pending, skipped, or no JSON)
 
     @property
     def whole(self) -> bool:
@@ -71,10 +71,13 @@ class CompactJson:
             if self._expect in (_Expect.END, _Expect.INVALID):
                 break
             self._read += 1
+            skipped = char in WHITESPACE and self._expect not in (_Expect.STRING, _Expect.ESCAPE)
             if not self._take(char, out):
                 self._expect = _Expect.INVALID
                 break
-            if not (self._pending or self._escape or self._high is not None):
+            # Whitespace between tokens stays with the text after it: text that is no JSON keeps it apart from the
+            # token before (`1 2` never reads as 12)
+            if not (skipped or self._pending or self._escape or self._high is not None):
                 self.settled = self._read
         return "".join(out)
 

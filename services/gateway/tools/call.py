@@ -35,6 +35,9 @@ def first(obj: dict, key: str) -> Any:
     return next(value for name, value in obj.items() if name == key)
 
 
+# What reading a model's JSON may raise: no JSON, an integer past Python's digit limit (ValueError), a value nested
+# past the recursion limit
+NOT_JSON = (ValueError, RecursionError)
 # Reads JSON as models write it (JsonObject); raw_decode: the JSON value a text begins with, whatever follows it
 JSON = json.JSONDecoder(object_pairs_hook=JsonObject)
 
@@ -136,7 +139,7 @@ def json_value(text: str) -> object:
     """The JSON value that is the whole text (whitespace around it aside), or None."""
     try:
         value, end = JSON.raw_decode(text)
-    except ValueError:  # no JSON, or an integer past Python's digit limit
+    except NOT_JSON:
         return None
     return value if not text[end:].strip() else None
 

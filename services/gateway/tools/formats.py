@@ -23,7 +23,8 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, CallIds, ParsedCall, TextAroundCalls, call_schema, json_text, parsed_call, text_or_calls,
+    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_schema, json_text, parsed_call,
+    text_or_calls,
 )
 from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
@@ -133,7 +134,7 @@ class Hermes(CallIds):
         match = NAME.match(block)
         try:
             call = parsed_call(JSON.raw_decode(block.lstrip())[0], self.arguments_key)
-        except ValueError:  # no JSON, or an integer past Python's digit limit
+        except NOT_JSON:
             call = None
         if call is not None:
             return call
@@ -142,7 +143,7 @@ class Hermes(CallIds):
             return ParsedCall(name, "")
         try:
             value = JSON.raw_decode(arguments.group(1))[0]
-        except ValueError:  # no JSON, or an integer past Python's digit limit
+        except NOT_JSON:
             return ParsedCall(name, partial_arguments(arguments.group(1)))
         return ParsedCall(name, json_text(value))
 
@@ -162,7 +163,7 @@ class Hermes(CallIds):
     def parse_block(self, block: str) -> ParsedCall | None:
         try:
             return parsed_call(JSON.decode(block), self.arguments_key)
-        except ValueError:  # no JSON, or an integer past Python's digit limit
+        except NOT_JSON:
             return None
 
 
@@ -208,7 +209,7 @@ class Llama3Json(CallIds):
         while rest:
             try:
                 obj, end = JSON.raw_decode(rest)
-            except ValueError:  # no JSON, or an integer past Python's digit limit
+            except NOT_JSON:
                 return text, []
             call = parsed_call(obj, self.arguments_key)  # None when obj is no object with a name
             if call is None or self.arguments_key not in obj and "arguments" not in obj:

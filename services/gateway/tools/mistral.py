@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.call import (
-    COMPACT, JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, json_text,
-    json_value, text_or_calls,
+    COMPACT, JSON, NOT_JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls,
+    json_text, json_value, text_or_calls,
 )
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
 
@@ -46,6 +46,7 @@ class Mistral(CallIds):
     arguments_key = "arguments"
     streams_whole = True  # the calls go out once the answer ends, read as a whole answer is (before v11)
     streams_pieces = True  # from v11, each call's name and arguments go out as they are written
+    open_tag = CALLS_TAG
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
         """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.
@@ -118,17 +119,19 @@ class Mistral(CallIds):
                     return text, []
                 calls += parsed
         else:
-            for piece in pieces:
-                call = named_call(piece)
-                if call is None and not calls:
-                    return text, []
-                calls += [call] if call is not None else []
+            first = named_call(pieces[0])
+            if first is None:
+                return text, []
+            calls = [first, *(call for piece in pieces[1:] for call in self.later_calls(piece))]
         return text[:start].rstrip(), calls
 
-    open_tag = CALLS_TAG
-
-    def piece_call(self, piece: str) -> ParsedCall | None:
-        return named_call(piece)
+    def later_calls(self, piece: str) -> list[ParsedCall]:
+        """The calls a piece after the first call holds: a v11 call, or the JSON of calls before v11; none (it is
+        dropped) where it is neither."""
+        call = named_call(piece)
+        if call is not None:
+            return [call]
+        return _calls_in(piece.strip()) or [] if piece.strip().startswith(("[", "{")) else []
 
     def opened_call(self, piece: str) -> CallArguments | None:
         """The call a v11 piece's text so far opens: its name, once the `{` of its arguments follows it."""
@@ -149,7 +152,7 @@ def named_call(piece: str) -> ParsedCall | None:
     rest = piece[match.end() :]
     try:
         value = JSON.raw_decode(rest)[0]
-    except ValueError:  # cut short or malformed (or an integer past Python's digit limit)
+    except NOT_JSON:  # cut short or malformed
         return ParsedCall(match["name"], partial_arguments(rest))
     return ParsedCall(match["name"], json_text(value))
 

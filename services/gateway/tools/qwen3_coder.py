@@ -34,7 +34,7 @@ from typing import Any
 
 from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
+    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
 )
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
@@ -92,7 +92,7 @@ def value_of(text: str, schema: dict[str, Any] | None) -> Any:
         return None
     try:
         value = JSON.decode(stripped)
-    except ValueError:  # no JSON, or an integer past Python's digit limit
+    except NOT_JSON:
         return text
     if isinstance(value, float) and not math.isfinite(value):
         return text

@@ -214,8 +214,12 @@ class ToolCallStream:
                 deltas += self._arguments_delta(self._arguments.read(piece))
             if end < 0 and not final:
                 return content, deltas
-            if self._arguments is not None:  # the piece is over: its call as the whole answer reads it
-                deltas += self._arguments_delta(self._rest_of(self.format.piece_call(piece).arguments))
+            # The piece is over: its call as the whole answer reads it (the one it opened: what opened on part of
+            # the piece opens on all of it), or the calls of an array after the calls, or nothing
+            for call in self.format.later_calls(piece):
+                if self._arguments is None:
+                    deltas.append(self._open_call(call.name))
+                deltas += self._arguments_delta(self._rest_of(call.arguments))
             if end < 0:
                 self._pieces = ""
                 return content, deltas
