@@ -102,7 +102,10 @@ async def barrier(nc: Client) -> None:
     A caller cancelled meanwhile returns at once, but the flushes run to their PONGs on a task of their own: nats-py
     leaves a cancelled flush's future among those its PONGs resolve, and resolving it raises in the connection's read
     loop, which then stops reading (every later request on the connection times out)."""
-    await asyncio.shield(asyncio.ensure_future(_flush_twice(nc)))
+    flushing = asyncio.ensure_future(_flush_twice(nc))
+    # Left running by a cancelled caller, it may end in a flush timeout (a connection closed first) nobody awaits
+    flushing.add_done_callback(lambda done: done.cancelled() or done.exception())
+    await asyncio.shield(flushing)
 
 
 async def _flush_twice(nc: Client) -> None:

@@ -253,6 +253,24 @@ def test_a_streamed_answer_becomes_items_and_events_in_order() -> None:
     assert added["item"]["status"] == "in_progress" and added["item"]["content"] == []
 
 
+def test_the_rest_of_an_open_calls_arguments_goes_out_before_the_text_after_it() -> None:
+    """One chunk may end a call's arguments and carry the text after the call (several tokens a step): the call's
+    item closes with all of its arguments, then the text's item opens."""
+    output = ResponseOutput("resp_1", 7, {"model": MODEL}, with_logprobs=True)
+    output.started()
+    output.feed(_choice(calls=[{"index": 0, "id": "call_1", "type": "function",
+                                "function": {"name": "f", "arguments": '{"a":'}}]))
+    events = output.feed(_choice(content="Done.", logprobs=[_entry("1}"), _entry("Done.")],
+                                 calls=[{"index": 0, "function": {"arguments": "1}"}}]))
+    assert [e["type"] for e in events] == [
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert events[1]["arguments"] == events[2]["item"]["arguments"] == '{"a":1}'
+    assert [e["token"] for e in events[-1]["logprobs"]] == ["Done."]  # the text's own, after the call's
+
+
 def test_an_answer_cut_by_its_budget_is_incomplete() -> None:
     output = ResponseOutput("resp_2", 7, {"model": MODEL}, with_logprobs=False)
     output.feed(_choice(content="abc"))

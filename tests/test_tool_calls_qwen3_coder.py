@@ -241,3 +241,20 @@ def test_the_forced_grammar_refuses_values_that_would_read_back_otherwise(tokeni
 def test_seed_oss_template_is_not_read_as_qwen3_coder() -> None:
     """Seed-OSS writes `<seed:tool_call><function=...>`: a format this server does not read, not Qwen3-Coder's."""
     assert format_for("{{ '<seed:tool_call>\\n<function=' + call.name + '>' }}") is None
+
+
+def test_a_parameter_given_by_reference_is_read_and_forced_as_its_type(tokenizer_dir: Path,
+                                                                      tokenizer: Tokenizer) -> None:
+    """Nested models (pydantic's `$defs`, as agent frameworks send them): an object by reference is an object, read
+    and forced as one, and so is an optional one (anyOf a reference and null)."""
+    fmt = Qwen3Coder().reading(ToolFields(tools=[REFERRING]).functions)
+    answer = _call("locate", [("place", '{"city": "Oslo"}'), ("near", "null"), ("level", "2"), ("label", "x")])
+    assert json.loads(_read(answer, fmt=fmt)[1][0][1]) == {"place": {"city": "Oslo"}, "near": None, "level": 2,
+                                                          "label": "x"}
+    optional = {"type": "function", "function": {"name": "locate", "parameters": {
+        **REFERRING["function"]["parameters"], "properties": {
+            "place": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}}, "required": ["place"]}}}
+    fmt = Qwen3Coder().reading(ToolFields(tools=[optional]).functions)
+    assert json.loads(_read(_call("locate", [("place", "None")]), fmt=fmt)[1][0][1]) == {"place": None}
+    grammar = fmt.grammar(ToolFields(tools=[optional], tool_choice="required").callable, False)
+    assert "string_value" not in grammar.split("parameter_0_0:")[1].splitlines()[0]  # the object's JSON, not text

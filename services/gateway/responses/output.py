@@ -90,26 +90,40 @@ class ResponseOutput:
         return [self._event("response.in_progress", response=_copy(self.snapshot()))]
 
     def feed(self, choice: dict[str, Any]) -> list[Event]:
-        """The events of one chat stream choice (its delta's reasoning, content and tool calls, in that order)."""
+        """The events of one chat stream choice, in the order its text had them: the rest of the call already open
+        (its arguments go out as they are written), then its delta's reasoning, content, and new calls."""
         delta = choice.get("delta") or {}
         events: list[Event] = []
         for key in LOGPROB_KEYS:
             self._held[key] += (choice.get(key) or {}).get("content") or []
-        reasoning, content, calls = delta.get("reasoning"), delta.get("content"), delta.get("tool_calls")
+        reasoning, content, calls = delta.get("reasoning"), delta.get("content"), delta.get("tool_calls") or []
+        continuing = self._continuing(calls)
+        calls = calls[len(continuing) :]
+        for call in continuing:  # before the text after it closes its item
+            events += self._call(call)
         after_reasoning = bool(reasoning) or (self._open is not None and self._open["type"] == "reasoning")
         if reasoning:
             events += self._reasoning(reasoning)
         if content:
-            if after_reasoning:  # the reasoning's own tokens and its closing tag come first
+            if after_reasoning or (continuing and not calls):  # the reasoning's, or the call's, tokens come first
                 self._held[LOGPROBS] = _covering(self._held[LOGPROBS], content, from_end=True)
-            if calls:  # the calls' tokens come after the text
+            if calls:  # the new calls' tokens come after the text
                 self._held[LOGPROBS] = _covering(self._held[LOGPROBS], content, from_end=False)
             events += self._text(content)
-        elif reasoning or calls:
+        elif reasoning or calls or continuing:
             self._held = {key: [] for key in LOGPROB_KEYS}
-        for call in calls or ():
+        for call in calls:
             events += self._call(call)
         return events
+
+    def _continuing(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The entries a chunk opens with that carry the rest of the function call already open."""
+        open_call = self._open if self._open is not None and self._open["type"] == "function_call" else None
+        taken = 0
+        while (taken < len(calls) and open_call is not None and "id" not in calls[taken]
+               and self._calls.get(calls[taken]["index"]) == self._index[open_call["id"]]):
+            taken += 1
+        return calls[:taken]
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[Event]:
         """Closes the open item and the response: `response.completed`, or `response.incomplete` when the budget ran

@@ -51,13 +51,43 @@ CLOSING_LARK = "\\n" + lark_regex_literal(PARAMETER_CLOSE) + "\\n"
 TAGS_LARK = f"{lark_regex_literal(PARAMETER_CLOSE)}|{lark_regex_literal(CLOSE_TAG)}"
 KEY = re.compile(r"[a-zA-Z0-9_.-]+")  # a parameter name the grammar writes (no `>`, no line break)
 ROOT_DEFINITIONS = "parameters"
+MAX_REFERENCE_HOPS = 8  # a reference to a reference...: past this, the schema reads as untyped
 JSON_KINDS = (("boolean", bool), ("integer", int), ("number", (int, float)), ("null", type(None)),
               ("object", dict), ("array", list), ("string", str))
 
 
 def parameter_types(functions: Sequence[FunctionDefinition]) -> dict[str, dict[str, Any]]:
-    """Each function's parameters' schemas, by function and parameter name."""
-    return {f.name: dict((f.parameters or {}).get("properties") or {}) for f in functions}
+    """Each function's parameters' schemas, by function and parameter name, with what they refer to in place."""
+    return {f.name: {key: inlined(schema, f.parameters or {})
+                     for key, schema in ((f.parameters or {}).get("properties") or {}).items()}
+            for f in functions}
+
+
+def inlined(schema: Any, root: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's schema with a local reference (`#/...` into `root`, the function's schema), its own or its
+    alternatives', replaced by what it points to (nested models: pydantic puts them under `$defs`), as far as its
+    types are concerned."""
+    if not isinstance(schema, dict):
+        return {}
+    for _ in range(MAX_REFERENCE_HOPS):
+        ref = schema.get("$ref")
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            break
+        schema = _pointed(root, ref)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            schema = {**schema, key: [_pointed(root, option["$ref"]) if isinstance(option, dict)
+                                      and isinstance(option.get("$ref"), str) else option for option in schema[key]]}
+    return schema
+
+
+def _pointed(root: dict[str, Any], ref: str) -> dict[str, Any]:
+    """What a local JSON pointer points to in root; {} (untyped) where it points nowhere."""
+    target: Any = root
+    for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        target = target.get(part) if isinstance(target, dict) else None
+    return target if isinstance(target, dict) else {}
 
 
 def _kinds(schema: dict[str, Any]) -> set[str]:
@@ -304,8 +334,9 @@ class Qwen3Coder(CallIds):
 def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any]) -> str:
     """Lark: a parameter's value and its closing tag: a string's text (one of its enum's, if it has one), any other
     value as its schema's JSON (with the function schema's definitions it refers to)."""
-    if is_text(schema):
-        options = schema.get("enum")
+    resolved = inlined(schema, {"$defs": definitions})
+    if is_text(resolved):
+        options = resolved.get("enum")
         if options and all(isinstance(option, str) for option in options):
             return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(CLOSING)}"
         return "string_value"
