@@ -34,7 +34,7 @@ from typing import Any
 
 from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, JsonObject, ParsedCall, TextAroundCalls, json_text, text_or_calls,
+    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, json_text, text_or_calls,
 )
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
@@ -139,6 +139,7 @@ class XmlArguments:
         self._at = after_name
         self._types = types
         self._key: str | None = None  # the open parameter's
+        self._text_value = False  # its value is its text (a string)
         self._value_at = 0  # where its value's text starts
         self._streamed = 0  # how much of a string value went out
         self._count = 0  # parameters opened
@@ -155,9 +156,28 @@ class XmlArguments:
                 continue
             end = block.find(PARAMETER_CLOSE, self._value_at)
             if end < 0:
-                self._stream_string(block, len(block) - _closing_suffix(block), out)
+                if self._text_value:
+                    self._stream_string(block, len(block) - _closing_suffix(block), out)
                 break
             self._close_parameter(block, end, out)
+        return self._sent(out)
+
+    def finish(self, block: str) -> str:
+        """The rest of the arguments of a block that ends before its function closes (cut short, or closed without
+        `</function>`): the value cut short as far as it was written, and the object's end."""
+        out: list[str] = []
+        if self._key is not None:
+            if self._text_value:
+                out.append('"')
+            else:
+                out.append(json_text(value_of(_cut_value(block[self._value_at :]), self._types.get(self._key))))
+            self._key = None
+        if not self.closed:
+            out.append("}" if self._count else "{}")
+            self.closed = True
+        return self._sent(out)
+
+    def _sent(self, out: list[str]) -> str:
         piece = "".join(out)
         self.sent += piece
         return piece
@@ -177,14 +197,13 @@ class XmlArguments:
         out.append(("{" if self._count == 0 else ",") + json.dumps(self._key, ensure_ascii=False) + ":")
         self._count += 1
         self._value_at, self._streamed = tag_end + 1, 0
-        if self._is_string():
+        self._text_value = is_text(self._types.get(self._key))
+        if self._text_value:
             out.append('"')
         return True
 
     def _stream_string(self, block: str, until: int, out: list[str]) -> None:
         """A string value's text up to `until` that went out not yet (a leading line break waits: layout)."""
-        if not self._is_string():
-            return
         text = block[self._value_at : until]
         if text in ("", LAYOUT[: len(text)]):
             return
@@ -193,17 +212,12 @@ class XmlArguments:
         self._streamed = len(text)
 
     def _close_parameter(self, block: str, end: int, out: list[str]) -> None:
-        text = _value_text(block[self._value_at : end])
-        if self._is_string():
-            self._stream_string(block, self._value_at + len(LAYOUT) * block.startswith(LAYOUT, self._value_at)
-                                + len(text), out)
+        if self._text_value:  # its text up to the line break before its closing tag (layout)
+            self._stream_string(block, end - len(LAYOUT) if block.endswith(LAYOUT, self._value_at, end) else end, out)
             out.append('"')
         else:
-            out.append(json_text(value_of(text, self._types.get(self._key))))
+            out.append(json_text(value_of(_value_text(block[self._value_at : end]), self._types.get(self._key))))
         self._key, self._at = None, end + len(PARAMETER_CLOSE)
-
-    def _is_string(self) -> bool:
-        return is_text(self._types.get(self._key))
 
 
 def _value_text(text: str) -> str:
@@ -258,25 +272,11 @@ class Qwen3Coder(CallIds):
 
     def parse_block(self, block: str) -> ParsedCall | None:
         """The call a block (closed, or cut short) holds once its function's name is written: the parameters whose
-        tags are whole, the last one's value as far as it was written."""
+        tags are whole, the last one's value as far as it was written. Read as a stream reads it, all at once."""
         opened = self.opened_call(block)
         if opened is None:
             return None
-        pairs: list[tuple[str, Any]] = []
-        types = self._types.get(opened.name, {})
-        at = FUNCTION.match(block).end()
-        while (start := block.find(PARAMETER_OPEN, at)) >= 0:
-            close = block.find(FUNCTION_CLOSE, at)
-            if 0 <= close < start or (tag_end := block.find(">", start)) < 0:
-                break
-            key = block[start + len(PARAMETER_OPEN) : tag_end]
-            end = block.find(PARAMETER_CLOSE, tag_end)
-            text = block[tag_end + 1 : end] if end >= 0 else _cut_value(block[tag_end + 1 :])
-            pairs.append((key, value_of(_value_text(text) if end >= 0 else text, types.get(key))))
-            if end < 0:
-                break
-            at = end + len(PARAMETER_CLOSE)
-        return ParsedCall(opened.name, json_text(JsonObject(pairs)))
+        return ParsedCall(opened.name, opened.read(block) + opened.finish(block))
 
     def partial_call(self, block: str) -> ParsedCall | None:
         return self.parse_block(block)
