@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,7 +56,7 @@ class EventWriter:
         self._js = nc.jetstream()
         self._subject = subjects.response_events(response_id)
         self._response_id = response_id
-        self._pending: list[tuple[int, str, bytes]] = []  # (sequence number, type, JSON) of each event not yet sent
+        self._pending: deque[tuple[int, str, bytes]] = deque()  # (sequence number, type, JSON) of each event unsent
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task | None = None
@@ -99,7 +100,7 @@ class EventWriter:
                 data = wire_json.dumps(_too_large(sequence_number, kind, len(data)))
             taken.append(data)
             size += len(data) + len(LIST_SEPARATOR)
-            self._pending.pop(0)
+            self._pending.popleft()
         return LIST_OPEN + LIST_SEPARATOR.join(taken) + LIST_CLOSE
 
     async def _publish(self, data: bytes, headers: dict[str, str] | None = None) -> None:

@@ -204,6 +204,7 @@ class TextAroundCalls:
 class CallIds:
     """The ids of the calls a format parses: OpenAI's shape, which a chat template takes back as it is."""
 
+    streams_whole = False  # whether its calls go out once the answer ends, read as a whole answer is
     streams_pieces = False  # whether its calls after a tag stream as they are written (Mistral's from v11)
 
     def new_call_id(self) -> str:

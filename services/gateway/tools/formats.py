@@ -41,13 +41,14 @@ CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 CALL_START = '{"name":'  # a compact Llama 3 call's opening
 
 
-def _name(block: str) -> str | None:
-    """A Hermes block's call's name, once written: its first key's string (None where it is no JSON string)."""
+def _name(block: str) -> tuple[str, int] | None:
+    """A Hermes block's call's name, once written (its first key's string), and where it ends; None where it is no
+    JSON string."""
     match = NAME.match(block)
     if match is None:
         return None
     try:
-        return json.loads(match.group(1))
+        return json.loads(match.group(1)), match.end()
     except ValueError:
         return None
 
@@ -128,17 +129,17 @@ class Hermes(CallIds):
         """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole
         where they were written whole (followed by the rest of a closing tag, or by anything), else their text so
         far."""
-        name = _name(block)
-        if name is None:
+        named = _name(block)
+        if named is None:
             return None
-        match = NAME.match(block)
+        name, name_end = named
         try:
             call = parsed_call(JSON.raw_decode(block.lstrip())[0], self.arguments_key)
         except NOT_JSON:
             call = None
         if call is not None:
             return call
-        arguments = ARGUMENTS.search(block, match.end())
+        arguments = ARGUMENTS.search(block, name_end)
         if arguments is None:
             return ParsedCall(name, "")
         try:
@@ -155,10 +156,8 @@ class Hermes(CallIds):
 
     def opened_call(self, block: str) -> CallArguments | None:
         """The call a block's text so far opens, once its name is written (its first key)."""
-        name = _name(block)
-        if name is None:
-            return None
-        return CallArguments(name, NAME.match(block).end(), self.arguments_key)
+        named = _name(block)
+        return None if named is None else CallArguments(*named, self.arguments_key)
 
     def parse_block(self, block: str) -> ParsedCall | None:
         try:

@@ -44,8 +44,9 @@ OPENED_CALL = re.compile(rf"\s*{NAMED_CALL.pattern}(?=\{{)")  # a v11 call, once
 class Mistral(CallIds):
     name = "mistral"
     arguments_key = "arguments"
-    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is (before v11)
-    streams_pieces = True  # from v11, each call's name and arguments go out as they are written
+    # From v11 each call's name and arguments go out as they are written; before, the calls go out once the answer
+    # ends, read as a whole answer is (tool_calls.ToolCallStream._feed_pieces)
+    streams_pieces = True
     open_tag = CALLS_TAG
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
