@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -52,22 +53,23 @@ FORCING = pytest.mark.parametrize(
 )
 
 
-def tiny_family_mesh(
-    tmp_path_factory: pytest.TempPathFactory, kind: str, control_tokens: tuple[str, ...], template: str,
-) -> Iterator[Mesh]:
-    """A fixture's body: the mesh on a tiny random checkpoint of `kind` with a family's control tokens and template."""
-    model = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind, control_tokens, template)
-    yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
+def family_fixtures(kind: str, control_tokens: tuple[str, ...], template: str) -> tuple[Any, Any]:
+    """A family's module's `mesh` and `client` fixtures: the mesh on a tiny random checkpoint of `kind` with the
+    family's control tokens and chat template, and an openai client of it (`mesh, client = family_fixtures(...)`)."""
+
+    @pytest.fixture(scope="module")
+    def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+        model = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind, control_tokens, template)
+        yield from running_mesh(tmp_path_factory, "--max-num-seqs", "4", model=model)
+
+    @pytest.fixture(scope="module")
+    def client(mesh: Mesh) -> openai.OpenAI:
+        return client_of(mesh)
+
+    return mesh, client
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    yield from tiny_family_mesh(tmp_path_factory, "mistral", CONTROL_TOKENS, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return client_of(mesh)
+mesh, client = family_fixtures("mistral", CONTROL_TOKENS, TEMPLATE)
 
 
 def _calls(tool_calls) -> list[tuple[str, dict]]:

@@ -6,14 +6,11 @@ random Qwen3-MoE (Qwen3-Coder's architecture): the grammar, not the weights, mak
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
 from services.mesh_process import Mesh
-from tests.demomeshfixture import client_of
-from tests.test_e2e_tool_calls_mistral import FORCING, answers_after_a_call, forced_call, tiny_family_mesh
+from tests.test_e2e_tool_calls_mistral import FORCING, answers_after_a_call, family_fixtures, forced_call
 
 pytestmark = pytest.mark.e2e
 
@@ -35,14 +32,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    yield from tiny_family_mesh(tmp_path_factory, "qwen3_moe", CONTROL_TOKENS, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return client_of(mesh)
+mesh, client = family_fixtures("qwen3_moe", CONTROL_TOKENS, TEMPLATE)
 
 
 @FORCING
