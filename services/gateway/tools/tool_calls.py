@@ -1,9 +1,9 @@
 """Tool calls out of a chat answer, in OpenAI's shapes: a whole message's `tool_calls`, or a stream's deltas.
 
 Streamed, each call goes out as soon as its parts are known, whatever the chunking: its index, id and name once its
-name is written, then its arguments, a Hermes call's as they are written (made compact as the whole answer's are,
-arguments.py), the others' when the call closes; text outside calls streams as content, holding back only what
-could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
+name is written, then its arguments: a Hermes, Qwen3-Coder or Mistral v11 call's as they are written (made compact
+as the whole answer's are, arguments.py), the others' when the answer ends; text outside calls streams as content,
+holding back only what could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
 accepts many tokens a step): each call gets its own entry, by index, in order.
 """
 
@@ -48,13 +48,12 @@ class ToolCallStream:
         self.format = format
         self._buffer = ""
         self._inside = False  # within a call's block
-        self._named = False  # the open call's name went out
         self._calls = 0  # calls started
         self._after_call = False  # nothing but whitespace since the last call (tools/formats.TextAroundCalls)
         self._held_space = ""  # whitespace at the end of the text so far: layout if a call follows it
         self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
-        self._arguments: OpenedCall | None = None  # the open call's, while they stream
+        self._arguments: OpenedCall | None = None  # the open call's, once its name went out, until it closes
         self._pieces: str | None = None  # Mistral from v11: the text after the first tag, once it calls
         self._held = ""  # Llama 3 JSON: the answer from where a call may begin
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
@@ -95,11 +94,11 @@ class ToolCallStream:
                     break
                 content.append(self._text(self._buffer[:start], final=False))
                 self._buffer = self._buffer[start + len(fmt.open_tag) :]
-                self._inside, self._named = True, False
+                self._inside, self._arguments = True, None
                 continue
             end = self._buffer.find(fmt.close_tag)
             if end < 0:
-                if not self._named and (opened := fmt.opened_call(self._buffer)) is not None:
+                if self._arguments is None and (opened := fmt.opened_call(self._buffer)) is not None:
                     deltas.append(self._open_call(opened.name))
                     self._arguments = opened
                 if self._arguments is not None:
@@ -112,7 +111,7 @@ class ToolCallStream:
                         content.append(self._text("" if self.called else fmt.open_tag + self._buffer, final=True))
                     else:
                         self._called()
-                        if not self._named:
+                        if self._arguments is None:  # its name did not go out yet
                             deltas.append(self._open_call(partial.name))
                         deltas += self._arguments_delta(self._rest_of(partial.arguments))
                     self._buffer, self._inside = "", False
@@ -124,7 +123,7 @@ class ToolCallStream:
                 content.append(self._text(fmt.open_tag + block + fmt.close_tag, final=False))
                 continue
             self._called()
-            if not self._named:
+            if self._arguments is None:  # its name did not go out yet
                 deltas.append(self._open_call(call.name))
             deltas += self._arguments_delta(self._rest_of(call.arguments))
         return "".join(content), deltas
@@ -182,7 +181,6 @@ class ToolCallStream:
 
     def _open_call(self, name: str) -> dict:
         self._calls += 1
-        self._named = True
         self._ids.append(self.format.new_call_id())
         return {"index": self._calls - 1, "id": self._ids[-1], "type": "function",
                 "function": {"name": name, "arguments": ""}}
