@@ -33,7 +33,6 @@ NOT_CALLS = [
     "No tools needed: 4.",
     CALLS,  # the array without the tag is an answer in JSON
     CALL_TAG + '[{"name": "get_weather"}]',  # no arguments
-    CALL_TAG + '[{"name": "get_weather", "arguments": {"city": ',  # cut short
     CALL_TAG + "[]",
     TEXT_TAG + "get_time()",
 ]

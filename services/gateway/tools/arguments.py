@@ -50,6 +50,7 @@ class CompactJson:
         self._high: int | None = None  # a high surrogate's code, written once what follows it is known
         self._read = 0  # characters fed so far
         self.settled = 0  # characters whose output is written (the rest is pending, skipped, or no JSON)
+        self.stopped_at: int | None = None  # where the text stopped being JSON: the first character no JSON has
 
     @property
     def whole(self) -> bool:
@@ -64,22 +65,26 @@ class CompactJson:
         out: list[str] = []
         for char in text:
             if self._expect is _Expect.SCALAR and char not in SCALAR_CHARS:  # the delimiter ends the scalar
+                scalar_at = self._read - len(self._pending)
                 if self._end_scalar(out):
                     self.settled = self._read
                 else:
-                    self._expect = _Expect.INVALID
+                    self._stop(scalar_at)
             if self._expect in (_Expect.END, _Expect.INVALID):
                 break
             self._read += 1
             skipped = char in WHITESPACE and self._expect not in (_Expect.STRING, _Expect.ESCAPE)
             if not self._take(char, out):
-                self._expect = _Expect.INVALID
+                self._stop(self._read - 1)
                 break
             # Whitespace between tokens stays with the text after it: text that is no JSON keeps it apart from the
             # token before (`1 2` never reads as 12)
             if not (skipped or self._pending or self._escape or self._high is not None):
                 self.settled = self._read
         return "".join(out)
+
+    def _stop(self, at: int) -> None:
+        self._expect, self.stopped_at = _Expect.INVALID, at
 
     def _take(self, char: str, out: list[str]) -> bool:
         """Reads one character; False where the text stops being JSON."""
@@ -217,20 +222,22 @@ class CompactJson:
         if self._expect is not _Expect.SCALAR or self._containers:
             return ""
         out: list[str] = []
+        scalar_at = self._read - len(self._pending)
         if not self._end_scalar(out):
-            self._expect = _Expect.INVALID
+            self._stop(scalar_at)
             return ""
         self.settled = self._read
         return "".join(out)
 
 
-def partial_arguments(text: str) -> str:
+def partial_arguments(text: str, to_break: bool = False) -> str:
     """A call's arguments where their text is no whole JSON value (cut short, or malformed): the compact text of
-    what reads as JSON, then the rest as written."""
+    what reads as JSON, then the rest as written (`to_break`: up to where the text stops being JSON, for text that
+    runs on past the call)."""
     reader = CompactJson()
     compact = reader.feed(text)
     compact += reader.finish()
-    return compact + text[reader.settled :].rstrip()
+    return compact + text[reader.settled : reader.stopped_at if to_break else None].rstrip()
 
 
 class CallArguments:
@@ -245,6 +252,7 @@ class CallArguments:
         self._at = after_name
         self._key = json.dumps(key) if key is not None else None
         self._value: CompactJson | None = None if key is not None else CompactJson()
+        self.value_at = None if key is not None else after_name  # where the value begins, once it is known
         self._off = False  # the key does not follow the name
         self.sent = ""
 
@@ -256,7 +264,7 @@ class CallArguments:
             value_at = self._value_start(block)
             if value_at is None:
                 return ""
-            self._value, self._at = CompactJson(), value_at
+            self._value, self._at, self.value_at = CompactJson(), value_at, value_at
         out = self._value.feed(block[self._at :])
         self._at = len(block)
         self.sent += out

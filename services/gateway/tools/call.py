@@ -4,6 +4,7 @@ follows, the grammar of an answer that may call (allowed_tools `auto`), the argu
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,22 @@ def first(obj: dict, key: str) -> Any:
 NOT_JSON = (ValueError, RecursionError)
 # Reads JSON as models write it (JsonObject); raw_decode: the JSON value a text begins with, whatever follows it
 JSON = json.JSONDecoder(object_pairs_hook=JsonObject)
+
+
+# A call's name: its object's first key, as models write it (a "name" among the arguments is not it)
+NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def call_name(text: str) -> tuple[str, int] | None:
+    """The name of the call a JSON object's text so far opens, once written (its first key's string), and where it
+    ends; None where it is no JSON string."""
+    match = NAME.match(text)
+    if match is None:
+        return None
+    try:
+        return json.loads(match.group(1)), match.end()
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -135,29 +152,6 @@ def calls_array_schema(functions: list[FunctionDefinition], parallel: bool, argu
             **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
 
 
-def json_value(text: str) -> object:
-    """The JSON value that is the whole text (whitespace around it aside), or None."""
-    try:
-        value, end = JSON.raw_decode(text)
-    except NOT_JSON:
-        return None
-    return value if not text[end:].strip() else None
-
-
-def json_calls(text: str, arguments_key: str) -> list[ParsedCall] | None:
-    """The calls a text is, whole: a JSON array of call objects, or one call object; None when it is anything else
-    (or an empty array)."""
-    value = json_value(text)
-    objects = value if isinstance(value, list) else [value]
-    calls = []
-    for obj in objects:
-        if not isinstance(obj, dict) or "name" not in obj or not isinstance(first(obj, "name"), str) \
-                or arguments_key not in obj:
-            return None
-        calls.append(ParsedCall(first(obj, "name"), json_text(first(obj, arguments_key))))
-    return calls or None
-
-
 def content_before_tag(held: str, tag: str) -> int:
     """How much of a streamed answer's text held so far goes out as content, for a format whose calls follow `tag`
     to the end of the answer: what precedes the tag or what may become it, and the whitespace before that."""
@@ -204,8 +198,7 @@ class TextAroundCalls:
 class CallIds:
     """The ids of the calls a format parses: OpenAI's shape, which a chat template takes back as it is."""
 
-    streams_whole = False  # whether its calls go out once the answer ends, read as a whole answer is
-    streams_pieces = False  # whether its calls after a tag stream as they are written (Mistral's from v11)
+    calls_after_opening = False  # whether its calls follow an opening to the answer's end (calls_reader.py)
 
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"

@@ -23,41 +23,31 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_schema, json_text, parsed_call,
-    text_or_calls,
+    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema, json_text,
+    parsed_call, text_or_calls,
 )
 from services.gateway.tools.arguments import CallArguments, partial_arguments
+from services.gateway.tools.call_sequence import CallSequence, SequenceLayout
+from services.gateway.tools.calls_reader import split_calls
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
 from services.gateway.tools.qwen3_coder import Qwen3Coder, XmlArguments
 from services.gateway.tools.tool_request import FunctionDefinition
 
 QWEN3_CODER_FUNCTION = "<function="  # how Qwen3-Coder's template writes a call's function
-# A call's name: the block's first key, as models write it (a "name" among the arguments is not it)
-NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)$', re.DOTALL)
 CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a Llama 3 answer
+# The start of such an opening, at the end of a text: what may still become one
+CALL_OPENING_START = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?\Z')
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 CALL_START = '{"name":'  # a compact Llama 3 call's opening
-
-
-def _name(block: str) -> tuple[str, int] | None:
-    """A Hermes block's call's name, once written (its first key's string), and where it ends; None where it is no
-    JSON string."""
-    match = NAME.match(block)
-    if match is None:
-        return None
-    try:
-        return json.loads(match.group(1)), match.end()
-    except ValueError:
-        return None
+LLAMA3_CALLS = SequenceLayout(arguments_key="parameters", separator=CALL_SEPARATOR, arrays=False)
 
 
 class Hermes(CallIds):
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
     arguments_key = "arguments"
-    streams_whole = False  # each call goes out as its block closes (tool_calls.ToolCallStream)
     shown_special_ids = ()  # its tags are text
     # Qwen3's reasoning, which the answer may open with: a call tag written there is thought about, not called.
     think_open, think_close = THINK_OPEN, THINK_CLOSE
@@ -129,7 +119,7 @@ class Hermes(CallIds):
         """The call a block that does not parse (unclosed, or not JSON) began: its name and its arguments, whole
         where they were written whole (followed by the rest of a closing tag, or by anything), else their text so
         far."""
-        named = _name(block)
+        named = call_name(block)
         if named is None:
             return None
         name, name_end = named
@@ -156,7 +146,7 @@ class Hermes(CallIds):
 
     def opened_call(self, block: str) -> CallArguments | None:
         """The call a block's text so far opens, once its name is written (its first key)."""
-        named = _name(block)
+        named = call_name(block)
         return None if named is None else CallArguments(*named, self.arguments_key)
 
     def parse_block(self, block: str) -> ParsedCall | None:
@@ -169,8 +159,10 @@ class Hermes(CallIds):
 class Llama3Json(CallIds):
     name = "llama3_json"
     python_tag = "<|python_tag|>"
-    arguments_key = "parameters"
-    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+    arguments_key = LLAMA3_CALLS.arguments_key
+    calls_after_opening = True  # read by calls_reader.CallsReader
+    piece_tag = None
+    text_after_calls = True
     shown_special_ids = ()
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
@@ -198,43 +190,33 @@ class Llama3Json(CallIds):
                 f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({opening})(.|\\n)*/{not_block}\n")
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text before the calls, the calls): one call, or several chained with ";" as some answers write
-        them, after `<|python_tag|>` or after some text. A JSON object without the arguments key is an answer
-        written in JSON, not a call (as vLLM's parser reads it), and the text stays whole."""
-        start = self._calls_start(text)
-        if start is None:
-            return text, []
-        calls, rest = [], text[start:].removeprefix(self.python_tag).lstrip()
-        while rest:
-            try:
-                obj, end = JSON.raw_decode(rest)
-            except NOT_JSON:
-                return text, []
-            call = parsed_call(obj, self.arguments_key)  # None when obj is no object with a name
-            if call is None or self.arguments_key not in obj and "arguments" not in obj:
-                return text, []
-            calls.append(call)
-            rest = rest[end:].lstrip()
-            if rest.startswith(CALL_SEPARATOR):
-                rest = rest[len(CALL_SEPARATOR) :].lstrip()
-            elif rest:
-                return text, []  # text after the calls: not an answer of calls
-        return text[:start].rstrip(), calls
+        """(the text outside the calls, the calls): one call, or several chained with ";" as some answers write
+        them, after `<|python_tag|>` or after some text, and possibly text after them. A JSON object without the
+        arguments key is an answer written in JSON, not a call (as vLLM's parser reads it), and the text stays
+        whole."""
+        return split_calls(self, text)
+
+    def calls_opening(self, text: str) -> tuple[int, int] | None:
+        """(where the calls begin, where their JSON begins): the python tag, or the first object that opens with its
+        "name" key, whichever comes first."""
+        openings = []
+        if (tag := text.find(self.python_tag)) >= 0:
+            openings.append((tag, tag + len(self.python_tag)))
+        if (match := CALL_OPENING.search(text)) is not None:
+            openings.append((match.start(), match.start()))
+        return min(openings, default=None)
 
     def content_until(self, held: str) -> int:
-        """How much of a streamed answer's text held so far goes out as content: what precedes the first "{" or
-        python tag, or what may become the tag, and the whitespace before that."""
-        starts = [i for i in (held.find("{"), held.find(self.python_tag)) if i >= 0]
-        end = min(starts) if starts else len(held) - partial_suffix(held, self.python_tag)
+        """How much of a streamed answer's text held so far goes out as content, where it holds no opening yet:
+        what precedes what may become one (the python tag, or an object opening with "name"), and the whitespace
+        before that."""
+        end = len(held) - partial_suffix(held, self.python_tag)
+        if (match := CALL_OPENING_START.search(held)) is not None:
+            end = min(end, match.start())
         return len(held[:end].rstrip())
 
-    def _calls_start(self, text: str) -> int | None:
-        """Where the calls begin: the python tag, else the first object that opens with its "name" key."""
-        tag = text.find(self.python_tag)
-        if tag >= 0:
-            return tag
-        match = CALL_OPENING.search(text)
-        return match.start() if match is not None else None
+    def piece_reader(self, piece: str) -> CallSequence:
+        return CallSequence(LLAMA3_CALLS)
 
 
 ToolFormat = Hermes | Llama3Json | Mistral | Granite | Qwen3Coder

@@ -14,18 +14,23 @@ import json
 from collections.abc import Mapping
 
 from services.gateway.tools.call import (
-    CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls, text_or_calls,
+    CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, text_or_calls,
 )
+from services.gateway.tools.call_sequence import CallSequence, SequenceLayout
+from services.gateway.tools.calls_reader import split_calls
 from services.gateway.tools.tool_request import FunctionDefinition
 
 CALL_TAG = "<|tool_call|>"
 TEXT_TAG = "<tool_call>"  # Granite 3.1's spelling, as text
+CALLS = SequenceLayout(arguments_key="arguments", separator=None, arrays=True)
 
 
 class Granite(CallIds):
     name = "granite"
-    arguments_key = "arguments"
-    streams_whole = True  # the calls go out once the answer ends, read as a whole answer is
+    arguments_key = CALLS.arguments_key
+    calls_after_opening = True  # read by calls_reader.CallsReader
+    piece_tag = None
+    text_after_calls = False  # the calls run to the answer's end
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
         self.tag_id = (special_tokens or {}).get(CALL_TAG)
@@ -48,15 +53,16 @@ class Granite(CallIds):
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text before the calls, the calls); all text when what follows the first tag, in either spelling, is
-        not an array of calls."""
-        found = [(start, tag) for tag in (CALL_TAG, TEXT_TAG) if (start := text.find(tag)) >= 0]
-        if not found:
-            return text, []
-        start, tag = min(found)
-        calls = json_calls(text[start + len(tag) :].strip(), self.arguments_key)
-        if calls is None:
-            return text, []
-        return text[:start].rstrip(), calls
+        no call (calls_reader.CallsReader)."""
+        return split_calls(self, text)
+
+    def calls_opening(self, text: str) -> tuple[int, int] | None:
+        """(where the first tag is, in either spelling, where the calls after it begin)."""
+        found = [(start, start + len(tag)) for tag in (CALL_TAG, TEXT_TAG) if (start := text.find(tag)) >= 0]
+        return min(found, default=None)
+
+    def piece_reader(self, piece: str) -> CallSequence:
+        return CallSequence(CALLS)
 
     def content_until(self, held: str) -> int:
         """How much of a streamed answer's text held so far goes out as content: what precedes either spelling of

@@ -6,10 +6,10 @@ of the model's tokenizer version.
   arguments the JSON object after the [ARGS] token; v13 writes `[CALL_ID]id` before [ARGS].
 
 A chat template that writes [ARGS] shows the second; without a template, a tokenizer with an [ARGS] token. Reading
-tells them apart by what follows the first tag: JSON (an array, or an object) is read whole, or it is all text; a
-name is a call once the `{` of its arguments follows it, and its name and arguments then stream as they are
-written (tool_calls.ToolCallStream). The
-tags are control tokens, which generated text leaves out: a request read for calls keeps them in its text
+(calls_reader.CallsReader, a piece between tags at a time) tells them apart by what follows each tag: JSON (an
+array of calls, or one) is read by call_sequence.CallSequence; a name is a call once the `{` of its arguments
+follows it (NamedCall). Either way a call's name and arguments stream as they are written. The tags are control
+tokens, which generated text leaves out: a request read for calls keeps them in its text
 (shown_special_ids), and the calls take them out again. Mistral's chat templates refuse call ids other than nine
 letters and digits: this format makes such ids, and gives the template the last nine characters of others' (as
 vLLM does).
@@ -25,9 +25,13 @@ from collections.abc import Mapping
 
 from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.call import (
-    COMPACT, JSON, NOT_JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_calls,
-    json_text, json_value, text_or_calls,
+    COMPACT, JSON, NOT_JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_text,
+    text_or_calls,
 )
+from services.gateway.tools.call_sequence import (
+    ARRAY_OPEN, OBJECT_OPEN, Arguments, CallSequence, Opened, SequenceLayout,
+)
+from services.gateway.tools.calls_reader import split_calls
 from services.gateway.tools.tool_request import FUNCTION_NAME, FunctionDefinition
 
 CALLS_TAG, ARGS_TAG, CALL_ID_TAG = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -35,6 +39,7 @@ TAGS = (CALLS_TAG, ARGS_TAG, CALL_ID_TAG)
 CALL_ID_CHARS = 9
 CALL_ID_ALPHABET = string.ascii_letters + string.digits
 ARRAY_SEPARATOR = " "  # between [TOOL_CALLS] and the array of calls, as the v0.3 template writes them
+CALLS = SequenceLayout(arguments_key="arguments", separator=None, arrays=True)  # before v11
 NAMED_CALL = re.compile(
     rf"(?P<name>{FUNCTION_NAME.strip('^$')})\s*(?:{re.escape(CALL_ID_TAG)}\s*\w*\s*)?(?:{re.escape(ARGS_TAG)})?\s*"
 )
@@ -43,11 +48,10 @@ OPENED_CALL = re.compile(rf"\s*{NAMED_CALL.pattern}(?=\{{)")  # a v11 call, once
 
 class Mistral(CallIds):
     name = "mistral"
-    arguments_key = "arguments"
-    # From v11 each call's name and arguments go out as they are written; before, the calls go out once the answer
-    # ends, read as a whole answer is (tool_calls.ToolCallStream._feed_pieces)
-    streams_pieces = True
-    open_tag = CALLS_TAG
+    arguments_key = CALLS.arguments_key
+    calls_after_opening = True  # read by calls_reader.CallsReader, a piece between tags at a time
+    piece_tag = CALLS_TAG
+    text_after_calls = False
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
         """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.
@@ -104,69 +108,62 @@ class Mistral(CallIds):
         return grammar_tag(tag, self.tag_ids.get(tag))
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """(the text before the calls, the calls); all text when what follows the first [TOOL_CALLS] is no call.
-        From v11, a call is read once its name and the `{` of its arguments are written (as a stream sends it):
-        arguments cut short or malformed are what was written (compact where it reads as JSON), and a piece
-        after the calls that is no call is dropped. Before v11 the JSON after the tag is calls whole, or text."""
+        """(the text before the calls, the calls); all text when what follows the first [TOOL_CALLS] is no call
+        (calls_reader.CallsReader)."""
+        return split_calls(self, text)
+
+    def calls_opening(self, text: str) -> tuple[int, int] | None:
         start = text.find(CALLS_TAG)
-        if start < 0:
-            return text, []
-        pieces = text[start + len(CALLS_TAG) :].split(CALLS_TAG)
-        calls: list[ParsedCall] = []
-        if pieces[0].strip().startswith(("[", "{")):  # before v11
-            for piece in pieces:
-                parsed = _calls_in(piece.strip())
-                if parsed is None:
-                    return text, []
-                calls += parsed
-        else:
-            first = named_call(pieces[0])
-            if first is None:
-                return text, []
-            calls = [first, *(call for piece in pieces[1:] for call in self.later_calls(piece))]
-        return text[:start].rstrip(), calls
-
-    def later_calls(self, piece: str) -> list[ParsedCall]:
-        """The calls a piece after the first call holds: a v11 call, or the JSON of calls before v11; none (it is
-        dropped) where it is neither."""
-        call = named_call(piece)
-        if call is not None:
-            return [call]
-        return _calls_in(piece.strip()) or [] if piece.strip().startswith(("[", "{")) else []
-
-    def opened_call(self, piece: str) -> CallArguments | None:
-        """The call a v11 piece's text so far opens: its name, once the `{` of its arguments follows it."""
-        match = OPENED_CALL.match(piece)
-        return None if match is None else CallArguments(match["name"], match.end(), key=None)
+        return None if start < 0 else (start, start + len(CALLS_TAG))
 
     def content_until(self, held: str) -> int:
         """How much of a streamed answer's text held so far goes out as content (call.content_before_tag)."""
         return content_before_tag(held, CALLS_TAG)
 
-
-def named_call(piece: str) -> ParsedCall | None:
-    """The v11 call a piece holds once its name and the `{` of its arguments are written: the arguments whole,
-    else what was written of them (arguments.partial_arguments)."""
-    match = OPENED_CALL.match(piece)
-    if match is None:
-        return None
-    rest = piece[match.end() :]
-    try:
-        value = JSON.raw_decode(rest)[0]
-    except NOT_JSON:  # cut short or malformed
-        return ParsedCall(match["name"], partial_arguments(rest))
-    return ParsedCall(match["name"], json_text(value))
+    def piece_reader(self, piece: str) -> CallSequence | NamedCall | None:
+        """What reads a piece after a tag: JSON (an array of calls or one, before v11), or a name and its arguments
+        (from v11); None while the piece is only whitespace."""
+        head = piece.lstrip()
+        if not head:
+            return None
+        return CallSequence(CALLS) if head[0] in (ARRAY_OPEN, OBJECT_OPEN) else NamedCall()
 
 
-def _calls_in(piece: str) -> list[ParsedCall] | None:
-    """The calls one [TOOL_CALLS] introduces: a JSON array of them or one call object (before v11), or a name and
-    its arguments (v11 and later); None when the piece is anything else."""
-    if piece.startswith(("[", "{")):
-        return json_calls(piece, "arguments")
-    match = NAMED_CALL.match(piece)
-    if match is None:
-        return None
-    arguments = json_value(piece[match.end() :])
-    if not isinstance(arguments, dict):
-        return None
-    return [ParsedCall(match["name"], json_text(arguments))]
+class NamedCall:
+    """A v11 call, `name[ARGS]{...}` (v13: `name[CALL_ID]id[ARGS]{...}`), read as it grows: its name goes out once
+    the `{` of its arguments follows it, then its arguments as they are written; cut short or malformed, they are
+    what was written (compact where it reads as JSON: arguments.partial_arguments)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.failed = False
+        self.over = False
+        self.after = None  # nothing after a call in its piece is the answer's
+        self._arguments: CallArguments | None = None
+
+    @property
+    def called(self) -> bool:
+        return self._arguments is not None
+
+    def feed(self, text: str, final: bool) -> list[Opened | Arguments]:
+        self.text += text
+        events: list[Opened | Arguments] = []
+        if self._arguments is None and (match := OPENED_CALL.match(self.text)) is not None:
+            self._arguments = CallArguments(match["name"], match.end(), key=None)
+            events.append(Opened(self._arguments.name))
+        if self._arguments is not None and (streamed := self._arguments.read(self.text)):
+            events.append(Arguments(streamed))
+        if final:
+            self.over, self.failed = True, self._arguments is None
+            if self._arguments is not None:
+                rest = self.text[self._arguments.value_at :]
+                try:
+                    arguments = json_text(JSON.raw_decode(rest)[0])
+                except NOT_JSON:  # cut short or malformed
+                    arguments = partial_arguments(rest)
+                sent = self._arguments.sent
+                if not arguments.startswith(sent):
+                    raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {arguments!r}")
+                if arguments[len(sent) :]:
+                    events.append(Arguments(arguments[len(sent) :]))
+        return events

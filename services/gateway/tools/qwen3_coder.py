@@ -228,7 +228,6 @@ def _value_text(text: str) -> str:
 class Qwen3Coder(CallIds):
     name = "qwen3_coder"
     open_tag, close_tag = OPEN_TAG, CLOSE_TAG
-    streams_whole = False  # each call's name and arguments go out as they are written (tool_calls.ToolCallStream)
     shown_special_ids = ()  # its tags are text
     think_open = think_close = None  # Qwen3-Coder does not think
 

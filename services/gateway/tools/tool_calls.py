@@ -1,9 +1,10 @@
 """Tool calls out of a chat answer, in OpenAI's shapes: a whole message's `tool_calls`, or a stream's deltas.
 
 Streamed, each call goes out as soon as its parts are known, whatever the chunking: its index, id and name once its
-name is written, then its arguments: a Hermes, Qwen3-Coder or Mistral v11 call's as they are written (made compact
-as the whole answer's are, arguments.py), the others' when the answer ends; text outside calls streams as content,
-holding back only what could be the start of a call. One chunk may carry several tokens or several whole calls (speculative decoding
+name is written, then its arguments as they are written (made compact as the whole answer's are, arguments.py);
+text outside calls streams as content, holding back only what could be the start of a call. Hermes and Qwen3-Coder
+blocks are read here; the formats whose calls follow an opening to the answer's end by calls_reader.CallsReader,
+which reads whole answers too. One chunk may carry several tokens or several whole calls (speculative decoding
 accepts many tokens a step): each call gets its own entry, by index, in order.
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
 from services.gateway.tools.call import LAYOUT, separated
+from services.gateway.tools.call_sequence import Opened
+from services.gateway.tools.calls_reader import CallsReader
 from services.gateway.tools.formats import OpenedCall, ToolFormat
 
 TOOL_CALLS_FINISH = "tool_calls"
@@ -54,8 +57,7 @@ class ToolCallStream:
         self._sent = ""  # the last character of content sent, to tell whether text after a call needs separating
         self._ids: list[str] = []
         self._arguments: OpenedCall | None = None  # the open call's, once its name went out, until it closes
-        self._pieces: str | None = None  # Mistral from v11: the text after the first tag, once it calls
-        self._held = ""  # Llama 3 JSON: the answer from where a call may begin
+        self._reader = CallsReader(format) if format.calls_after_opening else None
         # Hermes: whether the answer is in its leading reasoning block (None: not known yet), where tags are text
         self._reasoning: bool | None = None
 
@@ -65,10 +67,8 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to stream, tool_calls delta entries) for the next piece of the answer's text."""
-        if self.format.streams_pieces:
-            return self._feed_pieces(text, final)
-        if self.format.streams_whole:
-            return self._feed_whole(text, final)
+        if self._reader is not None:
+            return self._feed_opened(text, final)
         return self._feed_blocks(text, final)
 
     def finish_reason(self, finish_reason: str | None, named: bool = False) -> str | None:
@@ -185,68 +185,17 @@ class ToolCallStream:
         return {"index": self._calls - 1, "id": self._ids[-1], "type": "function",
                 "function": {"name": name, "arguments": ""}}
 
-    def _feed_pieces(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """Mistral: as _feed_whole until the first call after the tag opens (its name and the `{` of its arguments
-        written, from v11); from there each piece between tags is a call whose name and arguments go out as they
-        are written, or (after the calls) nothing, as the whole answer reads it (Mistral.split)."""
-        tag = self.format.open_tag
-        content = ""
-        if self._pieces is None:
-            held = self._held + text
-            start = held.find(tag)
-            if start < 0 or self.format.opened_call(_first_piece(held[start + len(tag) :], tag)) is None:
-                return self._feed_whole(text, final)
-            content, _ = self._feed_whole(text, final=False)  # the text before the tag, as it streams
-            start = self._held.find(tag)
-            self._pieces, self._held, text = self._held[start + len(tag) :], "", ""
-        self._pieces += text
+    def _feed_opened(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """Llama 3 JSON, Granite and Mistral: their reader's content, and a delta for each call's name and each
+        piece of its arguments as the reader knows them."""
+        content, events = self._reader.feed(text, final)
         deltas: list[dict] = []
-        while True:
-            end = self._pieces.find(tag)
-            readable = end if end >= 0 else len(self._pieces) - (0 if final else partial_suffix(self._pieces, tag))
-            piece = self._pieces[:readable]
-            if self._arguments is None and (opened := self.format.opened_call(piece)) is not None:
-                deltas.append(self._open_call(opened.name))
-                self._arguments = opened
-            if self._arguments is not None:
-                deltas += self._arguments_delta(self._arguments.read(piece))
-            if end < 0 and not final:
-                return content, deltas
-            # The piece is over: its call as the whole answer reads it (the one it opened: what opened on part of
-            # the piece opens on all of it), or the calls of an array after the calls, or nothing
-            for call in self.format.later_calls(piece):
-                if self._arguments is None:
-                    deltas.append(self._open_call(call.name))
-                deltas += self._arguments_delta(self._rest_of(call.arguments))
-            if end < 0:
-                self._pieces = ""
-                return content, deltas
-            self._pieces = self._pieces[end + len(tag) :]
-
-    def _feed_whole(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """Llama 3 JSON and Mistral: text streams as content up to where a call may begin (format.content_until);
-        from there the answer is held to its end, then read as a whole answer is: calls and the text before them,
-        or all content."""
-        self._held += text
-        if final:
-            held, self._held = self._held, ""
-            content, calls = self.format.split(held)
-            if not calls:
-                return held, []
-            deltas = []
-            for call in calls:
-                deltas.append(self._open_call(call.name))
-                deltas.append({"index": self._calls - 1, "function": {"arguments": call.arguments}})
-            return content, deltas
-        cut = self.format.content_until(self._held)
-        streamed, self._held = self._held[:cut], self._held[cut:]
-        return streamed, []
-
-
-def _first_piece(after_tag: str, tag: str) -> str:
-    """The text after the first tag up to the next: what decides whether the answer calls."""
-    end = after_tag.find(tag)
-    return after_tag if end < 0 else after_tag[:end]
+        for event in events:
+            if isinstance(event, Opened):
+                deltas.append(self._open_call(event.name))
+            else:
+                deltas += self._arguments_delta(event.text)
+        return content, deltas
 
 
 def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict[str, Any]:
