@@ -105,6 +105,21 @@ def test_arguments_stream_as_they_are_written(format_name: str) -> None:
     # A call laid out otherwise (arguments first, or under the other key models use) is read when it closes
     ("mistral", '[TOOL_CALLS] [{"arguments": {"x": 1}, "name": "a"}]', ("", [["a", '{"x":1}']])),
     ("granite", '<|tool_call|>[{"name": "a", "parameters": {"x": [1, 2]}}]', ("", [["a", '{"x":[1,2]}']])),
+    # Arguments that stop being JSON (a line break inside a string) are kept as written to the end, as Hermes' are
+    ("llama3_json", '{"name": "write", "parameters": {"text": "line1\nline2"}} Done.',
+     ("", [["write", '{"text":"line1\nline2"}} Done.']])),
+    ("granite", '<|tool_call|>[{"name": "a", "arguments": {"x": 01}}]', ("", [["a", '{"x": 01}}]']])),
+    # Whole arguments followed by what is no JSON keep the arguments; the rest is dropped
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1} oops}; {"name": "b", "parameters": {}}',
+     ("", [["a", '{"x":1}']])),
+    # Llama 3 calls chained by a python tag, or by nothing but a line break
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}<|python_tag|>{"name": "b", "parameters": {}}',
+     ("", [["a", "{}"], ["b", "{}"]])),
+    ("llama3_json", '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}', ("", [["a", "{}"], ["b", "{}"]])),
+    # A lone surrogate escape stays an escape (no UTF-8 holds the character)
+    ("llama3_json", '{"name": "a", "parameters": {"x": "\\ud83d!"}}', ("", [["a", '{"x":"\\ud83d!"}']])),
+    ("granite", '<|tool_call|>[{"name": "a", "arguments": ["\\udc00\\ud83d\\ude00"]}]',
+     ("", [["a", '["\\udc00\U0001f600"]']])),
     # Text before Llama 3's call that merely holds braces streams as it is written
     ("llama3_json", 'Use {x} or { "y" }: {"name": "a", "parameters": {}}', ("Use {x} or { \"y\" }:", [["a", "{}"]])),
 ])
@@ -112,6 +127,7 @@ def test_what_each_answer_reads_as_whole_and_streamed(format_name: str, answer: 
     for points in ([], list(range(1, len(answer))), [4, 13, 15, 40]):
         whole, streamed = _whole_and_streamed(format_name, answer, points, "length")
         assert whole == streamed == expected
+        json.dumps(whole, ensure_ascii=False).encode()  # UTF-8 carries it, as the answer's bytes must
 
 
 @pytest.mark.parametrize(("format_name", "answer"), [
@@ -133,3 +149,19 @@ def test_content_before_a_llama3_call_streams_before_the_answer_ends() -> None:
     answer = 'Let me look {that} up. {"name": "get_time", "parameters": {}}'
     choices = _streamed(answer, [len("Let me look {that} up.") + 2], format_name="llama3_json")
     assert choices[0]["delta"]["content"] == "Let me look {that} up."
+
+
+@pytest.mark.parametrize("format_name", [*sorted(LAYOUT), "hermes"])
+def test_arguments_nested_about_pythons_recursion_limit_read_the_same_whole_and_streamed(format_name: str) -> None:
+    """Python's json gives up somewhere near 1,000 levels, reading or writing: the call keeps what was written,
+    whole and streamed alike, and nothing raises (a Hermes block json cannot read keeps its text as written)."""
+    opening, separator, closing, key = LAYOUT.get(format_name, ("<tool_call>\n", "", "\n</tool_call>", "arguments"))
+    for depth in range(940, 1010, 3):
+        value = "[" * depth + "]" * depth
+        answer = (opening + '{"name": "a", "%s": {"x": %s}}' % (key, value) + separator
+                  + ('{"name": "b", "%s": {}}' % key if separator else "") + closing + " Done.")
+        for points in ([], [len(answer) - 30], [len(answer) // 2, len(answer) - 3]):
+            whole, streamed = _whole_and_streamed(format_name, answer, points, "stop")
+            assert whole == streamed, (depth, points)
+            if format_name in LAYOUT:  # whole arguments are the value, even where json cannot read them
+                assert whole[1][0] == ["a", '{"x":%s}' % value], (depth, points)

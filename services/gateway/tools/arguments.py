@@ -21,7 +21,13 @@ UNICODE_ESCAPE_DIGITS = 4
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 HIGH_SURROGATES = range(0xD800, 0xDC00)
 LOW_SURROGATES = range(0xDC00, 0xE000)
+SURROGATES = range(HIGH_SURROGATES.start, LOW_SURROGATES.stop)
 _ENCODE = json.encoder.py_encode_basestring  # how json.dumps(ensure_ascii=False) writes a string, quotes included
+
+
+def escaped_surrogate(char: str) -> str:
+    """A lone surrogate as the JSON escape it was written as (json.dumps would write it raw, and no UTF-8 holds it)."""
+    return f"\\u{ord(char):04x}"
 
 
 class _Expect(Enum):
@@ -50,7 +56,6 @@ class CompactJson:
         self._high: int | None = None  # a high surrogate's code, written once what follows it is known
         self._read = 0  # characters fed so far
         self.settled = 0  # characters whose output is written (the rest is pending, skipped, or no JSON)
-        self.stopped_at: int | None = None  # where the text stopped being JSON: the first character no JSON has
 
     @property
     def whole(self) -> bool:
@@ -65,26 +70,22 @@ class CompactJson:
         out: list[str] = []
         for char in text:
             if self._expect is _Expect.SCALAR and char not in SCALAR_CHARS:  # the delimiter ends the scalar
-                scalar_at = self._read - len(self._pending)
                 if self._end_scalar(out):
                     self.settled = self._read
                 else:
-                    self._stop(scalar_at)
+                    self._expect = _Expect.INVALID
             if self._expect in (_Expect.END, _Expect.INVALID):
                 break
             self._read += 1
             skipped = char in WHITESPACE and self._expect not in (_Expect.STRING, _Expect.ESCAPE)
             if not self._take(char, out):
-                self._stop(self._read - 1)
+                self._expect = _Expect.INVALID
                 break
             # Whitespace between tokens stays with the text after it: text that is no JSON keeps it apart from the
             # token before (`1 2` never reads as 12)
             if not (skipped or self._pending or self._escape or self._high is not None):
                 self.settled = self._read
         return "".join(out)
-
-    def _stop(self, at: int) -> None:
-        self._expect, self.stopped_at = _Expect.INVALID, at
 
     def _take(self, char: str, out: list[str]) -> bool:
         """Reads one character; False where the text stops being JSON."""
@@ -205,7 +206,7 @@ class CompactJson:
             self._high = None
 
     def _write(self, char: str, out: list[str]) -> None:
-        out.append(_ENCODE(char)[1:-1])
+        out.append(escaped_surrogate(char) if ord(char) in SURROGATES else _ENCODE(char)[1:-1])
 
     def _end_scalar(self, out: list[str]) -> bool:
         token, self._pending = self._pending, ""
@@ -222,22 +223,20 @@ class CompactJson:
         if self._expect is not _Expect.SCALAR or self._containers:
             return ""
         out: list[str] = []
-        scalar_at = self._read - len(self._pending)
         if not self._end_scalar(out):
-            self._stop(scalar_at)
+            self._expect = _Expect.INVALID
             return ""
         self.settled = self._read
         return "".join(out)
 
 
-def partial_arguments(text: str, to_break: bool = False) -> str:
+def partial_arguments(text: str) -> str:
     """A call's arguments where their text is no whole JSON value (cut short, or malformed): the compact text of
-    what reads as JSON, then the rest as written (`to_break`: up to where the text stops being JSON, for text that
-    runs on past the call)."""
+    what reads as JSON, then the rest as written."""
     reader = CompactJson()
     compact = reader.feed(text)
     compact += reader.finish()
-    return compact + text[reader.settled : reader.stopped_at if to_break else None].rstrip()
+    return compact + text[reader.settled :].rstrip()
 
 
 class CallArguments:
@@ -255,6 +254,11 @@ class CallArguments:
         self.value_at = None if key is not None else after_name  # where the value begins, once it is known
         self._off = False  # the key does not follow the name
         self.sent = ""
+
+    @property
+    def whole(self) -> bool:
+        """Whether the value is whole: `sent` is all of it."""
+        return self._value is not None and self._value.whole
 
     def read(self, block: str) -> str:
         """The compact arguments the block's text so far adds (it only grows)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tags import partial_suffix
+from services.gateway.tools.arguments import escaped_surrogate
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
@@ -126,8 +127,15 @@ def text_or_calls(
     return f"start: answer | thought answer | UNCLOSED\nanswer: {answer}\ncall: {call}\n{lark}"
 
 
+# A surrogate code point on its own (an escape `\ud83d` no low half follows): no UTF-8 holds it
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """A value's JSON, compact, non-ASCII characters as themselves; a lone surrogate stays an escape, as it was
+    written (the answer's bytes could not carry it)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return LONE_SURROGATE.sub(lambda m: escaped_surrogate(m.group()), text)
 
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # what models name a call's arguments, whatever their format says

@@ -41,7 +41,10 @@ CALL_OPENING = re.compile(r'\{\s*"name"\s*:')  # where a JSON call begins in a L
 CALL_OPENING_START = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?\Z')
 CALL_SEPARATOR = ";"  # between chained Llama 3 calls
 CALL_START = '{"name":'  # a compact Llama 3 call's opening
-LLAMA3_CALLS = SequenceLayout(arguments_key="parameters", separator=CALL_SEPARATOR, arrays=False)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what some answers write before each call
+# Llama 3's calls: one, or several chained with ";", a python tag, or nothing but whitespace (as models write them)
+LLAMA3_CALLS = SequenceLayout(arguments_key="parameters", arrays=False, separators=(CALL_SEPARATOR, PYTHON_TAG),
+                              bare_chain=True)
 
 
 class Hermes(CallIds):
@@ -133,10 +136,9 @@ class Hermes(CallIds):
         if arguments is None:
             return ParsedCall(name, "")
         try:
-            value = JSON.raw_decode(arguments.group(1))[0]
+            return ParsedCall(name, json_text(JSON.raw_decode(arguments.group(1))[0]))
         except NOT_JSON:
             return ParsedCall(name, partial_arguments(arguments.group(1)))
-        return ParsedCall(name, json_text(value))
 
     def dangling_tag(self, text: str) -> bool:
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
@@ -158,7 +160,7 @@ class Hermes(CallIds):
 
 class Llama3Json(CallIds):
     name = "llama3_json"
-    python_tag = "<|python_tag|>"
+    python_tag = PYTHON_TAG
     arguments_key = LLAMA3_CALLS.arguments_key
     calls_after_opening = True  # read by calls_reader.CallsReader
     piece_tag = None

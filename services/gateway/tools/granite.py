@@ -22,7 +22,7 @@ from services.gateway.tools.tool_request import FunctionDefinition
 
 CALL_TAG = "<|tool_call|>"
 TEXT_TAG = "<tool_call>"  # Granite 3.1's spelling, as text
-CALLS = SequenceLayout(arguments_key="arguments", separator=None, arrays=True)
+CALLS = SequenceLayout(arguments_key="arguments", arrays=True)
 
 
 class Granite(CallIds):

@@ -39,7 +39,7 @@ TAGS = (CALLS_TAG, ARGS_TAG, CALL_ID_TAG)
 CALL_ID_CHARS = 9
 CALL_ID_ALPHABET = string.ascii_letters + string.digits
 ARRAY_SEPARATOR = " "  # between [TOOL_CALLS] and the array of calls, as the v0.3 template writes them
-CALLS = SequenceLayout(arguments_key="arguments", separator=None, arrays=True)  # before v11
+CALLS = SequenceLayout(arguments_key="arguments", arrays=True)  # before v11
 NAMED_CALL = re.compile(
     rf"(?P<name>{FUNCTION_NAME.strip('^$')})\s*(?:{re.escape(CALL_ID_TAG)}\s*\w*\s*)?(?:{re.escape(ARGS_TAG)})?\s*"
 )
