@@ -71,6 +71,7 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"logit_bias": {"int": "x"}}, "logit_bias.int"),  # a key the client chose, though it spells a type
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": []}, "messages"),

@@ -340,6 +340,11 @@ def test_a_union_parameters_error_names_the_parameter_not_the_member() -> None:
     with pytest.raises(ValidationError) as caught:  # keys the client chose are kept, capitals and all
         request(metadata={"Str": 5})
     assert from_validation_error(caught.value).param == "metadata.Str"
+    for key in ("str", "int", "list[int]", "ResponsesRequest"):  # even a key that spells a type, given the body
+        body = {"model": "m", "input": "hi", "metadata": {key: 5}}
+        with pytest.raises(ValidationError) as caught:
+            request(metadata=body["metadata"])
+        assert from_validation_error(caught.value, body).param == f"metadata.{key}"
 
 
 def _size(entries: list[dict]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -81,14 +82,26 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def _param_name(loc: tuple[int | str, ...]) -> str | None:
+def _param_name(loc: tuple[int | str, ...], body: Any = None) -> str | None:
     """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters; the members of
-    a union pydantic names on the way ("tool_choice.literal['none','auto']", "input.str") are left out."""
-    return ".".join(_param_parts(loc)) or None
+    a union pydantic names on the way ("tool_choice.literal['none','auto']", "input.str") are left out, unless the
+    request `body`, where known, holds that key there (a client's metadata key "str")."""
+    return ".".join(_param_parts(loc, body)) or None
 
 
-def _param_parts(loc: tuple[int | str, ...]) -> list[str]:
-    return [f"[{part}]" if isinstance(part, int) else part for part in loc if not _union_member(part)]
+def _param_parts(loc: tuple[int | str, ...], body: Any = None) -> list[str]:
+    parts, at = [], body
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+            at = at[part] if isinstance(at, list) and -len(at) <= part < len(at) else None
+        elif isinstance(at, dict) and part in at:  # a key the client wrote
+            parts.append(part)
+            at = at[part]
+        elif not _union_member(part):
+            parts.append(part)
+            at = None
+    return parts
 
 
 def _union_member(part: int | str) -> bool:
@@ -119,18 +132,27 @@ def _shown(value: object) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
 
-def from_validation_error(exc: ValidationError) -> OpenAIError:
+def parsed_body(raw: bytes) -> Any:
+    """A request's JSON for from_validation_error to read the client's keys in; None where it does not parse."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def from_validation_error(exc: ValidationError, body: Any = None) -> OpenAIError:
     """Reports the first bad field and the value it had; the client fixes one thing at a time anyway. Of a union's
     members' complaints about that place, the one that reached deepest into it (a dict that missed a key, not the
-    string member's complaint that it is no string)."""
+    string member's complaint that it is no string). `body`: the request's JSON, where known, to tell the keys a
+    client chose from the union members pydantic names."""
     errors = exc.errors(include_url=False)
-    place = _param_parts(tuple(errors[0]["loc"]))
+    place = _param_parts(tuple(errors[0]["loc"]), body)
     first = errors[0]
     for error in errors[1 : MAX_ERRORS_READ]:  # a union's members report side by side, right after the first
-        parts = _param_parts(tuple(error["loc"]))
-        if parts[: len(place)] == place and len(parts) > len(_param_parts(tuple(first["loc"]))):
+        parts = _param_parts(tuple(error["loc"]), body)
+        if parts[: len(place)] == place and len(parts) > len(_param_parts(tuple(first["loc"]), body)):
             first = error
-    param = _param_name(tuple(first["loc"]))
+    param = _param_name(tuple(first["loc"]), body)
     message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
     if first["type"] == "missing":
         text = f"Missing required parameter: '{param}'."

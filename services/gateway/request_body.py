@@ -15,7 +15,7 @@ from services.gateway.aggregate import Api
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.completion_request import CompletionRequest
 from services.gateway import wire_json
-from services.gateway.errors import bad_request, from_validation_error
+from services.gateway.errors import bad_request, from_validation_error, parsed_body
 from services.gateway.extensions import Extensions
 from services.gateway.protocol import MAX_N_CONTEXT
 from services.gateway.responses.request import RESPONSES, RESPONSES_FIELDS, ResponsesRequest, check_refused
@@ -55,7 +55,7 @@ class RequestBodies:
         try:  # the raw JSON, not `data`: the models' strict mode is JSON's (a list may fill a tuple)
             return model.model_validate_json(raw, context={MAX_N_CONTEXT: self._max_n})
         except ValidationError as exc:
-            raise from_validation_error(exc) from exc
+            raise from_validation_error(exc, parsed_body(raw)) from exc
 
 
 async def read_object(request: web.Request) -> tuple[bytes, dict[str, Any]]:

@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.chat_request import ChatMessage
-from services.gateway.errors import bad_request, from_validation_error, model_not_found
+from services.gateway.errors import bad_request, from_validation_error, parsed_body, model_not_found
 from services.gateway.generation import Generator
 from services.gateway.request_body import read_object
 from shared.tokenizer import Tokenizer
@@ -88,4 +88,4 @@ def _validated(model: type[_Strict], raw: bytes) -> Any:
     try:  # the raw JSON: strict mode is JSON's
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        raise from_validation_error(exc, parsed_body(raw)) from exc
