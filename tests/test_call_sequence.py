@@ -115,7 +115,8 @@ def test_arguments_stream_as_they_are_written(format_name: str) -> None:
     # Llama 3 calls chained by a python tag, or by nothing but a line break
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}<|python_tag|>{"name": "b", "parameters": {}}',
      ("", [["a", "{}"], ["b", "{}"]])),
-    ("llama3_json", '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}', ("", [["a", "{}"], ["b", "{}"]])),
+    ("llama3_json", '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}',
+     ("", [["a", "{}"], ["b", "{}"]])),
     # A lone surrogate escape stays an escape (no UTF-8 holds the character)
     ("llama3_json", '{"name": "a", "parameters": {"x": "\\ud83d!"}}', ("", [["a", '{"x":"\\ud83d!"}']])),
     ("granite", '<|tool_call|>[{"name": "a", "arguments": ["\\udc00\\ud83d\\ude00"]}]',
