@@ -32,6 +32,7 @@ ThinkFirst = Literal["may_open", "inside"]
 ThinkTag = str | int
 DEFAULT_THINK_TAGS: tuple[ThinkTag, ThinkTag] = ("<think>", "</think>")
 CONSTRAINT_GRAMMAR = "constraint"  # the request's own grammar, under a reasoning block's
+ANSWER_GRAMMAR = "answer"  # StructuredOutput.answer's, referred to as `@answer`
 # Up to two line breaks between the block and the answer, as templates write them (any number let a sampled answer
 # spend its whole budget on line breaks).
 LAYOUT_LARK = '("\\n" "\\n"?)?'
@@ -56,11 +57,15 @@ class StructuredOutput(BaseModel):
     spec: str = Field("", max_length=MAX_SPEC_CHARS)
     think_first: ThinkFirst | None = None  # the constraint holds after a reasoning block; None: from the first token
     think_tags: tuple[ThinkTag, ThinkTag] = DEFAULT_THINK_TAGS  # the block's opening and closing tags
+    # A grammar's `@answer`: the answer a request constrains beside its tools (an answer in its response_format, or
+    # tool calls), compiled as a grammar of its own
+    answer: StructuredOutput | None = None
 
     @property
     def key(self) -> str:
-        """Names the compiled grammar in caches: a hash of the kind, spec and reasoning block."""
-        text = f"{self.kind}\0{self.spec}\0{self.think_first}\0{self.think_tags}"
+        """Names the compiled grammar in caches: a hash of the kind, spec, reasoning block and answer."""
+        answer = self.answer.key if self.answer is not None else ""
+        text = f"{self.kind}\0{self.spec}\0{self.think_first}\0{self.think_tags}\0{answer}"
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -79,6 +84,8 @@ def _regex_literal(text: str) -> str:
 def grammar_of(structured: StructuredOutput) -> str:
     """llguidance's grammar for the constraint (not yet checked against a tokenizer: see check)."""
     grammar = _constraint_grammar(structured)
+    if structured.answer is not None:
+        grammar = _with_answer(grammar, _constraint_grammar(structured.answer))
     if structured.think_first is None:
         return grammar
     return _after_reasoning(grammar, think_lark(structured.think_first, *structured.think_tags))
@@ -103,11 +110,23 @@ def lark_regex_literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
+def _top_level(grammar: str) -> dict:
+    """A grammar as llguidance's TopLevelGrammar: llguidance writes a Lark grammar as its text, the others as a
+    TopLevelGrammar's JSON."""
+    return orjson.loads(grammar) if grammar.startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+
+
+def _with_answer(grammar: str, answer: str) -> str:
+    """A grammar whose `@answer` is the answer's grammar (named so beside it)."""
+    top, answer_top = _top_level(grammar), _top_level(answer)
+    answer_top["grammars"][0]["name"] = ANSWER_GRAMMAR
+    return orjson.dumps({**top, "grammars": [*top["grammars"], *answer_top["grammars"]]}).decode()
+
+
 def _after_reasoning(grammar: str, reasoning_lark: str) -> str:
     """The constraint's grammar behind an optional reasoning block, vLLM's structured outputs under a reasoning
     parser: the model may think first, and its answer (what the parser leaves as content) follows the constraint."""
-    # llguidance writes a Lark grammar as its text, the others as a TopLevelGrammar's JSON.
-    top = orjson.loads(grammar) if grammar.startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    top = _top_level(grammar)
     top["grammars"][0]["name"] = CONSTRAINT_GRAMMAR
     reasoning = {"name": "reasoning", "json_schema": None, "lark_grammar": reasoning_lark}
     return orjson.dumps({**top, "grammars": [reasoning, *top["grammars"]]}).decode()

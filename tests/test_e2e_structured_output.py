@@ -32,6 +32,7 @@ class Report(BaseModel):
     windy: bool
 
 
+REPORT_FORMAT = {"type": "json_schema", "json_schema": {"name": "report", "schema": Report.model_json_schema()}}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -204,10 +205,14 @@ def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(mesh: Mesh, client: 
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(**asked, tool_choice=wrong)
         assert caught.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as both:  # auto's grammar does not go with another constraint
-        client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_time"),
-                                       response_format={"type": "json_object"})
-    assert both.value.body["param"] == "tool_choice" and "allowed tools" in both.value.body["message"]
+    # Beside response_format: a record of the format, or a call of the allowed tool
+    both = client.chat.completions.create(**asked, tool_choice=_allowed("auto", "get_time"),
+                                          response_format=REPORT_FORMAT).choices[0].message
+    assert [name for name, _ in _calls(both)] == ["get_time"] if both.tool_calls else Report.model_validate_json(
+        both.content)
+    with pytest.raises(openai.BadRequestError) as forced:  # required's answer is calls: no format holds it
+        client.chat.completions.create(**asked, tool_choice="required", response_format={"type": "json_object"})
+    assert forced.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as continued:  # the continued message is read for calls, unheld
         client.chat.completions.create(
             **{**asked, "messages": MESSAGES + [{"role": "assistant", "content": "<tool_call>\n"}]},
@@ -216,6 +221,40 @@ def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(mesh: Mesh, client: 
         )
     error = continued.value.body
     assert error["param"] == "tool_choice" and "continue_final_message" in error["message"]
+
+
+def test_an_answer_in_a_format_beside_tools_follows_it_or_calls(mesh: Mesh, client: openai.OpenAI) -> None:
+    """An agent's final output in a format beside its tools (response_format with tools under auto, as OpenAI's
+    Agents SDK sends them): each answer is a record of the format or calls, the same whole and streamed, and a strict
+    tool's calls follow its schema; the Responses API's text.format beside tools likewise."""
+    strict_weather, strict_time = ({**tool, "function": {**tool["function"], "strict": True}}
+                                   for tool in (WEATHER_TOOL, TIME_TOOL))
+    for seed in range(3):  # each answer bounded: a record, or one call of a strict function
+        params = dict(model=mesh.model, messages=MESSAGES, tools=[strict_weather, strict_time], max_tokens=96,
+                      temperature=1.0, seed=seed, response_format=REPORT_FORMAT, parallel_tool_calls=False)
+        choice = client.chat.completions.create(**params).choices[0]
+        calls = _calls(choice.message)
+        for name, arguments in calls:
+            assert name in ("get_weather", "get_time")
+            if name == "get_weather":  # strict: its schema, closed
+                assert set(arguments) == {"city", "unit"} and len(arguments["city"]) <= 12, arguments
+        if not calls:
+            Report.model_validate_json(choice.message.content)
+        content, streamed = "", {}
+        for chunk in client.chat.completions.create(stream=True, **params):
+            for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                call = streamed.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+            content += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        assert (content or None, [(n, json.loads(a)) for n, a in streamed.values()]) == (choice.message.content, calls)
+    answer = client.responses.create(
+        model=mesh.model, input=MESSAGES[0]["content"], max_output_tokens=64, temperature=0,
+        tools=[{"type": "function", **strict_weather["function"]}],
+        text={"format": {"type": "json_schema", "name": "report", "schema": Report.model_json_schema()}},
+    )
+    calls = [item for item in answer.output if item.type == "function_call"]
+    assert calls or Report.model_validate_json(answer.output_text)
 
 
 def test_a_tools_result_goes_back_into_the_conversation(mesh: Mesh, client: openai.OpenAI) -> None:

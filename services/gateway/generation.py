@@ -120,20 +120,19 @@ class Generator:
         if api == "chat":
             self._check_include_reasoning(body)
             fields = body.tool_fields
-            if fields.constrains and constraint is not None:
-                made = "text or calls of the allowed tools" if fields.limits_calls else "tool calls"
+            if fields.forces_calls and constraint is not None:
                 raise bad_request(
-                    f"tool_choice {fields.mode!r} makes the answer {made}; it does not go with another output "
+                    f"tool_choice {fields.mode!r} makes the answer tool calls; it does not go with another output "
                     "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
                 )
-            if fields.limits_calls and body.continue_final_message:
+            if body.continue_final_message and (fields.limits_calls or constraint is not None and fields.parses_calls):
                 # The final message's text is read for calls with the answer, and no grammar holds it.
                 raise bad_request(
-                    "tool_choice allowed_tools does not go with continue_final_message: the continued message could "
-                    "call a tool the list leaves out", param="tool_choice",
+                    f"a grammar of the tools ({fields.grammar_param}) does not go with continue_final_message: the "
+                    "continued message could call a tool as no grammar allows", param=fields.grammar_param,
                 )
         calls_constrained = api == "chat" and body.tool_fields.constrains
-        constrained = constraint[0] if constraint else "tool_choice" if calls_constrained else None
+        constrained = constraint[0] if constraint else body.tool_fields.grammar_param if calls_constrained else None
         masking = "allowed_token_ids" if body.allowed_token_ids is not None else "bad_words" if body.bad_words else None
         if constrained and masking:
             # Two masks of one position could leave no token at all; a grammar already says what may come.
@@ -141,8 +140,16 @@ class Generator:
         structured = None
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
-        # The tools' grammar once the reasoning block is known: text it allows must not open as the block does.
-        tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning)) if api == "chat" else None
+        # The tools' grammar once the reasoning block is known: text it allows must not open as the block does. An
+        # answer constrained beside tools under `auto` is that answer or calls: its own constraint compiles first, so
+        # that what does not compile in it is named.
+        tool_calls = None
+        if api == "chat":
+            answer = None
+            if constraint is not None and body.tool_fields.mode == "auto":
+                answer = await asyncio.to_thread(compiled, constraint, tokenizer.model_dir, tokenizer.vocab_size,
+                                                 tokenizer.eos_token_ids)
+            tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning), answer)
         constrained_by = tool_calls or constraint  # (the parameter, its constraint)
         if constrained_by and reasoning is not None:
             # The constraint holds for the answer after the reasoning block, as the reasoning parser sets it apart.

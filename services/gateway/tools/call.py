@@ -91,7 +91,7 @@ def grammar_tag(tag: str, token: int | None) -> str:
 
 def text_or_calls(
     tag: str, tag_token: int | None, call: str, between: str | None, block_open: str | None = None,
-    block_close: str | None = None, also_not: tuple[str, ...] = (),
+    block_close: str | None = None, also_not: tuple[str, ...] = (), answer: bool = False,
 ) -> str:
     """The Lark grammar of an answer that is text, or text then calls: text never holds the calls' opening `tag`
     (as its text: a tag's text in an answer reads as a call either way), and the tag is followed by `call` (Lark:
@@ -101,34 +101,45 @@ def text_or_calls(
     before a call opens with (reasoning/parser.opening_tag); with `block_close`, this grammar reads the block
     itself, as a format that reads no calls in it does (Hermes), so that a tag the model thinks about is not made a
     call. `also_not`: other texts that open calls in the format (another spelling of the tag), which the text never
-    holds either."""
+    holds either. `answer`: the text is instead the request's constrained answer, `@answer` (structured.py's
+    StructuredOutput.answer), and calls stand alone; such a grammar reads no block (`block_close`) itself: a
+    reasoning parser's grammar stands before it (structured.py's think_first)."""
     tag_regex = lark_regex_literal(tag)
     excluded = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
     excluded += "".join(f" & ~/(.|\\n)*{lark_regex_literal(other)}(.|\\n)*/" for other in also_not)
-    lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{excluded}\n"
     tag_lark = grammar_tag(tag, tag_token)
-    if tag_token is None:
-        # The text before a call, tag included, is one lazy lexeme: a greedy one would run into the tag and find no
-        # way out of it (text may not hold the tag, and the call's lexeme cannot start inside it). Only a rule
-        # takes `lazy`, only a token `&`: the rule is the token.
-        opening = "opened"
-        lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{excluded}\n"
+    if answer:
+        text, opening, lark = ANSWER, tag_lark, ""
     else:
-        # A special token: no text lexeme holds it, so the text ends where it comes.
-        opening = f"TEXT {tag_lark}"
+        text = "TEXT"
+        lark = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag_regex}(.|\\n)*/{excluded}\n"
+        if tag_token is None:
+            # The text before a call, tag included, is one lazy lexeme: a greedy one would run into the tag and find
+            # no way out of it (text may not hold the tag, and the call's lexeme cannot start inside it). Only a rule
+            # takes `lazy`, only a token `&`: the rule is the token.
+            opening = "opened"
+            lark += f"opened[lazy]: OPENED\nOPENED: /(.|\\n)*{tag_regex}/{excluded}\n"
+        else:
+            # A special token: no text lexeme holds it, so the text ends where it comes.
+            opening = f"TEXT {tag_lark}"
     more = "" if between is None else f" ({' '.join(filter(None, (between, tag_lark)))} call)*"
-    answer = f"TEXT | {opening} call{more}"
+    rule = f"{text} | {opening} call{more}"
     if block_open is None or block_close is None:
-        return f"start: {answer}\ncall: {call}\n{lark}"
+        return f"start: {rule}\ncall: {call}\n{lark}"
+    if answer:
+        raise ValueError("a grammar of a constrained answer or calls reads no reasoning block of its own")
     open_regex, close_regex = lark_regex_literal(block_open), lark_regex_literal(block_close)
     # A block cut short (max_tokens) holds no calls, and may hold the tag: all of the answer is its text.
     lark += (f"thought[lazy]: /\\s*{open_regex}(.|\\n)*{close_regex}/\n"
              f"UNCLOSED: /\\s*{open_regex}(.|\\n)*/ & ~/(.|\\n)*{close_regex}(.|\\n)*/\n")
-    return f"start: answer | thought answer | UNCLOSED\nanswer: {answer}\ncall: {call}\n{lark}"
+    return f"start: answer | thought answer | UNCLOSED\nanswer: {rule}\ncall: {call}\n{lark}"
 
 
 # A surrogate code point on its own (an escape `\ud83d` no low half follows): no UTF-8 holds it
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+ANSWER = "@answer"  # in a grammar, the request's constrained answer (structured.py's StructuredOutput.answer)
 
 
 def json_text(value: Any) -> str:

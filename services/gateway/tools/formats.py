@@ -23,7 +23,7 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema, json_text,
+    ANSWER, COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema, json_text,
     parsed_call, text_or_calls,
 )
 from services.gateway.tools.arguments import CallArguments, partial_arguments
@@ -62,6 +62,7 @@ class Hermes(CallIds):
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+        answer: bool = False,
     ) -> str:
         """Text without a call tag, or text then calls of `functions` (several in a row with `parallel`), as the
         forced grammar writes them; after a leading reasoning block, where tags are text, as split reads it. Its
@@ -69,6 +70,8 @@ class Hermes(CallIds):
         schema = json.dumps(call_schema(functions, self.arguments_key))
         call = f'"\\n" %json {schema} "\\n{self.close_tag}"'
         between = '"\\n"' if parallel else None
+        if answer:  # a reasoning parser's grammar reads the block before it, where the model thinks
+            return text_or_calls(self.open_tag, None, call, between, answer=True)
         return text_or_calls(self.open_tag, None, call, between, self.think_open, self.think_close)
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -173,6 +176,7 @@ class Llama3Json(CallIds):
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+        answer: bool = False,
     ) -> str:
         """Text that holds nothing split would read as a call (the python tag, an object opening with "name") and
         does not open with `block_open` (tools/call.text_or_calls), or the answer one call of `functions`, compact
@@ -185,6 +189,8 @@ class Llama3Json(CallIds):
             f"%json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
             for f in functions
         )
+        if answer:  # the answer or a call, each its own grammar: a lexeme of the call could not start as JSON does
+            return f"start: {ANSWER} | %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
         opening = f"{lark_regex_literal(self.python_tag)}|{CALL_OPENING.pattern}"
         not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
         return (f"start: TEXT | CALL_START ({calls}) \"}}\"\n"
@@ -243,20 +249,24 @@ FORMATS: dict[str, ToolFormat] = {name: make_format(name) for name in FORMAT_NAM
 
 
 def tool_constraint(
-    body: Any, format: ToolFormat | None, block_open: str | None = None,
+    body: Any, format: ToolFormat | None, block_open: str | None = None, answer: StructuredOutput | None = None,
 ) -> tuple[str, StructuredOutput] | None:
-    """The grammar a chat request's tool_choice imposes: `required` or a named function make the answer calls of
-    the callable functions and nothing else; allowed_tools `auto` makes it text, which does not open with
-    `block_open` (a reasoning block's text tag: reasoning/parser.opening_tag), or calls of the allowed ones; `auto`
-    and `none` impose none."""
+    """The grammar a chat request's tools impose, and the parameter that makes it: tool_choice `required` or a named
+    function make the answer calls of the callable functions and nothing else; allowed_tools `auto` makes it text,
+    which does not open with `block_open` (a reasoning block's text tag: reasoning/parser.opening_tag), or calls of
+    the allowed ones; plain `auto` does so where a function is `strict` (the others' calls take any arguments).
+    `answer`: the answer's own constraint (response_format, ...), which takes the text's place under `auto`: the
+    answer follows it, or is calls. `none`, and plain `auto` with neither, impose none."""
     fields = body.tool_fields
     if fields.forces_calls:
         grammar = format.grammar(fields.callable, fields.forced_calls_parallel)
-    elif fields.limits_calls:
-        grammar = format.text_or_calls_grammar(fields.callable, fields.parallel_tool_calls, block_open)
+    elif fields.limits_calls or (answer is not None and fields.mode == "auto"):
+        grammar = format.text_or_calls_grammar(
+            fields.grammar_functions, fields.parallel_tool_calls, block_open, answer=answer is not None
+        )
     else:
         return None
-    return "tool_choice", StructuredOutput(kind="grammar", spec=grammar)
+    return fields.grammar_param, StructuredOutput(kind="grammar", spec=grammar, answer=answer)
 
 
 def format_for(

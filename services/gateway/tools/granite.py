@@ -45,11 +45,12 @@ class Granite(CallIds):
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+        answer: bool = False,
     ) -> str:
         """Text without the tag, or text then the array of calls of `functions`; neither opens with `block_open`
         (tools/call.text_or_calls)."""
         return text_or_calls(CALL_TAG, self.tag_id, f"%json {self._array(functions, parallel)}", None, block_open,
-                             also_not=(TEXT_TAG,))
+                             also_not=(TEXT_TAG,), answer=answer)
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text before the calls, the calls); all text when what follows the first tag, in either spelling, is

@@ -94,6 +94,7 @@ class Mistral(CallIds):
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+        answer: bool = False,
     ) -> str:
         """Text without [TOOL_CALLS], or text then calls of `functions` in the forced grammar's layout; neither
         opens with `block_open` (tools/call.text_or_calls)."""
@@ -102,7 +103,7 @@ class Mistral(CallIds):
             between: str | None = "" if parallel else None
         else:
             call, between = f"{json.dumps(ARRAY_SEPARATOR)} %json {json.dumps(self._array(functions, parallel))}", None
-        return text_or_calls(CALLS_TAG, self.tag_ids.get(CALLS_TAG), call, between, block_open)
+        return text_or_calls(CALLS_TAG, self.tag_ids.get(CALLS_TAG), call, between, block_open, answer=answer)
 
     def _tag(self, tag: str) -> str:
         return grammar_tag(tag, self.tag_ids.get(tag))

@@ -292,11 +292,13 @@ class Qwen3Coder(CallIds):
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
+        answer: bool = False,
     ) -> str:
         """Text without a call tag, or text then calls of `functions` (several in a row with `parallel`), as the
         forced grammar writes them; neither opens with `block_open` (tools/call.text_or_calls)."""
         between = '"\\n"' if parallel else None
-        return text_or_calls(OPEN_TAG, None, self._call_rest(functions), between, block_open) + self._rules(functions)
+        calls = text_or_calls(OPEN_TAG, None, self._call_rest(functions), between, block_open, answer=answer)
+        return calls + self._rules(functions)
 
     def _call_rest(self, functions: list[FunctionDefinition]) -> str:
         """What follows the opening tag in a call of any of `functions`."""

@@ -247,11 +247,31 @@ class ToolFields(BaseModel):
 
     @property
     def constrains(self) -> bool:
-        """Whether tool_choice imposes a grammar (tools/formats.tool_constraint)."""
+        """Whether the tools impose a grammar (tools/formats.tool_constraint)."""
         return self.forces_calls or self.limits_calls
 
     @property
     def limits_calls(self) -> bool:
-        """Whether a grammar lets the output be text or calls of the callable functions (allowed_tools `auto`):
-        under plain `auto` nothing stops the model from writing a call of any name, which would be read as one."""
-        return isinstance(self.tool_choice, AllowedToolsChoice) and self.mode == "auto"
+        """Whether a grammar lets the output be text or calls of the callable functions: allowed_tools `auto`, or
+        plain `auto` with a `strict` function, whose calls OpenAI's strict mode makes follow its schema. Under plain
+        `auto` otherwise nothing stops the model from writing a call of any name, which would be read as one."""
+        return self.mode == "auto" and (isinstance(self.tool_choice, AllowedToolsChoice) or self.strict)
+
+    @property
+    def strict(self) -> bool:
+        """Whether a callable function is `strict`."""
+        return any(f.strict for f in self.callable)
+
+    @property
+    def grammar_functions(self) -> list[FunctionDefinition]:
+        """The callable functions as a grammar that lets the output be text or calls constrains them: under plain
+        `auto` a function that is not `strict` takes any object, as it does without a grammar; under allowed_tools
+        every call follows its schema, as a forced one does."""
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            return self.callable
+        return [f if f.strict else f.model_copy(update={"parameters": None}) for f in self.callable]
+
+    @property
+    def grammar_param(self) -> str:
+        """The parameter that makes the tools' grammar: tool_choice, or under plain `auto` the tools' `strict`."""
+        return "tool_choice" if self.forces_calls or isinstance(self.tool_choice, AllowedToolsChoice) else "tools"
