@@ -21,8 +21,9 @@ from services.gateway.tools.qwen3_coder import Qwen3Coder
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from services.worker.demo_model.tokenizer import train_tokenizer
-from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
+from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
+from tests.test_tool_calls import _takes
 from tests.toolgrammar import _walks
 
 EXAMPLES = int(os.environ.get("SPECMESH_FUZZ_EXAMPLES", "300"))
@@ -258,3 +259,34 @@ def test_a_parameter_given_by_reference_is_read_and_forced_as_its_type(tokenizer
     assert json.loads(_read(_call("locate", [("place", "None")]), fmt=fmt)[1][0][1]) == {"place": None}
     grammar = fmt.grammar(ToolFields(tools=[optional], tool_choice="required").callable, False)
     assert "string_value" not in grammar.split("parameter_0_0:")[1].splitlines()[0]  # the object's JSON, not text
+
+
+LIMITED = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{3}$"}, "note": {"type": "string", "minLength": 2, "maxLength": 5},
+    "digit": {"type": "string", "pattern": "[0-9]"}, "either": {"type": "string", "pattern": "^ab|cd$"},
+    "fixed": {"const": "x/y z"}}, "required": ["code", "note", "digit", "either", "fixed"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize(("values", "taken"), [
+    ({}, True), ({"note": "hello"}, True), ({"digit": "9"}, True), ({"either": "zzcd"}, True),
+    ({"code": "ABCD"}, False), ({"code": "AB"}, False), ({"note": "h"}, False), ({"note": "hello!"}, False),
+    ({"digit": "abc"}, False), ({"either": "zabz"}, False), ({"fixed": "x/y"}, False),
+])
+def test_a_forced_strings_limits_hold_on_its_text(values: dict, taken: bool) -> None:
+    """A string is written as text, not JSON, so %json cannot hold its limits: its length, its pattern (found
+    anywhere in it, each alternative anchored where it says) and its const are regexes on the text."""
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMAT.grammar(
+        ToolFields(tools=[LIMITED], tool_choice="required").callable, False)))
+    written = {"code": "ABC", "note": "hey", "digit": "a1b", "either": "abzz", "fixed": "x/y z", **values}
+    assert _takes(grammar, _call("f", list(written.items()))) is taken
+
+
+def test_a_pattern_the_grammar_engine_cannot_read_is_refused_not_dropped(tokenizer_dir: Path,
+                                                                          tokenizer: Tokenizer) -> None:
+    lookahead = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "^(?=a)"}}, "required": ["x"]}}}
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMAT.grammar(
+        ToolFields(tools=[lookahead], tool_choice="required").callable, False)))
+    with pytest.raises(StructuredError):
+        check(grammar, ll_tokenizer(tokenizer_dir, tokenizer.vocab_size, tuple(tokenizer.eos_token_ids)))

@@ -20,8 +20,8 @@ element closes, so that the pieces add up to the whole answer's arguments.
 
 The grammar tool_choice imposes writes each function's parameters in its schema's order, the required ones always,
 a string's text up to its closing tag (holding neither `</parameter>` nor `</tool_call>`: reading would end there),
-a string enum's value, any other value as its schema's JSON. A string's other limits (length, pattern) are not
-forced, and a parameter whose name holds `>` or a line break is never written.
+a string enum's value, a string within its limits (length, pattern, const: string_limits.py), any other value as
+its schema's JSON. A parameter whose name holds `>` or a line break is never written.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
     COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, json_text, text_or_calls,
 )
+from services.gateway.tools.string_limits import text_limits
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
@@ -49,6 +50,9 @@ CLOSING = LAYOUT + PARAMETER_CLOSE + LAYOUT  # after a value, as the template wr
 # Lark regexes: a value's closing, and the tags a string's text may not hold
 CLOSING_LARK = "\\n" + lark_regex_literal(PARAMETER_CLOSE) + "\\n"
 TAGS_LARK = f"{lark_regex_literal(PARAMETER_CLOSE)}|{lark_regex_literal(CLOSE_TAG)}"
+# A string's text and its closing tag: it ends at the first closing tag, and holds no other tag (the value and the
+# call would end there when the answer is read)
+STRING_TEXT = f"/(.|\\n)*{CLOSING_LARK}/ & ~/(.|\\n)*({TAGS_LARK})(.|\\n)*{CLOSING_LARK}/"
 KEY = re.compile(r"[a-zA-Z0-9_.-]+")  # a parameter name the grammar writes (no `>`, no line break)
 ROOT_DEFINITIONS = "parameters"
 MAX_REFERENCE_HOPS = 8  # a reference to a reference...: past this, the schema reads as untyped
@@ -306,10 +310,7 @@ class Qwen3Coder(CallIds):
         return f'"\\n" ({options}) {json.dumps(LAYOUT + CLOSE_TAG)}'
 
     def _rules(self, functions: list[FunctionDefinition]) -> str:
-        # A string's text and its closing tag, one lazy lexeme: it ends at the first closing tag, and holds no
-        # other (the value and the call would end there when the answer is read)
-        rules = [f"STRING_VALUE: /(.|\\n)*{CLOSING_LARK}/ & ~/(.|\\n)*({TAGS_LARK})(.|\\n)*{CLOSING_LARK}/",
-                 "string_value[lazy]: STRING_VALUE"]
+        rules = [f"STRING_VALUE: {STRING_TEXT}", "string_value[lazy]: STRING_VALUE"]  # one lazy lexeme
         for i, function in enumerate(functions):
             _, definitions = embedded(function.schema, ROOT_DEFINITIONS)  # its references, from a parameter's schema
             schema = definitions.get(ROOT_DEFINITIONS, function.schema)
@@ -321,7 +322,8 @@ class Qwen3Coder(CallIds):
                     continue
                 rule = f"parameter_{i}_{j}"
                 opening = json.dumps(f"{PARAMETER_OPEN}{key}>{LAYOUT}")
-                rules.append(f"{rule}: {opening} {_value_grammar(value_schema, definitions)}")
+                value, own_rules = _value_grammar(value_schema, definitions, f"{i}_{j}")
+                rules += [f"{rule}: {opening} {value}", *own_rules]
                 parts.append(rule if key in required else f"{rule}?")
             if not properties and schema.get("additionalProperties", True) is not False:
                 rules.append(f"any_parameter_{i}: {json.dumps(PARAMETER_OPEN)} /{KEY.pattern}/ "
@@ -332,17 +334,24 @@ class Qwen3Coder(CallIds):
         return "\n".join(rules) + "\n"
 
 
-def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any]) -> str:
-    """Lark: a parameter's value and its closing tag: a string's text (one of its enum's, if it has one), any other
-    value as its schema's JSON (with the function schema's definitions it refers to)."""
+def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any], name: str) -> tuple[str, list[str]]:
+    """Lark: a parameter's value and its closing tag (one of its enum's strings, a string's text within its limits
+    (string_limits.py), any other value as its schema's JSON with the function schema's definitions it refers to),
+    and the rules it needs beside it, named after `name`."""
     resolved = inlined(schema, {"$defs": definitions})
     if is_text(resolved):
         options = resolved.get("enum")
         if options and all(isinstance(option, str) for option in options):
-            return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(CLOSING)}"
-        return "string_value"
+            return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(CLOSING)}", []
+        limits = text_limits(resolved) if "string" in _kinds(resolved) else []
+        if not limits:
+            return "string_value", []
+        # The text within each limit, then its closing tag; one lazy lexeme, as string_value
+        within = "".join(f" & /({limit}){CLOSING_LARK}/" for limit in limits)
+        return f"string_value_{name}", [f"STRING_VALUE_{name}: {STRING_TEXT}{within}",
+                                        f"string_value_{name}[lazy]: STRING_VALUE_{name}"]
     embedded_schema = {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
-    return f"%json {json.dumps(embedded_schema)} {json.dumps(CLOSING)}"
+    return f"%json {json.dumps(embedded_schema)} {json.dumps(CLOSING)}", []
 
 
 def _closing_suffix(text: str) -> int:
