@@ -350,3 +350,35 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(mesh: Mesh, api: 
     assert [type(item).__name__ for item in result.new_items] == ["ToolCallItem", "ToolCallOutputItem",
                                                                    "MessageOutputItem"]
     assert len(cities) == 1 and isinstance(result.final_output, str)
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_an_openai_agents_sdk_agent_with_an_output_type_calls_its_tool_and_answers_in_it(mesh: Mesh, api: str) -> None:
+    """An agent whose final output is a record: the SDK sends the record's schema as the answer's format beside its
+    strict function tools and tool_choice `required` (a calls-only answer, which the format does not shape), then
+    the format alone once the tool has answered (it is enabled until then): the call, its result, the record."""
+    sdk = pytest.importorskip("agents")
+    sdk.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=12)
+        sunny: bool
+
+    @sdk.function_tool(is_enabled=lambda context, agent: not cities)
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+    model = (sdk.OpenAIResponsesModel if api == "responses" else sdk.OpenAIChatCompletionsModel)(
+        model=mesh.model, openai_client=client,
+    )
+    settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=0)
+    agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                      model_settings=settings, output_type=Weather)
+    result = asyncio.run(sdk.Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert isinstance(result.final_output, Weather)

@@ -120,11 +120,6 @@ class Generator:
         if api == "chat":
             self._check_include_reasoning(body)
             fields = body.tool_fields
-            if fields.forces_calls and constraint is not None:
-                raise bad_request(
-                    f"tool_choice {fields.mode!r} makes the answer tool calls; it does not go with another output "
-                    "constraint (response_format, structured_outputs, guided_*)", param="tool_choice",
-                )
             if body.continue_final_message and (fields.limits_calls or constraint is not None and fields.parses_calls):
                 # The final message's text is read for calls with the answer, and no grammar holds it.
                 raise bad_request(
@@ -141,12 +136,14 @@ class Generator:
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
         # The tools' grammar once the reasoning block is known: text it allows must not open as the block does. An
-        # answer constrained beside tools under `auto` is that answer or calls: its own constraint compiles first, so
-        # that what does not compile in it is named.
+        # answer constrained beside tools under `auto` is that answer or calls; under `required` or a named function
+        # it is calls, which hold no content for the answer's constraint to shape (as OpenAI answers the two, an
+        # agent's first turn). The answer's own constraint compiles first, so that what does not compile in it is
+        # named.
         tool_calls = None
         if api == "chat":
             answer = None
-            if constraint is not None and body.tool_fields.mode == "auto":
+            if constraint is not None and body.tool_fields.parses_calls:
                 answer = await asyncio.to_thread(compiled, constraint, tokenizer.model_dir, tokenizer.vocab_size,
                                                  tokenizer.eos_token_ids)
             tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning), answer)

@@ -256,11 +256,13 @@ def tool_constraint(
     which does not open with `block_open` (a reasoning block's text tag: reasoning/parser.opening_tag), or calls of
     the allowed ones; plain `auto` does so where a function is `strict` (the others' calls take any arguments).
     `answer`: the answer's own constraint (response_format, ...), which takes the text's place under `auto`: the
-    answer follows it, or is calls. `none`, and plain `auto` with neither, impose none."""
+    answer follows it, or is calls; forced calls hold no content for it to shape. `none`, and plain `auto` with
+    neither, impose none."""
     fields = body.tool_fields
-    if fields.forces_calls:
-        grammar = format.grammar(fields.callable, fields.forced_calls_parallel)
-    elif fields.limits_calls or (answer is not None and fields.mode == "auto"):
+    if fields.forces_calls:  # calls only: no content for an answer's constraint to shape
+        return fields.grammar_param, StructuredOutput(
+            kind="grammar", spec=format.grammar(fields.callable, fields.forced_calls_parallel))
+    if fields.limits_calls or (answer is not None and fields.mode == "auto"):
         grammar = format.text_or_calls_grammar(
             fields.grammar_functions, fields.parallel_tool_calls, block_open, answer=answer is not None
         )
