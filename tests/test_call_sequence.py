@@ -28,10 +28,11 @@ LAYOUT = {
 }
 
 
-def _whole_and_streamed(format_name: str, answer: str, points: list[int], finish: str) -> tuple[tuple, tuple]:
-    """(content, [[name, arguments]]) of the answer read whole, and streamed cut at `points`."""
+def _whole_and_streamed(format_name: Any, answer: str, points: list[int], finish: str) -> tuple[tuple, tuple]:
+    """(content, [[name, arguments]]) of the answer read whole, and streamed cut at `points`, by a format (its name,
+    or itself)."""
     message = {"role": "assistant", "content": answer}
-    message_with_calls(message, finish, FORMATS[format_name])
+    message_with_calls(message, finish, FORMATS[format_name] if isinstance(format_name, str) else format_name)
     whole = (message["content"] or "", [[c["function"]["name"], c["function"]["arguments"]]
                                         for c in message.get("tool_calls", ())])
     points = sorted({min(p, len(answer)) for p in points})

@@ -34,7 +34,7 @@ EXPECTED = [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 def _streamed(text: str, pieces: list[int], finish: str = "stop", format_name: str = "hermes", parallel: bool = True):
     """The chunks' choices for `text` cut at `pieces` (lengths), the last one finishing."""
-    calls = StreamedToolCalls(FORMATS[format_name], parallel)
+    calls = StreamedToolCalls(FORMATS[format_name] if isinstance(format_name, str) else format_name, parallel)
     out, at = [], 0
     cuts = [*pieces, len(text)]
     for i, size in enumerate(cuts):

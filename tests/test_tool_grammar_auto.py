@@ -12,6 +12,8 @@ import pytest
 from services.gateway.reasoning.parser import FORMATS as REASONING_FORMATS, opening_tag
 from services.gateway.tools.formats import FORMATS, tool_constraint
 from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
+from services.gateway.chat_request import ChatCompletionRequest
+from tests.test_call_sequence import _whole_and_streamed
 from tests.test_tool_calls import DEMO, TIME, WEATHER, _chat, _takes
 
 STRICT_WEATHER = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
@@ -79,3 +81,27 @@ def test_behind_a_reasoning_block_the_constrained_answer_or_calls_follow_it() ->
 def test_plain_auto_without_strict_functions_or_another_constraint_imposes_nothing() -> None:
     assert tool_constraint(_chat(), FORMATS["hermes"]) is None
     assert tool_constraint(_chat(tools=[STRICT_WEATHER], tool_choice="none"), FORMATS["hermes"], None, SKY) is None
+
+
+@pytest.mark.parametrize(("answer", "content", "calls"), [
+    # A call-shaped object inside the JSON answer is the answer's, as the grammar's answer path wrote it
+    ('{"steps":[{"name":"get_time","parameters":{}}]}', '{"steps":[{"name":"get_time","parameters":{}}]}', []),
+    # An object naming a function the request may not call is an answer
+    ('{"name":"rm_rf","parameters":{}}', '{"name":"rm_rf","parameters":{}}', []),
+    # The calls path: the whole answer one call
+    ('{"name":"get_time","parameters":{}}', "", [["get_time", "{}"]]),
+])
+def test_beside_an_answer_a_llama3_call_is_what_the_grammars_calls_path_writes(
+    answer: str, content: str, calls: list,
+) -> None:
+    """Llama 3's calls are JSON, as the answer beside them may be: read as the grammar tells them apart."""
+    fmt = FORMATS["llama3_json"].reading([], beside_answer=["get_time", "get_weather"])
+    for points in ([], list(range(1, len(answer)))):
+        whole, streamed = _whole_and_streamed(fmt, answer, points, "stop")
+        assert whole == streamed == (content, calls), points
+
+
+def test_tool_choice_auto_without_tools_leaves_the_answers_constraint_alone() -> None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tool_choice": "auto"})
+    assert tool_constraint(body, FORMATS["hermes"], None, SKY) is None

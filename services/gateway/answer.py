@@ -21,6 +21,7 @@ from services.gateway.in_flight import Generation
 from services.gateway.latency import ResponseLatency
 from services.gateway.reasoning.parser import ReasoningFormat, StreamedReasoning, message_with_reasoning
 from services.gateway.router import ResponseStream
+from services.gateway.structured_request import structured_output
 from services.gateway.tools.formats import ToolFormat
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
 from shared.schemas import Usage
@@ -95,6 +96,14 @@ async def _stream(
     return response
 
 
+def reading(tools: ToolFormat, body: ChatCompletionRequest) -> ToolFormat:
+    """The format reading a request's calls; where its answer is constrained beside its tools under `auto` (the
+    tools' grammar's `answer`), knowing the functions it may call, as that grammar does."""
+    fields = body.tool_fields
+    beside_answer = fields.mode == "auto" and structured_output(body) is not None
+    return tools.reading(fields.functions, [f.name for f in fields.callable] if beside_answer else None)
+
+
 class ChoiceReader:
     """A streamed chat answer's choices, its reasoning set apart (`reasoning`, with `include` false left out) and
     what follows read for calls in `tools`: each chunk's choice with its delta rewritten."""
@@ -107,7 +116,7 @@ class ChoiceReader:
         if tools is not None and body.tool_fields.parses_calls:
             fields = body.tool_fields
             self._calls = StreamedToolCalls(
-                tools.reading(fields.functions), fields.parallel_tool_calls, named=fields.mode == "named"
+                reading(tools, body), fields.parallel_tool_calls, named=fields.mode == "named"
             )
 
     def read(self, choice: dict) -> dict:
@@ -162,7 +171,7 @@ async def _respond(
             if tools is not None:
                 fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(
-                    choice["message"], choice["finish_reason"], tools.reading(fields.functions),
+                    choice["message"], choice["finish_reason"], reading(tools, gen.body),
                     fields.parallel_tool_calls, fields.mode == "named",
                 )
             prompt_logprobs = choice.pop("prompt_logprobs", None)

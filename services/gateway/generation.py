@@ -143,7 +143,7 @@ class Generator:
         tool_calls = None
         if api == "chat":
             answer = None
-            if constraint is not None and body.tool_fields.parses_calls:
+            if constraint is not None and body.tool_fields.parses_calls and body.tool_fields.callable:
                 answer = await asyncio.to_thread(compiled, constraint, tokenizer.model_dir, tokenizer.vocab_size,
                                                  tokenizer.eos_token_ids)
             tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning), answer)

@@ -47,7 +47,7 @@ class FunctionTool(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # honoured either way: a forced call follows the schema exactly
+    strict: bool | None = None  # as chat's: under auto a strict function's calls follow its schema, forced ones always
 
     def for_chat(self) -> dict[str, Any]:
         function = self.model_dump(exclude={"type"}, exclude_none=True)

@@ -226,7 +226,8 @@ class CallIds:
         """An earlier call's id as the chat template reads it."""
         return call_id
 
-    def reading(self, functions: Sequence[Any]) -> "CallIds":
+    def reading(self, functions: Sequence[Any], beside_answer: Sequence[str] | None = None) -> "CallIds":
         """This format reading the calls of a request's functions (one whose reading depends on their schemas makes
-        a copy that knows them)."""
+        a copy that knows them); beside_answer: the callable functions' names where the answer is otherwise
+        constrained (text_or_calls' `answer`), for a format whose calls the answer could look like (Llama 3's)."""
         return self

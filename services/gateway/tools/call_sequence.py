@@ -63,8 +63,10 @@ class _State(Enum):
 class CallSequence:
     """The calls of one answer's text from where they may begin, read as it grows."""
 
-    def __init__(self, layout: SequenceLayout) -> None:
+    def __init__(self, layout: SequenceLayout, names: frozenset[str] | None = None) -> None:
+        """names: where given, an object naming another function is no call."""
         self.layout = layout
+        self.names = names
         self.text = ""
         self.calls: list[ParsedCall] = []
         self.failed = False  # the text is no calls: all of it is text
@@ -148,7 +150,7 @@ class CallSequence:
         block = self.text[self._object_at :]
         self._object.feed(self.text[self._at :])
         self._at = len(self.text)
-        if self._arguments is None and (named := call_name(block)) is not None:
+        if self._arguments is None and (named := call_name(block)) is not None and self._callable(named[0]):
             name, after_name = named
             self._arguments = CallArguments(name, after_name, self.layout.arguments_key)
         if self._arguments is not None:
@@ -172,6 +174,8 @@ class CallSequence:
         (`final`)."""
         block = self.text[self._object_at : self._at]
         call = None if broken else _call(block, self.layout.arguments_key)
+        if call is not None and not self._callable(call.name):
+            call = None
         if call is None and self._announced:  # named, its arguments opened: it is a call, with what was written
             if not (self._arguments.whole or final):  # its arguments take the rest of the text, known at the end
                 self._state = _State.BROKEN
@@ -202,6 +206,9 @@ class CallSequence:
             return ParsedCall(self._arguments.name, self._arguments.sent)
         value = self.text[self._object_at + self._arguments.value_at :]
         return ParsedCall(self._arguments.name, partial_arguments(value.lstrip(WHITESPACE)))
+
+    def _callable(self, name: str) -> bool:
+        return self.names is None or name in self.names
 
     def _end(self, after: int | None) -> None:
         self._state, self.after = _State.OVER, after

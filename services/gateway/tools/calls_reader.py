@@ -41,6 +41,7 @@ class OpenedFormat(Protocol):
 
     piece_tag: str | None  # what separates the pieces of the calls' text (Mistral's calls tag), if anything
     text_after_calls: bool  # whether text after the calls is content
+    calls_open_answer: bool  # whether calls only ever open the answer: once text goes out, all of it is text
 
     def calls_opening(self, text: str) -> tuple[int, int] | None: ...  # (where the opening is, where calls begin)
 
@@ -91,6 +92,10 @@ class CallsReader:
             cut = len(held) if final else self.format.content_until(held)
             self._held = held[cut:]
             self._send(held[:cut], content)
+            if cut and self.format.calls_open_answer:
+                self._mode = _Mode.TEXT
+                content.append(self._held)
+                self._held = ""
             return ""
         start, calls_at = opening
         before = held[:start].rstrip()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
@@ -45,6 +45,7 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what some answers write before eac
 # Llama 3's calls: one, or several chained with ";", a python tag, or nothing but whitespace (as models write them)
 LLAMA3_CALLS = SequenceLayout(arguments_key="parameters", arrays=False, separators=(CALL_SEPARATOR, PYTHON_TAG),
                               bare_chain=True)
+LLAMA3_CALL_BESIDE_ANSWER = SequenceLayout(arguments_key="parameters", arrays=False)  # the grammar's one call
 
 
 class Hermes(CallIds):
@@ -170,6 +171,16 @@ class Llama3Json(CallIds):
     text_after_calls = True
     shown_special_ids = ()
 
+    def __init__(self, beside_answer: frozenset[str] | None = None) -> None:
+        """beside_answer: the functions a request may call where its answer is otherwise constrained (a JSON answer
+        beside tools, text_or_calls_grammar's `answer`): then only what that grammar's calls path writes is a call,
+        the whole answer one call of one of them; a call-shaped object inside the JSON answer is the answer's."""
+        self._beside_answer = beside_answer
+        self.calls_open_answer = beside_answer is not None
+
+    def reading(self, functions: Sequence[Any], beside_answer: Sequence[str] | None = None) -> "Llama3Json":
+        return self if beside_answer is None else Llama3Json(frozenset(beside_answer))
+
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         # Llama 3.x calls one function per answer: parallel calls do not exist in this format.
         return f"start: %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
@@ -206,7 +217,10 @@ class Llama3Json(CallIds):
 
     def calls_opening(self, text: str) -> tuple[int, int] | None:
         """(where the calls begin, where their JSON begins): the python tag, or the first object that opens with its
-        "name" key, whichever comes first."""
+        "name" key, whichever comes first; beside an answer, such an object that opens the answer."""
+        if self._beside_answer is not None:
+            match = CALL_OPENING.match(text, len(text) - len(text.lstrip()))
+            return None if match is None else (match.start(), match.start())
         openings = []
         if (tag := text.find(self.python_tag)) >= 0:
             openings.append((tag, tag + len(self.python_tag)))
@@ -218,12 +232,16 @@ class Llama3Json(CallIds):
         """How much of a streamed answer's text held so far goes out as content, where it holds no opening yet:
         what precedes what may become one (the python tag, or an object opening with "name"), and the whitespace
         before that."""
+        if self._beside_answer is not None:  # only an answer that opens so may still be a call
+            return 0 if CALL_OPENING_START.fullmatch(held.lstrip()) or not held.strip() else len(held)
         end = len(held) - partial_suffix(held, self.python_tag)
         if (match := CALL_OPENING_START.search(held)) is not None:
             end = min(end, match.start())
         return len(held[:end].rstrip())
 
     def piece_reader(self, piece: str) -> CallSequence:
+        if self._beside_answer is not None:
+            return CallSequence(LLAMA3_CALL_BESIDE_ANSWER, self._beside_answer)
         return CallSequence(LLAMA3_CALLS)
 
 
@@ -259,6 +277,8 @@ def tool_constraint(
     answer follows it, or is calls; forced calls hold no content for it to shape. `none`, and plain `auto` with
     neither, impose none."""
     fields = body.tool_fields
+    if not fields.callable:  # tool_choice auto without tools
+        return None
     if fields.forces_calls:  # calls only: no content for an answer's constraint to shape
         return fields.grammar_param, StructuredOutput(
             kind="grammar", spec=format.grammar(fields.callable, fields.forced_calls_parallel))

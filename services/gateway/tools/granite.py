@@ -31,6 +31,7 @@ class Granite(CallIds):
     calls_after_opening = True  # read by calls_reader.CallsReader
     piece_tag = None
     text_after_calls = False  # the calls run to the answer's end
+    calls_open_answer = False
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
         self.tag_id = (special_tokens or {}).get(CALL_TAG)

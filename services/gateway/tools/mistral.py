@@ -52,6 +52,7 @@ class Mistral(CallIds):
     calls_after_opening = True  # read by calls_reader.CallsReader, a piece between tags at a time
     piece_tag = CALLS_TAG
     text_after_calls = False
+    calls_open_answer = False
 
     def __init__(self, special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None) -> None:
         """special_tokens: the tokenizer's special tokens by text; its tags among them are written as tokens.

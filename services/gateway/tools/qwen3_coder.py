@@ -238,7 +238,9 @@ class Qwen3Coder(CallIds):
     def __init__(self, functions: Sequence[FunctionDefinition] = ()) -> None:
         self._types = parameter_types(functions)
 
-    def reading(self, functions: Sequence[FunctionDefinition]) -> "Qwen3Coder":
+    def reading(
+        self, functions: Sequence[FunctionDefinition], beside_answer: Sequence[str] | None = None,
+    ) -> "Qwen3Coder":
         """This format reading the calls of these functions, their parameters typed by their schemas."""
         return Qwen3Coder(functions)
 

@@ -1,8 +1,8 @@
 """The tool fields of a chat request, validated: `tools`, `tool_choice` and `parallel_tool_calls`, as the OpenAI
-API defines them (a function's `parameters` is a JSON schema; `strict` is honoured by construction: a forced call
-follows the schema exactly). tool_choice `allowed_tools` narrows the functions the answer may call to some of the
-tools while the chat template still shows them all, so that the prompt, and the prefix cache, stay those of the
-other turns."""
+API defines them (a function's `parameters` is a JSON schema; a forced call follows it exactly, and so, under
+`auto`, does a `strict` function's call: ToolFields.limits_calls). tool_choice `allowed_tools` narrows the
+functions the answer may call to some of the tools while the chat template still shows them all, so that the
+prompt, and the prefix cache, stay those of the other turns."""
 
 from __future__ import annotations
 
