@@ -31,7 +31,7 @@ MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "granite")
+MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "granite", "seed_oss")
 # A tiny Granite's scalars, none of them 1, so that each is read and applied
 GRANITE_SCALARS = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
 MISTRAL_WINDOW = 8  # a tiny Mistral's sliding window: shorter than the tests' prompts and outputs
@@ -45,8 +45,8 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 or Granite with these config keys, its weights
-    drawn from torch's global RNG."""
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite or Seed-OSS with these config keys, its
+    weights drawn from torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
     if kind not in MODEL_KINDS:
@@ -61,6 +61,9 @@ def random_causal_lm(kind: str, **config):
     if kind == "phi3":  # with a window too, as Phi-3-mini-4k's (2047); Phi3Config's token ids are its 32k vocab's
         config = dict(sliding_window=MISTRAL_WINDOW, bos_token_id=0, eos_token_id=0, pad_token_id=0) | config
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**config))
+    if kind == "seed_oss":  # head_dim defaults to 128 too; q/k/v biases on, as SeedOssConfig's default
+        head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        return transformers.SeedOssForCausalLM(transformers.SeedOssConfig(head_dim=head_dim, **config))
     if kind in ("qwen3", "qwen3_moe"):  # Qwen3's head_dim defaults to 128, not hidden_size / heads
         head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
         if kind == "qwen3":

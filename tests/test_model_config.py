@@ -14,6 +14,7 @@ LLAMA = dict(
 QWEN2 = LLAMA | dict(architectures=["Qwen2ForCausalLM"])
 QWEN3 = LLAMA | dict(architectures=["Qwen3ForCausalLM"], head_dim=32)
 MISTRAL = LLAMA | dict(architectures=["MistralForCausalLM"])
+SEED_OSS = LLAMA | dict(architectures=["SeedOssForCausalLM"])
 WINDOW = 128
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
@@ -36,6 +37,8 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
     (QWEN2 | dict(hidden_act="relu"), "hidden_act"),
     (QWEN3 | dict(attention_bias=True), "attention_bias"),
     (QWEN3 | dict(layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
+    (SEED_OSS | dict(attention_out_bias=True), "attention_out_bias"),
+    (SEED_OSS | dict(mlp_bias=True), "mlp_bias"),
 ])
 def test_unsupported_key_is_refused_by_name(raw: dict, key: str) -> None:
     with pytest.raises(UnsupportedModelError, match=key):
@@ -94,3 +97,10 @@ def test_mistral_windows_every_layer_as_transformers_does() -> None:
     assert cfg.attention_window == WINDOW and cfg.sliding_window is None  # honoured, so nothing is refused
     cfg.check_served_length(4 * WINDOW)
     assert ModelConfig.from_dict(LLAMA).attention_window is None
+
+
+def test_seed_oss_reads_its_configs_defaults() -> None:
+    """SeedOssConfig's defaults where config.json is silent: q/k/v biases, 128-wide heads, 512k positions."""
+    cfg = ModelConfig.from_dict({k: v for k, v in SEED_OSS.items() if k != "max_position_embeddings"})
+    assert (cfg.attention_bias, cfg.head_dim, cfg.max_position_embeddings) == (True, 128, 524288)
+    assert not ModelConfig.from_dict(SEED_OSS | dict(attention_bias=False, head_dim=16)).attention_bias

@@ -42,7 +42,7 @@ def _save_tiny(kind: str, tied: bool, path: Path, **config) -> "transformers.Pre
 
 @pytest.mark.parametrize("kind,tied", [
     ("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-    ("mistral", False), ("phi3", False), ("phi3", True), ("granite", False), ("granite", True),
+    ("mistral", False), ("phi3", False), ("phi3", True), ("granite", False), ("granite", True), ("seed_oss", False),
 ])
 def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     reference = _save_tiny(kind, tied, tmp_path)
@@ -55,7 +55,7 @@ def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> Non
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "seed_oss"])
 def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: str) -> None:
     """Prefill 10 tokens, then score 4 more in one pass against the cache: same logits as one full pass."""
     reference = _save_tiny(kind, False, tmp_path)

@@ -239,9 +239,6 @@ def test_the_forced_grammar_refuses_values_that_would_read_back_otherwise(tokeni
         assert (llguidance.LLMatcher(ll, grammar).validate_tokens(tokens) == len(tokens)) is allowed, text
 
 
-def test_seed_oss_template_is_not_read_as_qwen3_coder() -> None:
-    """Seed-OSS writes `<seed:tool_call><function=...>`: a format this server does not read, not Qwen3-Coder's."""
-    assert format_for("{{ '<seed:tool_call>\\n<function=' + call.name + '>' }}") is None
 
 
 def test_a_parameter_given_by_reference_is_read_and_forced_as_its_type(tokenizer_dir: Path,

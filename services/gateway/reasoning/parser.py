@@ -98,6 +98,8 @@ FORMATS = {
         ReasoningFormat("deepseek_r1", starts_inside=True),
         # Magistral: [THINK] and [/THINK] are control tokens (tokenizer v13), which the answer may open with.
         ReasoningFormat("mistral", starts_inside=False, open_tag="[THINK]", close_tag="[/THINK]"),
+        # Seed-OSS: its thinking (and its budget reflections inside it) between text tags
+        ReasoningFormat("seed_oss", starts_inside=False, open_tag="<seed:think>", close_tag="</seed:think>"),
     )
 }
 

@@ -7,7 +7,8 @@ parsing of calls out of its text.
 - Llama 3.x JSON: the answer is a call, `{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>` or
   some text, and possibly more chained with ";".
 - Mistral (mistral.py) and Granite 3.x (granite.py): the calls after a tag, to the end of the answer.
-- Qwen3-Coder (qwen3_coder.py): `<tool_call>` blocks of XML, a parameter per element.
+- Qwen3-Coder (qwen3_coder.py): `<tool_call>` blocks of XML, a parameter per element; Seed-OSS the same in
+  `<seed:tool_call>` blocks, its values inline.
 
 The grammars embed each function's JSON schema (llguidance's `%json`) with the name fixed, compact, so that every
 token up to the first argument value is forced and drafted for free (services/worker/grammar/).
@@ -31,7 +32,7 @@ from services.gateway.tools.call_sequence import CallSequence, SequenceLayout
 from services.gateway.tools.calls_reader import split_calls
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
 from services.gateway.tools.mistral import CALLS_TAG, Mistral
-from services.gateway.tools.qwen3_coder import Qwen3Coder, XmlArguments
+from services.gateway.tools.qwen3_coder import QWEN3_CODER, SEED_OSS, Qwen3Coder, SeedOss, XmlArguments
 from services.gateway.tools.tool_request import FunctionDefinition
 
 QWEN3_CODER_FUNCTION = "<function="  # how Qwen3-Coder's template writes a call's function
@@ -245,8 +246,8 @@ class Llama3Json(CallIds):
         return CallSequence(LLAMA3_CALLS)
 
 
-ToolFormat = Hermes | Llama3Json | Mistral | Granite | Qwen3Coder
-FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name, Granite.name, Qwen3Coder.name)
+ToolFormat = Hermes | Llama3Json | Mistral | Granite | Qwen3Coder | SeedOss
+FORMAT_NAMES = (Hermes.name, Llama3Json.name, Mistral.name, Granite.name, Qwen3Coder.name, SeedOss.name)
 OpenedCall = CallArguments | XmlArguments  # a call being written, its name known (the block formats')
 
 
@@ -259,7 +260,8 @@ def make_format(
         return Mistral(special_tokens, chat_template)
     if name == Granite.name:
         return Granite(special_tokens)
-    return {Hermes.name: Hermes, Llama3Json.name: Llama3Json, Qwen3Coder.name: Qwen3Coder}[name]()
+    plain = {Hermes.name: Hermes, Llama3Json.name: Llama3Json, Qwen3Coder.name: Qwen3Coder, SeedOss.name: SeedOss}
+    return plain[name]()
 
 
 # Each format as a tokenizer without special tokens of its own writes it
@@ -300,7 +302,9 @@ def format_for(
     if configured != "auto":
         return make_format(configured, special_tokens, chat_template)
     template = chat_template or ""
-    if QWEN3_CODER_FUNCTION in template and Qwen3Coder.open_tag in template:  # before Hermes: <tool_call> too
+    if SEED_OSS.open_tag in template:
+        return make_format(SeedOss.name)
+    if QWEN3_CODER_FUNCTION in template and QWEN3_CODER.open_tag in template:  # before Hermes: <tool_call> too
         return make_format(Qwen3Coder.name)
     if GRANITE_TAG in template:
         return make_format(Granite.name, special_tokens)

@@ -30,6 +30,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tags import partial_suffix
@@ -41,18 +42,10 @@ from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
 from shared.structured import lark_regex_literal
 
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
-CLOSING = LAYOUT + PARAMETER_CLOSE + LAYOUT  # after a value, as the template writes it
-# Lark regexes: a value's closing, and the tags a string's text may not hold
-CLOSING_LARK = "\\n" + lark_regex_literal(PARAMETER_CLOSE) + "\\n"
-TAGS_LARK = f"{lark_regex_literal(PARAMETER_CLOSE)}|{lark_regex_literal(CLOSE_TAG)}"
-# A string's text and its closing tag: it ends at the first closing tag, and holds no other tag (the value and the
-# call would end there when the answer is read)
-STRING_TEXT = f"/(.|\\n)*{CLOSING_LARK}/ & ~/(.|\\n)*({TAGS_LARK})(.|\\n)*{CLOSING_LARK}/"
 KEY = re.compile(r"[a-zA-Z0-9_.-]+")  # a parameter name the grammar writes (no `>`, no line break)
 ROOT_DEFINITIONS = "parameters"
 MAX_REFERENCE_HOPS = 8  # a reference to a reference...: past this, the schema reads as untyped
@@ -229,20 +222,63 @@ def _value_text(text: str) -> str:
     return text.removeprefix(LAYOUT).removesuffix(LAYOUT)
 
 
+@dataclass(frozen=True)
+class XmlLayout:
+    """How a family writes its XML calls: the block's tags, and what stands between a value and its tags."""
+
+    open_tag: str
+    close_tag: str
+    value_break: str  # around each value: Qwen3-Coder's line break; Seed-OSS writes its values inline
+
+    @property
+    def opening(self) -> str:
+        """After a parameter's name, before its value."""
+        return ">" + self.value_break
+
+    @property
+    def closing(self) -> str:
+        """After a value, as the template writes it."""
+        return self.value_break + PARAMETER_CLOSE + LAYOUT
+
+    @property
+    def string_text(self) -> str:
+        """Lark: a string's text and its closing: it ends at the first closing tag, and holds no other tag (the
+        value and the call would end there when the answer is read)."""
+        tags = f"{lark_regex_literal(PARAMETER_CLOSE)}|{lark_regex_literal(self.close_tag)}"
+        return f"/(.|\\n)*{self.closing_lark}/ & ~/(.|\\n)*({tags})(.|\\n)*{self.closing_lark}/"
+
+    @property
+    def closing_lark(self) -> str:
+        """`closing` in a Lark regex, its line breaks written `\\n` (a regex literal holds no line break)."""
+        return "\\n".join(lark_regex_literal(part) for part in self.closing.split(LAYOUT))
+
+
+QWEN3_CODER = XmlLayout("<tool_call>", "</tool_call>", LAYOUT)
+SEED_OSS = XmlLayout("<seed:tool_call>", "</seed:tool_call>", "")
+
+
 class Qwen3Coder(CallIds):
     name = "qwen3_coder"
-    open_tag, close_tag = OPEN_TAG, CLOSE_TAG
+    layout = QWEN3_CODER
     shown_special_ids = ()  # its tags are text
     think_open = think_close = None  # Qwen3-Coder does not think
 
     def __init__(self, functions: Sequence[FunctionDefinition] = ()) -> None:
         self._types = parameter_types(functions)
 
+    @property
+    def open_tag(self) -> str:
+        return self.layout.open_tag
+
+    @property
+    def close_tag(self) -> str:
+        return self.layout.close_tag
+
     def reading(
         self, functions: Sequence[FunctionDefinition], beside_answer: Sequence[str] | None = None,
     ) -> "Qwen3Coder":
         """This format reading the calls of these functions, their parameters typed by their schemas."""
-        return Qwen3Coder(functions)
+        return type(self)(functions)
 
     def opened_call(self, block: str) -> XmlArguments | None:
         """The call a block's text so far opens, once its function's name is written."""
@@ -253,12 +289,12 @@ class Qwen3Coder(CallIds):
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         content, calls, rest = TextAroundCalls(), [], text
-        while (start := rest.find(OPEN_TAG)) >= 0:
-            end = rest.find(CLOSE_TAG, start)
-            block = rest[start + len(OPEN_TAG) : end if end >= 0 else len(rest)]
+        while (start := rest.find(self.open_tag)) >= 0:
+            end = rest.find(self.close_tag, start)
+            block = rest[start + len(self.open_tag) : end if end >= 0 else len(rest)]
             call = self.parse_block(block)
             if call is None and end >= 0:
-                content.add(rest[: end + len(CLOSE_TAG)])
+                content.add(rest[: end + len(self.close_tag)])
             elif call is not None:
                 content.add(rest[:start])
                 content.call()
@@ -269,7 +305,7 @@ class Qwen3Coder(CallIds):
                 break
             else:
                 break
-            rest = "" if end < 0 else rest[end + len(CLOSE_TAG) :]
+            rest = "" if end < 0 else rest[end + len(self.close_tag) :]
         if calls and content.after_call and self.dangling_tag(rest):
             rest = ""
         content.add(rest)
@@ -290,11 +326,12 @@ class Qwen3Coder(CallIds):
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
         ends with, never content."""
         stripped = text.lstrip(LAYOUT)
-        return bool(stripped) and OPEN_TAG.startswith(stripped)
+        return bool(stripped) and self.open_tag.startswith(stripped)
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
         calls = 'call ("\\n" call)*' if parallel else "call"
-        return f"start: {calls}\ncall: {json.dumps(OPEN_TAG)} {self._call_rest(functions)}\n{self._rules(functions)}"
+        call = f"call: {json.dumps(self.open_tag)} {self._call_rest(functions)}"
+        return f"start: {calls}\n{call}\n{self._rules(functions)}"
 
     def text_or_calls_grammar(
         self, functions: list[FunctionDefinition], parallel: bool, block_open: str | None = None,
@@ -303,16 +340,16 @@ class Qwen3Coder(CallIds):
         """Text without a call tag, or text then calls of `functions` (several in a row with `parallel`), as the
         forced grammar writes them; neither opens with `block_open` (tools/call.text_or_calls)."""
         between = '"\\n"' if parallel else None
-        calls = text_or_calls(OPEN_TAG, None, self._call_rest(functions), between, block_open, answer=answer)
+        calls = text_or_calls(self.open_tag, None, self._call_rest(functions), between, block_open, answer=answer)
         return calls + self._rules(functions)
 
     def _call_rest(self, functions: list[FunctionDefinition]) -> str:
         """What follows the opening tag in a call of any of `functions`."""
         options = " | ".join(f"function_{i}" for i in range(len(functions)))
-        return f'"\\n" ({options}) {json.dumps(LAYOUT + CLOSE_TAG)}'
+        return f'"\\n" ({options}) {json.dumps(LAYOUT + self.close_tag)}'
 
     def _rules(self, functions: list[FunctionDefinition]) -> str:
-        rules = [f"STRING_VALUE: {STRING_TEXT}", "string_value[lazy]: STRING_VALUE"]  # one lazy lexeme
+        rules = [f"STRING_VALUE: {self.layout.string_text}", "string_value[lazy]: STRING_VALUE"]  # one lazy lexeme
         for i, function in enumerate(functions):
             _, definitions = embedded(function.schema, ROOT_DEFINITIONS)  # its references, from a parameter's schema
             schema = definitions.get(ROOT_DEFINITIONS, function.schema)
@@ -323,20 +360,30 @@ class Qwen3Coder(CallIds):
                 if not KEY.fullmatch(key):  # a key the format cannot write: never a forced argument
                     continue
                 rule = f"parameter_{i}_{j}"
-                opening = json.dumps(f"{PARAMETER_OPEN}{key}>{LAYOUT}")
-                value, own_rules = _value_grammar(value_schema, definitions, f"{i}_{j}")
+                opening = json.dumps(f"{PARAMETER_OPEN}{key}{self.layout.opening}")
+                value, own_rules = _value_grammar(value_schema, definitions, f"{i}_{j}", self.layout)
                 rules += [f"{rule}: {opening} {value}", *own_rules]
                 parts.append(rule if key in required else f"{rule}?")
             if not properties and schema.get("additionalProperties", True) is not False:
                 rules.append(f"any_parameter_{i}: {json.dumps(PARAMETER_OPEN)} /{KEY.pattern}/ "
-                             f"{json.dumps('>' + LAYOUT)} string_value")
+                             f"{json.dumps(self.layout.opening)} string_value")
                 parts.append(f"any_parameter_{i}*")
             head = json.dumps(f"<function={function.name}>{LAYOUT}")
             rules.append(f"function_{i}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}")
         return "\n".join(rules) + "\n"
 
 
-def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any], name: str) -> tuple[str, list[str]]:
+class SeedOss(Qwen3Coder):
+    """Seed-OSS's calls (`--tool-call-parser seed_oss`): Qwen3-Coder's XML in `<seed:tool_call>` blocks, each value
+    written inline between its tags (`<parameter=city>Paris</parameter>`), read and forced alike."""
+
+    name = "seed_oss"
+    layout = SEED_OSS
+
+
+def _value_grammar(
+    schema: dict[str, Any], definitions: dict[str, Any], name: str, layout: XmlLayout,
+) -> tuple[str, list[str]]:
     """Lark: a parameter's value and its closing tag (one of its enum's strings, a string's text within its limits
     (string_limits.py), any other value as its schema's JSON with the function schema's definitions it refers to),
     and the rules it needs beside it, named after `name`."""
@@ -344,16 +391,16 @@ def _value_grammar(schema: dict[str, Any], definitions: dict[str, Any], name: st
     if is_text(resolved):
         options = resolved.get("enum")
         if options and all(isinstance(option, str) for option in options):
-            return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(CLOSING)}", []
+            return f"({' | '.join(json.dumps(option) for option in options)}) {json.dumps(layout.closing)}", []
         limits = text_limits(resolved) if "string" in _kinds(resolved) else []
         if not limits:
             return "string_value", []
         # The text within each limit, then its closing tag; one lazy lexeme, as string_value
-        within = "".join(f" & /({limit}){CLOSING_LARK}/" for limit in limits)
-        return f"string_value_{name}", [f"STRING_VALUE_{name}: {STRING_TEXT}{within}",
+        within = "".join(f" & /({limit}){layout.closing_lark}/" for limit in limits)
+        return f"string_value_{name}", [f"STRING_VALUE_{name}: {layout.string_text}{within}",
                                         f"string_value_{name}[lazy]: STRING_VALUE_{name}"]
     embedded_schema = {**schema, **({"$defs": definitions} if definitions else {}), "x-guidance": COMPACT}
-    return f"%json {json.dumps(embedded_schema)} {json.dumps(CLOSING)}", []
+    return f"%json {json.dumps(embedded_schema)} {json.dumps(layout.closing)}", []
 
 
 def _closing_suffix(text: str) -> int:

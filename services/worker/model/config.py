@@ -8,7 +8,7 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
+    "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "SeedOssForCausalLM",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
@@ -32,13 +32,16 @@ _MOE_DEFAULTS = dict(
     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
 )
 _QWEN3_DENSE = "Qwen3ForCausalLM"
-# Qwen3Config's head_dim where config.json has none (not hidden_size / heads, as elsewhere, Qwen3-MoE included)
-_QWEN3_HEAD_DIM = 128
+# ByteDance's Seed-OSS: Qwen2's math, its q/k/v biases set by attention_bias (SeedOssConfig's default: on)
+_SEED_OSS = "SeedOssForCausalLM"
+# Qwen3Config's and SeedOssConfig's head_dim where config.json has none (not hidden_size / heads, as elsewhere,
+# Qwen3-MoE included)
+_DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128}
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
-    "GraniteForCausalLM": 2048,
+    "GraniteForCausalLM": 2048, _SEED_OSS: 524288,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -231,13 +234,14 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or (_QWEN3_HEAD_DIM if arch == _QWEN3_DENSE else raw["hidden_size"] // heads),
+            head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch, raw["hidden_size"] // heads),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(arch, 1e-6))),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch in _QWEN2_FAMILY,  # a Llama with attention_bias was refused above
+            # a Llama with attention_bias was refused above
+            attention_bias=arch in _QWEN2_FAMILY or arch == _SEED_OSS and bool(raw.get("attention_bias", True)),
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
@@ -289,6 +293,12 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     if arch in _QWEN2_FAMILY:
         return  # transformers' Qwen2 reads neither attention_bias (q/k/v always have one) nor mlp_bias
+    if arch == _SEED_OSS:
+        for key in ("attention_out_bias", "mlp_bias"):
+            if raw.get(key):
+                raise UnsupportedModelError(f"{key} true is not supported for Seed-OSS: its o_proj and MLP "
+                                            "projections have no bias here")
+        return
     if raw.get("attention_bias") and arch in _QWEN3_FAMILY:
         raise UnsupportedModelError(
             "attention_bias true is not supported for Qwen3: its o_proj bias (beside the q/k/v ones) is not implemented"
