@@ -313,6 +313,14 @@ def test_a_calls_output_continues_the_stored_response_that_made_the_call(mesh: M
     assert answered.usage.input_tokens == sent_whole.usage.input_tokens
 
 
+def _sdk_model(sdk: Any, api: str, mesh: Mesh) -> Any:
+    """The OpenAI Agents SDK's model of the mesh: its Responses model, or its chat completions model."""
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+    return (sdk.OpenAIResponsesModel if api == "responses" else sdk.OpenAIChatCompletionsModel)(
+        model=mesh.model, openai_client=client,
+    )
+
+
 @pytest.mark.parametrize("api", ["responses", "chat"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(mesh: Mesh, api: str, streamed: bool) -> None:
@@ -329,10 +337,7 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(mesh: Mesh, api: 
         cities.append(city)
         return "sunny"
 
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
-    model = (sdk.OpenAIResponsesModel if api == "responses" else sdk.OpenAIChatCompletionsModel)(
-        model=mesh.model, openai_client=client,
-    )
+    model = _sdk_model(sdk, api, mesh)
     settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0,
                                  extra_body={"stop": ["\n#"]})
     agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
@@ -371,10 +376,7 @@ def test_an_openai_agents_sdk_agent_with_an_output_type_calls_its_tool_and_answe
         cities.append(city)
         return "sunny"
 
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
-    model = (sdk.OpenAIResponsesModel if api == "responses" else sdk.OpenAIChatCompletionsModel)(
-        model=mesh.model, openai_client=client,
-    )
+    model = _sdk_model(sdk, api, mesh)
     settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=0)
     agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
                       model_settings=settings, output_type=Weather)

@@ -11,9 +11,7 @@ import pytest
 
 from services.gateway.tools.formats import Llama3Json
 from services.mesh_process import Mesh
-from tests.test_e2e_tool_calls_mistral import (
-    FORCING, MESSAGES, TIME, WEATHER, answers_after_a_call, family_fixtures, forced_call,
-)
+from tests.test_e2e_tool_calls_mistral import MESSAGES, TIME, WEATHER, family_fixtures, family_tests
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +31,8 @@ TEMPLATE = (
 
 
 mesh, client = family_fixtures("llama", CONTROL_TOKENS, TEMPLATE)
-
-
-@FORCING
-def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
-                                                                   tool_choice) -> None:
-    forced_call(client, mesh, tool_choice, max_tokens=96)  # a random model's integers run long
+test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed, test_a_conversation_with_an_earlier_call_renders = (
+    family_tests(max_tokens=96))  # a random model's integers run long
 
 
 def test_a_forced_calls_arguments_stream_before_the_answer_ends(client: openai.OpenAI, mesh: Mesh) -> None:
@@ -53,7 +47,3 @@ def test_a_forced_calls_arguments_stream_before_the_answer_ends(client: openai.O
             pieces += [(entry.function.arguments, choice.finish_reason) for entry in choice.delta.tool_calls or ()
                        if entry.function.arguments]
     assert len(pieces) > 1 and pieces[0][1] is None, pieces
-
-
-def test_a_conversation_with_an_earlier_call_renders(client: openai.OpenAI, mesh: Mesh) -> None:
-    answers_after_a_call(client, mesh)

@@ -69,6 +69,21 @@ def family_fixtures(kind: str, control_tokens: tuple[str, ...], template: str) -
     return mesh, client
 
 
+def family_tests(max_tokens: int) -> tuple[Any, Any]:
+    """A family's module's two tests: a forced call comes back as tool calls whole and streamed (forced_call, with
+    `max_tokens`), and a conversation with an earlier call renders (answers_after_a_call)
+    (`test_a_forced_call_..., test_a_conversation_... = family_tests(max_tokens)`)."""
+
+    @FORCING
+    def forced(client: openai.OpenAI, mesh: Mesh, tool_choice) -> None:
+        forced_call(client, mesh, tool_choice, max_tokens=max_tokens)
+
+    def conversation(client: openai.OpenAI, mesh: Mesh) -> None:
+        answers_after_a_call(client, mesh)
+
+    return forced, conversation
+
+
 mesh, client = family_fixtures("mistral", CONTROL_TOKENS, TEMPLATE)
 
 

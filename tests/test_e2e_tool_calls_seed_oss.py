@@ -6,11 +6,9 @@ calls."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from services.mesh_process import Mesh
-from tests.test_e2e_tool_calls_mistral import FORCING, answers_after_a_call, family_fixtures, forced_call
+from tests.test_e2e_tool_calls_mistral import family_fixtures, family_tests
 
 pytestmark = pytest.mark.e2e
 
@@ -30,13 +28,5 @@ TEMPLATE = (
 
 
 mesh, client = family_fixtures("seed_oss", CONTROL_TOKENS, TEMPLATE)
-
-
-@FORCING
-def test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed(client: openai.OpenAI, mesh: Mesh,
-                                                                   tool_choice) -> None:
-    forced_call(client, mesh, tool_choice, max_tokens=180)  # the tags take a tiny tokenizer many tokens
-
-
-def test_a_conversation_with_an_earlier_call_renders(client: openai.OpenAI, mesh: Mesh) -> None:
-    answers_after_a_call(client, mesh)
+test_a_forced_call_comes_back_as_tool_calls_whole_and_streamed, test_a_conversation_with_an_earlier_call_renders = (
+    family_tests(max_tokens=180))  # the tags take a tiny tokenizer many tokens

@@ -24,6 +24,7 @@ from shared.tokenizer import Tokenizer
 from tests.toolgrammar import (
     EXPECTED, TIME, check_allowed_auto, check_reads_calls, check_stays_text, forced_answers,
 )
+from tests.test_call_sequence import _whole_and_streamed
 from tests.test_tool_calls import _assembled, _streamed
 
 MISTRAL = FORMATS["mistral"]
@@ -67,20 +68,6 @@ def test_any_cut_of_a_v11_answer_streams_its_calls(pieces: list[int]) -> None:
     assert _assembled(_streamed(answer, pieces, format_name="mistral"))[:3] == (content, EXPECTED, "tool_calls")
 
 
-def _whole_and_streamed(answer: str, pieces: list[int], finish: str) -> tuple[tuple, tuple]:
-    message = {"role": "assistant", "content": answer}
-    message_with_calls(message, finish, MISTRAL)
-    whole = (message["content"] or "", [[c["function"]["name"], c["function"]["arguments"]]
-                                        for c in message.get("tool_calls", ())])
-    choices = _streamed(answer, pieces, finish, format_name="mistral")
-    calls: dict[int, list[str]] = {}
-    for entry in (e for choice in choices for e in choice["delta"].get("tool_calls", ())):
-        name, arguments = calls.setdefault(entry["index"], ["", ""])
-        calls[entry["index"]] = [name + entry["function"].get("name", ""), arguments + entry["function"]["arguments"]]
-    content = "".join(choice["delta"].get("content") or "" for choice in choices)
-    return whole, (content, [calls[i] for i in sorted(calls)])
-
-
 def test_a_v11_calls_arguments_stream_as_they_are_written() -> None:
     answer = 'Checking. [TOOL_CALLS]write_file[ARGS]{"path": "a.py", "text": "print(1)"}'
     choices = _streamed(answer, [1] * (len(answer) - 1), format_name="mistral")
@@ -104,8 +91,8 @@ def test_a_v11_calls_arguments_stream_as_they_are_written() -> None:
      ("", [["f", '{"a":' + "[" * 1200 + "]" * 1200 + "}"]])),
 ])
 def test_a_v11_call_is_read_once_its_arguments_open_whole_and_streamed(answer: str, expected: tuple) -> None:
-    for pieces in ([], [1] * (len(answer) - 1), [4, 9, 2]):
-        whole, streamed = _whole_and_streamed(answer, pieces, "length")
+    for points in ([], list(range(1, len(answer))), [4, 13, 15]):
+        whole, streamed = _whole_and_streamed("mistral", answer, points, "length")
         assert whole == streamed == expected
 
 
@@ -121,8 +108,7 @@ def test_v11_answers_read_the_same_whole_and_streamed(values, before: str, cut: 
     answer = before + "".join(f"[TOOL_CALLS]{name}[ARGS]{value}" for name, value in values)
     finish = "stop" if cut is None else "length"
     answer = answer if cut is None else answer[:cut]
-    points = sorted({min(p, len(answer)) for p in points})
-    whole, streamed = _whole_and_streamed(answer, [b - a for a, b in zip([0, *points], points)], finish)
+    whole, streamed = _whole_and_streamed("mistral", answer, points, finish)
     assert streamed == whole
 
 
