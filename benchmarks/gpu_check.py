@@ -24,8 +24,9 @@ benchmarks/gpu_check_report.py), and each part's own files, stdout.txt and stder
 reports are rewritten after every part, so they exist whatever happens to the later parts. Exit status 1 when a
 part did not end "ok".
 
---dry-run runs the same parts on the CPU with tiny shapes (the demo model) in about half a minute; parts that
-need CUDA are recorded "skipped" (kernels) or run with their CUDA tests skipped by pytest. The suite runs it
+--dry-run runs the same parts on the CPU with tiny shapes (the demo model), the methods part at batch 1 for the
+baseline and adaptive MTP only, in about a minute; parts that need CUDA are recorded "skipped" (kernels) or run with
+their CUDA tests skipped by pytest. The suite runs it
 (tests/test_gpu_check.py), so the check cannot rot between GPU leases.
 
 On a lent GPU machine (its image has torch, triton and transformers, not nats-py, orjson, pydantic or openai):
@@ -76,6 +77,7 @@ DEMO = str(DEFAULT_MODEL_DIR)
 CUDA_ONLY_TESTS = ("tests/test_cuda.py",
                    "tests/test_cuda_graph.py::test_captured_graphs_replay_transformers_greedy_tokens")
 METHOD_NAMES = ("naive", "ngram k=3", "mtp k=3 steps=3", "ngram k=3 adaptive", "mtp k=3 steps=3 adaptive")
+DRY_METHOD_NAMES = (METHOD_NAMES[0], METHOD_NAMES[-1])  # the baseline and the most plumbing: drafts, adaptive
 DRY_DECODE = ("--shape-dir", DEMO, "--device", "cpu", "--dtype", "float32", "--batches", "1", "2", "--contexts", "8",
               "16", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--copy-mib", "4")
 Command = Callable[[Path], list[str]]  # the part's output directory -> arguments of `python`
@@ -128,7 +130,7 @@ PARTS = (
          _module("benchmarks.methods", "--device", "cuda", "--batches", "1", "32", "64", "--adaptive-batches", "32",
                  "64", "--methods", *METHOD_NAMES, "--max-tokens", "64", "--prompts", "4", "--reference-prompts", "4"),
          _module("benchmarks.methods", "--device", "cpu", "--batches", "1", "--adaptive-batches", "1",
-                 "--methods", *METHOD_NAMES, "--max-tokens", "2", "--prompts", "2", "--prompt-tokens", "8",
+                 "--methods", *DRY_METHOD_NAMES, "--max-tokens", "2", "--prompts", "2", "--prompt-tokens", "8",
                  "--reference-prompts", "2"),
          report.methods_figures),
     Part(report.MESH,

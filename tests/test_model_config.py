@@ -104,3 +104,4 @@ def test_seed_oss_reads_its_configs_defaults() -> None:
     cfg = ModelConfig.from_dict({k: v for k, v in SEED_OSS.items() if k != "max_position_embeddings"})
     assert (cfg.attention_bias, cfg.head_dim, cfg.max_position_embeddings) == (True, 128, 524288)
     assert not ModelConfig.from_dict(SEED_OSS | dict(attention_bias=False, head_dim=16)).attention_bias
+    assert ModelConfig.from_dict(SEED_OSS | dict(head_dim=None)).head_dim == 16  # null: hidden_size / heads

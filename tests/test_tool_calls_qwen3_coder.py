@@ -261,21 +261,28 @@ def test_a_parameter_given_by_reference_is_read_and_forced_as_its_type(tokenizer
 LIMITED = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "code": {"type": "string", "pattern": "^[A-Z]{3}$"}, "note": {"type": "string", "minLength": 2, "maxLength": 5},
     "digit": {"type": "string", "pattern": "[0-9]"}, "either": {"type": "string", "pattern": "^ab|cd$"},
-    "fixed": {"const": "x/y z"}}, "required": ["code", "note", "digit", "either", "fixed"],
-    "additionalProperties": False}}}
+    "fixed": {"const": "x/y z"}, "url": {"type": "string", "pattern": "^https?:\\/\\/"},
+    "long": {"type": "string", "minLength": 1, "maxLength": 10000}},
+    "required": ["code", "note", "digit", "either", "fixed", "url", "long"], "additionalProperties": False}}}
 
 
 @pytest.mark.parametrize(("values", "taken"), [
     ({}, True), ({"note": "hello"}, True), ({"digit": "9"}, True), ({"either": "zzcd"}, True),
     ({"code": "ABCD"}, False), ({"code": "AB"}, False), ({"note": "h"}, False), ({"note": "hello!"}, False),
     ({"digit": "abc"}, False), ({"either": "zabz"}, False), ({"fixed": "x/y"}, False),
+    ({"url": "https://x"}, True), ({"url": "ftp://x"}, False),
+    # A bound past string_limits.MAX_FORCED_LENGTH is left out (llguidance cannot count that far beside the tags):
+    # short values still close, and the bound within it still holds
+    ({"long": "x" * 200}, True), ({"long": ""}, False),
 ])
 def test_a_forced_strings_limits_hold_on_its_text(values: dict, taken: bool) -> None:
     """A string is written as text, not JSON, so %json cannot hold its limits: its length, its pattern (found
-    anywhere in it, each alternative anchored where it says) and its const are regexes on the text."""
+    anywhere in it, each alternative anchored where it says, an escaped slash as written) and its const are regexes
+    on the text."""
     grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMAT.grammar(
         ToolFields(tools=[LIMITED], tool_choice="required").callable, False)))
-    written = {"code": "ABC", "note": "hey", "digit": "a1b", "either": "abzz", "fixed": "x/y z", **values}
+    written = {"code": "ABC", "note": "hey", "digit": "a1b", "either": "abzz", "fixed": "x/y z", "url": "http://a",
+               "long": "Paris", **values}
     assert _takes(grammar, _call("f", list(written.items()))) is taken
 
 

@@ -69,3 +69,21 @@ def test_its_thinking_is_set_apart() -> None:
     message = {"role": "assistant", "content": "<seed:think>Paris, probably.</seed:think>It is sunny."}
     message_with_reasoning(message, REASONING_FORMATS["seed_oss"], include=True)
     assert (message["reasoning_content"], message["content"]) == ("Paris, probably.", "It is sunny.")
+
+
+def test_a_value_is_read_as_written_without_qwen3_coders_layout() -> None:
+    """Seed-OSS writes values inline: a line break at a value's edge is the value's (the forced grammar's string
+    limits held on exactly that text)."""
+    answer = _call("get_weather", [("city", "Oslo"), ("days", "2"), ("note", "\nab\n")])
+    expected = {"city": "Oslo", "days": 2, "note": "\nab\n"}
+    assert json.loads(_read(answer, fmt=FORMAT)[1][0][1]) == expected
+    assert json.loads(_streamed(answer, [1] * (len(answer) - 1))[1][0][1]) == expected
+
+
+def test_a_call_written_while_thinking_is_thought_about_not_called() -> None:
+    answer = ("<seed:think>I could call " + _call("get_time", []) + " but no.</seed:think>It is noon.")
+    for pieces in ([], [1] * (len(answer) - 1), [7, 30, 4]):
+        assert _streamed(answer, pieces) == (answer, [])
+    assert _read(answer, fmt=FORMAT) == (answer, [])
+    after = "<seed:think>Noon?</seed:think>" + _call("get_time", [])
+    assert _read(after, fmt=FORMAT) == ("<seed:think>Noon?</seed:think>", [["get_time", "{}"]])

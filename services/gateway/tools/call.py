@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.tags import partial_suffix
+from services.gateway.tags import opens_with, partial_suffix
 from services.gateway.tools.arguments import escaped_surrogate
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
@@ -177,6 +177,18 @@ def content_before_tag(held: str, tag: str) -> int:
     start = held.find(tag)
     end = start if start >= 0 else len(held) - partial_suffix(held, tag)
     return len(held[:end].rstrip())
+
+
+def leading_block(text: str, open_tag: str | None, close_tag: str | None) -> tuple[str | None, str]:
+    """(the reasoning block an answer opens with, tags included, the rest): ("", text) without one (or for a family
+    that does not think: no `open_tag`), (None, text) while it is not closed."""
+    if open_tag is None or not opens_with(text, open_tag, final=True):
+        return "", text
+    end = text.find(close_tag)
+    if end < 0:
+        return None, text
+    end += len(close_tag)
+    return text[:end], text[end:]
 
 
 # The line breaks around a call's tags (Hermes', Qwen3-Coder's) and values (Qwen3-Coder's), as chat templates write

@@ -21,11 +21,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.gateway.tags import THINK_CLOSE, THINK_OPEN, opens_with, partial_suffix
+from services.gateway.tags import THINK_CLOSE, THINK_OPEN, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
     ANSWER, COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema, json_text,
-    parsed_call, text_or_calls,
+    leading_block, parsed_call, text_or_calls,
 )
 from services.gateway.tools.arguments import CallArguments, partial_arguments
 from services.gateway.tools.call_sequence import CallSequence, SequenceLayout
@@ -86,15 +86,8 @@ class Hermes(CallIds):
         return (content if calls else text), calls
 
     def reasoning(self, text: str) -> tuple[str | None, str]:
-        """(the leading reasoning block with its tags, the rest): ("", text) without one, (None, text) while it is
-        not closed."""
-        if not opens_with(text, self.think_open, final=True):
-            return "", text
-        end = text.find(self.think_close)
-        if end < 0:
-            return None, text
-        end += len(self.think_close)
-        return text[:end], text[end:]
+        """(the leading reasoning block with its tags, the rest): call.leading_block."""
+        return leading_block(text, self.think_open, self.think_close)
 
     def _split_calls(self, text: str, before: str) -> tuple[str, list[ParsedCall]]:
         content, calls, rest = TextAroundCalls(before), [], text

@@ -35,7 +35,7 @@ from typing import Any
 
 from services.gateway.tags import partial_suffix
 from services.gateway.tools.call import (
-    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, json_text, text_or_calls,
+    COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, json_text, leading_block, text_or_calls,
 )
 from services.gateway.tools.string_limits import text_limits
 from services.gateway.tools.tool_request import FunctionDefinition
@@ -131,10 +131,12 @@ class XmlArguments:
     """A call's name, and its arguments streamed from its block's text as it grows (the text after
     `<function=name>`)."""
 
-    def __init__(self, name: str, after_name: int, types: dict[str, Any]) -> None:
+    def __init__(self, name: str, after_name: int, types: dict[str, Any], value_break: str = LAYOUT) -> None:
+        """value_break: what the family writes around a value (XmlLayout's), not part of it."""
         self.name = name
         self._at = after_name
         self._types = types
+        self._break = value_break
         self._key: str | None = None  # the open parameter's
         self._text_value = False  # its value is its text (a string)
         self._value_at = 0  # where its value's text starts
@@ -167,7 +169,8 @@ class XmlArguments:
             if self._text_value:
                 out.append('"')
             else:
-                out.append(json_text(value_of(_cut_value(block[self._value_at :]), self._types.get(self._key))))
+                text = _cut_value(block[self._value_at :], self._break)
+                out.append(json_text(value_of(text, self._types.get(self._key))))
             self._key = None
         if not self.closed:
             out.append("}" if self._count else "{}")
@@ -202,24 +205,26 @@ class XmlArguments:
     def _stream_string(self, block: str, until: int, out: list[str]) -> None:
         """A string value's text up to `until` that went out not yet (a leading line break waits: layout)."""
         text = block[self._value_at : until]
-        if text in ("", LAYOUT[: len(text)]):
+        if text in ("", self._break[: len(text)]):
             return
-        text = text.removeprefix(LAYOUT)
+        text = text.removeprefix(self._break)
         out.append(json_text(text[self._streamed :])[1:-1])
         self._streamed = len(text)
 
     def _close_parameter(self, block: str, end: int, out: list[str]) -> None:
         if self._text_value:  # its text up to the line break before its closing tag (layout)
-            self._stream_string(block, end - len(LAYOUT) if block.endswith(LAYOUT, self._value_at, end) else end, out)
+            layout = self._break and block.endswith(self._break, self._value_at, end)
+            self._stream_string(block, end - len(self._break) if layout else end, out)
             out.append('"')
         else:
-            out.append(json_text(value_of(_value_text(block[self._value_at : end]), self._types.get(self._key))))
+            text = _value_text(block[self._value_at : end], self._break)
+            out.append(json_text(value_of(text, self._types.get(self._key))))
         self._key, self._at = None, end + len(PARAMETER_CLOSE)
 
 
-def _value_text(text: str) -> str:
-    """A value's text without the line breaks next to its tags."""
-    return text.removeprefix(LAYOUT).removesuffix(LAYOUT)
+def _value_text(text: str, value_break: str) -> str:
+    """A value's text without the layout next to its tags."""
+    return text.removeprefix(value_break).removesuffix(value_break)
 
 
 @dataclass(frozen=True)
@@ -285,10 +290,15 @@ class Qwen3Coder(CallIds):
         match = FUNCTION.match(block)
         if match is None:
             return None
-        return XmlArguments(match.group(1), match.end(), self._types.get(match.group(1), {}))
+        return XmlArguments(match.group(1), match.end(), self._types.get(match.group(1), {}), self.layout.value_break)
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
-        content, calls, rest = TextAroundCalls(), [], text
+        """(the text outside the calls, the calls); calls are read only after a leading reasoning block where the
+        family thinks in one (none while it is unclosed)."""
+        reasoning, rest = leading_block(text, self.think_open, self.think_close)
+        if reasoning is None:
+            return text, []
+        content, calls = TextAroundCalls(reasoning), []
         while (start := rest.find(self.open_tag)) >= 0:
             end = rest.find(self.close_tag, start)
             block = rest[start + len(self.open_tag) : end if end >= 0 else len(rest)]
@@ -379,6 +389,8 @@ class SeedOss(Qwen3Coder):
 
     name = "seed_oss"
     layout = SEED_OSS
+    # Its thinking, which the answer may open with: a call written there is thought about, not called
+    think_open, think_close = "<seed:think>", "</seed:think>"
 
 
 def _value_grammar(
@@ -409,7 +421,7 @@ def _closing_suffix(text: str) -> int:
     return max(partial_suffix(text, LAYOUT + PARAMETER_CLOSE), partial_suffix(text, PARAMETER_CLOSE))
 
 
-def _cut_value(text: str) -> str:
-    """A value cut short: its text so far, without a leading line break or the start of its closing tag."""
-    text = text.removeprefix(LAYOUT)
+def _cut_value(text: str, value_break: str) -> str:
+    """A value cut short: its text so far, without the layout before it or the start of its closing tag."""
+    text = text.removeprefix(value_break)
     return text[: len(text) - _closing_suffix(text)]

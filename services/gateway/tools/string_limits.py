@@ -5,8 +5,9 @@ matches whole: for a format that writes string values unquoted (Qwen3-Coder's XM
 JSON Schema's `pattern` is found anywhere in the string (ECMA-262's search, unanchored): a top-level alternative
 that opens with `^` is anchored at the start, one that ends with `$` at the end, and the others may have any text
 around them. The rest of the pattern is handed to llguidance's regex engine as written; what it cannot read (a
-lookahead, a back-reference) makes the grammar fail to compile, a 400 naming the parameter that made it, never a
-limit left out. Lengths count characters (code points), as JSON Schema does.
+lookahead, a back-reference, a word boundary) makes the grammar fail to compile, a 400 naming the parameter that
+made it, never a pattern left out. Lengths count characters (code points), as JSON Schema does, up to
+MAX_FORCED_LENGTH.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from shared.structured import choice_regex
 ANY_TEXT = "(.|\\n)*"
 ESCAPE, CLASS_OPEN, CLASS_CLOSE, GROUP_OPEN, GROUP_CLOSE, ALTERNATIVE = "\\", "[", "]", "(", ")", "|"
 START_ANCHOR, END_ANCHOR = "^", "$"
+SLASH = "/"  # ends a Lark regex literal: escaped where the pattern has it bare
+# The longest length bound forced: llguidance's lexer runs out of fuel on a longer count beside the tags a string's
+# text may not hold (a maxLength of 100 already blocks short values), so a longer bound is left out, said so in
+# docs/api.md
+MAX_FORCED_LENGTH = 64
 
 
 def text_limits(schema: dict[str, Any]) -> list[str]:
@@ -25,10 +31,10 @@ def text_limits(schema: dict[str, Any]) -> list[str]:
     limits = []
     if isinstance(schema.get("const"), str):
         limits.append(choice_regex([schema["const"]]))
-    low, high = schema.get("minLength"), schema.get("maxLength")
-    if isinstance(low, int) or isinstance(high, int):
-        low = max(low, 0) if isinstance(low, int) else 0
-        limits.append(f"(.|\\n){{{low},{high if isinstance(high, int) else ''}}}")
+    low, high = (bound if isinstance(bound, int) and bound <= MAX_FORCED_LENGTH else None
+                 for bound in (schema.get("minLength"), schema.get("maxLength")))
+    if low is not None or high is not None:
+        limits.append(f"(.|\\n){{{max(low or 0, 0)},{'' if high is None else high}}}")
     if isinstance(schema.get("pattern"), str):
         limits.append(searched(schema["pattern"]))
     return limits
@@ -43,7 +49,12 @@ def searched(pattern: str) -> str:
         ends = body.endswith(END_ANCHOR) and not _escaped(body, len(body) - 1)
         body = body[:-1] if ends else body
         anchored.append(f"{'' if starts else ANY_TEXT}({body}){'' if ends else ANY_TEXT}")
-    return "|".join(f"({alternative})" for alternative in anchored).replace("/", "\\/")
+    return _slashes_escaped("|".join(f"({alternative})" for alternative in anchored))
+
+
+def _slashes_escaped(regex: str) -> str:
+    """Each bare `/` escaped (one the pattern escapes already stays as it is)."""
+    return "".join("\\/" if char == SLASH and not _escaped(regex, i) else char for i, char in enumerate(regex))
 
 
 def _top_level_alternatives(pattern: str) -> list[str]:

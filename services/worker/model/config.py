@@ -234,7 +234,7 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch, raw["hidden_size"] // heads),
+            head_dim=_head_dim(raw, arch),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(arch, 1e-6))),
@@ -258,6 +258,15 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _head_dim(raw: dict, arch: str) -> int:
+    """config.json's head_dim; where it writes none, hidden_size / heads (transformers' configs read a null so), and
+    where it leaves the key out, the architecture's default (Qwen3's and Seed-OSS's 128)."""
+    if raw.get("head_dim"):
+        return raw["head_dim"]
+    fallback = raw["hidden_size"] // raw["num_attention_heads"]
+    return fallback if "head_dim" in raw else _DEFAULT_HEAD_DIM.get(arch, fallback)
 
 
 def _granite_scalars(raw: dict, arch: str) -> dict:
