@@ -78,6 +78,9 @@ def test_a_value_is_read_as_written_without_qwen3_coders_layout() -> None:
     expected = {"city": "Oslo", "days": 2, "note": "\nab\n"}
     assert json.loads(_read(answer, fmt=FORMAT)[1][0][1]) == expected
     assert json.loads(_streamed(answer, [1] * (len(answer) - 1))[1][0][1]) == expected
+    for cut in ("ab\n", "ab\n</param"):  # cut short (max_tokens): the line break is still the value's
+        text = "<seed:tool_call>\n<function=get_weather>\n<parameter=note>" + cut
+        assert json.loads(_read(text, "length", fmt=FORMAT)[1][0][1]) == {"note": "ab\n"}
 
 
 def test_a_call_written_while_thinking_is_thought_about_not_called() -> None:

@@ -156,7 +156,7 @@ class XmlArguments:
             end = block.find(PARAMETER_CLOSE, self._value_at)
             if end < 0:
                 if self._text_value:
-                    self._stream_string(block, len(block) - _closing_suffix(block), out)
+                    self._stream_string(block, len(block) - _closing_suffix(block, self._break), out)
                 break
             self._close_parameter(block, end, out)
         return self._sent(out)
@@ -415,13 +415,13 @@ def _value_grammar(
     return f"%json {json.dumps(embedded_schema)} {json.dumps(layout.closing)}", []
 
 
-def _closing_suffix(text: str) -> int:
-    """How much of the end of a value's text may be the start of its closing tag (with its line break or not: the
-    first closing tag ends the value)."""
-    return max(partial_suffix(text, LAYOUT + PARAMETER_CLOSE), partial_suffix(text, PARAMETER_CLOSE))
+def _closing_suffix(text: str, value_break: str) -> int:
+    """How much of the end of a value's text may be the start of its closing tag (with the layout before it or not:
+    the first closing tag ends the value)."""
+    return max(partial_suffix(text, value_break + PARAMETER_CLOSE), partial_suffix(text, PARAMETER_CLOSE))
 
 
 def _cut_value(text: str, value_break: str) -> str:
     """A value cut short: its text so far, without the layout before it or the start of its closing tag."""
     text = text.removeprefix(value_break)
-    return text[: len(text) - _closing_suffix(text)]
+    return text[: len(text) - _closing_suffix(text, value_break)]
