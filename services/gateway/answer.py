@@ -100,7 +100,7 @@ def reading(tools: ToolFormat, body: ChatCompletionRequest) -> ToolFormat:
     """The format reading a request's calls; where its answer is constrained beside its tools under `auto` (the
     tools' grammar's `answer`), knowing the functions it may call, as that grammar does."""
     fields = body.tool_fields
-    beside_answer = fields.mode == "auto" and structured_output(body) is not None
+    beside_answer = fields.beside_answer(structured_output(body) is not None)
     return tools.reading(fields.functions, [f.name for f in fields.callable] if beside_answer else None)
 
 

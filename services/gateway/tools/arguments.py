@@ -5,7 +5,7 @@ add up to the whole answer's arguments whatever the chunking.
 
 Output is only ever added to: a number or literal goes out once a delimiter ends it, an escape once it is whole, a
 high surrogate once the next escape tells whether it pairs. Text that is no JSON stops the output where it starts;
-the whole answer's arguments are then the compact text so far and the rest as written (`partial_arguments`), which
+the whole answer's arguments are then the compact text so far and the rest as written (`written_arguments`), which
 the stream's output is a prefix of, as it is of a value cut short (max_tokens).
 """
 
@@ -230,13 +230,23 @@ class CompactJson:
         return "".join(out)
 
 
-def partial_arguments(text: str) -> str:
-    """A call's arguments where their text is no whole JSON value (cut short, or malformed): the compact text of
-    what reads as JSON, then the rest as written."""
+def unsent(arguments: str, sent: str) -> str:
+    """A call's arguments as the whole answer reads them, less what its stream sent as they were written: a prefix
+    of them, whatever the chunking (else the stream and the whole answer would disagree, a bug)."""
+    if not arguments.startswith(sent):
+        raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {arguments!r}")
+    return arguments[len(sent) :]
+
+
+def written_arguments(text: str) -> str:
+    """The arguments a text opens with, as the whole answer reads them: their compact JSON where it is whole
+    (whatever follows it), else, cut short or malformed, the compact text of what reads as JSON, then the rest as
+    written. CompactJson reads them, not Python's json, so that a value nested past its recursion limit reads alike
+    whatever the caller's depth."""
     reader = CompactJson()
     compact = reader.feed(text)
     compact += reader.finish()
-    return compact + text[reader.settled :].rstrip()
+    return compact if reader.whole else compact + text[reader.settled :].rstrip()
 
 
 class CallArguments:

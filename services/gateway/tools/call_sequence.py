@@ -10,7 +10,7 @@ is known the sequence may still be no calls at all (an answer written in JSON, `
 then all of it is text. After the first call, what breaks the sequence ends it. An announced call whose arguments
 are whole keeps them, and what follows them is dropped. One whose arguments stop being JSON (a line break inside a
 string, say) or are cut short keeps the arguments as written to the end of the text, compact as far as they read
-as JSON (arguments.partial_arguments), as a Hermes block does. A next object that is no call is dropped with the
+as JSON (arguments.written_arguments), as a Hermes block does. A next object that is no call is dropped with the
 rest of the text. Where the calls end without a break (nothing chains another), the text after them is the
 format's to place (Llama 3: content).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from services.gateway.tools.arguments import WHITESPACE, CallArguments, CompactJson, partial_arguments
+from services.gateway.tools.arguments import WHITESPACE, CallArguments, CompactJson, unsent, written_arguments
 from services.gateway.tools.call import (
     ARGUMENT_KEYS, JSON, NOT_JSON, ParsedCall, call_name, parsed_call,
 )
@@ -187,11 +187,8 @@ class CallSequence:
             return
         if not self._announced:
             events.append(Opened(call.name))
-        sent = self._arguments.sent if self._announced else ""
-        if not call.arguments.startswith(sent):
-            raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {call.arguments!r}")
-        if call.arguments[len(sent) :]:
-            events.append(Arguments(call.arguments[len(sent) :]))
+        if rest := unsent(call.arguments, self._arguments.sent if self._announced else ""):
+            events.append(Arguments(rest))
         self.calls.append(call)
         self._announced = False
         if broken:
@@ -200,12 +197,10 @@ class CallSequence:
             self._state = _State.AFTER_ITEM
 
     def _written_call(self) -> ParsedCall:
-        """An announced call whose object is broken or cut short: its arguments as streamed where they are whole
-        (what follows them is not theirs), else as written to the end of the text (arguments.partial_arguments)."""
-        if self._arguments.whole:
-            return ParsedCall(self._arguments.name, self._arguments.sent)
+        """An announced call whose object is broken or cut short: its arguments where they are whole (what follows
+        them is not theirs), else as written to the end of the text (arguments.written_arguments)."""
         value = self.text[self._object_at + self._arguments.value_at :]
-        return ParsedCall(self._arguments.name, partial_arguments(value.lstrip(WHITESPACE)))
+        return ParsedCall(self._arguments.name, written_arguments(value.lstrip(WHITESPACE)))
 
     def _callable(self, name: str) -> bool:
         return self.names is None or name in self.names

@@ -24,10 +24,10 @@ from typing import Any
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, partial_suffix
 from shared.structured import StructuredOutput, lark_regex_literal
 from services.gateway.tools.call import (
-    ANSWER, COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema, json_text,
+    ANSWER, COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema,
     leading_block, parsed_call, text_or_calls,
 )
-from services.gateway.tools.arguments import CallArguments, partial_arguments
+from services.gateway.tools.arguments import CallArguments, written_arguments
 from services.gateway.tools.call_sequence import CallSequence, SequenceLayout
 from services.gateway.tools.calls_reader import split_calls
 from services.gateway.tools.granite import CALL_TAG as GRANITE_TAG, Granite
@@ -79,15 +79,11 @@ class Hermes(CallIds):
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(the text outside the calls, the calls); a block that is not a call stays in the text, and calls are read
         only after a leading reasoning block (none while it is unclosed)."""
-        reasoning, rest = self.reasoning(text)
+        reasoning, rest = leading_block(text, self.think_open, self.think_close)
         if reasoning is None:
             return text, []
         content, calls = self._split_calls(rest, reasoning)
         return (content if calls else text), calls
-
-    def reasoning(self, text: str) -> tuple[str | None, str]:
-        """(the leading reasoning block with its tags, the rest): call.leading_block."""
-        return leading_block(text, self.think_open, self.think_close)
 
     def _split_calls(self, text: str, before: str) -> tuple[str, list[ParsedCall]]:
         content, calls, rest = TextAroundCalls(before), [], text
@@ -133,10 +129,7 @@ class Hermes(CallIds):
         arguments = ARGUMENTS.search(block, name_end)
         if arguments is None:
             return ParsedCall(name, "")
-        try:
-            return ParsedCall(name, json_text(JSON.raw_decode(arguments.group(1))[0]))
-        except NOT_JSON:
-            return ParsedCall(name, partial_arguments(arguments.group(1)))
+        return ParsedCall(name, written_arguments(arguments.group(1)))
 
     def dangling_tag(self, text: str) -> bool:
         """Whether `text` is only the start of another call's opening tag: what an answer cut short after its calls
@@ -186,6 +179,8 @@ class Llama3Json(CallIds):
         """Text that holds nothing split would read as a call (the python tag, an object opening with "name") and
         does not open with `block_open` (tools/call.text_or_calls), or the answer one call of `functions`, compact
         as the forced grammar writes it (Llama 3.x writes a call as the whole answer, and one per answer)."""
+        if answer:  # the answer or a call, each its own grammar: a lexeme of the call could not start as JSON does
+            return f"start: {ANSWER} | %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
         # The call's opening is one lexeme, written out: text may run up to it and dies only on its last character,
         # where a %json object's `{` lexeme would long be over (the lexer does not go back). The line breaks before
         # it are its own, not the text's, for the same reason (after a reasoning block, its grammar's layout).
@@ -194,8 +189,6 @@ class Llama3Json(CallIds):
             f"%json {json.dumps({**f.schema, 'x-guidance': COMPACT})}"
             for f in functions
         )
-        if answer:  # the answer or a call, each its own grammar: a lexeme of the call could not start as JSON does
-            return f"start: {ANSWER} | %json {json.dumps(call_schema(functions, self.arguments_key))}\n"
         opening = f"{lark_regex_literal(self.python_tag)}|{CALL_OPENING.pattern}"
         not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
         return (f"start: TEXT | CALL_START ({calls}) \"}}\"\n"
@@ -277,7 +270,7 @@ def tool_constraint(
     if fields.forces_calls:  # calls only: no content for an answer's constraint to shape
         return fields.grammar_param, StructuredOutput(
             kind="grammar", spec=format.grammar(fields.callable, fields.forced_calls_parallel))
-    if fields.limits_calls or (answer is not None and fields.mode == "auto"):
+    if fields.limits_calls or fields.beside_answer(answer is not None):
         grammar = format.text_or_calls_grammar(
             fields.grammar_functions, fields.parallel_tool_calls, block_open, answer=answer is not None
         )

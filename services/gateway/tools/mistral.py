@@ -23,10 +23,9 @@ import secrets
 import string
 from collections.abc import Mapping
 
-from services.gateway.tools.arguments import CallArguments, partial_arguments
+from services.gateway.tools.arguments import CallArguments, unsent, written_arguments
 from services.gateway.tools.call import (
-    COMPACT, JSON, NOT_JSON, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, json_text,
-    text_or_calls,
+    COMPACT, CallIds, ParsedCall, calls_array_schema, content_before_tag, grammar_tag, text_or_calls,
 )
 from services.gateway.tools.call_sequence import (
     ARRAY_OPEN, OBJECT_OPEN, Arguments, CallSequence, Opened, SequenceLayout,
@@ -134,7 +133,7 @@ class Mistral(CallIds):
 class NamedCall:
     """A v11 call, `name[ARGS]{...}` (v13: `name[CALL_ID]id[ARGS]{...}`), read as it grows: its name goes out once
     the `{` of its arguments follows it, then its arguments as they are written; cut short or malformed, they are
-    what was written (compact where it reads as JSON: arguments.partial_arguments)."""
+    what was written (compact where it reads as JSON: arguments.written_arguments)."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -158,14 +157,7 @@ class NamedCall:
         if final:
             self.over, self.failed = True, self._arguments is None
             if self._arguments is not None:
-                rest = self.text[self._arguments.value_at :]
-                try:
-                    arguments = json_text(JSON.raw_decode(rest)[0])
-                except NOT_JSON:  # cut short or malformed
-                    arguments = partial_arguments(rest)
-                sent = self._arguments.sent
-                if not arguments.startswith(sent):
-                    raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {arguments!r}")
-                if arguments[len(sent) :]:
-                    events.append(Arguments(arguments[len(sent) :]))
+                arguments = written_arguments(self.text[self._arguments.value_at :])
+                if rest := unsent(arguments, self._arguments.sent):
+                    events.append(Arguments(rest))
         return events

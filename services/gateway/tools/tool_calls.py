@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
+from services.gateway.tools.arguments import unsent
 from services.gateway.tools.call import LAYOUT, separated
 from services.gateway.tools.call_sequence import Opened
 from services.gateway.tools.calls_reader import CallsReader
@@ -132,10 +133,7 @@ class ToolCallStream:
         """A call's arguments as the whole answer reads them, less what went out as they were written (a prefix of
         them: arguments.CompactJson); the call is over."""
         reader, self._arguments = self._arguments, None
-        sent = reader.sent if reader is not None else ""
-        if not arguments.startswith(sent):
-            raise AssertionError(f"streamed arguments {sent!r} are not the start of the call's {arguments!r}")
-        return arguments[len(sent) :]
+        return unsent(arguments, reader.sent if reader is not None else "")
 
     def _arguments_delta(self, arguments: str) -> list[dict]:
         return [{"index": self._calls - 1, "function": {"arguments": arguments}}] if arguments else []

@@ -257,6 +257,11 @@ class ToolFields(BaseModel):
         `auto` otherwise nothing stops the model from writing a call of any name, which would be read as one."""
         return self.mode == "auto" and (isinstance(self.tool_choice, AllowedToolsChoice) or self.strict)
 
+    def beside_answer(self, answer_constrained: bool) -> bool:
+        """Whether an answer constrained otherwise (response_format, ...) stands beside calls of the functions, the
+        answer that or calls: under `auto`, with a function to call (tools/formats.tool_constraint)."""
+        return answer_constrained and self.mode == "auto" and bool(self.callable)
+
     @property
     def strict(self) -> bool:
         """Whether a callable function is `strict`."""
