@@ -117,6 +117,18 @@ def test_tools_formats_and_logprobs_take_chats_shapes() -> None:
     assert "logprobs" not in chat_body(request(), {})
 
 
+def test_a_function_tool_is_strict_unless_it_says_otherwise_as_openais_responses_api() -> None:
+    """Chat's tools default to `strict: false`, the Responses API's to `strict: true`: under plain auto a call of a
+    tool that says nothing follows its schema, and the response shows it strict, as OpenAI's does."""
+    flat = [{"type": "function", "name": "f"}, {"type": "function", "name": "g", "strict": None},
+            {"type": "function", "name": "h", "strict": False}]
+    body = request(tools=flat)
+    assert [tool.model_dump()["strict"] for tool in body.tools] == [True, True, False]
+    chat = ChatCompletionRequest.model_validate(chat_body(body, {}))
+    assert [tool.function.strict for tool in chat.tools] == [True, True, False]
+    assert chat.tool_fields.limits_calls
+
+
 FLAT_TOOLS = [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}]
 
 

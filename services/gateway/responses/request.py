@@ -47,7 +47,15 @@ class FunctionTool(Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # as chat's: under auto a strict function's calls follow its schema, forced ones always
+    # As chat's (under auto a strict function's calls follow its schema, forced ones always), but on by default:
+    # the Responses API's default, where chat's is off. OpenAI's strict mode also makes every property required;
+    # specmesh follows the schema as written, so an optional property stays optional.
+    strict: bool = True
+
+    @field_validator("strict", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any) -> Any:
+        return True if value is None else value
 
     def for_chat(self) -> dict[str, Any]:
         function = self.model_dump(exclude={"type"}, exclude_none=True)
