@@ -1,4 +1,4 @@
-"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 or Granite checkpoint with a real tokenizer, for tests
+"""A tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite, Seed-OSS or Gemma 3 checkpoint with a real tokenizer, for tests
 that run the engine.
 
 Use the fixture by importing it into a test module (`from tests.modelfixture import tiny_model_dir`), or call
@@ -31,10 +31,16 @@ MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "granite", "seed_oss")
+MODEL_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "granite", "seed_oss", "gemma3")
 # A tiny Granite's scalars, none of them 1, so that each is read and applied
 GRANITE_SCALARS = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
 MISTRAL_WINDOW = 8  # a tiny Mistral's sliding window: shorter than the tests' prompts and outputs
+# A tiny Gemma 3: a sliding layer then a full one, each kind with its own rope (the full one's scaled), and a query
+# scale that is not head_dim's
+GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention"]
+GEMMA3_QUERY_SCALAR = 24
+GEMMA3_SLIDING_THETA = 1000.0
+GEMMA3_FULL_ROPE = {"rope_type": "linear", "factor": 2.0}
 # A tiny Qwen3-MoE's experts (with MODEL_SHAPE's two layers, both sparse unless the config says otherwise)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 
@@ -45,7 +51,7 @@ def _corpus() -> list[str]:
 
 
 def random_causal_lm(kind: str, **config):
-    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite or Seed-OSS with these config keys, its
+    """A transformers Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite, Seed-OSS or Gemma 3 with these config keys, its
     weights drawn from torch's global RNG."""
     import transformers  # a dev dependency: only tests that build a model need it
 
@@ -61,6 +67,15 @@ def random_causal_lm(kind: str, **config):
     if kind == "phi3":  # with a window too, as Phi-3-mini-4k's (2047); Phi3Config's token ids are its 32k vocab's
         config = dict(sliding_window=MISTRAL_WINDOW, bos_token_id=0, eos_token_id=0, pad_token_id=0) | config
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**config))
+    if kind == "gemma3":  # head_dim defaults to 256
+        head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        full = GEMMA3_FULL_ROPE | {"rope_theta": config.pop("rope_theta", 10000.0)}
+        ropes = {"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                "rope_theta": GEMMA3_SLIDING_THETA}}
+        config = dict(sliding_window=MISTRAL_WINDOW, layer_types=GEMMA3_LAYER_TYPES,
+                      query_pre_attn_scalar=GEMMA3_QUERY_SCALAR) | config
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            head_dim=head_dim, rope_parameters=ropes, **config))
     if kind == "seed_oss":  # head_dim defaults to 128 too; q/k/v biases on, as SeedOssConfig's default
         head_dim = config.pop("head_dim", config["hidden_size"] // config["num_attention_heads"])
         return transformers.SeedOssForCausalLM(transformers.SeedOssConfig(head_dim=head_dim, **config))

@@ -37,6 +37,7 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
     (QWEN2 | dict(hidden_act="relu"), "hidden_act"),
     (QWEN3 | dict(attention_bias=True), "attention_bias"),
     (QWEN3 | dict(layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
+    (QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["sliding_attention"]), "layer_types"),
     (SEED_OSS | dict(attention_out_bias=True), "attention_out_bias"),
     (SEED_OSS | dict(mlp_bias=True), "mlp_bias"),
 ])
@@ -64,16 +65,21 @@ def test_harmless_keys_are_accepted(raw: dict) -> None:
     QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"] * 2),
     QWEN3 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
 ])
-def test_sliding_window_is_refused_only_where_it_applies(raw: dict) -> None:
+def test_sliding_layers_are_windowed_as_transformers_derives_them(raw: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    theirs = (transformers.Qwen3Config if "Qwen3ForCausalLM" in raw["architectures"] else transformers.Qwen2Config)(
+        **{k: v for k, v in raw.items() if k != "architectures"})
     cfg = ModelConfig.from_dict(raw)
-    cfg.check_served_length(WINDOW)  # a window as long as the sequence masks nothing
-    with pytest.raises(UnsupportedModelError, match="sliding_window"):
-        cfg.check_served_length(WINDOW + 1)
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [
+        theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types]
+    assert cfg.sliding_rope_theta is None and not cfg.uses_sliding_rope(3)  # one rope for every layer
+    cfg.check_served_length(4 * WINDOW)
 
 
 def test_sliding_window_without_sliding_layers_is_accepted() -> None:
     raw = QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=QWEN2["num_hidden_layers"])
-    ModelConfig.from_dict(raw).check_served_length(4 * WINDOW)
+    cfg = ModelConfig.from_dict(raw)
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [None] * cfg.num_hidden_layers
 
 
 def test_rope_fields_follow_transformers_precedence() -> None:
@@ -105,3 +111,47 @@ def test_seed_oss_reads_its_configs_defaults() -> None:
     assert (cfg.attention_bias, cfg.head_dim, cfg.max_position_embeddings) == (True, 128, 524288)
     assert not ModelConfig.from_dict(SEED_OSS | dict(attention_bias=False, head_dim=16)).attention_bias
     assert ModelConfig.from_dict(SEED_OSS | dict(head_dim=None)).head_dim == 16  # null: hidden_size / heads
+
+
+# google/gemma-3-1b-it's config.json as published (transformers 4.50): no layer_types (a sliding_window_pattern),
+# the sliding layers' rope as rope_local_base_freq, no tie_word_embeddings (Gemma3TextConfig's default: tied)
+GEMMA3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=None,
+    bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106], final_logit_softcapping=None, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", hidden_size=1152, initializer_range=0.02, intermediate_size=6912,
+    max_position_embeddings=32768, model_type="gemma3_text", num_attention_heads=4, num_hidden_layers=26,
+    num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_local_base_freq=10000,
+    rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6, torch_dtype="bfloat16",
+    use_cache=True, vocab_size=262144,
+)
+
+
+@pytest.mark.parametrize("raw", [GEMMA3_1B, GEMMA3_1B | dict(rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                                             num_hidden_layers=8, sliding_window_pattern=4)])
+def test_gemma3_reads_a_published_config_as_transformers_does(raw: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.Gemma3TextConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict(raw)
+    assert list(cfg.layer_types) == theirs.layer_types
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [
+        theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types]
+    full, sliding = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (cfg.rope_theta, cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == (
+        full["rope_theta"], full["rope_type"], full.get("factor"))
+    assert (cfg.sliding_rope_theta, cfg.sliding_rope_scaling.rope_type) == (sliding["rope_theta"], sliding["rope_type"])
+    assert cfg.tie_word_embeddings is theirs.tie_word_embeddings is True
+    assert cfg.attention_scale == theirs.query_pre_attn_scalar ** -0.5
+    assert (cfg.head_dim, cfg.max_position_embeddings) == (theirs.head_dim, theirs.max_position_embeddings)
+    cfg.check_served_length(cfg.max_position_embeddings)  # the window applies per layer: served at any length
+    assert cfg.uses_sliding_rope(0) and not cfg.uses_sliding_rope(raw["sliding_window_pattern"] - 1)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True),
+    ("attention_bias", True), ("hidden_activation", "gelu"), ("partial_rotary_factor", 0.5),
+    ("rope_parameters", {"full_attention": {"rope_type": "default"}, "chunked_attention": {"rope_type": "default"}}),
+    ("layer_types", ["sliding_attention", "chunked_attention"] * 13),
+])
+def test_gemma3_switches_it_does_not_implement_are_refused_by_name(key: str, value) -> None:
+    with pytest.raises(UnsupportedModelError, match=key):
+        ModelConfig.from_dict(GEMMA3_1B | {key: value})

@@ -1,5 +1,5 @@
 """Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE,
-Mistral, Phi-3 and Granite),
+Mistral, Phi-3, Granite, Seed-OSS and Gemma 3),
 and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
 import functools
@@ -43,6 +43,7 @@ def _save_tiny(kind: str, tied: bool, path: Path, **config) -> "transformers.Pre
 @pytest.mark.parametrize("kind,tied", [
     ("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
     ("mistral", False), ("phi3", False), ("phi3", True), ("granite", False), ("granite", True), ("seed_oss", False),
+    ("gemma3", False), ("gemma3", True),
 ])
 def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> None:
     reference = _save_tiny(kind, tied, tmp_path)
@@ -55,7 +56,7 @@ def test_logits_match_transformers(tmp_path: Path, kind: str, tied: bool) -> Non
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "seed_oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "seed_oss", "gemma3"])
 def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: str) -> None:
     """Prefill 10 tokens, then score 4 more in one pass against the cache: same logits as one full pass."""
     reference = _save_tiny(kind, False, tmp_path)
@@ -73,6 +74,29 @@ def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: s
         expected = reference(ids).logits
         got = torch.cat([run(ids[:, :10], 0), run(ids[:, 10:], 10)], dim=1)
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_sliding_layers_of_qwen_match_transformers(tmp_path: Path, kind: str) -> None:
+    """use_sliding_window with layers from max_window_layers on sliding: a window of 8 over 23 positions, in one
+    pass, and prefilled into the cache then verified against it."""
+    reference = _save_tiny(kind, False, tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert reference.config.layer_types == ["full_attention", "sliding_attention"]
+    ours = load_model(tmp_path)
+    ids = torch.randint(0, VOCAB_SIZE, (1, 23), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(ours.num_cache_layers, 4, 64, ours.config.num_key_value_heads, ours.config.head_dim,
+                    torch.float32, "cpu")
+
+    def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
+        batch = pack(cache, [chunk[0].tolist()], [start], [0], InputBuffers(torch.device("cpu")))
+        return ours.logits(ours(batch.input_ids, batch.positions, batch))[None]
+
+    with torch.no_grad():
+        expected = reference(ids).logits
+        whole = ours.logits(ours(ids, torch.arange(23)[None]))
+        cached = torch.cat([run(ids[:, :15], 0), run(ids[:, 15:], 15)], dim=1)
+    assert (whole - expected).abs().max().item() <= TOLERANCE
+    assert (cached - expected).abs().max().item() <= TOLERANCE
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
@@ -107,7 +131,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each family's tiny checkpoint, with beside it a copy as its draft model and a fitted EAGLE-3 head."""
     dirs = {}
-    for kind in ("qwen3", "qwen3_moe", "mistral", "phi3", "granite"):
+    for kind in ("qwen3", "qwen3_moe", "mistral", "phi3", "granite", "gemma3"):
         dirs[kind] = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{kind}"), kind)
         shutil.copytree(dirs[kind], default_draft_dir(dirs[kind]))
         write_eagle3_head(dirs[kind], default_eagle3_dir(dirs[kind]), QUICK_FIT)
@@ -115,11 +139,11 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", ["naive", "ngram", "suffix", "draft_model", "eagle3"])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mistral", "phi3", "granite"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mistral", "phi3", "granite", "gemma3"])
 def test_greedy_tokens_equal_transformers_under_every_method(family_dirs, kind: str, name: str) -> None:
     """Every drafting method but MTP, which needs a checkpoint with MTP modules (these families ship none); the
-    Mistral's window (8 positions) is shorter than every prompt and output, in prefill, decode and verify (the
-    EAGLE-3 head's own layer, a Llama's, attends to every position)."""
+    Mistral's window (8 positions), and Gemma 3's sliding layer's, are shorter than every prompt and output, in
+    prefill, decode and verify (the EAGLE-3 head's own layer, a Llama's, attends to every position)."""
     model_dir = family_dirs[kind]
     engine = make_engine(model_dir, METHODS[name])
     for prompt, expected in _transformers_greedy(model_dir):

@@ -153,10 +153,12 @@ def _follower(port: int, model_dirs: list[tuple[Path, bool]]) -> None:
 
 def test_two_ranks_compute_what_the_whole_model_does(tmp_path: Path) -> None:
     moe = make_tiny_model_dir(tmp_path / "moe", "qwen3_moe")
-    # MTP and a tied head; q/k/v biases; routed experts sliced, and whole (expert parallelism); Granite's scalars
+    # MTP and a tied head; q/k/v biases; routed experts sliced, and whole (expert parallelism); Granite's scalars;
+    # Gemma 3's sliding and full layers, sandwich norms and GELU
     model_dirs = [
         (DEFAULT_MODEL_DIR, False), (make_tiny_model_dir(tmp_path / "qwen2", "qwen2"), False),
         (moe, False), (moe, True), (make_tiny_model_dir(tmp_path / "granite", "granite"), False),
+        (make_tiny_model_dir(tmp_path / "gemma3", "gemma3"), False),
     ]
     groups = _groups(0, model_dirs)
     port = groups[0].open_rendezvous()

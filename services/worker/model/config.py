@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "SeedOssForCausalLM",
+    "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "SeedOssForCausalLM", "Gemma3ForCausalLM",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
@@ -36,12 +38,25 @@ _QWEN3_DENSE = "Qwen3ForCausalLM"
 _SEED_OSS = "SeedOssForCausalLM"
 # Qwen3Config's and SeedOssConfig's head_dim where config.json has none (not hidden_size / heads, as elsewhere,
 # Qwen3-MoE included)
-_DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128}
+_DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128, "Gemma3ForCausalLM": 256}
+# Google's Gemma 3 (text): sliding-window layers beside full ones, each kind with its own rope; RMSNorm weights
+# stored as offsets from 1; a norm on each sublayer's output too; a tanh-GELU-gated MLP; embeddings times
+# sqrt(hidden_size); attention scaled by query_pre_attn_scalar ** -0.5. Gemma3TextConfig's defaults where
+# config.json is silent:
+_GEMMA3 = "Gemma3ForCausalLM"
+_GEMMA3_DEFAULTS = dict(
+    sliding_window=4096, sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh",
+)
+GELU_TANH_NAMES = ("gelu_pytorch_tanh",)  # Gemma's MLP activation, F.gelu(approximate="tanh")
+# Gemma 3 switches that change the math and that specmesh does not implement
+_GEMMA3_REFUSED = ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention",
+                   "attention_bias")
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
-    "GraniteForCausalLM": 2048, _SEED_OSS: 524288,
+    "GraniteForCausalLM": 2048, _SEED_OSS: 524288, _GEMMA3: 131072,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -54,6 +69,7 @@ _REQUIRED_ROPE_KEYS = {
 _ORIGINAL_LENGTH_TYPES = ("yarn", "llama3")  # types that read original_max_position_embeddings
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # transformers' defaults, also where the config writes 0 or null
 SILU_NAMES = ("silu", "swish")  # one function under two names in transformers' ACT2FN
+SILU, GELU_TANH = "silu", "gelu_tanh"  # the MLP's gate activations (ModelConfig.activation)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 _QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this index on slide when sliding is on
 
@@ -144,7 +160,9 @@ class ModelConfig:
     attention_bias: bool  # Qwen2 and MiMo have q/k/v biases
     num_mtp_layers: int  # multi-token-prediction modules stored beside the decoder (0 = none)
     rope_scaling: RopeScaling = RopeScaling()
-    sliding_window: int | None = None  # Qwen2 with sliding layers: keys this far back or more are not attended to
+    # The window of the layers layer_types names sliding (Qwen2's and Qwen3's with use_sliding_window, Gemma 3's):
+    # keys this far back or more are not attended to
+    sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: each query and key head is RMS-normalised (over head_dim) before the rotation
     # Mistral: every layer's query at position i attends to keys i - attention_window < j <= i (None: all of them)
     attention_window: int | None = None
@@ -166,6 +184,16 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Each layer's attention (FULL_ATTENTION, or SLIDING_ATTENTION over the last sliding_window positions); Gemma 3:
+    # the sliding layers' own rope (None: the full ones'), RMSNorm weights stored as offsets from
+    # norm_weight_offset (folded in at load, loader.py), norms on the attention's and the MLP's outputs too
+    # (sandwich_norms), and the MLP's gate activation. (): every layer alike, attending within attention_window.
+    layer_types: tuple[str, ...] = ()
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: str = SILU
 
     @property
     def attention_scale(self) -> float:
@@ -173,6 +201,24 @@ class ModelConfig:
     # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
     # the same pass (drafting/draft_model.py); None: an autoregressive model
     pard_token: int | None = None
+
+    def layer_window(self, index: int) -> int | None:
+        """The window decoder layer `index` attends within: its type's (Gemma 3), or every layer's (Mistral's; an
+        MTP module's layer, past the trunk's, has it too). None: every earlier position."""
+        if index < len(self.layer_types):
+            return self.sliding_window if self.layer_types[index] == SLIDING_ATTENTION else None
+        return self.attention_window
+
+    def uses_sliding_rope(self, index: int) -> bool:
+        """Whether decoder layer `index` rotates with the sliding layers' own rope (sliding_rope_config)."""
+        return (self.sliding_rope_theta is not None and index < len(self.layer_types)
+                and self.layer_types[index] == SLIDING_ATTENTION)
+
+    def sliding_rope_config(self) -> "ModelConfig":
+        """This config with the sliding layers' rope in place of the full layers' (for model/rope.py)."""
+        return dataclasses.replace(
+            self, rope_theta=self.sliding_rope_theta, rope_scaling=self.sliding_rope_scaling or RopeScaling()
+        )
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -206,11 +252,6 @@ class ModelConfig:
                 "frequencies per forward pass from that pass's longest sequence, which a shared paged cache does "
                 "not reproduce"
             )
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise UnsupportedModelError(
-                f"sliding_window {self.sliding_window} (use_sliding_window) would apply at max_model_len "
-                f"{max_model_len}: sliding-window attention is not supported; serve at most {self.sliding_window}"
-            )
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -224,6 +265,8 @@ class ModelConfig:
         _refuse_unsupported_keys(raw, arch)
         heads = raw["num_attention_heads"]
         max_positions = raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+        if arch == _GEMMA3:
+            return cls._gemma3(raw, max_positions)
         key = next((k for k in ROPE_KEYS if raw.get(k)), ROPE_KEYS[-1])
         rope = dict(raw.get(key) or {})
         return cls(
@@ -245,11 +288,55 @@ class ModelConfig:
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
             sliding_window=_sliding_window(raw, arch),
+            layer_types=_sliding_layer_types(raw, _sliding_window(raw, arch)),
             qk_norm=arch in _QWEN3_FAMILY,
             attention_window=_attention_window(raw, arch),
             pard_token=raw.get(PARD_TOKEN_KEY),
             **_experts(raw, arch),
             **_granite_scalars(raw, arch),
+        )
+
+    @classmethod
+    def _gemma3(cls, raw: dict, max_positions: int) -> "ModelConfig":
+        window = raw.get("sliding_window", _GEMMA3_DEFAULTS["sliding_window"])  # null: sliding layers see all
+        raw = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+        layer_types = tuple(raw.get("layer_types") or (
+            SLIDING_ATTENTION if (i + 1) % raw["sliding_window_pattern"] else FULL_ATTENTION for i in range(layers)
+        ))
+        if len(layer_types) != layers:
+            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
+        full, sliding = _gemma3_ropes(raw, max_positions)
+        return cls(
+            architecture=_GEMMA3,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=_head_dim(raw, _GEMMA3),
+            rope_theta=full[0],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=False,
+            num_mtp_layers=0,
+            rope_scaling=full[1],
+            sliding_window=None if window is None else int(window),
+            qk_norm=True,
+            # Gemma3TextScaledWordEmbedding's scale, as transformers rounds it (a float32 tensor)
+            embedding_multiplier=float(torch_float32(raw["hidden_size"] ** 0.5)),
+            attention_multiplier=float(raw["query_pre_attn_scalar"]) ** -0.5,
+            layer_types=layer_types,
+            sliding_rope_theta=sliding[0],
+            sliding_rope_scaling=sliding[1],
+            norm_weight_offset=1.0,
+            sandwich_norms=True,
+            activation=GELU_TANH,
         )
 
     @classmethod
@@ -285,8 +372,54 @@ def _attention_window(raw: dict, arch: str) -> int | None:
     return None
 
 
+def torch_float32(value: float) -> float:
+    """value rounded to float32, as a scalar transformers keeps in a float32 tensor is."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _gemma3_ropes(raw: dict, max_positions: int) -> tuple[tuple[float, RopeScaling], tuple[float, RopeScaling]]:
+    """(theta, scaling) of the full layers' rope, then of the sliding layers': from rope_parameters keyed by layer
+    type (what transformers 5 saves), else from rope_theta and rope_scaling (the full layers') and
+    rope_local_base_freq (the sliding layers', unscaled), as published configs write them."""
+    per_type = raw.get("rope_parameters")
+    if isinstance(per_type, dict) and FULL_ATTENTION in per_type:
+        unknown = set(per_type) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise UnsupportedModelError(f"rope_parameters for {sorted(unknown)} are not supported")
+        full = dict(per_type[FULL_ATTENTION] or {})
+        sliding = dict(per_type.get(SLIDING_ATTENTION) or {})
+    else:
+        full = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+        sliding = {}
+    full.setdefault("rope_theta", raw["rope_theta"])
+    sliding.setdefault("rope_theta", raw["rope_local_base_freq"])
+    ropes = []
+    for params in (full, sliding):
+        scaling = RopeScaling.from_dict(params, "rope_parameters", max_positions, None)
+        ropes.append((float(params["rope_theta"]), scaling))
+    return ropes[0], ropes[1]
+
+
+def _refuse_gemma3_keys(raw: dict) -> None:
+    for key in _GEMMA3_REFUSED:
+        if raw.get(key):
+            raise UnsupportedModelError(f"{key} {raw[key]!r} is not supported for Gemma 3")
+    factor = raw.get("partial_rotary_factor")
+    if factor is not None and float(factor) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor {factor} is not supported: rope rotates whole heads")
+    act = raw.get("hidden_activation") or _GEMMA3_DEFAULTS["hidden_activation"]
+    if act not in GELU_TANH_NAMES:
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported; Gemma 3's MLP is "
+                                    "'gelu_pytorch_tanh'-gated")
+
+
 def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
     """Config keys that change the math in transformers' Llama or Qwen2 and that specmesh does not implement."""
+    if raw.get("quantization_config"):
+        raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
+    if arch == _GEMMA3:
+        _refuse_gemma3_keys(raw)
+        return
     act = raw.get("hidden_act", SILU_NAMES[0])
     if act not in SILU_NAMES:
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; specmesh's MLP is SiLU-gated ('silu')")
@@ -298,8 +431,6 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
         raise UnsupportedModelError(
             "rope_scaling of Phi-3 (longrope, or su and yarn, which Phi3Config reads as longrope) is not supported"
         )
-    if raw.get("quantization_config"):
-        raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     if arch in _QWEN2_FAMILY:
         return  # transformers' Qwen2 reads neither attention_bias (q/k/v always have one) nor mlp_bias
     if arch == _SEED_OSS:
@@ -339,6 +470,20 @@ def _experts(raw: dict, arch: str) -> dict:
         moe_intermediate_size=int(keys["moe_intermediate_size"]), norm_topk_prob=bool(keys["norm_topk_prob"]),
         decoder_sparse_step=int(keys["decoder_sparse_step"]), mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
     )
+
+
+def _sliding_layer_types(raw: dict, window: int | None) -> tuple[str, ...]:
+    """Qwen2's or Qwen3's layer types where some layer slides: config.json's, else those from max_window_layers on
+    sliding, as transformers derives them; () where none does."""
+    if window is None:
+        return ()
+    if raw.get("layer_types"):
+        if len(raw["layer_types"]) != raw["num_hidden_layers"]:
+            raise UnsupportedModelError(
+                f"layer_types has {len(raw['layer_types'])} entries for {raw['num_hidden_layers']} layers")
+        return tuple(raw["layer_types"])
+    first_sliding = raw.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)
+    return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(raw["num_hidden_layers"]))
 
 
 def _sliding_window(raw: dict, arch: str) -> int | None:

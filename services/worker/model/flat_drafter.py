@@ -18,6 +18,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.model.flat_trunk import (
     FlatShape, LayerWeights, Projection, attention_plan, layer_pass, layer_weights, project, quantize_layer,
 )
+from services.worker.model.gated_activation import gated_activation_torch
 from services.worker.model.int8_linear import int8_twin
 from services.worker.model.llama import CausalLM
 from services.worker.model.rms_norm import rms_norm_torch
@@ -44,7 +45,7 @@ class FlatDrafter:
             self.rotary = model.rotary
         self.shape = FlatShape(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale,
-            model.all_reduce,
+            model.all_reduce, gated_activation_torch(cfg.activation),
         )
         self.window = cfg.attention_window
         self.region_len = cache.region_len

@@ -36,6 +36,7 @@ from services.worker.model.paged_attention import (
 from services.worker.model.sequence_spans import Pool
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_full
+from services.worker.model.gated_activation import GatedActivation, gated_activation_torch
 from services.worker.model.silu_mul import silu_and_mul_torch
 
 
@@ -58,13 +59,17 @@ class LayerWeights:
     q_norm: Tensor | None  # [head_dim]: Qwen3's per-head RMSNorm of queries and keys
     k_norm: Tensor | None
     o: Projection  # [heads * head_dim, hidden]
-    post_norm: Tensor  # [hidden]
+    post_norm: Tensor  # [hidden]: the norm before the MLP
     gate_up: Projection  # [hidden, 2 * intermediate]
     down: Projection  # [intermediate, hidden]
     key_cache: Tensor  # this layer's KV cache, and the same read by position
     value_cache: Tensor
     keys: Pool
     values: Pool
+    window: int | None = None  # the positions this layer attends within (Attention.window)
+    sliding_rope: bool = False  # rotates with the sliding layers' rope (DecoderLayer.sliding_rope)
+    attention_out_norm: Tensor | None = None  # [hidden]: Gemma's norms of the attention's and the MLP's outputs
+    mlp_out_norm: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class FlatShape:
     eps: float
     scale: float  # attention's softmax scale (ModelConfig.attention_scale)
     all_reduce: Callable[[Tensor], Tensor] | None = None
+    act_and_mul: GatedActivation = silu_and_mul_torch  # the MLP's (ModelConfig.activation)
 
     @property
     def group(self) -> int:
@@ -87,6 +93,7 @@ class FlatShape:
 def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
     """A decoder layer's tensors in the CPU layout, and its KV-cache layer."""
     index = layer.self_attn.layer_index
+    sandwich = getattr(layer, "sandwich_norms", False)  # an EAGLE-3 head's layer is a Llama's
     return LayerWeights(
         input_norm=layer.input_layernorm.weight,
         qkv=layer.self_attn.qkv_proj.weight_t,
@@ -94,13 +101,17 @@ def layer_weights(layer: DecoderLayer, cache: KVCache) -> LayerWeights:
         q_norm=layer.self_attn.q_norm.weight if layer.self_attn.qk_norm else None,
         k_norm=layer.self_attn.k_norm.weight if layer.self_attn.qk_norm else None,
         o=layer.self_attn.o_proj.weight_t,
-        post_norm=layer.post_attention_layernorm.weight,
+        post_norm=layer.pre_feedforward_layernorm.weight if sandwich else layer.post_attention_layernorm.weight,
         gate_up=layer.mlp.gate_up_proj.weight_t,
         down=layer.mlp.down_proj.weight_t,
         key_cache=cache.keys[index],
         value_cache=cache.values[index],
         keys=Pool(cache.keys[index], cache.block_size),
         values=Pool(cache.values[index], cache.block_size),
+        window=layer.self_attn.window,
+        sliding_rope=getattr(layer, "sliding_rope", False),
+        attention_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
+        mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
     )
 
 
@@ -161,10 +172,14 @@ def layer_pass(
     h = project(attended.view(num_tokens, -1), layer.o)
     if shape.all_reduce is not None:
         h = shape.all_reduce(h)
+    if layer.attention_out_norm is not None:
+        h = rms_norm_torch(h, layer.attention_out_norm, shape.eps)
     h, residual = rms_norm_torch(h, layer.post_norm, shape.eps, residual)
-    x = project(silu_and_mul_torch(project(h, layer.gate_up)), layer.down)
+    x = project(shape.act_and_mul(project(h, layer.gate_up)), layer.down)
     if shape.all_reduce is not None:
         x = shape.all_reduce(x)
+    if layer.mlp_out_norm is not None:
+        x = rms_norm_torch(x, layer.mlp_out_norm, shape.eps)
     return x, residual
 
 
@@ -178,12 +193,11 @@ class FlatTrunk:
         # o and down sum over a tensor-parallel group's ranks
         self.shape = FlatShape(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale,
-            model.all_reduce,
+            model.all_reduce, gated_activation_torch(cfg.activation),
         )
-        self.window = cfg.attention_window
         self.embed = model.embed  # vocab-parallel on a tensor-parallel rank
         self.region_len = cache.region_len
-        self.rotary = model.rotary
+        self.ropes = model.ropes
         self.feature_layers = model.feature_layers  # an EAGLE-3 head's (CausalLM.forward)
         self.layers = [layer_weights(layer, cache) for layer in model.model.layers]
         self.quantized_layers: list[LayerWeights] | None = None  # a draft model's int8 twins (quantize)
@@ -199,9 +213,15 @@ class FlatTrunk:
         x = self.embed(input_ids)  # [T, hidden]
         if input_ids.shape[0] == 0:
             return x.new_zeros(0, x.shape[1] * (1 + len(self.feature_layers)))
-        cos_sin = self.rotary(positions, batch.max_context_len)  # [T, 2, 1, head_dim]
+        ropes = self.ropes(positions, batch.max_context_len)  # (full layers', sliding layers') [T, 2, 1, head_dim]
         shape, eps = self.shape, self.shape.eps
-        window, plan = attention_plan(shape, self.window, self.region_len, self.layers[0].keys, batch, x.device)
+        pool = self.layers[0].keys
+        # One plan per window that cuts a context differently (Gemma's sliding and full layers: two at most)
+        plans: dict[int | None, tuple[int | None, HomePass | list | None]] = {}
+        for window in {layer.window for layer in self.layers}:
+            cut = cutting_window(window, batch.max_context_len)
+            if cut not in plans:
+                plans[cut] = attention_plan(shape, cut, self.region_len, pool, batch, x.device)
         residual = None
         feature_layers, layer_inputs = self.feature_layers, {}
         layers = self.quantized_layers if quantized and self.quantized_layers is not None else self.layers
@@ -213,7 +233,8 @@ class FlatTrunk:
                 h = rms_norm_torch(x, layer.input_norm, eps)
             else:
                 h, residual = rms_norm_torch(x, layer.input_norm, eps, residual)
-            x, residual = layer_pass(h, residual, layer, shape, cos_sin, window, plan, batch)
+            window, plan = plans[cutting_window(layer.window, batch.max_context_len)]
+            x, residual = layer_pass(h, residual, layer, shape, ropes[layer.sliding_rope], window, plan, batch)
         if not feature_layers:
             return x + residual
         return torch.cat([x + residual, *(layer_inputs[i] for i in feature_layers)], dim=-1)

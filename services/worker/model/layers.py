@@ -22,7 +22,7 @@ from services.worker.model.plain_module import PlainModule
 from services.worker.model.rms_norm import rms_norm
 from services.worker.model.rope import rope_frequencies
 from services.worker.model.rotary_apply import apply_rotary
-from services.worker.model.silu_mul import silu_and_mul
+from services.worker.model.gated_activation import gated_activation
 
 
 class TokenEmbedding(nn.Embedding):
@@ -125,7 +125,7 @@ class Attention(PlainModule):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.window = cfg.attention_window
+        self.window = cfg.layer_window(layer_index)
 
     def forward(
         self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch | None,
@@ -165,9 +165,10 @@ class MLP(PlainModule):
         size = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
+        self.act_and_mul = gated_activation(cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(PlainModule):
@@ -175,8 +176,15 @@ class DecoderLayer(PlainModule):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_index)
+        # Llama's norm before the MLP; with sandwich norms (Gemma's), the norm of the attention's output, and
+        # pre_feedforward_layernorm the one before the MLP
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, MLP) if cfg.is_sparse_layer(layer_index) else MLP(cfg)
+        self.sandwich_norms = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sliding_rope = cfg.uses_sliding_rope(layer_index)  # rotates with CausalLM's sliding_rotary
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch | None,
@@ -189,5 +197,8 @@ class DecoderLayer(PlainModule):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, batch, attention_mask)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if not self.sandwich_norms:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual

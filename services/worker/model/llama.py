@@ -62,6 +62,8 @@ class CausalLM(PlainModule):
         self.local_config = cfg if local is None else local
         self.model = DecoderStack(self.local_config)
         self.rotary = Rotary(cfg)
+        # Gemma 3's sliding layers rotate with their own rope (DecoderLayer.sliding_rope); None: every layer alike
+        self.sliding_rotary = Rotary(cfg.sliding_rope_config()) if cfg.sliding_rope_theta is not None else None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.local_config.vocab_size, bias=False)
         self.head_weight_t: torch.Tensor | None = None  # [hidden, vocab] when the CPU layout is in use
@@ -95,8 +97,12 @@ class CausalLM(PlainModule):
         return self.config.hidden_size if self.config.num_mtp_layers else None
 
     def _rope(self, positions: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        num_positions = batch.max_context_len if batch is not None else int(positions.max()) + 1
-        return self.rotary(positions, num_positions)
+        return self.rotary(positions, _num_positions(positions, batch))
+
+    def ropes(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at positions for (the full layers, the sliding layers), looked up once per pass."""
+        cos_sin = self.rotary(positions, num_positions)
+        return cos_sin, cos_sin if self.sliding_rotary is None else self.sliding_rotary(positions, num_positions)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None,
@@ -106,13 +112,13 @@ class CausalLM(PlainModule):
         states [..., hidden], before the final norm; with an EAGLE-3 head attached, followed by the inputs of its
         feature layers: [..., 4 * hidden] (logits and draft_features read their parts). attention_mask: training
         only, [L, L] bool, which positions each row sees (None: causal; a parallel draft model's training rows)."""
-        cos_sin = self._rope(positions, batch)
+        ropes = self.ropes(positions, _num_positions(positions, batch))
         x, residual = self.embed(input_ids), None
         layer_inputs = {}
         for index, layer in enumerate(self.model.layers):
             if index in self.feature_layers:
                 layer_inputs[index] = x if residual is None else x + residual
-            x, residual = layer(x, residual, cos_sin, batch, attention_mask)
+            x, residual = layer(x, residual, ropes[layer.sliding_rope], batch, attention_mask)
         if not self.feature_layers:
             return x + residual
         return torch.cat([x + residual, *(layer_inputs[i] for i in self.feature_layers)], dim=-1)
@@ -174,7 +180,12 @@ class CausalLM(PlainModule):
         return logits if logits.dtype == torch.float32 else logits.float()
 
 
+def _num_positions(positions: torch.Tensor, batch: ForwardBatch | None) -> int:
+    """The rope table's rows a pass reads: a serving batch's longest context, or a training batch's last position."""
+    return batch.max_context_len if batch is not None else int(positions.max()) + 1
+
+
 def scaled_embedding(embeds: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Looked-up embeddings times the config's embedding_multiplier (Granite's; 1 elsewhere, where nothing is paid). Not
-    folded into the table: a tied LM head reads it unscaled."""
+    """Looked-up embeddings times the config's embedding_multiplier (Granite's, Gemma's sqrt(hidden_size); 1
+    elsewhere, where nothing is paid). Not folded into the table: a tied LM head reads it unscaled."""
     return embeds if cfg.embedding_multiplier == 1.0 else embeds * cfg.embedding_multiplier

@@ -30,6 +30,7 @@ class CheckpointError(ValueError):
 TRUNK_PREFIX = "model.layers."
 RESIDUAL_OUTPUTS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight")
 FINAL_NORM = "model.norm.weight"
+NORM_WEIGHT = "norm.weight"  # every RMSNorm's: each layer's (`..._layernorm`, q_norm, k_norm) and the final one
 
 def _shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / SHARD_INDEX
@@ -110,6 +111,8 @@ def place(model: CausalLM, state: dict[str, torch.Tensor], device: str, max_mode
     yet frozen: the caller may still swap modules)."""
     model.load_state_dict(state, assign=True)
     model.rotary = type(model.rotary)(model.config, max_model_len, device)  # meta buffers are rebuilt for real
+    if model.sliding_rotary is not None:
+        model.sliding_rotary = type(model.rotary)(model.config.sliding_rope_config(), max_model_len, device)
     model = model.to(device).eval()
     if model_device(model).type == "cpu":
         use_cpu_layout(model)
@@ -137,11 +140,15 @@ def checkpoint_state(
 def folded_scalar(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """A tensor with the scalar its output is multiplied by folded in (Granite's): residual_multiplier into each
     block's o and down projections (their outputs are all it scales), 1 / logits_scaling into the final norm's weight
-    (whose output only the LM head reads), so no pass pays for them."""
+    (whose output only the LM head reads), so no pass pays for them; and a norm weight stored as an offset (Gemma's)
+    made the factor it stands for."""
     if cfg.residual_multiplier != 1.0 and name.startswith(TRUNK_PREFIX) and name.endswith(RESIDUAL_OUTPUTS):
         return tensor.float() * cfg.residual_multiplier
     if cfg.logits_scaling != 1.0 and name == FINAL_NORM:
         return tensor.float() / cfg.logits_scaling
+    if cfg.norm_weight_offset and name.endswith(NORM_WEIGHT):
+        # Gemma's RMSNorm scales by (offset + weight), summed in float32 (exact where the model is float32)
+        return tensor.float() + cfg.norm_weight_offset
     return tensor
 
 
