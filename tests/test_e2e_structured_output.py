@@ -80,6 +80,34 @@ def test_json_object_choices_and_regexes_hold(mesh: Mesh, client: openai.OpenAI)
     assert re.fullmatch(r"\d{3}-\d{4}", text)
 
 
+# A structural tag whose trigger the demo model writes often: every `def` it writes opens a JSON object naming the
+# function, on one line
+DEF_TAG = {"type": "structural_tag", "triggers": ["def"], "structures": [{"begin": "def ", "end": "\n", "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z_]{1,12}$"}}, "required": ["name"],
+    "additionalProperties": False}}]}
+DEF_STRUCTURE = re.compile(r"def (\{[^\n]*\})\n")
+
+
+def test_a_structural_tag_keeps_prose_and_makes_each_triggered_structure_exact(
+    mesh: Mesh, client: openai.OpenAI
+) -> None:
+    """vLLM's response_format (and structured_outputs) structural_tag: wherever the text holds the trigger, the
+    structure follows, whole and streamed alike; text around it stays free."""
+    structures = 0
+    for seed in range(4):
+        request = dict(model=mesh.model, prompt="import os\n\n", max_tokens=64, temperature=1.0, seed=seed)
+        text = client.completions.create(extra_body={"response_format": DEF_TAG}, **request).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            stream=True, extra_body={"structured_outputs": {"structural_tag": json.dumps(DEF_TAG)}}, **request)
+            if c.choices)
+        assert streamed == text
+        for found in DEF_STRUCTURE.finditer(text):
+            assert set(json.loads(found.group(1))) == {"name"}
+            structures += 1
+        assert text.count("def") == len(DEF_STRUCTURE.findall(text)) + text.endswith(("def", "def "))
+    assert structures > 0
+
+
 def test_a_constraint_that_does_not_compile_is_a_400_naming_it(mesh: Mesh, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=mesh.model, prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})

@@ -96,6 +96,20 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"extra_body": {"best_of": 2}}, "best_of"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
         ({"extra_body": {"include_reasoning": False}}, "include_reasoning"),
+        # vLLM's structural tags: every structure begins with a trigger; xgrammar's newer formats are refused by name
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                               "structures": [{"begin": "<g=", "schema": {}, "end": ">"}]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f=", "schema": {}, "end": ">"}]}},
+         "response_format.triggers"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                              "structures": [{"begin": "<f=", "end": ">"}]}}, "response_format.structures.[0].schema"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+         "response_format.format"),
+        ({"response_format": {"type": "json_object", "triggers": ["<f="]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+            {"begin": "<f=", "schema": {"type": "wrong"}, "end": ">"}]}}, "response_format"),
+        ({"extra_body": {"structured_outputs": {"structural_tag": "{not json"}}}, "structured_outputs.structural_tag"),
+        ({"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
         ({"stream": True, "stream_options": {"continuous_usage_stat": True}}, "stream_options.continuous_usage_stat"),
     ],
 )

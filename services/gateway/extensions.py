@@ -62,7 +62,8 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
         Refused("guided_whitespace_pattern", (), "JSON is generated compact, with no free whitespace"),
-        Refused("structural_tag", (), "structural tags are not implemented"),
+        Refused("structural_tag", (), "a structural tag goes in response_format (type \"structural_tag\") or "
+                "structured_outputs.structural_tag"),
         # OpenAI's own chat fields that the request models do not declare: refused in the same way.
         Refused(
             "functions", (), "the legacy functions are not supported; offer them as tools, each "

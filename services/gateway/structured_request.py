@@ -1,6 +1,6 @@
 """What a request constrains its output to, in every spelling clients use: OpenAI's `response_format`
-(`json_object`, `json_schema` with `strict`), vLLM's `structured_outputs` object and its older `guided_json`,
-`guided_regex`, `guided_choice` and `guided_grammar`. One constraint per request; each becomes a
+(`json_object`, `json_schema` with `strict`; vLLM's `structural_tag`), vLLM's `structured_outputs` object and its
+older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`. One constraint per request; each becomes a
 shared.structured.StructuredOutput, compiled by the gateway against the model's tokenizer before the request is
 queued, so a schema the grammar engine cannot compile is a 400 naming the problem.
 """
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shared.structured import StructuredError, StructuredKind, StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.errors import bad_request
+from services.gateway.structural_tag import StructuralTag, TagStructure, structural_tag_lark
 
 COMPILED_KEPT = 256  # constraints whose compilation the gateway remembers
 # vLLM's per-request grammar engine choice: any that this server's engine (llguidance) stands in for is accepted.
@@ -45,8 +46,12 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag" (vLLM's): services/gateway/structural_tag.py
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict | None = None  # xgrammar's newer structural tag formats: refused by name
 
     @field_validator("json_schema")
     @classmethod
@@ -54,6 +59,13 @@ class ResponseFormat(BaseModel):
         if value is not None and value.schema_ is None:
             raise ValueError("response_format.json_schema needs a `schema`")
         return value
+
+    @model_validator(mode="after")
+    def _tag_fields_with_their_type(self) -> "ResponseFormat":
+        stray = [name for name in ("structures", "triggers", "format") if getattr(self, name) is not None]
+        if stray and self.type != "structural_tag":
+            raise ValueError(f'{", ".join(stray)} belong to type "structural_tag", not {self.type!r}')
+        return self
 
 
 class StructuredOutputsOptions(BaseModel):
@@ -66,6 +78,7 @@ class StructuredOutputsOptions(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None  # vLLM takes it as JSON text; its object is taken too
 
 
 def check_backend(value: str | None) -> str | None:
@@ -85,6 +98,9 @@ def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
             found.append(("response_format", StructuredOutput(kind="json_object")))
+        elif response_format.type == "structural_tag":
+            found.append(("response_format", _structural_tag("response_format", response_format.model_dump(
+                by_alias=True, exclude_none=True, exclude={"json_schema"}))))
         elif response_format.json_schema is None:
             raise bad_request('response_format of type "json_schema" needs a `json_schema` object',
                               param="response_format")
@@ -112,7 +128,30 @@ def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOut
             found.append((f"structured_outputs.{name}", _constraint(f"structured_outputs.{name}", name, value)))
     if options.json_object:
         found.append(("structured_outputs.json_object", StructuredOutput(kind="json_object")))
+    if options.structural_tag is not None:
+        found.append(("structured_outputs.structural_tag",
+                      _structural_tag("structured_outputs.structural_tag", options.structural_tag)))
     return found
+
+
+def _structural_tag(param: str, value: dict | str) -> StructuredOutput:
+    """The structural tag as its grammar (structural_tag.py); a 400 naming the parameter where it is malformed."""
+    try:
+        raw = orjson.loads(value) if isinstance(value, str) else value
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"{param} is not JSON: {exc}", param=param) from None
+    if isinstance(raw, dict) and "format" in raw:
+        raise bad_request(
+            f"{param}.format: xgrammar's structural tag formats are not implemented; send `structures` (begin, "
+            "schema, end) and `triggers`", param=f"{param}.format",
+        )
+    try:
+        tag = StructuralTag.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(f"[{part}]" if isinstance(part, int) else str(part) for part in error["loc"])
+        raise bad_request(f"{param}: {error['msg']}", param=f"{param}.{where}" if where else param) from None
+    return _structured(param, "grammar", structural_tag_lark(tag))
 
 
 def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:

@@ -1,0 +1,65 @@
+"""vLLM's structural tags (services/gateway/structural_tag.py) as the grammar engine reads them, on the demo model's
+tokenizer: text with no trigger, or text in which each trigger opens one of the structures it begins, its JSON
+following the schema and closed by its end, then text again; nothing else."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+
+from services.gateway.structural_tag import StructuralTag, structural_tag_lark
+from shared.config import DEFAULT_MODEL_DIR
+from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
+from shared.tokenizer import Tokenizer
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TAG = StructuralTag.model_validate({"type": "structural_tag", "triggers": ["<function=", "<tool>"], "structures": [
+    {"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"},
+    {"begin": "<function=get_time>", "schema": {"type": "object", "properties": {}}, "end": "</function>"},
+    {"begin": "<tool>", "schema": {"type": "integer"}, "end": ""},
+]})
+
+
+@pytest.fixture(scope="module")
+def accepts():
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    ll = ll_tokenizer(DEFAULT_MODEL_DIR, tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=structural_tag_lark(TAG)))
+    check(grammar, ll)
+
+    def whole(text: str) -> bool:
+        """Whether the grammar takes `text` as a whole answer (its tokens, then the end)."""
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.consume_tokens(ids) and not matcher.is_error() and matcher.is_accepting()
+
+    return whole
+
+
+@pytest.mark.parametrize("text", [
+    "", "plain text, <function without its sign", "say\n<function=get_weather>{\"city\":\"Paris\"}</function> then",
+    "<function=get_time>{}</function><function=get_weather>{\"city\":\"Oslo\"}</function>", "n=<tool>42 and on",
+])
+def test_text_and_triggered_structures_are_taken(accepts, text: str) -> None:
+    assert accepts(text)
+
+
+@pytest.mark.parametrize("text", [
+    "<function=get_date>{}</function>",  # no structure begins so
+    "<function=get_weather>{\"town\":\"Paris\"}</function>",  # not the schema's object
+    "<function=get_weather>{\"city\":\"Paris\"}",  # not closed
+    "<function=get_weather> {\"city\":\"Paris\"}</function>",  # JSON compact, as every constraint's
+    "<tool>x",
+])
+def test_a_trigger_goes_on_as_a_structure_or_not_at_all(accepts, text: str) -> None:
+    assert not accepts(text)
+
+
+@pytest.mark.parametrize("tag,problem", [
+    ({"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {}, "end": ""}]}, "starts with none"),
+    ({"triggers": ["<f", "<fn"], "structures": [{"begin": "<fn", "schema": {}, "end": ""}]}, "is part of"),
+    ({"triggers": [""], "structures": [{"begin": "<fn", "schema": {}, "end": ""}]}, "empty"),
+])
+def test_triggers_that_could_never_open_a_structure_are_refused(tag: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        StructuralTag.model_validate(tag)
