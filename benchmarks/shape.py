@@ -1,7 +1,8 @@
 """Real-size model shapes without their weights, for the benchmarks' `--shape NAME`.
 
 benchmarks/shapes/<name>/config.json holds a published checkpoint's hyperparameters (Qwen2.5-0.5B, -1.5B, -7B,
-Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B, Mistral-7B-v0.3); the engine loads it with random weights (load format "dummy",
+Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B, Mistral-7B-v0.3, Gemma-3-1B); the engine loads it
+with random weights (load format "dummy",
 services/worker/model/dummy.py), and transformers gets a twin with the same values, so the two still decode the
 same greedy tokens. Only speed means anything with random weights: text is noise and drafts are rarely accepted.
 
@@ -21,7 +22,7 @@ import torch
 from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import dummy_state_dict
 from services.worker.model.llama import CausalLM
-from services.worker.model.loader import load_model
+from services.worker.model.loader import NORM_WEIGHT, load_model
 from services.worker.model.weights import split_projections
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
@@ -76,7 +77,7 @@ def transformers_model(model_dir: Path, load_format: str, dtype: torch.dtype, de
     hf_config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         twin = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    state = split_projections(_stacked_experts(dummy_state_dict(shell, dtype, device), cfg), cfg)
+    state = split_projections(_stacked_experts(_offset_norms(dummy_state_dict(shell, dtype, device), cfg), cfg), cfg)
     loaded = twin.load_state_dict(state, strict=False)
     # A tied head is the embedding itself in both models; MTP modules have no place in transformers'.
     missing = set(loaded.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
@@ -85,6 +86,14 @@ def transformers_model(model_dir: Path, load_format: str, dtype: torch.dtype, de
         raise ValueError(f"dummy weights do not fit transformers' model: missing {sorted(missing)[:5]}, "
                          f"unexpected {unexpected[:5]}")
     return twin.eval()
+
+
+def _offset_norms(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Norm weights as a checkpoint stores them where they are offsets (Gemma's): specmesh folds the offset in at
+    load (model/loader.py), so its dummy weights are the factors."""
+    if not cfg.norm_weight_offset:
+        return state
+    return {k: v - cfg.norm_weight_offset if k.endswith(NORM_WEIGHT) else v for k, v in state.items()}
 
 
 def _stacked_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -37,17 +37,19 @@ PUBLISHED_PARAMETERS = {
     "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
     "qwen3-30b-a3b": 30_532_122_624,  # the model card's 30.5B (3.3B active)
     "mistral-7b": 7_248_023_552,  # Mistral-7B-v0.3
+    "gemma-3-1b": 999_885_952,
 }
 ROPE_TYPES = {"qwen2.5-0.5b": "default", "qwen2.5-1.5b": "default", "qwen2.5-7b": "default",
               "llama-3.2-1b": "llama3", "llama-3.1-8b": "llama3", "qwen3-0.6b": "default", "qwen3-8b": "default",
-              "qwen3-30b-a3b": "default", "mistral-7b": "default"}
+              "qwen3-30b-a3b": "default", "mistral-7b": "default", "gemma-3-1b": "default"}
+SLIDING_WINDOWS = {"gemma-3-1b": 512}  # five of every six layers; the other shapes window none
 
 
 def _config_dir(path: Path, kind: str = "qwen2", **overrides) -> Path:
     """config.json alone: no weights, no tokenizer."""
     arch = {
         "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
     }[kind]
     config = MODEL_SHAPE | dict(architectures=[arch], model_type=kind, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID,
                                 bos_token_id=EOS_ID, tie_word_embeddings=False) | overrides
@@ -103,9 +105,12 @@ def test_engine_steps_a_dummy_model_without_a_tokenizer(tmp_path: Path) -> None:
 
 def test_transformers_twin_holds_the_dummy_weights(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    for kind, tied in (("llama", True), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False)):
-        experts = MOE_SHAPE if kind == "qwen3_moe" else {}
-        model_dir = _config_dir(tmp_path / kind, kind, tie_word_embeddings=tied, **experts)
+    for kind, tied in (("llama", True), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False), ("gemma3", True)):
+        extra = MOE_SHAPE if kind == "qwen3_moe" else {}
+        if kind == "gemma3":  # its norms are offsets in transformers' model; a window the prompt outgrows
+            extra = dict(model_type="gemma3_text", head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"])
+        model_dir = _config_dir(tmp_path / kind, kind, tie_word_embeddings=tied, **extra)
         ours = load_model(model_dir, load_format="dummy")
         twin = shape.transformers_model(model_dir, "dummy", torch.float32, "cpu")
         ids = torch.tensor([shape.random_prompt(VOCAB_SIZE, 24)])
@@ -122,7 +127,7 @@ def test_benchmark_shapes_have_their_published_sizes(name: str) -> None:
         model = CausalLM(cfg)
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
     assert cfg.rope_scaling.rope_type == ROPE_TYPES[name]
-    assert cfg.sliding_window is None
+    assert cfg.sliding_window == SLIDING_WINDOWS.get(name)
 
 
 def test_the_mesh_refuses_a_model_directory_without_a_tokenizer(tmp_path: Path) -> None:
