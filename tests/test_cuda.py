@@ -15,6 +15,7 @@ from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.paged_attention import paged_attention_torch
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_torch
+from services.worker.model.gated_activation import gelu_tanh_and_mul_torch
 from services.worker.model.silu_mul import silu_and_mul_torch
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES,
@@ -107,6 +108,7 @@ def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> No
     from kernels.kv_write import kv_write_launch
     from kernels.rms_norm import rms_norm_launch
     from kernels.rotary import rotary_launch
+    from kernels.gelu_mul import gelu_mul_launch
     from kernels.silu_mul import silu_mul_launch
 
     generator = torch.Generator().manual_seed(1)
@@ -130,6 +132,7 @@ def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> No
 
     gate_up = 4 * randn(TOKENS, 2 * INTERMEDIATE)
     _assert_close(silu_mul_launch(gate_up), silu_and_mul_torch(gate_up))
+    _assert_close(gelu_mul_launch(gate_up), gelu_tanh_and_mul_torch(gate_up))
 
     pool = (64, 16, KV_HEADS, HEAD_DIM)
     got_keys, got_values = torch.zeros(pool, dtype=dtype, device="cuda"), torch.zeros(pool, dtype=dtype, device="cuda")

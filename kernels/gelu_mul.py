@@ -1,0 +1,71 @@
+"""tanh-GELU-and-multiply over the merged gate/up projection (Gemma's GeGLU): out = gelu_tanh(gate) * up, where gate
+and up are the two halves of each row of gate_up [..., 2 * width]. Twin:
+services/worker/model/gated_activation.gelu_tanh_and_mul.
+
+gelu_tanh(x) = x / 2 * (1 + tanh(y)), y = sqrt(2 / pi) * (x + 0.044715 x^3): torch's F.gelu(approximate="tanh").
+The kernel computes it as x * sigmoid(2y) = x / (1 + exp(-2y)), the same function: it needs no tanh, saturates
+cleanly at both ends, and has no cancellation where 1 + tanh(y) is small (x well below zero). Layout: one program per (row, tile of BLOCK columns). The activation is computed in float32 and
+rounded to the model dtype before the product, which is rounded again: the two roundings of torch's eager
+`F.gelu(gate) * up` in that dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.rounding import cast
+
+BLOCK = 1024
+NUM_WARPS = 4
+SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+CUBIC = tl.constexpr(0.044715)  # the tanh approximation's cubic coefficient
+
+
+@triton.jit
+def _gelu_mul_kernel(
+    gate_up_ptr,  # [rows, 2 * width], the last dim contiguous
+    out_ptr,  # [rows, width], contiguous
+    width,
+    stride_gate_up,
+    BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # CPU tensors in Triton's interpreter: bfloat16 rounding done on the bits
+):
+    dtype = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    gate_row = gate_up_ptr + row * stride_gate_up
+    gate = tl.load(gate_row + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(gate_row + width + cols, mask=inside, other=0.0).to(tl.float32)
+    inner = SQRT_2_OVER_PI * (gate + CUBIC * gate * gate * gate)
+    gelu = cast(gate / (1.0 + tl.exp(-2.0 * inner)), dtype, INTERPRETED).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, cast(gelu * up, dtype, INTERPRETED), mask=inside)
+
+
+def gelu_mul_launch(gate_up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up [..., width] from gate_up [..., 2 * width], in its dtype. Launches the kernel (CUDA
+    tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    assert gate_up.dim() >= 1, "gate_up must be [..., 2 * width]"
+    assert gate_up.shape[-1] % 2 == 0, f"gate_up's last dim {gate_up.shape[-1]} must be 2 * width"
+    assert gate_up.is_floating_point(), f"gate_up must be floating point, got {gate_up.dtype}"
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * width)  # [rows, 2 * width]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)  # [rows, width]
+    if out.numel() > 0:
+        _gelu_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK))](
+            rows,
+            out,
+            width,
+            rows.stride(0),
+            BLOCK=BLOCK,
+            INTERPRETED=gate_up.device.type == "cpu",  # CPU tensors reach the kernel only under the interpreter
+            num_warps=NUM_WARPS,
+        )
+    return out.view(*gate_up.shape[:-1], width)
