@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from services.worker.engine.kv_budget import check_budget
 from services.worker.model.config import ModelConfig, UnsupportedModelError
+from services.worker.model.config import context_length as model_context_length
 from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.tokenizer import TOKENIZER_FILE
@@ -54,14 +55,13 @@ def speculative_config(text: str) -> str:
 
 
 def context_length(model: Path) -> int | None:
-    """The model's trained context (config.json max_position_embeddings), when its config names one."""
+    """The model's trained context (config.json max_position_embeddings, or its architecture's default), when known."""
     check_model_dir(model)
     try:
         raw = json.loads((Path(model) / MODEL_CONFIG_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read {Path(model) / MODEL_CONFIG_FILE}: {exc}") from exc
-    value = raw.get(CONTEXT_LENGTH_KEY) if isinstance(raw, dict) else None
-    return value if isinstance(value, int) else None
+    return model_context_length(raw) if isinstance(raw, dict) else None
 
 
 def resolve_max_model_len(requested: int | None, limit: int | None, model: Path) -> int:

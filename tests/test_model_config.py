@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.model.config import ModelConfig, UnsupportedModelError
+from services.worker.model.config import ModelConfig, UnsupportedModelError, context_length
 
 LLAMA = dict(
     architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -155,3 +155,41 @@ def test_gemma3_reads_a_published_config_as_transformers_does(raw: dict) -> None
 def test_gemma3_switches_it_does_not_implement_are_refused_by_name(key: str, value) -> None:
     with pytest.raises(UnsupportedModelError, match=key):
         ModelConfig.from_dict(GEMMA3_1B | {key: value})
+
+
+# google/gemma-3-4b-it's config.json as published: the language model's keys under text_config, most of them left to
+# Gemma3TextConfig's defaults
+GEMMA3_4B = dict(
+    architectures=["Gemma3ForConditionalGeneration"], boi_token_index=255999, eoi_token_index=256000,
+    eos_token_id=[1, 106], image_token_index=262144, initializer_range=0.02, mm_tokens_per_image=256,
+    model_type="gemma3", torch_dtype="bfloat16", text_config=dict(
+        hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024,
+    ),
+    vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",
+                       num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False),
+)
+
+
+def test_a_vision_language_gemma3_is_read_as_its_language_model() -> None:
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.Gemma3Config.from_dict(GEMMA3_4B).text_config
+    cfg = ModelConfig.from_dict(GEMMA3_4B)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (
+        theirs.vocab_size, theirs.hidden_size, theirs.intermediate_size, theirs.num_hidden_layers)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings) == (
+        theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.max_position_embeddings)
+    assert list(cfg.layer_types) == theirs.layer_types
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [
+        theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types]
+    full = theirs.rope_parameters["full_attention"]
+    assert (cfg.rope_theta, cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == (
+        full["rope_theta"], full["rope_type"], full["factor"])
+    assert cfg.sliding_rope_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
+    assert cfg.tie_word_embeddings and cfg.attention_scale == theirs.query_pre_attn_scalar ** -0.5
+    assert context_length(GEMMA3_4B) == theirs.max_position_embeddings  # what max_model_len defaults to
+    assert context_length(GEMMA3_1B) == GEMMA3_1B["max_position_embeddings"]
+    with pytest.raises(UnsupportedModelError, match="text_config"):
+        ModelConfig.from_dict({k: v for k, v in GEMMA3_4B.items() if k != "text_config"})
+    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
+        ModelConfig.from_dict(GEMMA3_4B | dict(text_config=GEMMA3_4B["text_config"] | {"final_logit_softcapping": 30}))

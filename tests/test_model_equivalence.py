@@ -99,6 +99,29 @@ def test_sliding_layers_of_qwen_match_transformers(tmp_path: Path, kind: str) ->
     assert (cached - expected).abs().max().item() <= TOLERANCE
 
 
+def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration: the language model's tensors read from under `language_model.`, the vision
+    tower's left out; on text its logits are transformers' vision-language model's."""
+    torch.manual_seed(SEED)
+    text = random_causal_lm("gemma3", **SHAPE).config
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    reference = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB_SIZE - 3,
+        boi_token_index=VOCAB_SIZE - 2, eoi_token_index=VOCAB_SIZE - 1))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    reference.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    ids = torch.randint(0, VOCAB_SIZE - 3, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.eval()(input_ids=ids).logits
+        got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
     with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):

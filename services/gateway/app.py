@@ -34,6 +34,7 @@ from services.gateway.limits import GatewayLimits
 from shared.prefix_router import DEFAULT_BUSY_MARGIN, PrefixRouter
 from services.gateway.protocol import DEFAULT_MAX_N
 from services.gateway.router import ChunkRouter
+from services.worker.model.config import context_length
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared.schemas import MAX_REQUEST_CHOICES
 from shared import streams
@@ -70,11 +71,12 @@ class GatewayConfig(BaseModel):
 
 
 def model_position_limit(model_dir: Path) -> int | None:
-    """The model's trained context (config.json max_position_embeddings), when the directory says."""
+    """The model's trained context (config.json max_position_embeddings, or its architecture's default), when the
+    directory says."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text()).get("max_position_embeddings")
+    return context_length(json.loads(path.read_text()))
 
 
 class Gateway:

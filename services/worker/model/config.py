@@ -11,6 +11,7 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "SeedOssForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
@@ -38,13 +39,18 @@ _QWEN3_DENSE = "Qwen3ForCausalLM"
 _SEED_OSS = "SeedOssForCausalLM"
 # Qwen3Config's and SeedOssConfig's head_dim where config.json has none (not hidden_size / heads, as elsewhere,
 # Qwen3-MoE included)
-_DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128, "Gemma3ForCausalLM": 256}
+_DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128}
 # Google's Gemma 3 (text): sliding-window layers beside full ones, each kind with its own rope; RMSNorm weights
 # stored as offsets from 1; a norm on each sublayer's output too; a tanh-GELU-gated MLP; embeddings times
 # sqrt(hidden_size); attention scaled by query_pre_attn_scalar ** -0.5. Gemma3TextConfig's defaults where
 # config.json is silent:
 _GEMMA3 = "Gemma3ForCausalLM"
+# Gemma 3 4B-27B: the same language model beside a vision tower, its config under text_config (which published
+# checkpoints leave mostly to these defaults); served on text alone (model/language_model_layout.py)
+GEMMA3_VISION_LANGUAGE = "Gemma3ForConditionalGeneration"
 _GEMMA3_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6,
     sliding_window=4096, sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
     rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh",
 )
@@ -56,7 +62,7 @@ _GEMMA3_REFUSED = ("attn_logit_softcapping", "final_logit_softcapping", "use_bid
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
-    "GraniteForCausalLM": 2048, _SEED_OSS: 524288, _GEMMA3: 131072,
+    "GraniteForCausalLM": 2048, _SEED_OSS: 524288,
 }
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -262,11 +268,16 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"specmesh serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == GEMMA3_VISION_LANGUAGE:
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise UnsupportedModelError(f"{arch}: config.json has no text_config")
+            raw = {**raw, **text}
         _refuse_unsupported_keys(raw, arch)
+        if arch in (_GEMMA3, GEMMA3_VISION_LANGUAGE):
+            return cls._gemma3(raw, arch)
         heads = raw["num_attention_heads"]
         max_positions = raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
-        if arch == _GEMMA3:
-            return cls._gemma3(raw, max_positions)
         key = next((k for k in ROPE_KEYS if raw.get(k)), ROPE_KEYS[-1])
         rope = dict(raw.get(key) or {})
         return cls(
@@ -297,9 +308,10 @@ class ModelConfig:
         )
 
     @classmethod
-    def _gemma3(cls, raw: dict, max_positions: int) -> "ModelConfig":
+    def _gemma3(cls, raw: dict, architecture: str) -> "ModelConfig":
         window = raw.get("sliding_window", _GEMMA3_DEFAULTS["sliding_window"])  # null: sliding layers see all
         raw = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        max_positions = raw["max_position_embeddings"]
         heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or (
             SLIDING_ATTENTION if (i + 1) % raw["sliding_window_pattern"] else FULL_ATTENTION for i in range(layers)
@@ -311,16 +323,16 @@ class ModelConfig:
             raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
         full, sliding = _gemma3_ropes(raw, max_positions)
         return cls(
-            architecture=_GEMMA3,
+            architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=_head_dim(raw, _GEMMA3),
+            head_dim=raw["head_dim"],
             rope_theta=full[0],
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
             attention_bias=False,
@@ -372,6 +384,17 @@ def _attention_window(raw: dict, arch: str) -> int | None:
     return None
 
 
+def context_length(raw: dict) -> int | None:
+    """The model's trained context as specmesh reads config.json: max_position_embeddings (under text_config for a
+    vision-language checkpoint, the architecture's default where the file is silent), or for a config specmesh
+    does not serve the top-level key if any."""
+    try:
+        return ModelConfig.from_dict(raw).max_position_embeddings
+    except (UnsupportedModelError, KeyError, TypeError, ValueError):
+        value = raw.get("max_position_embeddings")
+        return value if isinstance(value, int) else None
+
+
 def torch_float32(value: float) -> float:
     """value rounded to float32, as a scalar transformers keeps in a float32 tensor is."""
     return struct.unpack("f", struct.pack("f", value))[0]
@@ -417,7 +440,7 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
     """Config keys that change the math in transformers' Llama or Qwen2 and that specmesh does not implement."""
     if raw.get("quantization_config"):
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
-    if arch == _GEMMA3:
+    if arch in (_GEMMA3, GEMMA3_VISION_LANGUAGE):
         _refuse_gemma3_keys(raw)
         return
     act = raw.get("hidden_act", SILU_NAMES[0])

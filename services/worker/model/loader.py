@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import dummy_state_dict
+from services.worker.model.language_model_layout import language_model_weights
 from services.worker.model.llama import CausalLM
 from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
 from services.worker.model.transposed import use_cpu_layout
@@ -123,7 +124,7 @@ def checkpoint_state(
     model_dir: Path, cfg: ModelConfig, expected: set[str], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the model's parameter names, in dtype, refusing gaps and extras."""
-    state = merge_projections(normalize_mtp_weights(load_state_dict(model_dir), cfg))
+    state = merge_projections(normalize_mtp_weights(language_model_weights(load_state_dict(model_dir), cfg), cfg))
     has_mtp = any(k.startswith(MTP_PREFIX) for k in state)
     if cfg.num_mtp_layers and not has_mtp:
         raise CheckpointError(f"config.json declares {cfg.num_mtp_layers} MTP layers but the checkpoint has none")
