@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -106,8 +105,9 @@ def think_lark(think_first: ThinkFirst, open_tag: ThinkTag, close_tag: ThinkTag)
 
 
 def lark_regex_literal(text: str) -> str:
-    """`text` matched literally inside a Lark /regex/."""
-    return re.escape(text).replace("/", "\\/")
+    """`text` matched literally inside a Lark /regex/: every character but a letter or digit as its code point, so
+    none reads as syntax, the regex's own slash or a line break included."""
+    return _regex_literal(text)
 
 
 def _top_level(grammar: str) -> dict:

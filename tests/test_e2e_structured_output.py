@@ -106,6 +106,16 @@ def test_a_structural_tag_keeps_prose_and_makes_each_triggered_structure_exact(
             structures += 1
         assert text.count("def") == len(DEF_STRUCTURE.findall(text)) + text.endswith(("def", "def "))
     assert structures > 0
+    # Beside tools under auto its free text could write the calls' tag: refused; forced calls hold no text for it
+    messages = [{"role": "user", "content": "Paris?"}]
+    with pytest.raises(openai.BadRequestError) as beside_tools:
+        client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=8,
+                                       extra_body={"response_format": DEF_TAG})
+    assert beside_tools.value.body["param"] == "response_format"
+    forced = client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=64,
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            extra_body={"response_format": DEF_TAG})
+    assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 def test_a_constraint_that_does_not_compile_is_a_400_naming_it(mesh: Mesh, client: openai.OpenAI) -> None:

@@ -76,6 +76,14 @@ def test_sliding_layers_are_windowed_as_transformers_derives_them(raw: dict) -> 
     cfg.check_served_length(4 * WINDOW)
 
 
+def test_qwen3_moe_windows_every_layer_as_transformers_does() -> None:
+    raw = QWEN3 | dict(architectures=["Qwen3MoeForCausalLM"], use_sliding_window=True, sliding_window=WINDOW,
+                       max_window_layers=2)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.attention_window == WINDOW and not cfg.layer_types  # every layer, so the engine frees old blocks
+    assert ModelConfig.from_dict(raw | dict(use_sliding_window=False)).attention_window is None
+
+
 def test_sliding_window_without_sliding_layers_is_accepted() -> None:
     raw = QWEN2 | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=QWEN2["num_hidden_layers"])
     cfg = ModelConfig.from_dict(raw)
@@ -193,3 +201,12 @@ def test_a_vision_language_gemma3_is_read_as_its_language_model() -> None:
         ModelConfig.from_dict({k: v for k, v in GEMMA3_4B.items() if k != "text_config"})
     with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
         ModelConfig.from_dict(GEMMA3_4B | dict(text_config=GEMMA3_4B["text_config"] | {"final_logit_softcapping": 30}))
+
+
+def test_a_dynamic_rope_of_the_sliding_layers_bounds_the_served_length() -> None:
+    ropes = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
+    cfg = ModelConfig.from_dict(GEMMA3_1B | dict(rope_parameters=ropes))
+    cfg.check_served_length(cfg.max_position_embeddings)
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        cfg.check_served_length(cfg.max_position_embeddings + 1)

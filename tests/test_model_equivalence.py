@@ -76,12 +76,14 @@ def test_cached_prefill_then_verify_matches_full_forward(tmp_path: Path, kind: s
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe"])
 def test_sliding_layers_of_qwen_match_transformers(tmp_path: Path, kind: str) -> None:
-    """use_sliding_window with layers from max_window_layers on sliding: a window of 8 over 23 positions, in one
-    pass, and prefilled into the cache then verified against it."""
+    """use_sliding_window with layers from max_window_layers on sliding (Qwen3-MoE: every layer, whatever
+    max_window_layers says): a window of 8 over 23 positions, in one pass, and prefilled into the cache then
+    verified against it."""
     reference = _save_tiny(kind, False, tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    assert reference.config.layer_types == ["full_attention", "sliding_attention"]
+    if kind != "qwen3_moe":
+        assert reference.config.layer_types == ["full_attention", "sliding_attention"]
     ours = load_model(tmp_path)
     ids = torch.randint(0, VOCAB_SIZE, (1, 23), generator=torch.Generator().manual_seed(3))
     cache = KVCache(ours.num_cache_layers, 4, 64, ours.config.num_key_value_heads, ours.config.head_dim,
@@ -97,6 +99,17 @@ def test_sliding_layers_of_qwen_match_transformers(tmp_path: Path, kind: str) ->
         cached = torch.cat([run(ids[:, :15], 0), run(ids[:, 15:], 15)], dim=1)
     assert (whole - expected).abs().max().item() <= TOLERANCE
     assert (cached - expected).abs().max().item() <= TOLERANCE
+
+
+def test_gemma3_scales_its_embeddings_in_the_models_dtype(tmp_path: Path) -> None:
+    """sqrt(72) is 8.485 in float32 and 8.5 in bfloat16, where transformers scales by the latter."""
+    torch.manual_seed(SEED)
+    random_causal_lm("gemma3", **SHAPE | dict(hidden_size=72)).save_pretrained(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        assert torch.equal(ours.embed(ids), reference.model.embed_tokens(ids))
 
 
 def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path) -> None:

@@ -55,6 +55,29 @@ def test_a_trigger_goes_on_as_a_structure_or_not_at_all(accepts, text: str) -> N
     assert not accepts(text)
 
 
+def test_triggers_and_tags_with_line_breaks_and_regex_syntax_are_literal(accepts) -> None:
+    tag = StructuralTag.model_validate({"triggers": ["\n<call>", "[/$"], "structures": [
+        {"begin": "\n<call>", "schema": {"type": "integer"}, "end": "\t</call>"},
+        {"begin": "[/$(", "schema": {"enum": ["a"]}, "end": ")"}]})
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    ll = ll_tokenizer(DEFAULT_MODEL_DIR, tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    grammar = grammar_of(StructuredOutput(kind="grammar", spec=structural_tag_lark(tag)))
+    check(grammar, ll)
+    for text, taken in (("x\n<call>7\t</call> and [/$(\"a\") ok", True), ("x\n<call>7</call>", False),
+                        ("[/$x", False), ("a\n<cal", True)):
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        ok = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        assert (ok and not matcher.is_error() and matcher.is_accepting()) == taken, text
+
+
+def test_a_schema_may_be_json_text_or_left_out_for_any_json_value() -> None:
+    """As vLLM's StructuralTag: `schema` optional (any JSON value), and xgrammar's JSON text taken."""
+    tag = StructuralTag.model_validate({"triggers": ["<a>"], "structures": [
+        {"begin": "<a>", "end": "</a>"}, {"begin": "<a>", "schema": None, "end": ";"},
+        {"begin": "<a>", "schema": '{"type": "integer"}', "end": "!"}]})
+    assert [s.schema_ for s in tag.structures] == [{}, {}, {"type": "integer"}]
+
+
 @pytest.mark.parametrize("tag,problem", [
     ({"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {}, "end": ""}]}, "starts with none"),
     ({"triggers": ["<f", "<fn"], "structures": [{"begin": "<fn", "schema": {}, "end": ""}]}, "is part of"),

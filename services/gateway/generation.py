@@ -40,7 +40,7 @@ from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.budget import thinking_budget
 from services.gateway.reasoning.parser import ReasoningFormat, opening_tag
-from services.gateway.structured_request import compiled, structured_output
+from services.gateway.structured_request import compiled, holds_free_text, structured_output
 from services.gateway.tools.formats import FORMAT_NAMES, FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
@@ -144,6 +144,13 @@ class Generator:
         if api == "chat":
             answer = None
             if constraint is not None and body.tool_fields.parses_calls and body.tool_fields.callable:
+                if holds_free_text(body) and body.tool_fields.beside_answer(True):
+                    raise bad_request(
+                        f"{constraint[0]}: a structural tag does not go with tools under tool_choice \"auto\": its "
+                        "free text could write a call's tag, read as a call no grammar checked; make the calls one of "
+                        "its structures (with tool_choice \"none\"), or force them",
+                        param=constraint[0],
+                    )
                 answer = await asyncio.to_thread(compiled, constraint, tokenizer.model_dir, tokenizer.vocab_size,
                                                  tokenizer.eos_token_ids)
             tool_calls = tool_constraint(body, tool_format, opening_tag(reasoning), answer)

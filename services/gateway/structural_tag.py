@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.json_schema import closed_objects
 from shared.structured import JSON_OPTIONS, lark_regex_literal
@@ -22,11 +22,26 @@ TEXT_LEXEME = "TEXT"  # text that holds no trigger
 
 
 class TagStructure(BaseModel):
+    """One structure: its `begin`, JSON following `schema` (JSON text is taken too; none: any JSON value, as vLLM's
+    optional schema), its `end`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     begin: str = Field(min_length=1)
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     end: str
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_text_or_none(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"schema is not JSON: {exc}") from None
+        return value
 
 
 class StructuralTag(BaseModel):

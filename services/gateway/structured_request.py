@@ -120,6 +120,15 @@ def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
     return found[0] if found else None
 
 
+def holds_free_text(body: Any) -> bool:
+    """Whether the request's output constraint lets the answer be any text around its structures (a structural
+    tag): beside tools under `auto` such text could write a call's tag, which the format would read as a call."""
+    response_format = body.response_format
+    options = body.structured_outputs
+    return (response_format is not None and response_format.type == "structural_tag") or (
+        options is not None and options.structural_tag is not None)
+
+
 def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOutput]]:
     found = []
     for name, value in (("json", options.json_), ("regex", options.regex), ("choice", options.choice),

@@ -29,7 +29,8 @@ _MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has n
 _QWEN2_FAMILY = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v biases, optional sliding-window layers
 _QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # RMSNorm of every query and key head (q/k_norm)
 _QWEN3_MOE = "Qwen3MoeForCausalLM"  # and routed experts
-_SLIDING_FAMILY = (*_QWEN2_FAMILY, *_QWEN3_FAMILY)
+# Sliding layers from max_window_layers on (or as layer_types says); Qwen3-MoE's slide all alike (_attention_window)
+_SLIDING_FAMILY = (*_QWEN2_FAMILY, "Qwen3ForCausalLM")
 # Qwen3MoeConfig's defaults where config.json is silent
 _MOE_DEFAULTS = dict(
     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
@@ -204,6 +205,9 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
+    # Gemma: the embedding_multiplier rounded to the model's dtype before it scales (transformers keeps it in a tensor
+    # of the weights' dtype); Granite's multiplies as a Python float
+    embedding_multiplier_in_model_dtype: bool = False
     # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
     # the same pass (drafting/draft_model.py); None: an autoregressive model
     pard_token: int | None = None
@@ -251,6 +255,8 @@ class ModelConfig:
     def check_served_length(self, max_model_len: int) -> None:
         """Refuses, by the config key responsible, a served length at which the math would leave transformers'."""
         limit = self.rope_position_limit
+        if limit is None and self.sliding_rope_theta is not None:  # Gemma's sliding layers' own rope
+            limit = self.sliding_rope_config().rope_position_limit
         if limit is not None and max_model_len > limit:
             raise UnsupportedModelError(
                 f"rope_type 'dynamic' is served up to max_position_embeddings ({limit}) positions, where it equals "
@@ -340,8 +346,9 @@ class ModelConfig:
             rope_scaling=full[1],
             sliding_window=None if window is None else int(window),
             qk_norm=True,
-            # Gemma3TextScaledWordEmbedding's scale, as transformers rounds it (a float32 tensor)
+            # Gemma3TextScaledWordEmbedding's scale, a float32 tensor cast to the weights' dtype as it scales
             embedding_multiplier=float(torch_float32(raw["hidden_size"] ** 0.5)),
+            embedding_multiplier_in_model_dtype=True,
             attention_multiplier=float(raw["query_pre_attn_scalar"]) ** -0.5,
             layer_types=layer_types,
             sliding_rope_theta=sliding[0],
@@ -376,11 +383,13 @@ def _granite_scalars(raw: dict, arch: str) -> dict:
 
 def _attention_window(raw: dict, arch: str) -> int | None:
     """The window every layer attends to: Mistral's (MistralConfig's default where config.json is silent), Phi-3's
-    (none unless config.json names one)."""
+    (none unless config.json names one), Qwen3-MoE's with use_sliding_window."""
     if arch == _MISTRAL:
         return raw.get("sliding_window", _MISTRAL_WINDOW)
     if arch == _PHI3:
         return raw.get("sliding_window")
+    if arch == _QWEN3_MOE and raw.get("use_sliding_window"):
+        return raw.get("sliding_window")  # transformers' Qwen3-MoE windows every layer, whatever max_window_layers says
     return None
 
 

@@ -10,6 +10,7 @@ collects at three depths: with one attached, the pass returns them beside its la
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -188,4 +189,15 @@ def _num_positions(positions: torch.Tensor, batch: ForwardBatch | None) -> int:
 def scaled_embedding(embeds: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Looked-up embeddings times the config's embedding_multiplier (Granite's, Gemma's sqrt(hidden_size); 1
     elsewhere, where nothing is paid). Not folded into the table: a tied LM head reads it unscaled."""
-    return embeds if cfg.embedding_multiplier == 1.0 else embeds * cfg.embedding_multiplier
+    if cfg.embedding_multiplier == 1.0:
+        return embeds
+    if cfg.embedding_multiplier_in_model_dtype:
+        return embeds * _in_dtype(cfg.embedding_multiplier, embeds.dtype)
+    return embeds * cfg.embedding_multiplier
+
+
+@functools.cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype: a scalar transformers holds in a tensor of the model's dtype (34.0 for Gemma 3 1B's
+    sqrt(1152) in bfloat16), as a Python float, which scales as that tensor does."""
+    return float(torch.tensor(value, dtype=dtype))
