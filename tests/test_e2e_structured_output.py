@@ -112,6 +112,10 @@ def test_a_structural_tag_keeps_prose_and_makes_each_triggered_structure_exact(
         client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=8,
                                        extra_body={"response_format": DEF_TAG})
     assert beside_tools.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as regex_beside_tools:  # any text, so a call's tag too
+        client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=8,
+                                       extra_body={"guided_regex": "(.|\n)*"})
+    assert regex_beside_tools.value.body["param"] == "guided_regex"
     forced = client.chat.completions.create(model=mesh.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=64,
                                             tool_choice="required", parallel_tool_calls=False,
                                             extra_body={"response_format": DEF_TAG})

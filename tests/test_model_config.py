@@ -82,6 +82,13 @@ def test_qwen3_moe_windows_every_layer_as_transformers_does() -> None:
     cfg = ModelConfig.from_dict(raw)
     assert cfg.attention_window == WINDOW and not cfg.layer_types  # every layer, so the engine frees old blocks
     assert ModelConfig.from_dict(raw | dict(use_sliding_window=False)).attention_window is None
+    silent = {k: v for k, v in raw.items() if k != "sliding_window"}  # Qwen3MoeConfig's default window
+    assert ModelConfig.from_dict(silent).attention_window == 4096
+
+
+def test_a_sliding_window_config_json_leaves_out_is_qwens_default() -> None:
+    raw = QWEN2 | dict(use_sliding_window=True, max_window_layers=2)
+    assert [ModelConfig.from_dict(raw).layer_window(i) for i in range(4)] == [None, None, 4096, 4096]
 
 
 def test_sliding_window_without_sliding_layers_is_accepted() -> None:
@@ -199,6 +206,11 @@ def test_a_vision_language_gemma3_is_read_as_its_language_model() -> None:
     assert context_length(GEMMA3_1B) == GEMMA3_1B["max_position_embeddings"]
     with pytest.raises(UnsupportedModelError, match="text_config"):
         ModelConfig.from_dict({k: v for k, v in GEMMA3_4B.items() if k != "text_config"})
+    # No top-level key reaches the language model, as in transformers; the top level says whether the head is tied
+    stray = ModelConfig.from_dict(GEMMA3_4B | dict(vocab_size=262144, rms_norm_eps=1e-5, tie_word_embeddings=False))
+    assert (stray.vocab_size, stray.rms_norm_eps, stray.tie_word_embeddings) == (theirs.vocab_size, 1e-6, False)
+    with pytest.raises(UnsupportedModelError, match="quantization_config"):
+        ModelConfig.from_dict(GEMMA3_4B | dict(quantization_config={"quant_method": "awq"}))
     with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
         ModelConfig.from_dict(GEMMA3_4B | dict(text_config=GEMMA3_4B["text_config"] | {"final_logit_softcapping": 30}))
 

@@ -112,16 +112,18 @@ def test_gemma3_scales_its_embeddings_in_the_models_dtype(tmp_path: Path) -> Non
         assert torch.equal(ours.embed(ids), reference.model.embed_tokens(ids))
 
 
-def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path, tied: bool) -> None:
     """Gemma3ForConditionalGeneration: the language model's tensors read from under `language_model.`, the vision
-    tower's left out; on text its logits are transformers' vision-language model's."""
+    tower's left out, the head tied as the top-level config says (transformers 5 writes text_config's as true
+    either way); on text its logits are transformers' vision-language model's."""
     torch.manual_seed(SEED)
     text = random_causal_lm("gemma3", **SHAPE).config
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)
     reference = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB_SIZE - 3,
-        boi_token_index=VOCAB_SIZE - 2, eoi_token_index=VOCAB_SIZE - 1))
+        boi_token_index=VOCAB_SIZE - 2, eoi_token_index=VOCAB_SIZE - 1, tie_word_embeddings=tied))
     with torch.no_grad():
         for name, p in reference.named_parameters():
             if "norm" in name:

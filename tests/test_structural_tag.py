@@ -7,6 +7,7 @@ from __future__ import annotations
 import llguidance
 import pytest
 
+from services.gateway.reasoning.parser import FORMATS, opening_tag
 from services.gateway.structural_tag import StructuralTag, structural_tag_lark
 from shared.config import DEFAULT_MODEL_DIR
 from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
@@ -86,3 +87,21 @@ def test_a_schema_may_be_json_text_or_left_out_for_any_json_value() -> None:
 def test_triggers_that_could_never_open_a_structure_are_refused(tag: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         StructuralTag.model_validate(tag)
+
+
+def test_a_reasoning_block_before_the_answer_is_thought_not_tag_text() -> None:
+    """Under a reasoning parser (qwen3's, whose block the answer may open with), a trigger thought about inside the
+    block opens no structure, and the answer after it follows the tag: its text does not open with the block's
+    tag, so the lexer keeps the block's grammar."""
+    reasoning = FORMATS["qwen3"].for_chat("<|im_start|>assistant\n", None)
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    ll = ll_tokenizer(DEFAULT_MODEL_DIR, tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    grammar = grammar_of(StructuredOutput(
+        kind="grammar", spec=structural_tag_lark(TAG, opening_tag(reasoning)), think_first=reasoning.think_first,
+        think_tags=reasoning.grammar_tags))
+    thought = "<think>Should I use <function=get_date>? No.</think>\n\n"
+    for text, taken in ((thought + '<function=get_time>{}</function>', True), ("plain", True),
+                        (thought + "hi <function=get_date>", False)):
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        ok = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        assert (ok and not matcher.is_error() and matcher.is_accepting()) == taken, text

@@ -40,7 +40,7 @@ from services.gateway.submission import Submission, Submitter
 from services.gateway.prediction import prediction_token_ids
 from services.gateway.reasoning.budget import thinking_budget
 from services.gateway.reasoning.parser import ReasoningFormat, opening_tag
-from services.gateway.structured_request import compiled, holds_free_text, structured_output
+from services.gateway.structured_request import compiled, holds_free_text, is_structural_tag, structured_output
 from services.gateway.tools.formats import FORMAT_NAMES, FORMATS, ToolFormat, tool_constraint
 from services.gateway.identity import client_identity
 from services.gateway.in_flight import Generation
@@ -135,6 +135,8 @@ class Generator:
         structured = None
         prompts = await self._prompts_off_loop(body)
         reasoning = self._reasoning(body, prompts[0]) if api == "chat" else None
+        if constraint is not None and reasoning is not None and is_structural_tag(body):
+            constraint = structured_output(body, opening_tag(reasoning))  # its text opens no reasoning block
         # The tools' grammar once the reasoning block is known: text it allows must not open as the block does. An
         # answer constrained beside tools under `auto` is that answer or calls; under `required` or a named function
         # it is calls, which hold no content for the answer's constraint to shape (as OpenAI answers the two, an
@@ -146,9 +148,9 @@ class Generator:
             if constraint is not None and body.tool_fields.parses_calls and body.tool_fields.callable:
                 if holds_free_text(body) and body.tool_fields.beside_answer(True):
                     raise bad_request(
-                        f"{constraint[0]}: a structural tag does not go with tools under tool_choice \"auto\": its "
-                        "free text could write a call's tag, read as a call no grammar checked; make the calls one of "
-                        "its structures (with tool_choice \"none\"), or force them",
+                        f"{constraint[0]}: a structural tag, regex or grammar does not go with tools under "
+                        "tool_choice \"auto\": the text it allows could write a call's tag, read as a call no "
+                        "grammar checked; make the calls part of it (with tool_choice \"none\"), or force them",
                         param=constraint[0],
                     )
                 answer = await asyncio.to_thread(compiled, constraint, tokenizer.model_dir, tokenizer.vocab_size,

@@ -75,12 +75,15 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
-def structural_tag_lark(tag: StructuralTag) -> str:
+def structural_tag_lark(tag: StructuralTag, block_open: str | None = None) -> str:
     """The Lark grammar of the output: pieces of text each ending in a trigger and followed by the rest of a
     structure it begins, then text with no trigger. A piece is one lazy lexeme, ending at its first trigger (a
-    greedy one would run past it and find no way out: the text may not hold it)."""
+    greedy one would run past it and find no way out: the text may not hold it). block_open: the text tag of a
+    reasoning block the answer may open with (reasoning/parser.opening_tag), which no text here opens with, so the
+    lexer does not take the block for text and lose its grammar."""
     any_trigger = "(" + "|".join(lark_regex_literal(t) for t in tag.triggers) + ")"
-    lines = [f"{TEXT_LEXEME}: /(.|\\n)+/ & ~/(.|\\n)*{any_trigger}(.|\\n)*/"]
+    not_a_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+    lines = [f"{TEXT_LEXEME}: /(.|\\n)+/ & ~/(.|\\n)*{any_trigger}(.|\\n)*/{not_a_block}"]
     pieces = []
     for i, trigger in enumerate(tag.triggers):
         structures = [s for s in tag.structures if tag.trigger_of(s) == trigger]
@@ -93,7 +96,7 @@ def structural_tag_lark(tag: StructuralTag) -> str:
             rests.append(" ".join(filter(None, parts)))
         lines += [
             f"opened_{i}[lazy]: OPENED_{i}",
-            f"OPENED_{i}: /(.|\\n)*{lark_regex_literal(trigger)}/ & ~/(.|\\n)*{any_trigger}(.|\\n)+/",
+            f"OPENED_{i}: /(.|\\n)*{lark_regex_literal(trigger)}/ & ~/(.|\\n)*{any_trigger}(.|\\n)+/{not_a_block}",
             f"rest_{i}: {' | '.join(rests)}",
         ]
         pieces.append(f"opened_{i} rest_{i}")

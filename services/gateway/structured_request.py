@@ -91,8 +91,10 @@ def check_backend(value: str | None) -> str | None:
     return value
 
 
-def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
-    """The request's one output constraint with the parameter that set it, or None; a 400 when it sets several."""
+def structured_output(body: Any, block_open: str | None = None) -> tuple[str, StructuredOutput] | None:
+    """The request's one output constraint with the parameter that set it, or None; a 400 when it sets several.
+    block_open: the text tag of a reasoning block the answer may open with, which a structural tag's free text does
+    not open with (reasoning/parser.opening_tag)."""
     found: list[tuple[str, StructuredOutput]] = []
     response_format = body.response_format
     if response_format is not None and response_format.type != "text":
@@ -100,14 +102,14 @@ def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
             found.append(("response_format", StructuredOutput(kind="json_object")))
         elif response_format.type == "structural_tag":
             found.append(("response_format", _structural_tag("response_format", response_format.model_dump(
-                by_alias=True, exclude_none=True, exclude={"json_schema"}))))
+                by_alias=True, exclude_none=True, exclude={"json_schema"}), block_open)))
         elif response_format.json_schema is None:
             raise bad_request('response_format of type "json_schema" needs a `json_schema` object',
                               param="response_format")
         else:
             found.append(("response_format", _schema("response_format", response_format.json_schema.schema_)))
     if body.structured_outputs is not None:
-        found += _options(body.structured_outputs)
+        found += _options(body.structured_outputs, block_open)
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         value = getattr(body, name)
         if value is not None:
@@ -120,16 +122,24 @@ def structured_output(body: Any) -> tuple[str, StructuredOutput] | None:
     return found[0] if found else None
 
 
-def holds_free_text(body: Any) -> bool:
-    """Whether the request's output constraint lets the answer be any text around its structures (a structural
-    tag): beside tools under `auto` such text could write a call's tag, which the format would read as a call."""
-    response_format = body.response_format
-    options = body.structured_outputs
+def is_structural_tag(body: Any) -> bool:
+    """Whether the request's output constraint is a structural tag."""
+    response_format, options = body.response_format, body.structured_outputs
     return (response_format is not None and response_format.type == "structural_tag") or (
         options is not None and options.structural_tag is not None)
 
 
-def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOutput]]:
+def holds_free_text(body: Any) -> bool:
+    """Whether the request's output constraint may let the answer be any text: a structural tag around its
+    structures, a regex or a grammar. Beside tools under `auto` such text could write a call's tag, which the format
+    would read as a call no grammar checked; JSON cannot (its strings escape what a tag needs) and a choice's
+    strings are the client's."""
+    options = body.structured_outputs
+    return is_structural_tag(body) or body.guided_regex is not None or body.guided_grammar is not None or (
+        options is not None and (options.regex is not None or options.grammar is not None))
+
+
+def _options(options: StructuredOutputsOptions, block_open: str | None) -> list[tuple[str, StructuredOutput]]:
     found = []
     for name, value in (("json", options.json_), ("regex", options.regex), ("choice", options.choice),
                         ("grammar", options.grammar)):
@@ -139,11 +149,11 @@ def _options(options: StructuredOutputsOptions) -> list[tuple[str, StructuredOut
         found.append(("structured_outputs.json_object", StructuredOutput(kind="json_object")))
     if options.structural_tag is not None:
         found.append(("structured_outputs.structural_tag",
-                      _structural_tag("structured_outputs.structural_tag", options.structural_tag)))
+                      _structural_tag("structured_outputs.structural_tag", options.structural_tag, block_open)))
     return found
 
 
-def _structural_tag(param: str, value: dict | str) -> StructuredOutput:
+def _structural_tag(param: str, value: dict | str, block_open: str | None) -> StructuredOutput:
     """The structural tag as its grammar (structural_tag.py); a 400 naming the parameter where it is malformed."""
     try:
         raw = orjson.loads(value) if isinstance(value, str) else value
@@ -160,7 +170,7 @@ def _structural_tag(param: str, value: dict | str) -> StructuredOutput:
         error = exc.errors()[0]
         where = ".".join(f"[{part}]" if isinstance(part, int) else str(part) for part in error["loc"])
         raise bad_request(f"{param}: {error['msg']}", param=f"{param}.{where}" if where else param) from None
-    return _structured(param, "grammar", structural_tag_lark(tag))
+    return _structured(param, "grammar", structural_tag_lark(tag, block_open))
 
 
 def _constraint(param: str, kind: str, value: Any) -> StructuredOutput:

@@ -79,6 +79,7 @@ SILU_NAMES = ("silu", "swish")  # one function under two names in transformers' 
 SILU, GELU_TANH = "silu", "gelu_tanh"  # the MLP's gate activations (ModelConfig.activation)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 _QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this index on slide when sliding is on
+_QWEN_WINDOW = 4096  # Qwen2's, Qwen3's and Qwen3-MoE's sliding_window where config.json names none
 
 
 class UnsupportedModelError(ValueError):
@@ -275,10 +276,7 @@ class ModelConfig:
                 f"specmesh serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if arch == GEMMA3_VISION_LANGUAGE:
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise UnsupportedModelError(f"{arch}: config.json has no text_config")
-            raw = {**raw, **text}
+            raw = _language_model_config(raw, arch)
         _refuse_unsupported_keys(raw, arch)
         if arch in (_GEMMA3, GEMMA3_VISION_LANGUAGE):
             return cls._gemma3(raw, arch)
@@ -389,8 +387,21 @@ def _attention_window(raw: dict, arch: str) -> int | None:
     if arch == _PHI3:
         return raw.get("sliding_window")
     if arch == _QWEN3_MOE and raw.get("use_sliding_window"):
-        return raw.get("sliding_window")  # transformers' Qwen3-MoE windows every layer, whatever max_window_layers says
+        # transformers' Qwen3-MoE windows every layer, whatever max_window_layers says
+        return raw.get("sliding_window", _QWEN_WINDOW)
     return None
+
+
+def _language_model_config(raw: dict, arch: str) -> dict:
+    """A vision-language config's language model, as transformers builds it: text_config alone (no top-level key
+    reaches it), tied as the top level says (transformers 5 ties by the top-level config, default true); a quantized
+    checkpoint is still refused by its top-level key."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"{arch}: config.json has no text_config")
+    if raw.get("quantization_config"):
+        raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
+    return {**text, "architectures": [arch], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 
 def context_length(raw: dict) -> int | None:
@@ -527,9 +538,10 @@ def _sliding_window(raw: dict, arch: str) -> int | None:
     unknown = set(layer_types or ()) - {FULL_ATTENTION, SLIDING_ATTENTION}
     if unknown:
         raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
-    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+    window = raw.get("sliding_window", _QWEN_WINDOW)
+    if not raw.get("use_sliding_window") or window is None:
         return None
     if layer_types is None:
         first_sliding = raw.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)
-        return raw["sliding_window"] if raw["num_hidden_layers"] > first_sliding else None
-    return raw["sliding_window"] if SLIDING_ATTENTION in layer_types else None
+        return window if raw["num_hidden_layers"] > first_sliding else None
+    return window if SLIDING_ATTENTION in layer_types else None
