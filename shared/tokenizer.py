@@ -67,12 +67,16 @@ class FinalMessageNotFound(ValueError):
 
 
 def config_eos_ids(model_dir: Path) -> frozenset[int]:
-    """The eos_token_id entries of config.json and generation_config.json (each an id, a list or absent)."""
+    """The eos_token_id entries of config.json and generation_config.json (each an id, a list or absent; a
+    vision-language config's text_config may hold config.json's, as transformers 5 saves Gemma 3's)."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         path = Path(model_dir) / name
         if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
+            data = json.loads(path.read_text())
+            value = data.get("eos_token_id")
+            if value is None and isinstance(data.get("text_config"), dict):
+                value = data["text_config"].get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
     return frozenset(ids)
 

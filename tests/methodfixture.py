@@ -144,6 +144,23 @@ def greedy_reference(reference_model) -> Callable[[list[int], int], list[int]]:
     return generate
 
 
+def transformers_continuations(model_dir: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt on the checkpoint in model_dir, EOS disabled."""
+    import transformers  # a dev dependency: test modules that use it importorskip it
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    continuations = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
+                eos_token_id=None, pad_token_id=0,
+            )
+        continuations.append(out[0, len(prompt):].tolist())
+    return continuations
+
+
 def make_engine(model_dir: Path, method: Method, **overrides) -> Engine:
     """An engine running `method` with MAX_NUM_SEQS slots of MAX_MODEL_LEN; overrides replace EngineConfig keys
     (max_num_seqs, max_model_len, block_size, num_kv_blocks, ...) or the method's speculative config keys

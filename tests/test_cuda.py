@@ -15,8 +15,7 @@ from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.paged_attention import paged_attention_torch
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_torch
-from services.worker.model.gated_activation import gelu_tanh_and_mul_torch
-from services.worker.model.silu_mul import silu_and_mul_torch
+from services.worker.model.gated_activation import gelu_tanh_and_mul_torch, silu_and_mul_torch
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES,
     METHODS,
@@ -38,7 +37,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 NUM_TOKENS = 24
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=NUM_TOKENS)
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, max_tokens=NUM_TOKENS)
-FUSED_KERNELS = ("_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_kv_write_kernel")
+FUSED_KERNELS = ("_rms_norm_kernel", "_rotary_kernel", "_gated_mul_kernel", "_kv_write_kernel")
 # Qwen2.5-7B's layer shape: hidden 3584, 28 heads over 4 kv heads of 128, intermediate 18944; 37 tokens.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, TOKENS = 3584, 28, 4, 128, 18944, 37
 EPS = 1e-6
@@ -108,8 +107,7 @@ def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> No
     from kernels.kv_write import kv_write_launch
     from kernels.rms_norm import rms_norm_launch
     from kernels.rotary import rotary_launch
-    from kernels.gelu_mul import gelu_mul_launch
-    from kernels.silu_mul import silu_mul_launch
+    from kernels.gated_mul import gated_mul_launch
 
     generator = torch.Generator().manual_seed(1)
 
@@ -131,8 +129,8 @@ def test_fused_layer_kernels_match_their_twins_on_cuda(dtype: torch.dtype) -> No
     _assert_close(rotary_launch(qkv[:, :rotated], cos_sin), want)
 
     gate_up = 4 * randn(TOKENS, 2 * INTERMEDIATE)
-    _assert_close(silu_mul_launch(gate_up), silu_and_mul_torch(gate_up))
-    _assert_close(gelu_mul_launch(gate_up), gelu_tanh_and_mul_torch(gate_up))
+    _assert_close(gated_mul_launch(gate_up, "silu"), silu_and_mul_torch(gate_up))
+    _assert_close(gated_mul_launch(gate_up, "gelu_tanh"), gelu_tanh_and_mul_torch(gate_up))
 
     pool = (64, 16, KV_HEADS, HEAD_DIM)
     got_keys, got_values = torch.zeros(pool, dtype=dtype, device="cuda"), torch.zeros(pool, dtype=dtype, device="cuda")

@@ -5,20 +5,21 @@ its cache keeps every block: the full layers read them all (engine/window.py).""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from services.worker.drafting.checkpoints import DRAFT_SUFFIX
 from services.worker.engine.block_manager import DROPPED
 from tests.methodfixture import (
     GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, outputs_of, run, tokens_of,
+    transformers_continuations,
 )
 from tests.modelfixture import MISTRAL_WINDOW, make_tiny_model_dir
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 NUM_TOKENS = 48  # generated: contexts of ~60 positions, several windows
 BLOCK_SIZE = 4
@@ -43,19 +44,10 @@ def prompts(gemma_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(gemma_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
-    assert reference.config.sliding_window == MISTRAL_WINDOW
-    assert set(reference.config.layer_types) == {"sliding_attention", "full_attention"}
-    continuations = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = reference.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_TOKENS,
-                eos_token_id=None, pad_token_id=0,
-            )
-        continuations.append(out[0, len(prompt):].tolist())
-    return continuations
+    config = json.loads((gemma_dir / "config.json").read_text())
+    assert config["sliding_window"] == MISTRAL_WINDOW
+    assert set(config["layer_types"]) == {"sliding_attention", "full_attention"}
+    return transformers_continuations(gemma_dir, prompts, NUM_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["naive", "ngram", "draft_model"])

@@ -13,6 +13,7 @@ from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.loader import load_model
+from shared.tokenizer import config_eos_ids
 from services.worker.drafting.checkpoints import default_draft_dir, default_eagle3_dir
 from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
 from tests.methodfixture import GREEDY, METHODS, PROMPT_TEXTS, encode_prompts, make_engine, make_request, tokens_alone
@@ -129,6 +130,8 @@ def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path, tied
             if "norm" in name:
                 p.normal_(0.0, 0.5)
     reference.save_pretrained(tmp_path)
+    # transformers 5 writes the EOS id under text_config alone, which is where a shape without a tokenizer finds it
+    assert config_eos_ids(tmp_path) == {reference.config.text_config.eos_token_id}
     ours = load_model(tmp_path)
     ids = torch.randint(0, VOCAB_SIZE - 3, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

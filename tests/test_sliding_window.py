@@ -6,12 +6,12 @@ prefill worker to a decode worker."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from services.worker.drafting.checkpoints import DRAFT_SUFFIX, default_eagle3_dir
 from services.worker.engine.block_manager import DROPPED, blocks_for
@@ -21,7 +21,7 @@ from services.worker.engine.window import window_reach
 from shared.schemas import ChoiceProgress, SamplingParams
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     GREEDY, METHODS, PROMPT_TEXTS, Steps, encode_prompts, make_engine, make_request, outputs_of, run, single_thread,
-    tokens_of,
+    tokens_of, transformers_continuations,
 )
 from tests.modelfixture import MISTRAL_WINDOW, make_tiny_model_dir
 from tests.eagle3fixture import QUICK_FIT, write_eagle3_head
@@ -88,18 +88,8 @@ def prompts(mistral_dirs: dict[str, Path]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(mistral_dirs: dict[str, Path], prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(mistral_dirs["naive"], dtype=torch.float32).eval()
-    assert reference.config.sliding_window == MISTRAL_WINDOW == WINDOW
-    continuations = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = reference.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_TOKENS,
-                eos_token_id=None, pad_token_id=0,
-            )
-        continuations.append(out[0, len(prompt) :].tolist())
-    return continuations
+    assert json.loads((mistral_dirs["naive"] / "config.json").read_text())["sliding_window"] == MISTRAL_WINDOW == WINDOW
+    return transformers_continuations(mistral_dirs["naive"], prompts, NUM_TOKENS)
 
 
 def _window_bound(engine: Engine, name: str) -> int:

@@ -36,8 +36,7 @@ from services.worker.model.paged_attention import (
 from services.worker.model.sequence_spans import Pool
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_full
-from services.worker.model.gated_activation import GatedActivation, gated_activation_torch
-from services.worker.model.silu_mul import silu_and_mul_torch
+from services.worker.model.gated_activation import GatedActivation, gated_activation_torch, silu_and_mul_torch
 
 
 # A projection as the flat pass applies it: a weight stored transposed [in, out] (model/transposed.py), multiplied

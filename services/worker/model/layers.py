@@ -5,7 +5,8 @@ forward_batch.py), and attention reads the paged KV cache in place. Training (no
 with causal self-attention. q/k/v and gate/up are single matmuls (HF's separate weights are merged at load:
 model/weights.py), and the residual add is folded into the next RMSNorm, as fused serving stacks do, so a layer
 is a handful of ops. The elementwise ones (norm, rotary, activation, KV write) dispatch to fused Triton kernels on
-CUDA and run their torch twins elsewhere (model/rms_norm.py, rotary_apply.py, silu_mul.py, worker/engine/kv_write.py).
+CUDA and run their torch twins elsewhere (model/rms_norm.py, rotary_apply.py, gated_activation.py,
+worker/engine/kv_write.py).
 """
 
 from __future__ import annotations
