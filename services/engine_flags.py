@@ -10,7 +10,7 @@ from shared import option_types
 from shared.config import MAX_TENSOR_PARALLEL_SIZE, MIN_NUM_BATCHED_TOKENS, EngineConfig
 
 
-def _tensor_parallel_size(text: str) -> int:
+def tensor_parallel_size(text: str) -> int:
     value = int(text)
     if not 1 <= value <= MAX_TENSOR_PARALLEL_SIZE:
         raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_TENSOR_PARALLEL_SIZE}, got {value}")
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the weights and a reserve)",
     )
     parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=fields["tensor_parallel_size"].default,
+        "--tensor-parallel-size", "-tp", type=tensor_parallel_size, default=fields["tensor_parallel_size"].default,
         help="split each worker's model over this many processes (Megatron-style tensor parallelism): gloo on the "
         "CPU, sharing the worker's engine CPUs; NCCL on CUDA, rank r on GPU r (untested on a GPU). Passes run "
         "eagerly, without CUDA graphs. It must divide the model's attention heads, kv heads and intermediate size",

@@ -54,6 +54,8 @@ from shared.nats_settings import NatsSettings
 from shared.stream_limits import StreamLimits
 from shared.tokenizer import TOKENIZER_FILE
 
+DISAGGREGATED_ROLES = ("prefill", "decode")  # worker roles that split a request between them (--role)
+
 # Stopping takes at most SERVICE_STOP_GRACE_S + NATS_STOP_GRACE_S: a service still draining after its grace is
 # killed (its unfinished requests stay in the work queue), and NATS, stopped last, has no clients left by then.
 SERVICE_STOP_GRACE_S = 2.5
@@ -82,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-workers", type=option_types.at_least(0), default=0,
         help="workers that continue the requests prefill workers hand them"
     )
+    for role in DISAGGREGATED_ROLES:
+        parser.add_argument(
+            f"--{role}-tensor-parallel-size", type=engine_flags.tensor_parallel_size, default=None,
+            help=f"split each {role} worker's model over this many processes (default: --tensor-parallel-size); a "
+            "handoff carries every KV head, so the two roles may be split differently",
+        )
     parser.add_argument(
         "--detokenizers", type=option_types.at_least(1), default=1,
         help="detokenizer processes; each request is owned by one of them"
@@ -159,14 +167,17 @@ def resolve_args(args: argparse.Namespace) -> None:
     gateway and the workers are then both given."""
     check_tokenizer_dir(args.model)
     args.max_model_len = servable_max_model_len(args.model, args.max_model_len)
-    check_tensor_parallel(args.model, args.tensor_parallel_size, args.enable_expert_parallel, args.speculative_config)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
     args.worker_roles = worker_roles(args.workers, args.prefill_workers, args.decode_workers)
-    check_kv_cache_memory(EngineConfig(
-        model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, device=args.device,
-        speculative=SpeculativeConfig.from_json(args.speculative_config), **engine_flags.config_keys(args),
-    ))
+    args.worker_tensor_parallel = worker_tensor_parallel(args)
+    for size in sorted(set(args.worker_tensor_parallel)):
+        check_tensor_parallel(args.model, size, args.enable_expert_parallel, args.speculative_config)
+        check_kv_cache_memory(EngineConfig(
+            model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, device=args.device,
+            speculative=SpeculativeConfig.from_json(args.speculative_config),
+            **(engine_flags.config_keys(args) | {"tensor_parallel_size": size}),
+        ))
     args.workers = len(args.worker_roles)
     if args.kv_cache_memory is None and not args.device.startswith("cuda") and args.workers > 1:
         # The workers draw on one host's memory: each gets its share of the default (kv_budget.py)
@@ -178,6 +189,17 @@ def resolve_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--port {args.port}: {args.host}:{args.port} is already in use by another program")
     if args.nats_url is None and not can_listen("127.0.0.1", args.nats_port):  # where start_nats_server listens
         raise UsageError(f"--nats-port {args.nats_port}: already in use by another program")
+
+
+def worker_tensor_parallel(args: argparse.Namespace) -> list[int]:
+    """Each worker's --tensor-parallel-size: its role's own where one is given (disaggregated workers only), else
+    --tensor-parallel-size."""
+    sizes = {role: getattr(args, f"{role}_tensor_parallel_size") for role in DISAGGREGATED_ROLES}
+    given = [f"--{role}-tensor-parallel-size" for role, size in sizes.items() if size is not None]
+    if given and "both" in args.worker_roles:
+        raise UsageError(f"{' and '.join(given)} split disaggregated workers: give --prefill-workers and "
+                         "--decode-workers, or --tensor-parallel-size for whole-request workers")
+    return [sizes.get(role) or args.tensor_parallel_size for role in args.worker_roles]
 
 
 def worker_roles(workers: int | None, prefill_workers: int, decode_workers: int) -> list[str]:
@@ -348,7 +370,7 @@ def run(args: argparse.Namespace) -> None:
             engine_cpus = plan.engine_cpus[i]
             extra = (*nats_args, "--worker-id", str(i), "--metrics-port", str(port), "--engine-cpus",
                      cpu_plan.UNPINNED if engine_cpus is None else format_cpu_list(engine_cpus),
-                     "--role", args.worker_roles[i])
+                     "--role", args.worker_roles[i], "--tensor-parallel-size", str(args.worker_tensor_parallel[i]))
             children.append((f"worker-{i}", _spawn(
                 "worker", args.log_level, *worker_args, *extra, env=env, cpus=plan.worker_cpus(i),
                 death_signal=death_signal,

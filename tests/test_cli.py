@@ -96,6 +96,11 @@ def unsupported_model(tmp_path: Path) -> Path:
         (["up", "--max-migrations", "4"], "--max-migrations: must be between 0 and 3"),
         (["detokenizer", "--max-migrations", "10"], "--max-migrations: must be between 0 and 3"),
         (["nopes"], "invalid choice: 'nopes'"),
+        # A role's own split is for disaggregated workers; every size must split the model
+        (["up", "--prefill-tensor-parallel-size", "2"], "--prefill-tensor-parallel-size split disaggregated"),
+        (["up", "--prefill-workers", "1", "--decode-workers", "1", "--decode-tensor-parallel-size", "3"],
+         "--tensor-parallel-size 3"),
+        (["up", "--decode-tensor-parallel-size", "0"], "argument --decode-tensor-parallel-size: must be from 1"),
     ],
 )
 def test_a_bad_option_or_model_is_one_line_and_exit_status_2(

@@ -1,20 +1,21 @@
 """`specmesh up --tensor-parallel-size 2` through the real mesh and the official openai client: its worker's engine
-runs split over two ranks and answers with the greedy tokens of the whole model in one process; and a prefill
-worker split over two ranks hands its requests to an unsplit decode worker, which goes on with those tokens."""
+runs split over two ranks and answers with the greedy tokens of the whole model in one process; and with
+`--prefill-tensor-parallel-size 2`, a prefill worker split over two ranks hands its requests to an unsplit decode
+worker, which goes on with those tokens."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
 
 import openai
 import pytest
 
 from services.mesh_process import Mesh, start_mesh
+from services.process_tree import descendants
 from shared.config import DEFAULT_MODEL_DIR
 from tests.methodfixture import METHODS, make_engine, make_request, tokens_alone
-from tests.natsfixture import running_nats_server
-from tests.test_drain import Service
 
 pytestmark = pytest.mark.e2e
 
@@ -47,28 +48,43 @@ def _greedy_tokens_are_the_whole_models(base_url: str, model: str) -> None:
     assert choice.text and response.usage.completion_tokens == MAX_TOKENS
 
 
+def _metric(url: str, name: str, labels: str) -> float:
+    """The sum of a counter's samples whose labels contain `labels`, from a service's /metrics."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", re.M)
+    return sum(float(m.group(2)) for m in pattern.finditer(text))
+
+
+def _engine_ranks(worker_pid: int) -> list[int]:
+    """The processes a worker's engine runs its model in: the engine process, and its other ranks (all started by
+    multiprocessing's spawn)."""
+    return [pid for pid, command in descendants(worker_pid).items() if "spawn_main" in command]
+
+
 def test_a_split_worker_serves_the_whole_models_greedy_tokens(mesh: Mesh) -> None:
     _greedy_tokens_are_the_whole_models(mesh.base_url, mesh.model)
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
-    """A prefill worker split over two ranks, an unsplit decode worker: its gateway and decode worker."""
-    options = ("--torch-threads", "1", "--max-num-seqs", "2", "--max-model-len", "256",
-               "--speculative-config", METHODS[METHOD].config().model_dump_json())
-    with ExitStack() as stack:
-        nats = stack.enter_context(running_nats_server(tmp_path_factory.mktemp("disaggregated")))
-        services = [
-            Service("worker", nats, *options, "--worker-id", "1", "--role", "prefill", "--tensor-parallel-size", "2"),
-            Service("worker", nats, *options, "--worker-id", "2", "--role", "decode"),
-            Service("detokenizer", nats),
-            Service("gateway", nats),
-        ]
-        stack.callback(lambda: [service.kill() for service in services])
-        yield services[3], services[1]
+def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """`specmesh up` with a prefill worker split over two ranks and an unsplit decode worker."""
+    m = start_mesh(
+        tmp_path_factory.mktemp("disaggregated"), "--max-num-seqs", "2", "--max-model-len", "256",
+        "--prefill-workers", "1", "--decode-workers", "1", "--prefill-tensor-parallel-size", "2",
+        "--speculative-config", METHODS[METHOD].config().model_dump_json(),
+    )
+    yield m
+    assert m.stop() == 0, "".join(m.log[-30:])
 
 
-def test_a_split_prefill_worker_hands_off_to_an_unsplit_decode_worker(disaggregated) -> None:
-    gateway, decode = disaggregated
-    _greedy_tokens_are_the_whole_models(f"http://127.0.0.1:{gateway.port}/v1", DEFAULT_MODEL_DIR.name)
-    assert decode.metric("specmesh_worker_handoffs_total", 'outcome="imported"') == 1
+def test_a_split_prefill_worker_hands_off_to_an_unsplit_decode_worker(disaggregated: Mesh) -> None:
+    _greedy_tokens_are_the_whole_models(disaggregated.base_url, disaggregated.model)
+    decode = disaggregated.metrics_urls["worker-1"]
+    assert _metric(decode, "specmesh_worker_handoffs_total", 'outcome="imported"') == 1
+    # The prefill worker's engine runs two ranks, the decode worker's one
+    workers = {
+        command.split("--role ")[1].split()[0]: pid for pid, command in disaggregated.children().items()
+        if "--role " in command and "spawn_main" not in command
+    }
+    assert {role: len(_engine_ranks(pid)) for role, pid in workers.items()} == {"prefill": 2, "decode": 1}
