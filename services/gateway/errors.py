@@ -82,7 +82,7 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def _param_name(loc: tuple[int | str, ...], body: Any = None) -> str | None:
+def param_name(loc: tuple[int | str, ...], body: Any = None) -> str | None:
     """("messages", 1, "role") -> "messages.[1].role", the way the OpenAI API names nested parameters; the members of
     a union pydantic names on the way ("tool_choice.literal['none','auto']", "input.str") are left out, unless the
     request `body`, where known, holds that key there (a client's metadata key "str")."""
@@ -152,7 +152,7 @@ def from_validation_error(exc: ValidationError, body: Any = None) -> OpenAIError
         parts = _param_parts(tuple(error["loc"]), body)
         if parts[: len(place)] == place and len(parts) > len(_param_parts(tuple(first["loc"]), body)):
             first = error
-    param = _param_name(tuple(first["loc"]), body)
+    param = param_name(tuple(first["loc"]), body)
     message = first["msg"].removeprefix(VALUE_ERROR_PREFIX)
     if first["type"] == "missing":
         text = f"Missing required parameter: '{param}'."

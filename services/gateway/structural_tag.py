@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.json_schema import closed_objects
-from shared.structured import JSON_OPTIONS, lark_regex_literal
+from shared.structured import JSON_OPTIONS, lark_regex_literal, not_opening_with
 
 TEXT_LEXEME = "TEXT"  # text that holds no trigger
 
@@ -82,7 +82,7 @@ def structural_tag_lark(tag: StructuralTag, block_open: str | None = None) -> st
     reasoning block the answer may open with (reasoning/parser.opening_tag), which no text here opens with, so the
     lexer does not take the block for text and lose its grammar."""
     any_trigger = "(" + "|".join(lark_regex_literal(t) for t in tag.triggers) + ")"
-    not_a_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+    not_a_block = not_opening_with(block_open)
     lines = [f"{TEXT_LEXEME}: /(.|\\n)+/ & ~/(.|\\n)*{any_trigger}(.|\\n)*/{not_a_block}"]
     pieces = []
     for i, trigger in enumerate(tag.triggers):

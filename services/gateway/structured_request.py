@@ -15,7 +15,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.structured import StructuredError, StructuredKind, StructuredOutput, check, grammar_of, ll_tokenizer
-from services.gateway.errors import bad_request
+from services.gateway.errors import bad_request, param_name
 from services.gateway.structural_tag import StructuralTag, TagStructure, structural_tag_lark
 
 COMPILED_KEPT = 256  # constraints whose compilation the gateway remembers
@@ -168,7 +168,7 @@ def _structural_tag(param: str, value: dict | str, block_open: str | None) -> St
         tag = StructuralTag.model_validate(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(f"[{part}]" if isinstance(part, int) else str(part) for part in error["loc"])
+        where = param_name(tuple(error["loc"]))
         raise bad_request(f"{param}: {error['msg']}", param=f"{param}.{where}" if where else param) from None
     return _structured(param, "grammar", structural_tag_lark(tag, block_open))
 

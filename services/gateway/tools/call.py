@@ -14,7 +14,7 @@ from services.gateway.tags import opens_with, partial_suffix
 from services.gateway.tools.arguments import escaped_surrogate
 from services.gateway.tools.tool_request import FunctionDefinition
 from shared.json_schema import embedded
-from shared.structured import lark_regex_literal
+from shared.structured import lark_regex_literal, not_opening_with
 
 COMPACT = {"whitespace_flexible": False}
 
@@ -105,7 +105,7 @@ def text_or_calls(
     StructuredOutput.answer), and calls stand alone; such a grammar reads no block (`block_close`) itself: a
     reasoning parser's grammar stands before it (structured.py's think_first)."""
     tag_regex = lark_regex_literal(tag)
-    excluded = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+    excluded = not_opening_with(block_open)
     excluded += "".join(f" & ~/(.|\\n)*{lark_regex_literal(other)}(.|\\n)*/" for other in also_not)
     tag_lark = grammar_tag(tag, tag_token)
     if answer:

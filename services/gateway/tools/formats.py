@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.gateway.tags import THINK_CLOSE, THINK_OPEN, partial_suffix
-from shared.structured import StructuredOutput, lark_regex_literal
+from shared.structured import StructuredOutput, lark_regex_literal, not_opening_with
 from services.gateway.tools.call import (
     ANSWER, COMPACT, JSON, LAYOUT, NOT_JSON, CallIds, ParsedCall, TextAroundCalls, call_name, call_schema,
     leading_block, parsed_call, text_or_calls,
@@ -190,7 +190,7 @@ class Llama3Json(CallIds):
             for f in functions
         )
         opening = f"{lark_regex_literal(self.python_tag)}|{CALL_OPENING.pattern}"
-        not_block = "" if block_open is None else f" & ~/\\s*{lark_regex_literal(block_open)}(.|\\n)*/"
+        not_block = not_opening_with(block_open)
         return (f"start: TEXT | CALL_START ({calls}) \"}}\"\n"
                 f"CALL_START: /\\s*{lark_regex_literal(CALL_START)}/\n"
                 f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({opening})(.|\\n)*/{not_block}\n")

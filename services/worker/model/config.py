@@ -192,6 +192,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma: the embedding_multiplier rounded to the model's dtype before it scales (transformers keeps it in a tensor
+    # of the weights' dtype); Granite's multiplies as a Python float
+    embedding_multiplier_in_model_dtype: bool = False
     # Each layer's attention (FULL_ATTENTION, or SLIDING_ATTENTION over the last sliding_window positions); Gemma 3:
     # the sliding layers' own rope (None: the full ones'), RMSNorm weights stored as offsets from
     # norm_weight_offset (folded in at load, loader.py), norms on the attention's and the MLP's outputs too
@@ -206,9 +209,6 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
-    # Gemma: the embedding_multiplier rounded to the model's dtype before it scales (transformers keeps it in a tensor
-    # of the weights' dtype); Granite's multiplies as a Python float
-    embedding_multiplier_in_model_dtype: bool = False
     # A parallel draft model's (PARD) mask token: fed after the last real token, it drafts the token after next in
     # the same pass (drafting/draft_model.py); None: an autoregressive model
     pard_token: int | None = None
@@ -302,8 +302,7 @@ class ModelConfig:
             attention_bias=arch in _QWEN2_FAMILY or arch == _SEED_OSS and bool(raw.get("attention_bias", True)),
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0)),
             rope_scaling=RopeScaling.from_dict(rope, key, max_positions, raw.get("original_max_position_embeddings")),
-            sliding_window=_sliding_window(raw, arch),
-            layer_types=_sliding_layer_types(raw, _sliding_window(raw, arch)),
+            **_sliding_layers(raw, arch),
             qk_norm=arch in _QWEN3_FAMILY,
             attention_window=_attention_window(raw, arch),
             pard_token=raw.get(PARD_TOKEN_KEY),
@@ -317,14 +316,9 @@ class ModelConfig:
         raw = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
         max_positions = raw["max_position_embeddings"]
         heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
-        layer_types = tuple(raw.get("layer_types") or (
+        layer_types = _checked_layer_types(raw.get("layer_types") or [
             SLIDING_ATTENTION if (i + 1) % raw["sliding_window_pattern"] else FULL_ATTENTION for i in range(layers)
-        ))
-        if len(layer_types) != layers:
-            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {layers} layers")
-        unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
-        if unknown:
-            raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
+        ], layers)
         full, sliding = _gemma3_ropes(raw, max_positions)
         return cls(
             architecture=architecture,
@@ -345,7 +339,7 @@ class ModelConfig:
             sliding_window=None if window is None else int(window),
             qk_norm=True,
             # Gemma3TextScaledWordEmbedding's scale, a float32 tensor cast to the weights' dtype as it scales
-            embedding_multiplier=float(torch_float32(raw["hidden_size"] ** 0.5)),
+            embedding_multiplier=torch_float32(raw["hidden_size"] ** 0.5),
             embedding_multiplier_in_model_dtype=True,
             attention_multiplier=float(raw["query_pre_attn_scalar"]) ** -0.5,
             layer_types=layer_types,
@@ -410,7 +404,7 @@ def context_length(raw: dict) -> int | None:
     does not serve the top-level key if any."""
     try:
         return ModelConfig.from_dict(raw).max_position_embeddings
-    except (UnsupportedModelError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):  # UnsupportedModelError among the last
         value = raw.get("max_position_embeddings")
         return value if isinstance(value, int) else None
 
@@ -515,33 +509,35 @@ def _experts(raw: dict, arch: str) -> dict:
     )
 
 
-def _sliding_layer_types(raw: dict, window: int | None) -> tuple[str, ...]:
-    """Qwen2's or Qwen3's layer types where some layer slides: config.json's, else those from max_window_layers on
-    sliding, as transformers derives them; () where none does."""
-    if window is None:
-        return ()
-    if raw.get("layer_types"):
-        if len(raw["layer_types"]) != raw["num_hidden_layers"]:
-            raise UnsupportedModelError(
-                f"layer_types has {len(raw['layer_types'])} entries for {raw['num_hidden_layers']} layers")
-        return tuple(raw["layer_types"])
-    first_sliding = raw.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)
-    return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(raw["num_hidden_layers"]))
-
-
-def _sliding_window(raw: dict, arch: str) -> int | None:
-    """The window of Qwen2's or Qwen3's sliding layers, if any layer slides; transformers drops the window unless
-    use_sliding_window is set, and Llama has none."""
-    if arch not in _SLIDING_FAMILY:
-        return None
-    layer_types = raw.get("layer_types")
-    unknown = set(layer_types or ()) - {FULL_ATTENTION, SLIDING_ATTENTION}
+def _checked_layer_types(layer_types: list[str] | tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """config.json's layer_types, one known type per layer, or refused by the key."""
+    unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
     if unknown:
+        raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return tuple(layer_types)
+
+
+def _sliding_layers(raw: dict, arch: str) -> dict:
+    """Qwen2's or Qwen3's sliding_window and layer_types where some layer slides: config.json's layer types, else
+    those from max_window_layers on sliding, as transformers derives them; none where no layer slides
+    (transformers drops the window unless use_sliding_window is set, and Llama has none)."""
+    if arch not in _SLIDING_FAMILY:
+        return {}
+    given = raw.get("layer_types")
+    unknown = set(given or ()) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:  # refused whether or not a window applies
         raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
     window = raw.get("sliding_window", _QWEN_WINDOW)
     if not raw.get("use_sliding_window") or window is None:
-        return None
-    if layer_types is None:
+        return {}
+    num_layers = raw["num_hidden_layers"]
+    if given:
+        layer_types = _checked_layer_types(given, num_layers)
+    else:
         first_sliding = raw.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)
-        return window if raw["num_hidden_layers"] > first_sliding else None
-    return window if SLIDING_ATTENTION in layer_types else None
+        layer_types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+    if SLIDING_ATTENTION not in layer_types:
+        return {}
+    return {"sliding_window": window, "layer_types": layer_types}

@@ -47,7 +47,6 @@ class FlatDrafter:
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale,
             model.all_reduce, gated_activation_torch(cfg.activation),
         )
-        self.window = cfg.attention_window
         self.region_len = cache.region_len
         self.target_embed = model.embed
         self.layer = layer_weights(layer, cache)
@@ -80,6 +79,6 @@ class FlatDrafter:
             residual = project(fused, fusion)
             h = rms_norm_torch(residual, layer.input_norm, eps)
         cos_sin = self.rotary(positions, batch.max_context_len)
-        window, plan = attention_plan(self.shape, self.window, self.region_len, layer.keys, batch, h.device)
+        window, plan = attention_plan(self.shape, layer.window, self.region_len, layer.keys, batch, h.device)
         x, residual = layer_pass(h, residual, layer, self.shape, cos_sin, window, plan, batch)
         return x + residual

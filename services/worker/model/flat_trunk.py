@@ -199,6 +199,7 @@ class FlatTrunk:
         self.ropes = model.ropes
         self.feature_layers = model.feature_layers  # an EAGLE-3 head's (CausalLM.forward)
         self.layers = [layer_weights(layer, cache) for layer in model.model.layers]
+        self.windows = frozenset(layer.window for layer in self.layers)  # Gemma's sliding and full layers: two
         self.quantized_layers: list[LayerWeights] | None = None  # a draft model's int8 twins (quantize)
 
     def quantize(self) -> None:
@@ -214,13 +215,14 @@ class FlatTrunk:
             return x.new_zeros(0, x.shape[1] * (1 + len(self.feature_layers)))
         ropes = self.ropes(positions, batch.max_context_len)  # (full layers', sliding layers') [T, 2, 1, head_dim]
         shape, eps = self.shape, self.shape.eps
-        pool = self.layers[0].keys
-        # One plan per window that cuts a context differently (Gemma's sliding and full layers: two at most)
-        plans: dict[int | None, tuple[int | None, HomePass | list | None]] = {}
-        for window in {layer.window for layer in self.layers}:
+        # Each layer's window's plan, made once for every window that cuts the contexts differently
+        by_cut: dict[int | None, tuple[int | None, HomePass | list | None]] = {}
+        plans = {}
+        for window in self.windows:
             cut = cutting_window(window, batch.max_context_len)
-            if cut not in plans:
-                plans[cut] = attention_plan(shape, cut, self.region_len, pool, batch, x.device)
+            if cut not in by_cut:
+                by_cut[cut] = attention_plan(shape, cut, self.region_len, self.layers[0].keys, batch, x.device)
+            plans[window] = by_cut[cut]
         residual = None
         feature_layers, layer_inputs = self.feature_layers, {}
         layers = self.quantized_layers if quantized and self.quantized_layers is not None else self.layers
@@ -232,7 +234,7 @@ class FlatTrunk:
                 h = rms_norm_torch(x, layer.input_norm, eps)
             else:
                 h, residual = rms_norm_torch(x, layer.input_norm, eps, residual)
-            window, plan = plans[cutting_window(layer.window, batch.max_context_len)]
+            window, plan = plans[layer.window]
             x, residual = layer_pass(h, residual, layer, shape, ropes[layer.sliding_rope], window, plan, batch)
         if not feature_layers:
             return x + residual
