@@ -1,13 +1,15 @@
 """Our decoder's logits equal transformers' on the same tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE,
-Mistral, Phi-3, Granite, Seed-OSS and Gemma 3),
+Mistral, Phi-3, Granite, Seed-OSS and Gemma 3; the Gemma 3 and Mistral 3 vision-language models on text),
 and the engine's greedy tokens under every drafting method the checkpoint allows equal transformers' generate."""
 
 import functools
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from services.worker.engine.forward_batch import InputBuffers, pack
 from services.worker.engine.kv_cache import KVCache
@@ -138,6 +140,73 @@ def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path, tied
         expected = reference.eval()(input_ids=ids).logits
         got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def _without_top_level_tie(model_dir: Path) -> None:
+    """config.json as published checkpoints write it: no top-level tie_word_embeddings (Mistral3Config reads true)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layout", ["tied", "published", "transformers-4"])
+def test_a_vision_language_mistral3_serves_its_language_model(tmp_path: Path, layout: str) -> None:
+    """Mistral3ForConditionalGeneration (Mistral Small 3.1, 3.2): its Mistral language model read from under
+    `model.language_model.` (transformers 5) or `language_model.model.` (4), the Pixtral tower left out. "published"
+    says nothing of tying, which Mistral3Config reads as tied, yet stores its own head, which transformers 5 keeps:
+    specmesh keeps it too. On text its logits are transformers' vision-language model's."""
+    torch.manual_seed(SEED)
+    text = random_causal_lm("mistral", **SHAPE).config
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
+    reference = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=VOCAB_SIZE - 1, tie_word_embeddings=layout == "tied"))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    reference.save_pretrained(tmp_path)
+    if layout != "tied":
+        _without_top_level_tie(tmp_path)
+    if layout == "transformers-4":
+        state = load_file(str(tmp_path / "model.safetensors"))
+        renamed = {"language_model.lm_head." + k[len("lm_head."):] if k.startswith("lm_head.") else
+                   "language_model.model." + k[len("model.language_model."):]
+                   if k.startswith("model.language_model.") else k.removeprefix("model."): v for k, v in state.items()}
+        save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        reference = transformers.Mistral3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    assert (reference.lm_head.weight is reference.model.language_model.embed_tokens.weight) == (layout == "tied")
+    ours = load_model(tmp_path)
+    assert ours.config.tie_word_embeddings == (layout == "tied")
+    ids = torch.randint(0, VOCAB_SIZE - 1, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.eval()(input_ids=ids).logits
+        got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_a_head_stored_beside_a_tied_config_is_the_head(tmp_path: Path) -> None:
+    """A Llama whose config.json says tied but whose checkpoint stores a head of its own: transformers 5 keeps the
+    stored head (it ties only one the checkpoint leaves out), and so does specmesh."""
+    _save_tiny("llama", False, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert reference.lm_head.weight is not reference.model.embed_tokens.weight
+    ours = load_model(tmp_path)
+    assert not ours.config.tie_word_embeddings
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        assert (ours.logits(ours(ids, torch.arange(12)[None])) - reference(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def test_a_vision_language_model_of_another_text_type_is_refused() -> None:
+    raw = {"architectures": ["Mistral3ForConditionalGeneration"],
+           "text_config": {"model_type": "ministral3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 4}}
+    with pytest.raises(UnsupportedModelError, match="ministral3"):
+        ModelConfig.from_dict(raw)
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:

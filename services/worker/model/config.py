@@ -8,10 +8,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.worker.model.checkpoint_files import stores_head
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "MistralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "SeedOssForCausalLM", "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
 )
 _MISTRAL = "MistralForCausalLM"  # a Llama whose every layer attends to a sliding window
 # A Llama whose checkpoint stores q/k/v and gate/up merged (the model's own layout), with an optional window
@@ -46,9 +48,6 @@ _DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128}
 # sqrt(hidden_size); attention scaled by query_pre_attn_scalar ** -0.5. Gemma3TextConfig's defaults where
 # config.json is silent:
 _GEMMA3 = "Gemma3ForCausalLM"
-# Gemma 3 4B-27B: the same language model beside a vision tower, its config under text_config (which published
-# checkpoints leave mostly to these defaults); served on text alone (model/language_model_layout.py)
-GEMMA3_VISION_LANGUAGE = "Gemma3ForConditionalGeneration"
 _GEMMA3_DEFAULTS = dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
     num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6,
@@ -60,6 +59,13 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)  # Gemma's MLP activation, F.gelu(appro
 _GEMMA3_REFUSED = ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention",
                    "attention_bias")
 # transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
+# Vision-language checkpoints, served on text alone (model/language_model_layout.py): each language model's config
+# is its text_config (the model_type named, or left out), read as the causal LM's it is. Gemma 3 4B-27B leave most
+# of it to Gemma3TextConfig's defaults; Mistral Small 3.1 and 3.2 (24B) wrap a Mistral.
+VISION_LANGUAGE = {
+    "Gemma3ForConditionalGeneration": (_GEMMA3, "gemma3_text"),
+    "Mistral3ForConditionalGeneration": (_MISTRAL, "mistral"),
+}
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
@@ -275,17 +281,19 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"specmesh serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if arch == GEMMA3_VISION_LANGUAGE:
+        architecture = arch
+        if arch in VISION_LANGUAGE:
             raw = _language_model_config(raw, arch)
+            arch = VISION_LANGUAGE[arch][0]
         _refuse_unsupported_keys(raw, arch)
-        if arch in (_GEMMA3, GEMMA3_VISION_LANGUAGE):
-            return cls._gemma3(raw, arch)
+        if arch == _GEMMA3:
+            return cls._gemma3(raw, architecture)
         heads = raw["num_attention_heads"]
         max_positions = raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
         key = next((k for k in ROPE_KEYS if raw.get(k)), ROPE_KEYS[-1])
         rope = dict(raw.get(key) or {})
         return cls(
-            architecture=arch,
+            architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -355,7 +363,12 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        cfg = cls.from_dict(json.loads(path.read_text()))
+        if cfg.tie_word_embeddings and stores_head(model_dir):
+            # transformers 5 ties only a head the checkpoint leaves out (it keeps a stored one that differs from
+            # the embeddings): Mistral Small 3.1's config says nothing, which Mistral3Config reads as tied
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        return cfg
 
 
 def _head_dim(raw: dict, arch: str) -> int:
@@ -389,12 +402,16 @@ def _attention_window(raw: dict, arch: str) -> int | None:
 def _language_model_config(raw: dict, arch: str) -> dict:
     """A vision-language config's language model, as transformers builds it: text_config alone (no top-level key
     reaches it), tied as the top level says (transformers 5 ties by the top-level config, default true); a quantized
-    checkpoint is still refused by its top-level key."""
+    checkpoint is still refused by its top-level key, and a language model of another type by its model_type."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise UnsupportedModelError(f"{arch}: config.json has no text_config")
     if raw.get("quantization_config"):
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
+    model_type = VISION_LANGUAGE[arch][1]
+    if text.get("model_type", model_type) != model_type:
+        raise UnsupportedModelError(f"{arch}: text_config model_type {text['model_type']!r} is not supported; "
+                                    f"specmesh serves its {model_type!r} language model")
     return {**text, "architectures": [arch], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 
@@ -454,7 +471,7 @@ def _refuse_unsupported_keys(raw: dict, arch: str) -> None:
     """Config keys that change the math in transformers' Llama or Qwen2 and that specmesh does not implement."""
     if raw.get("quantization_config"):
         raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
-    if arch in (_GEMMA3, GEMMA3_VISION_LANGUAGE):
+    if arch == _GEMMA3:
         _refuse_gemma3_keys(raw)
         return
     act = raw.get("hidden_act", SILU_NAMES[0])

@@ -4,12 +4,12 @@ model from its config.json alone with random weights (load format "dummy", model
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from services.worker.model.checkpoint_files import CheckpointError, shard_files
 from services.worker.model.config import ModelConfig
 from services.worker.model.dummy import dummy_state_dict
 from services.worker.model.language_model_layout import language_model_weights
@@ -18,14 +18,9 @@ from services.worker.model.mtp_layout import MTP_PREFIX, normalize_mtp_weights
 from services.worker.model.transposed import use_cpu_layout
 from services.worker.model.weights import merge_projections
 
-SHARD_INDEX = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's safetensors; dummy: random weights from config.json
 # Buffers some exporters save although they are derived from the config.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 TRUNK_PREFIX = "model.layers."
@@ -33,20 +28,9 @@ RESIDUAL_OUTPUTS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight")
 FINAL_NORM = "model.norm.weight"
 NORM_WEIGHT = "norm.weight"  # every RMSNorm's: each layer's (`..._layernorm`, q_norm, k_norm) and the final one
 
-def _shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / SHARD_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors in {model_dir}")
-    return files
-
-
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for path in _shard_files(model_dir):
+    for path in shard_files(model_dir):
         state.update(load_file(str(path)))
     return {k: v for k, v in state.items() if not k.endswith(_DERIVED_SUFFIXES)}
 
@@ -64,7 +48,7 @@ def model_revision(model_dir: Path, dtype: str, load_format: str) -> str:
     digest.update(f"{dtype}/{load_format}/".encode())
     digest.update((model_dir / "config.json").read_bytes())
     if load_format != "dummy":
-        for path in _shard_files(model_dir):
+        for path in shard_files(model_dir):
             size = path.stat().st_size
             digest.update(size.to_bytes(8, "little"))
             with path.open("rb") as weights:
