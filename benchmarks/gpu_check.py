@@ -96,7 +96,9 @@ class Part:
 
 
 def _pytest(tests: tuple[str, ...]) -> Command:
-    return lambda out: ["-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+    # In one process, without pyproject's worker options: the GPU machine's image has no pytest-xdist, and the
+    # CUDA tests share one device.
+    return lambda out: ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests,
                         "--junitxml", str(out / report.JUNIT_FILE)]
 
 

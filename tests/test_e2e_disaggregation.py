@@ -141,6 +141,7 @@ async def test_handed_off_requests_leave_nothing_held_on_either_worker(meshes) -
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_a_worker_killed_mid_handoff_costs_seconds_and_no_token(meshes, role) -> None:
     """Long prompts keep the prefill workers handing off while the decode workers stream: one of a role is killed,
     and every stream ends with the text it has when nothing is killed."""

@@ -187,6 +187,7 @@ async def _other_first_token(
         )
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_one_clients_crowd_does_not_delay_anothers_first_token(fair_gateway: TestServer) -> None:
     url = str(fair_gateway.make_url("/v1/completions"))
     crowd_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -209,6 +210,7 @@ async def test_one_clients_crowd_does_not_delay_anothers_first_token(fair_gatewa
     )
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_one_clients_batch_request_does_not_delay_anothers_first_token(fair_gateway: TestServer) -> None:
     """The crowd as one request of CROWD prompts: its prompts enter in turns with other clients' requests, so it
     does not hold the mesh until its last prompt ends."""

@@ -26,7 +26,8 @@ from tests.test_e2e import E2E_MODEL
 
 __all__ = ["failover_mesh"]  # the fixture, imported for pytest to find
 
-pytestmark = pytest.mark.e2e
+# Each bounds a time (a stop, a stall, a restart): alone, not beside another worker's tests (tests/conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 LONG = dict(max_tokens=200, extra_body={"ignore_eos": True})
 KINDS = {

@@ -106,6 +106,7 @@ async def test_a_declared_oversized_body_is_refused_unread(gateway: TestServer) 
     writer.close()
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_huge_prompts_are_refused_before_tokenizing(gateway: TestServer) -> None:
     url = str(gateway.make_url("/v1/chat/completions"))
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * (HUGE_CHAT_CHARS // 6)}]})

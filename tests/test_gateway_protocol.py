@@ -218,6 +218,7 @@ async def test_silence_times_out_and_cancels(nats_server: NatsServer, model_dir,
         await nc.drain()
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_a_request_whose_detokenizer_is_gone_ends_within_seconds(client: openai.AsyncOpenAI, peer: Peer) -> None:
     taken = asyncio.create_task(peer.take())  # answers as detokenizer PEER_ID, then never again: it "died"
     started = asyncio.get_running_loop().time()

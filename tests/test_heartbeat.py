@@ -11,6 +11,7 @@ import uuid
 from collections import defaultdict
 
 import nats
+import pytest
 
 from services.worker.engine_process import EngineProcess
 from services.worker.metrics import WorkerMetrics
@@ -36,6 +37,7 @@ MAX_GAP_S = REQUEST_HEARTBEAT_S + 0.5
 DONE_TIMEOUT_S = 120.0
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_heartbeats_keep_their_pace_through_a_long_prefill(nats_server: NatsServer) -> None:  # noqa: F811
     spec = SpeculativeConfig(method="naive", num_speculative_tokens=0)
     config = EngineConfig(

@@ -85,6 +85,7 @@ def test_agrees_with_brute_force_on_random_sequences() -> None:
         assert proposer.propose(tokens, 3) == _brute_force(tokens, 4, 2, 3), tokens
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_fast_on_long_sequences() -> None:
     rng = random.Random(7)
     tokens = [rng.randrange(50) for _ in range(4000)]

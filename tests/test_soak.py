@@ -21,6 +21,7 @@ QUICK_DISCONNECTS = 30
 
 
 @pytest.mark.e2e
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_quick_soak_with_disconnects_leaves_no_error_and_nothing_held(tmp_path: Path) -> None:
     args = parse_args([
         "--streams", str(QUICK_STREAMS), "--duration", str(QUICK_DURATION_S), "--max-tokens", "32", "--prompts", "3",

@@ -222,6 +222,7 @@ def test_proposer_follows_sequences_and_caches_finished_outputs() -> None:
     assert "c" not in proposer.cache and proposer.cache.num_cached_requests == 1
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_a_long_request_costs_well_under_a_millisecond_per_step() -> None:
     # Bytes of real source code: repetitive like the code and prose a model writes, with many repeated suffixes.
     source = inspect.getsource(json.decoder).encode() * 3

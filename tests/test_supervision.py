@@ -24,7 +24,8 @@ from services.supervisor import SIGNALS, STOP_SIGNALS, Child, CrashLoopError, Re
 from shared.ports import free_port, wait_for_port
 from tests.test_e2e import E2E_MODEL
 
-pytestmark = pytest.mark.e2e
+# Each bounds a time (a stop, a stall, a restart): alone, not beside another worker's tests (tests/conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 API_KEY = "supervision-test-key"
 STOP_DEADLINE_S = 5.0  # what `specmesh up` promises for SIGTERM, its own exit included

@@ -1,0 +1,86 @@
+"""The suite on several pytest-xdist workers (pyproject's addopts): what the workers share.
+
+- A directory for the whole run (SHARED_DIR_ENV), made by the controlling process before the workers start, so that
+  tests/sessioncache.py builds each test checkpoint once for all workers rather than once per worker.
+- One torch intra-op thread per worker: two workers on two cores, each with two threads, wait on each other.
+- The `exclusive` mark: a test that bounds how long something takes (a stop within five seconds, a stall within a
+  few) runs alone, while the other workers wait between their tests. Every other test holds the run's lock shared.
+  A waiting exclusive test first takes a turnstile that every test passes on its way in, so that the other workers
+  cannot keep the lock shared forever (writer preference).
+- The order modules are handed out in (pyproject keeps collection order): those with an exclusive test first, so that
+  they wait on each other's short tests at the start of the run, not on a minute-long test in the middle of it; then
+  those that start whole meshes; the many small modules last, which even out the two workers' ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.sessioncache import SHARED_DIR_ENV
+
+EXCLUSIVE = "exclusive"
+E2E = "e2e"
+TURNSTILE_FILE = "turnstile.lock"
+ROOM_FILE = "room.lock"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controlling process (or a run without workers)
+        os.environ[SHARED_DIR_ENV] = tempfile.mkdtemp(prefix="specmesh-tests-")
+    else:
+        import torch  # here: a process that only takes the locks below need not load it
+
+        torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(SHARED_DIR_ENV), ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    exclusive = {item.path for item in items if item.get_closest_marker(EXCLUSIVE) is not None}
+    meshes = {item.path for item in items if item.get_closest_marker(E2E) is not None}
+    # stable: each module's own order kept
+    items.sort(key=lambda item: (item.path not in exclusive, item.path not in meshes))
+
+
+@contextmanager
+def _locked(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _room(exclusive: bool) -> Iterator[None]:
+    shared = Path(os.environ[SHARED_DIR_ENV])
+    if exclusive:
+        with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX), _locked(shared / ROOM_FILE, fcntl.LOCK_EX):
+            yield
+        return
+    with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX):
+        room = open(shared / ROOM_FILE, "a")
+        fcntl.flock(room, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+        room.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _room(item.get_closest_marker(EXCLUSIVE) is not None):
+        yield
