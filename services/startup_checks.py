@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from services.worker.engine.kv_budget import check_budget
+from services.worker.model.checkpoint_files import CheckpointError
 from services.worker.model.config import ModelConfig, UnsupportedModelError
 from services.worker.model.config import context_length as model_context_length
 from services.worker.tensor_parallel.divisible import ShardingError, check_shardable
@@ -86,6 +87,8 @@ def servable_max_model_len(model: Path, requested: int | None) -> int:
         config = ModelConfig.from_dir(model)
     except UnsupportedModelError as exc:
         raise UsageError(f"{model}: unsupported model: {exc}") from exc
+    except CheckpointError as exc:
+        raise UsageError(f"{model}: {exc}") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{model}/{MODEL_CONFIG_FILE} is incomplete or malformed: {exc!r}") from exc
     max_model_len = resolve_max_model_len(requested, config.max_position_embeddings, model)

@@ -37,8 +37,11 @@ def _built_by_any_worker(key: str, build: Callable[[], T]) -> T:
     result = Path(shared) / f"{key}.pickle"
     with open(Path(shared) / f"{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if result.exists():
-            return pickle.loads(result.read_bytes())
-        value = build()
-        result.write_bytes(pickle.dumps(value))
-        return value
+        try:
+            if result.exists():
+                return pickle.loads(result.read_bytes())
+            value = build()
+            result.write_bytes(pickle.dumps(value))
+            return value
+        finally:  # not left to the file's closing: a process forked meanwhile would hold the lock on
+            fcntl.flock(lock, fcntl.LOCK_UN)

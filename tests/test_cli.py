@@ -126,6 +126,17 @@ def test_an_unsupported_model_is_refused_by_name(unsupported_model: Path, capsys
         assert "unsupported architecture ['MambaForCausalLM']" in _refused([command, "--model", str(unsupported_model)], capsys)
 
 
+def test_weights_that_are_not_safetensors_are_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Git LFS pointer where the weights should be (a clone without LFS): whether the checkpoint stores a head of
+    its own is read from the weight files' headers, so the refusal names the file rather than a traceback."""
+    shutil.copy(DEFAULT_MODEL_DIR / TOKENIZER_FILE, tmp_path / TOKENIZER_FILE)
+    config = json.loads((DEFAULT_MODEL_DIR / MODEL_CONFIG_FILE).read_text()) | {"tie_word_embeddings": True}
+    (tmp_path / MODEL_CONFIG_FILE).write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    for command in ("up", "worker"):
+        assert "model.safetensors cannot be read as safetensors" in _refused([command, "--model", str(tmp_path)], capsys)
+
+
 def test_a_refusal_from_the_real_process_is_one_line_without_traceback(tmp_path: Path) -> None:
     for argv in (["up", "--bogus"], ["up", "--model", str(tmp_path)]):
         done = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True)

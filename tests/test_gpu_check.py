@@ -63,6 +63,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_a_part_past_its_budget_is_stopped_with_its_process_group(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     script = (f"import pathlib, subprocess, time; child = subprocess.Popen(['sleep', '{SLEEP_S}']); "

@@ -222,3 +222,17 @@ def test_a_dynamic_rope_of_the_sliding_layers_bounds_the_served_length() -> None
     cfg.check_served_length(cfg.max_position_embeddings)
     with pytest.raises(UnsupportedModelError, match="dynamic"):
         cfg.check_served_length(cfg.max_position_embeddings + 1)
+
+
+@pytest.mark.parametrize("architecture, config_class", [
+    ("MistralForCausalLM", "MistralConfig"), ("LlamaForCausalLM", "LlamaConfig"), ("Qwen2ForCausalLM", "Qwen2Config"),
+    ("Qwen3ForCausalLM", "Qwen3Config"), ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), ("SeedOssForCausalLM", "SeedOssConfig"),
+    ("Phi3ForCausalLM", "Phi3Config"), ("GraniteForCausalLM", "GraniteConfig"),
+])
+def test_key_value_heads_config_json_leaves_out_are_the_configs_default(architecture: str, config_class: str) -> None:
+    """Mistral's 8, Qwen3-MoE's 4, Qwen2's 32..., not one per query head as a Llama's."""
+    transformers = pytest.importorskip("transformers")
+    raw = {"vocab_size": 64, "hidden_size": 2048, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 32}
+    expected = getattr(transformers, config_class)(**raw).num_key_value_heads
+    assert ModelConfig.from_dict(raw | {"architectures": [architecture]}).num_key_value_heads == expected

@@ -231,6 +231,7 @@ async def test_a_restarted_gateway_routes_to_what_the_workers_held_before(mesh: 
     assert _routed(mesh) == len(PROMPTS)
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_routed_requests_of_a_killed_worker_continue_exactly_on_the_other(mesh: FailoverMesh) -> None:
     await _warm(mesh)
     routed_before = _routed(mesh)

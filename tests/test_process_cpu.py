@@ -18,6 +18,7 @@ PARENT = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {CHIL
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_a_busy_child_counts_under_its_parent_once() -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT])
     try:

@@ -134,6 +134,7 @@ async def until(condition, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 async def test_engine_steps_on_while_the_event_loop_cannot_publish(running: Running, tiny_model_dir: Path) -> None:  # noqa: F811
     request = await submit(running.nc, tiny_model_dir)
     await until(lambda: running.received.targets(), "the first frame")

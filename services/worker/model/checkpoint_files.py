@@ -27,16 +27,24 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 def tensor_names(model_dir: Path) -> set[str]:
-    """The names of the tensors stored in model_dir; none where it holds no weights (a shape's config alone)."""
+    """The names of the tensors stored in model_dir; none where it holds no weights (a shape's config alone). A
+    weight file or index that cannot be read (a Git LFS pointer left by a clone without LFS) is a CheckpointError
+    naming it."""
+    from safetensors import SafetensorError, safe_open  # here: the gateway reads configs too, and never a weight
+
     index = model_dir / SHARD_INDEX
     if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open  # here: the gateway reads configs too, and never a weight
-
+        try:
+            return set(json.loads(index.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} cannot be read as a shard index: {exc!r}") from exc
     names: set[str] = set()
     for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
-            names.update(weights.keys())
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                names.update(weights.keys())
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{path} cannot be read as safetensors: {exc}") from exc
     return names
 
 

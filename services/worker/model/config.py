@@ -43,6 +43,10 @@ _SEED_OSS = "SeedOssForCausalLM"
 # Qwen3Config's and SeedOssConfig's head_dim where config.json has none (not hidden_size / heads, as elsewhere,
 # Qwen3-MoE included)
 _DEFAULT_HEAD_DIM = {_QWEN3_DENSE: 128, _SEED_OSS: 128}
+# The configs' num_key_value_heads where config.json has none (Llama's, Phi-3's and Granite's: one per query head)
+_DEFAULT_KV_HEADS = {
+    _MISTRAL: 8, _SEED_OSS: 8, _QWEN3_MOE: 4, _QWEN3_DENSE: 32, **{arch: 32 for arch in _QWEN2_FAMILY},
+}
 # Google's Gemma 3 (text): sliding-window layers beside full ones, each kind with its own rope; RMSNorm weights
 # stored as offsets from 1; a norm on each sublayer's output too; a tanh-GELU-gated MLP; embeddings times
 # sqrt(hidden_size); attention scaled by query_pre_attn_scalar ** -0.5. Gemma3TextConfig's defaults where
@@ -299,7 +303,7 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(arch, heads),
             head_dim=_head_dim(raw, arch),
             # The rope dict's theta wins over a top-level rope_theta, as in transformers.
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))),
@@ -360,6 +364,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        """config.json's model, its head untied where the checkpoint stores one (a directory without weights, a
+        shape, is read as its config says: a shape of a published Mistral Small, which says nothing of tying,
+        would count no head of its own)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
