@@ -127,19 +127,28 @@ def test_a_vision_language_gemma3_serves_its_language_model(tmp_path: Path, tied
     reference = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB_SIZE - 3,
         boi_token_index=VOCAB_SIZE - 2, eoi_token_index=VOCAB_SIZE - 1, tie_word_embeddings=tied))
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.5)
+    _randomise_norms(reference)
     reference.save_pretrained(tmp_path)
     # transformers 5 writes the EOS id under text_config alone, which is where a shape without a tokenizer finds it
     assert config_eos_ids(tmp_path) == {reference.config.text_config.eos_token_id}
-    ours = load_model(tmp_path)
-    ids = torch.randint(0, VOCAB_SIZE - 3, (2, 23), generator=torch.Generator().manual_seed(1))
+    _assert_text_logits_match(reference, load_model(tmp_path), VOCAB_SIZE - 3)
+
+
+def _assert_text_logits_match(reference, ours, num_text_tokens: int) -> None:
+    """A vision-language reference's logits on text (ids below its image tokens) are ours, to TOLERANCE."""
+    ids = torch.randint(0, num_text_tokens, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference.eval()(input_ids=ids).logits
         got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def _randomise_norms(model) -> None:
+    """Norm weights away from their initial ones, so that reading them (and any offset they are stored as) counts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
 
 
 def _without_top_level_tie(model_dir: Path) -> None:
@@ -161,10 +170,7 @@ def test_a_vision_language_mistral3_serves_its_language_model(tmp_path: Path, la
                                               num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
     reference = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
         text_config=text, vision_config=vision, image_token_index=VOCAB_SIZE - 1, tie_word_embeddings=layout == "tied"))
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.5)
+    _randomise_norms(reference)
     reference.save_pretrained(tmp_path)
     if layout != "tied":
         _without_top_level_tie(tmp_path)
@@ -179,11 +185,7 @@ def test_a_vision_language_mistral3_serves_its_language_model(tmp_path: Path, la
     assert (reference.lm_head.weight is reference.model.language_model.embed_tokens.weight) == (layout == "tied")
     ours = load_model(tmp_path)
     assert ours.config.tie_word_embeddings == (layout == "tied")
-    ids = torch.randint(0, VOCAB_SIZE - 1, (2, 23), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference.eval()(input_ids=ids).logits
-        got = ours.logits(ours(ids, torch.arange(23).expand(2, 23)))
-    assert (got - expected).abs().max().item() <= TOLERANCE
+    _assert_text_logits_match(reference, ours, VOCAB_SIZE - 1)
 
 
 def test_a_head_stored_beside_a_tied_config_is_the_head(tmp_path: Path) -> None:
