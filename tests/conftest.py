@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,14 +70,10 @@ def _room(exclusive: bool) -> Iterator[None]:
         with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX), _locked(shared / ROOM_FILE, fcntl.LOCK_EX):
             yield
         return
-    with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX):
-        room = open(shared / ROOM_FILE, "a")
-        fcntl.flock(room, fcntl.LOCK_SH)
-    try:
+    with ExitStack() as held:
+        with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX):  # passed on the way in, not held
+            held.enter_context(_locked(shared / ROOM_FILE, fcntl.LOCK_SH))
         yield
-    finally:
-        fcntl.flock(room, fcntl.LOCK_UN)
-        room.close()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -62,7 +62,6 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)  # Gemma's MLP activation, F.gelu(appro
 # Gemma 3 switches that change the math and that specmesh does not implement
 _GEMMA3_REFUSED = ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention",
                    "attention_bias")
-# transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 # Vision-language checkpoints, served on text alone (model/language_model_layout.py): each language model's config
 # is its text_config (the model_type named, or left out), read as the causal LM's it is. Gemma 3 4B-27B leave most
 # of it to Gemma3TextConfig's defaults; Mistral Small 3.1 and 3.2 (24B) wrap a Mistral.
@@ -70,6 +69,7 @@ VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": (_GEMMA3, "gemma3_text"),
     "Mistral3ForConditionalGeneration": (_MISTRAL, "mistral"),
 }
+# transformers' defaults where config.json leaves max_position_embeddings out (LlamaConfig, Qwen2Config, Qwen3Config).
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MiMoForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768, "MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096,
@@ -408,18 +408,18 @@ def _attention_window(raw: dict, arch: str) -> int | None:
 
 def _language_model_config(raw: dict, arch: str) -> dict:
     """A vision-language config's language model, as transformers builds it: text_config alone (no top-level key
-    reaches it), tied as the top level says (transformers 5 ties by the top-level config, default true); a quantized
-    checkpoint is still refused by its top-level key, and a language model of another type by its model_type."""
+    reaches it), tied as the top level says (transformers 5 ties by the top-level config, default true); the
+    top-level quantization_config is carried along to be refused with the rest, and a language model of another type
+    is refused by its model_type."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise UnsupportedModelError(f"{arch}: config.json has no text_config")
-    if raw.get("quantization_config"):
-        raise UnsupportedModelError("quantization_config: quantized checkpoints are not supported")
     model_type = VISION_LANGUAGE[arch][1]
     if text.get("model_type", model_type) != model_type:
         raise UnsupportedModelError(f"{arch}: text_config model_type {text['model_type']!r} is not supported; "
                                     f"specmesh serves its {model_type!r} language model")
-    return {**text, "architectures": [arch], "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+    return {**text, "architectures": [arch], "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+            "quantization_config": raw.get("quantization_config")}
 
 
 def context_length(raw: dict) -> int | None:
