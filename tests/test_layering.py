@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.config import DEFAULT_MODEL_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
 SERVICES = ROOT / "services"
@@ -94,3 +96,14 @@ def test_services_without_a_model_do_not_load_torch(module: str) -> None:
     probe = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"importing {module} loads torch\n{result.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("command", ["up", "gateway", "detokenizer"])
+def test_commands_without_a_model_resolve_their_options_without_torch(command: str) -> None:
+    """Checking options against the model reads its config and weight headers, never torch (2 s of every start)."""
+    probe = (
+        "import sys; from services.cli import parse; "
+        f"parse([{command!r}, '--model', {str(DEFAULT_MODEL_DIR)!r}]); sys.exit('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"specmesh {command} loads torch to resolve its options\n{result.stderr[-2000:]}"

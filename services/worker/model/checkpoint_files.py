@@ -41,7 +41,8 @@ def tensor_names(model_dir: Path) -> set[str]:
     names: set[str] = set()
     for path in sorted(model_dir.glob("*.safetensors")):
         try:
-            with safe_open(str(path), framework="pt") as weights:
+            # numpy's view of the file: "pt" would import torch, two seconds of every `specmesh up`
+            with safe_open(str(path), framework="numpy") as weights:
                 names.update(weights.keys())
         except (OSError, SafetensorError) as exc:
             raise CheckpointError(f"{path} cannot be read as safetensors: {exc}") from exc
