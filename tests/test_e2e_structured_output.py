@@ -291,9 +291,12 @@ def test_an_answer_in_a_format_beside_tools_follows_it_or_calls(mesh: Mesh, clie
                 call[1] += delta.function.arguments or ""
             content += chunk.choices[0].delta.content or "" if chunk.choices else ""
         assert (content or None, [(n, json.loads(a)) for n, a in streamed.values()]) == (choice.message.content, calls)
-    alone = client.chat.completions.create(model=mesh.model, messages=MESSAGES, tool_choice="auto", max_tokens=64,
-                                           temperature=0, response_format=REPORT_FORMAT)  # auto, and no tools
+    alone = client.chat.completions.create(model=mesh.model, messages=MESSAGES, tool_choice="none", max_tokens=64,
+                                           temperature=0, response_format=REPORT_FORMAT)  # no tools, none to call
     Report.model_validate_json(alone.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as refused:  # as OpenAI and vLLM answer: there is nothing to call
+        client.chat.completions.create(model=mesh.model, messages=MESSAGES, tool_choice="auto", max_tokens=4)
+    assert refused.value.body["param"] == "tool_choice"
     answer = client.responses.create(
         model=mesh.model, input=MESSAGES[0]["content"], max_output_tokens=64, temperature=0,
         tools=[{"type": "function", **strict_weather["function"]}],

@@ -89,6 +89,11 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
         ({"extra_body": {"function_call": {"name": "f"}}}, "function_call"),
         ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),
+        # Nothing offered to call: OpenAI and vLLM refuse it, and a call read from the answer would name no tool.
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
+         "messages.[1].function_call"),
         ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
         ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"),
         ({"extra_body": {"verbosity": "low"}}, "verbosity"),
@@ -146,6 +151,9 @@ async def test_chat_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: d
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ""}, "stop"),
         ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+        # Chat's tool calling: a completion has no template to offer tools with, and a forced call would go unforced.
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
     ],
 )
 async def test_completion_rejects_bad_parameters(client: openai.AsyncOpenAI, kwargs: dict, param: str) -> None:
@@ -318,3 +326,9 @@ def test_an_error_names_the_first_bad_place_and_its_unions_deepest_complaint() -
         with pytest.raises(ValidationError) as caught:
             ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
         assert from_validation_error(caught.value).param == param
+
+
+def test_a_null_parallel_tool_calls_is_the_default_as_on_the_responses_endpoint() -> None:
+    """Clients that send every unset option as null (as vLLM takes this one) get the default, not a 400."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": null}'
+    assert ChatCompletionRequest.model_validate_json(body).parallel_tool_calls is True

@@ -117,6 +117,18 @@ def test_tools_formats_and_logprobs_take_chats_shapes() -> None:
     assert "logprobs" not in chat_body(request(), {})
 
 
+def test_structured_outputs_pass_on_to_chat_where_they_are_honoured() -> None:
+    regex = {"regex": "[0-9]+"}
+    chat = RequestBodies(max_n=1, strict_params=True).chat(chat_body(request(), {"structured_outputs": regex}))
+    assert chat.structured_outputs is not None and chat.structured_outputs.regex == regex["regex"]
+
+
+def test_auto_with_nothing_to_call_is_chats_none() -> None:
+    """The Responses API's default choice, sent with no tools: chat would refuse it, and read calls of no tool."""
+    chat = RequestBodies(max_n=1, strict_params=True).chat(chat_body(request(tool_choice="auto"), {}))
+    assert chat.tool_fields.mode == "none"
+
+
 def test_a_function_tool_is_strict_unless_it_says_otherwise_as_openais_responses_api() -> None:
     """Chat's tools default to `strict: false`, the Responses API's to `strict: true`: under plain auto a call of a
     tool that says nothing follows its schema, and the response shows it strict, as OpenAI's does."""
@@ -197,6 +209,8 @@ def test_what_the_server_cannot_do_is_refused_by_name(fields: dict, where: str) 
 @pytest.mark.parametrize("name, value", [
     ("max_tool_calls", 3), ("conversation", "conv_1"), ("truncation", "auto"),
     ("prompt", {"id": "pmpt_1"}), ("context_management", [{"type": "compaction"}]),
+    # vLLM's extensions, refused here as on chat rather than dropped
+    ("priority", 1), ("vllm_xargs", {"a": 1}), ("use_beam_search", True), ("logits_processors", ["p"]),
 ])
 def test_refused_fields_are_400s_naming_them_unless_neutral(name: str, value: Any) -> None:
     with pytest.raises(OpenAIError) as caught:

@@ -43,6 +43,19 @@ class ChatMessage(Body):
     # second)
     reasoning: str | None = None
     reasoning_content: str | None = None
+    # OpenAI's legacy call on an assistant message: refused, as the legacy functions are (extensions.py), since the
+    # template would show an assistant turn without the call it made
+    function_call: Any = None
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_legacy_call(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                "the legacy function_call is not supported; send the call in tool_calls, each "
+                '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
+            )
+        return None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -93,7 +106,7 @@ class ChatCompletionRequest(GenerationRequest):
     # Tool calling (tools/)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = True  # null is the default, as vLLM and the Responses endpoint take it
     # vLLM's extensions for rendering the conversation.
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     # vLLM extension: the tokenizer's special tokens (BOS) too, on top of those the template writes
@@ -116,6 +129,11 @@ class ChatCompletionRequest(GenerationRequest):
     @classmethod
     def _tool_choice(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         return check_tool_choice(value, info.data.get("tools"))
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_is_parallel(cls, value: Any) -> Any:
+        return True if value is None else value
 
     @cached_property
     def tool_fields(self) -> ToolFields:

@@ -46,24 +46,35 @@ class Ignored:
     why: str
 
 
+# Chat's tool-calling fields (tools/), with the values that offer no tool
+TOOL_CALLING: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+}
+
+# vLLM's extensions of every generation request: refused on a Responses request too (RESPONSES_REFUSED)
+VLLM_REFUSED = (
+    Refused("use_beam_search", (False,), "beam search is not implemented; sample several choices with n instead"),
+    Refused("length_penalty", (1, 1.0), "it weighs beam search's candidates, and beam search is not implemented"),
+    Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
+    Refused("logits_processors", ([],), "custom logits processors are not supported"),
+    Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),
+    Refused("mm_processor_kwargs", ({},), "the model reads text only"),
+    Refused("kv_transfer_params", ({},), "KV cache transfer is the mesh's own (prefill/decode handoff)"),
+    Refused("vllm_xargs", ({},), "no plugin here reads extra arguments"),
+    Refused("guided_whitespace_pattern", (), "JSON is generated compact, with no free whitespace"),
+    Refused("structural_tag", (), "a structural tag goes in response_format (type \"structural_tag\") or "
+            "structured_outputs.structural_tag"),
+)
+RESPONSES_REFUSED: dict[str, Refused] = {rule.name: rule for rule in VLLM_REFUSED}
+
 REFUSED: dict[tuple[str, Api], Refused] = {
     (rule.name, api): rule
     for rule in (
-        Refused("use_beam_search", (False,), "beam search is not implemented; sample several choices with n instead"),
-        Refused("length_penalty", (1, 1.0), "it weighs beam search's candidates, and beam search is not implemented"),
-        Refused("early_stopping", (False,), "it ends beam search, and beam search is not implemented"),
-        Refused("logits_processors", ([],), "custom logits processors are not supported"),
-        Refused("priority", (0,), "requests are admitted in arrival order, round robin over clients"),
-        Refused("mm_processor_kwargs", ({},), "the model reads text only"),
-        Refused("kv_transfer_params", ({},), "KV cache transfer is the mesh's own (prefill/decode handoff)"),
-        Refused("vllm_xargs", ({},), "no plugin here reads extra arguments"),
+        *VLLM_REFUSED,
         Refused("prompt_embeds", (), "prompts are taken as text or token ids only", ("completion",)),
         Refused("chat_template", (), "the model's own chat template renders every chat", ("chat",)),
         Refused("documents", ([],), "the chat template is given no documents", ("chat",)),
         Refused("media_io_kwargs", ({},), "the model reads text only", ("chat",)),
-        Refused("guided_whitespace_pattern", (), "JSON is generated compact, with no free whitespace"),
-        Refused("structural_tag", (), "a structural tag goes in response_format (type \"structural_tag\") or "
-                "structured_outputs.structural_tag"),
         # OpenAI's own chat fields that the request models do not declare: refused in the same way.
         Refused(
             "functions", (), "the legacy functions are not supported; offer them as tools, each "
@@ -82,6 +93,12 @@ REFUSED: dict[tuple[str, Api], Refused] = {
         ),
         Refused("verbosity", (), "the model has no verbosity setting", ("chat",)),
         Refused("web_search_options", (), "the server does not search the web", ("chat",)),
+        # Chat's tool calling, which a completion (a prompt with no chat template to render tools) has not.
+        *(
+            Refused(name, neutral, "tools are offered on /v1/chat/completions, whose chat template renders them",
+                    ("completion",))
+            for name, neutral in TOOL_CALLING.items()
+        ),
     )
     for api in rule.apis
 }
@@ -104,18 +121,18 @@ IGNORED: dict[str, Ignored] = {
     )
 }
 
-# Fields of structured output and tool calling (docs/api.md has their own section): handled there, never reported
-# here as unknown.
+# Fields of structured output (docs/api.md has their own section): handled there, never reported here as unknown.
 STRUCTURED_OUTPUT = frozenset({
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs",
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs",
 })
 
 
 def known_names(api: Api) -> frozenset[str]:
-    """Field names this module, or the structured-output code, answers for on `api`."""
+    """Field names this module, or the structured-output and tool-calling code, answers for on `api`."""
     refused = {name for name, rule_api in REFUSED if rule_api == api}
-    return frozenset(refused) | IGNORED.keys() | STRUCTURED_OUTPUT
+    tools = TOOL_CALLING.keys() if api == "chat" else set()
+    return frozenset(refused) | IGNORED.keys() | STRUCTURED_OUTPUT | tools
 
 
 class Extensions:

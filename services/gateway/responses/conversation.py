@@ -67,6 +67,8 @@ def chat_body(request: ResponsesRequest, data: dict[str, Any], messages: list[di
 
 def _tool_choice(request: ResponsesRequest) -> Any:
     choice = request.tool_choice
+    if choice == "auto" and not request.tools:  # the Responses API's default, even with nothing to call: chat's none
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, ResponsesAllowedTools):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from services.gateway.extensions import Refused
+from services.gateway.extensions import RESPONSES_REFUSED, Refused
 from services.gateway.protocol import StreamOptions, check_stream_options
 from services.gateway.structured_request import JsonSchemaFormat
 from services.gateway.tools.tool_request import (
@@ -26,13 +26,13 @@ OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-# vLLM's and specmesh's sampling extensions, taken on a Responses request as on a chat request, where they are
-# validated and honoured.
+# vLLM's and specmesh's sampling and structured-output extensions, taken on a Responses request as on a chat request,
+# where they are validated and honoured.
 EXTENSIONS = (
     "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
     "include_draft_logprobs", "include_stop_str_in_output", "skip_special_tokens", "thinking_token_budget",
-    "speculative", "cache_salt", "chat_template_kwargs",
+    "speculative", "cache_salt", "chat_template_kwargs", "structured_outputs",
 )
 
 
@@ -177,8 +177,8 @@ REFUSED = {
 
 
 def check_refused(data: dict[str, Any]) -> None:
-    """A 400 naming the first refused field that asks for something."""
-    for name, rule in REFUSED.items():
+    """A 400 naming the first refused field (the Responses API's, or vLLM's extension) that asks for something."""
+    for name, rule in (REFUSED | RESPONSES_REFUSED).items():
         rule.check(data.get(name))
 
 
@@ -304,4 +304,6 @@ class ResponsesRequest(BaseModel):
 
 
 RESPONSES = "responses"  # the endpoint's name among the gateway's request bodies (request_body.py)
-RESPONSES_FIELDS = frozenset(ResponsesRequest.model_fields) | frozenset(EXTENSIONS) | frozenset(REFUSED)
+RESPONSES_FIELDS = (
+    frozenset(ResponsesRequest.model_fields) | frozenset(EXTENSIONS) | frozenset(REFUSED) | frozenset(RESPONSES_REFUSED)
+)

@@ -173,7 +173,10 @@ def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> To
         chosen = [choice.function.name]
     else:
         chosen = choice.names if isinstance(choice, AllowedToolsChoice) else []
-    check_choice_among(choice, chosen, [tool.function.name for tool in tools or ()])
+    names = [tool.function.name for tool in tools or ()]
+    check_choice_among(choice, chosen, names)
+    if choice == "auto" and not names:  # as OpenAI and vLLM refuse it: there is nothing to call
+        raise ValueError('tool_choice "auto" needs at least one tool; leave tool_choice out, or send "none"')
     return choice
 
 
