@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from services.gateway.reasoning.parser import FORMATS as REASONING_FORMATS, opening_tag
 from services.gateway.tools.formats import FORMATS, tool_constraint
@@ -101,7 +102,9 @@ def test_beside_an_answer_a_llama3_call_is_what_the_grammars_calls_path_writes(
         assert whole == streamed == (content, calls), points
 
 
-def test_tool_choice_auto_without_tools_leaves_the_answers_constraint_alone() -> None:
+def test_tool_choice_none_without_tools_leaves_the_answers_constraint_alone() -> None:
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "tool_choice": "auto"})
+                                                 "tool_choice": "none"})
     assert tool_constraint(body, FORMATS["hermes"], None, SKY) is None
+    with pytest.raises(ValidationError, match="tool_choice"):  # auto with nothing to call: OpenAI's and vLLM's 400
+        ChatCompletionRequest.model_validate({**body.model_dump(exclude_unset=True), "tool_choice": "auto"})
