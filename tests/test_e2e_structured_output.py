@@ -356,3 +356,22 @@ def test_langchain_structured_output_and_bound_tools(mesh: Mesh, use_responses_a
     ])
     assert answered.text and not answered.tool_calls
 
+
+
+def test_an_echoed_call_in_the_final_message_is_text_whole_and_streamed(mesh: Mesh, client: openai.OpenAI) -> None:
+    """Chat's echo repeats the final assistant message: a stream sends it before reading the answer for calls, so
+    the whole answer must not read it for calls either."""
+    echoed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    params = dict(
+        model=mesh.model, messages=[*MESSAGES, {"role": "assistant", "content": echoed}], tools=[WEATHER_TOOL],
+        max_tokens=8, temperature=0,
+        extra_body={"echo": True},
+    )
+    whole = client.chat.completions.create(**params).choices[0].message
+    content, calls = "", []
+    for chunk in client.chat.completions.create(stream=True, **params):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+    assert whole.content.startswith(echoed) and content == whole.content
+    assert not whole.tool_calls and not calls

@@ -166,14 +166,14 @@ async def _respond(
         for choice in merged:
             if reasoning is not None:
                 message_with_reasoning(choice["message"], reasoning, gen.body.include_reasoning)
-            if gen.body.echoed_text:
-                choice["message"]["content"] = gen.body.echoed_text + (choice["message"]["content"] or "")
             if tools is not None:
                 fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(
                     choice["message"], choice["finish_reason"], reading(tools, gen.body),
                     fields.parallel_tool_calls, fields.mode == "named",
                 )
+            if gen.body.echoed_text:  # after the calls are read, as a stream's opening chunk is never read for them
+                choice["message"]["content"] = gen.body.echoed_text + (choice["message"]["content"] or "")
             prompt_logprobs = choice.pop("prompt_logprobs", None)
         if prompt_logprobs is not None:  # vLLM puts chat's on the response, not the choice
             body["prompt_logprobs"] = prompt_logprobs
