@@ -104,6 +104,8 @@ class Tokenizer:
         self.bos_token = _token_content(self._config.get("bos_token"))
         self.eos_token = _token_content(self._config.get("eos_token"))
         self.chat_template: str | None = self._config.get("chat_template")
+        # The tokenizer's own EOS; the configs may name more (eos_token_ids holds them all)
+        self.eos_token_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
         self.eos_token_ids = self._eos_ids(model_dir)
         # Special tokens by their text ([TOOL_CALLS], <|im_end|>, ...): control tokens generated text leaves out
         self.special_tokens = {t["content"]: t["id"] for t in self._added_tokens() if t.get("special", False)}
@@ -115,8 +117,8 @@ class Tokenizer:
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(config_eos_ids(model_dir))
-        if self.eos_token is not None and (eid := self._tok.token_to_id(self.eos_token)) is not None:
-            ids.add(eid)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
         return frozenset(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

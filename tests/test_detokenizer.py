@@ -232,6 +232,25 @@ def test_stop_string_spanning_tokens_of_one_step_earliest_wins(tokenizer, table)
     assert assembler.consume(record(ids, seq_no=1, offset=len(ids))) is None
 
 
+@pytest.mark.parametrize("api", ["chat", "completion"])
+def test_the_final_chunk_names_what_stopped_it_as_vllms_stop_reason(tokenizer, table, api: str) -> None:
+    """The stop string that matched (whichever of a step's tokens completed it), a stop token's id, and null for
+    the tokenizer's EOS or a length finish; chunks before the final one carry no stop_reason."""
+    ok, stop_token = byte_tokens(tokenizer, "ok"), byte_tokens(tokenizer, "!")[0]
+    cases = [
+        (("world", "o w"), [ok, byte_tokens(tokenizer, " hello world")], FinishReason.LENGTH, "o w"),
+        ((), [ok, ok + [stop_token]], FinishReason.STOP, stop_token),
+        ((), [ok, ok + [table.eos_token_id]], FinishReason.STOP, None),
+        (("zz",), [ok, ok], FinishReason.LENGTH, None),
+    ]
+    assert table.eos_token_id is not None and table.eos_token_id != stop_token
+    for stop, steps, finish, stop_reason in cases:
+        chunks = [c for c in run_steps(RequestAssembler(opened(api, stop=stop), table), steps, finish) if c]
+        assert chunks[-1].final and chunks[-1].choice["finish_reason"] in ("stop", "length")
+        assert chunks[-1].choice["stop_reason"] == stop_reason, (stop, finish)
+        assert all("stop_reason" not in c.choice for c in chunks[:-1])
+
+
 def test_stop_string_forming_over_steps_is_held_back_then_released(tokenizer, table) -> None:
     assembler = RequestAssembler(opened(api="completion", stop=("STOP",)), table)
     steps = [byte_tokens(tokenizer, piece) for piece in ("ok S", "T", "ep", " STO")]

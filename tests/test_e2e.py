@@ -108,6 +108,7 @@ def test_max_tokens_ends_with_length(client: openai.OpenAI, mesh: Mesh) -> None:
         model=mesh.model, prompt=CODE_PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    assert r.choices[0].model_extra["stop_reason"] is None
 
 
 def test_stop_string_cuts_the_text_at_its_first_occurrence(client: openai.OpenAI, mesh: Mesh) -> None:
@@ -119,8 +120,17 @@ def test_stop_string_cuts_the_text_at_its_first_occurrence(client: openai.OpenAI
         model=mesh.model, prompt=CODE_PROMPT, max_tokens=48, temperature=0, stop=[stop, "\u2603never"],
         extra_body={"ignore_eos": True},
     ).choices[0]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop  # vLLM's: the string that matched
     assert cut.text == full[: full.index(stop)]
+    ids = client.completions.create(model=mesh.model, prompt=CODE_PROMPT, max_tokens=48, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    stop_id = ids.model_extra["token_ids"][3]
+    chunks = list(client.completions.create(model=mesh.model, prompt=CODE_PROMPT, max_tokens=48, temperature=0,
+                                            stream=True, extra_body={"stop_token_ids": [stop_id]}))
+    assert [(c.choices[0].finish_reason, c.choices[0].model_extra.get("stop_reason")) for c in chunks][-1] == (
+        "stop", stop_id
+    )
+    assert all("stop_reason" not in c.choices[0].model_extra for c in chunks[:-1])
 
 
 def test_completion_logprobs_and_draft_logprobs(client: openai.OpenAI, mesh: Mesh) -> None:

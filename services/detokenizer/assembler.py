@@ -21,6 +21,9 @@ from shared.schemas import ChoiceProgress, Chunk, CompletionTokensDetails, Detok
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.COMPLETE: "stop"}
 STOP_STRING_FINISH = "stop"
+# vLLM's stop_reason beside a "stop" finish: the stop string or stop token id that ended the output; None for the
+# tokenizer's EOS, or a finish of another kind
+StopReason = str | int | None
 CONSTRAINT_FAILED_ERROR = (
     "the output's constraint cannot be followed past this point: it reaches a limit of the grammar engine "
     "(llguidance), such as 2,000 alternatives of one rule"
@@ -164,17 +167,24 @@ class RequestAssembler:
             self.cancel_reason = "stop_string"
             cut = self._text_base + released.match.cut
             self._drafts = [d for d in self._drafts if d.text_offset < cut]
-            return self._emit(released.text, self._release_before(released.match.cut), STOP_STRING_FINISH)
+            return self._emit(
+                released.text, self._release_before(released.match.cut), STOP_STRING_FINISH, released.match.stop
+            )
         self._count(ids)
         if not target.finished:
             return self._emit(released.text, self._release_settled())
         items = [h.entry for h in self._held]
         self._held.clear()
         if target.finish_reason in FINISH_REASONS:
-            return self._emit(released.text, items, FINISH_REASONS[target.finish_reason])
+            stop_reason = self._stop_token(ids[-1]) if stopped else None
+            return self._emit(released.text, items, FINISH_REASONS[target.finish_reason], stop_reason)
         if target.finish_reason is FinishReason.CONSTRAINT_FAILED:
             return self._emit(released.text, items, error=CONSTRAINT_FAILED_ERROR, request_error=True)
         return self._emit(released.text, items, error=f"the worker ended the request ({target.finish_reason.name})")
+
+    def _stop_token(self, token_id: int) -> int | None:
+        """vLLM's stop_reason of a finish on a token: the stop token's id, None for the tokenizer's own EOS."""
+        return None if token_id == self._table.eos_token_id else token_id
 
     def consume_prompt(self, record: Record | None = None) -> list[Chunk]:
         """The chunks of the prompt's part (echo, prompt_logprobs) that this PROMPT record, or what is known already,
@@ -294,8 +304,8 @@ class RequestAssembler:
         return out
 
     def _emit(
-        self, text: str, items: list[logprobs.Entry], finish: str | None = None, error: str | None = None,
-        request_error: bool = False,
+        self, text: str, items: list[logprobs.Entry], finish: str | None = None, stop_reason: StopReason = None,
+        error: str | None = None, request_error: bool = False,
     ) -> Chunk | None:
         final = finish is not None or error is not None
         if not final and not text and not items:
@@ -304,7 +314,7 @@ class RequestAssembler:
             request_id=self.request_id,
             seq=self._chunk_seq,
             final=final,
-            choice=self._choice(text, items, finish),
+            choice=self._choice(text, items, finish, stop_reason),
             num_tokens=self._unsent_tokens,
             usage=self._usage() if final else None,
             error=error,
@@ -322,13 +332,14 @@ class RequestAssembler:
         chunk = Chunk(
             request_id=self.request_id,
             seq=self._chunk_seq,
-            choice=self._choice(part.text, part.entries, None, part.prompt_logprobs),
+            choice=self._choice(part.text, part.entries, None, prompt=part.prompt_logprobs),
         )
         self._chunk_seq += 1
         return chunk
 
     def _choice(
-        self, text: str, items: list[logprobs.Entry], finish: str | None, prompt: list[PromptLogprob] | None = None
+        self, text: str, items: list[logprobs.Entry], finish: str | None, stop_reason: StopReason = None,
+        prompt: list[PromptLogprob] | None = None,
     ) -> dict:
         api = self._open.api
         choice: dict = {"index": self.choice}
@@ -341,6 +352,8 @@ class RequestAssembler:
             None if self._top_k is None else logprobs.render(api, self._table, items, draft=False, as_ids=as_ids)
         )
         choice["finish_reason"] = finish
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         if self._want_drafts:
             choice["draft_logprobs"] = logprobs.render(api, self._table, self._drafts, draft=True, as_ids=as_ids)
         if self._open.return_token_ids:

@@ -23,13 +23,15 @@ class TokenTable:
     token_bytes: Sequence[bytes]  # per id; b"" for special tokens
     special_names: dict[int, str]  # special id -> its literal text, only shown among top logprobs
     leading_spaces: int = 0  # spaces the tokenizer's decoder drops from the start of a text (SentencePiece)
+    # The tokenizer's own EOS: a finish on it has no stop_reason, one on any other stop token names the token
+    eos_token_id: int | None = None
     # display() of each id asked for so far: logprobs name the same few thousand tokens over and over.
     _displayed: dict[int, tuple[str, list[int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> "TokenTable":
         names = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.special_ids}
-        return cls(tokenizer.token_bytes, names, tokenizer.leading_spaces_stripped)
+        return cls(tokenizer.token_bytes, names, tokenizer.leading_spaces_stripped, tokenizer.eos_token_id)
 
     @property
     def vocab_size(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StopMatch:
+    stop: str  # the stop string found: the choice's stop_reason
     start: int  # offset in the whole output where the stop string begins
     end: int  # offset just past the stop string
     included: bool = False  # whether the output keeps the stop string (include_stop_str_in_output)
@@ -60,10 +61,10 @@ class StopMatcher:
         pending = self._pending + text
         match = self._earliest(pending)
         if match is not None:
-            start, end = match
+            stop, start = match
             self._pending = ""
             out = pending[:start]
-            found = StopMatch(self.released + start, self.released + end)
+            found = StopMatch(stop, self.released + start, self.released + start + len(stop))
             self.released += len(out)
             return Released(out, found)
         keep = 0 if final else self._forming(pending)
@@ -85,21 +86,23 @@ class StopMatcher:
         match = self._earliest(window)
         base = self.released - len(self._tail)  # the window's offset in the whole output
         if match is not None:
-            start, end = match
+            stop, start = match
+            end = start + len(stop)
             out = window[len(self._tail) : end]  # a match ends in the new text: one in the tail alone ended it
             self.released += len(out)
-            return Released(out, StopMatch(base + start, base + end, included=True))
+            return Released(out, StopMatch(stop, base + start, base + end, included=True))
         self.released += len(text)
         self._tail = window[-self._tail_len :] if self._tail_len else ""
         return Released(text, None)
 
-    def _earliest(self, text: str) -> tuple[int, int] | None:
-        """The match that starts first; among stops starting at the same place the shortest ends first."""
-        best: tuple[int, int] | None = None
+    def _earliest(self, text: str) -> tuple[str, int] | None:
+        """The stop string that matches first, and where: among stops starting at the same place the shortest ends
+        first."""
+        best: tuple[str, int] | None = None
         for stop in self._stops:
             at = text.find(stop)
-            if at >= 0 and (best is None or (at, at + len(stop)) < best):
-                best = (at, at + len(stop))
+            if at >= 0 and (best is None or (at, len(stop)) < (best[1], len(best[0]))):
+                best = (stop, at)
         return best
 
     def _forming(self, text: str) -> int:

@@ -58,6 +58,8 @@ def merge_choices(
         elif key == "logprobs":
             merged[key] = None
     merged["finish_reason"] = finish_reason
+    # vLLM's: the stop string or stop token id that ended the choice (on its final chunk), else null
+    merged["stop_reason"] = next((c["stop_reason"] for c in reversed(choices) if "stop_reason" in c), None)
     if any("token_ids" in choice for choice in choices):
         merged["token_ids"] = [token for choice in choices for token in choice.get("token_ids", ())]
     prompt_parts = [choice["prompt_logprobs"] for choice in choices if "prompt_logprobs" in choice]
