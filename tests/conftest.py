@@ -4,7 +4,8 @@
   tests/sessioncache.py builds each test checkpoint once for all workers rather than once per worker.
 - One torch intra-op thread per worker: two workers on two cores, each with two threads, wait on each other.
 - The `exclusive` mark: a test that bounds how long something takes (a stop within five seconds, a stall within a
-  few) runs alone, while the other workers wait between their tests. Every other test holds the run's lock shared.
+  few) runs its body alone, while the other workers wait between their tests' phases. Every other phase (setup,
+  teardown, an unmarked test's body) holds the run's lock shared.
   A waiting exclusive test first takes a turnstile that every test passes on its way in, so that the other workers
   cannot keep the lock shared forever (writer preference).
 - The order modules are handed out in (pyproject keeps collection order): those with an exclusive test first, so that
@@ -76,7 +77,21 @@ def _room(exclusive: bool) -> Iterator[None]:
         yield
 
 
+# Each phase takes the lock on its own: an exclusive test's bound lies in its body, so the meshes its fixtures start
+# and stop (seconds each) run beside the other workers' tests.
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _room(exclusive=False):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     with _room(item.get_closest_marker(EXCLUSIVE) is not None):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _room(exclusive=False):
         yield
