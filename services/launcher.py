@@ -32,7 +32,7 @@ from shared import nats_settings, option_types, stream_limits, streams
 from services.gateway import auth, limits, routing_options, unknown_fields
 from services.gateway.reasoning import options as reasoning_options
 from services.gateway.tools import tool_options
-from services.gateway.auth import API_KEY_ENV, KEY_SEPARATOR
+from services.gateway.auth import API_KEY_ENV, API_KEY_ENVS, KEY_SEPARATOR
 from services.gateway.limits import GatewayLimits
 from services import cpu_plan, engine_flags
 from services.cpu_affinity import format_cpu_list, pin
@@ -253,7 +253,7 @@ def _child_nats(
     else:
         settings = NatsSettings.from_args(args, role)
     # The API keys are the gateway's alone (the launcher hands them to it below), whatever started the launcher with.
-    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    env = {name: value for name, value in os.environ.items() if name not in API_KEY_ENVS}
     if settings.credentials is not None:
         env.update(settings.credentials.environment())
     return settings.command_line(), env

@@ -16,7 +16,7 @@ import pytest
 
 from services import cli, launcher
 from services.gateway import service as gateway_service
-from services.gateway.auth import API_KEY_ENV
+from services.gateway.auth import API_KEY_ENV, VLLM_API_KEY_ENV
 from services.startup_checks import MODEL_CONFIG_FILE
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_credentials import MeshCredentials
@@ -164,10 +164,12 @@ def test_the_api_keys_go_to_the_gateway_alone(monkeypatch: pytest.MonkeyPatch) -
     """Keys the launcher was started with (its environment) are not inherited by the workers and detokenizers; the
     launcher hands the gateway its keys itself."""
     monkeypatch.setenv(API_KEY_ENV, "sk-secret")
+    monkeypatch.setenv(VLLM_API_KEY_ENV, "sk-vllm-secret")
     credentials = MeshCredentials.generate()
     for role in (NatsRole.WORKER, NatsRole.DETOKENIZER, NatsRole.GATEWAY):
         _, env = launcher._child_nats(argparse.Namespace(), "nats://127.0.0.1:4222", credentials, role)
-        assert API_KEY_ENV not in env and "sk-secret" not in env.values()
+        assert not {API_KEY_ENV, VLLM_API_KEY_ENV} & env.keys()
+        assert not {"sk-secret", "sk-vllm-secret"} & set(env.values())
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from pydantic import SecretStr
 
 from services import cli
-from services.gateway.auth import API_KEY_ENV, parse_api_keys
+from services.gateway.auth import API_KEY_ENV, VLLM_API_KEY_ENV, parse_api_keys
 from services.startup_checks import UsageError
 from tests.gatewayfixture import MODEL, model_dir, nats_server, start_gateway  # noqa: F401
 from tests.natsfixture import NatsServer
@@ -104,9 +104,10 @@ def test_keys_come_from_options_the_environment_and_a_file(tmp_path: Path, monke
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file-1\n\n  sk-from-file-2  \nsk-twice\n")
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env,sk-twice")
+    monkeypatch.setenv(VLLM_API_KEY_ENV, "sk-from-vllms-env")  # where a vLLM user keeps theirs
     _, args = cli.parse(["gateway", "--api-key", "sk-from-flag", "--api-key-file", str(key_file)])
     assert [k.get_secret_value() for k in args.api_keys] == [
-        "sk-from-flag", "sk-from-env", "sk-twice", "sk-from-file-1", "sk-from-file-2",
+        "sk-from-flag", "sk-from-env", "sk-twice", "sk-from-vllms-env", "sk-from-file-1", "sk-from-file-2",
     ]
 
 

@@ -1,4 +1,5 @@
-"""API keys: where they come from (--api-key, SPECMESH_API_KEY, --api-key-file) and the middleware that checks them.
+"""API keys: where they come from (--api-key, SPECMESH_API_KEY or vLLM's VLLM_API_KEY, --api-key-file) and the
+middleware that checks them.
 
 Every route but the open ones (health, readiness, metrics) needs `Authorization: Bearer <key>` with one of the
 keys; anything else gets OpenAI's 401. The presented key is compared with every key, each in constant time
@@ -21,6 +22,8 @@ from services.gateway.metrics import Handler
 from services.startup_checks import UsageError
 
 API_KEY_ENV = "SPECMESH_API_KEY"  # one key, or several separated by KEY_SEPARATOR
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name, read the same way: a key kept there must not leave a server open
+API_KEY_ENVS = (API_KEY_ENV, VLLM_API_KEY_ENV)
 KEY_SEPARATOR = ","
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 AUTHORIZATION = "Authorization"
@@ -33,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The key options of the gateway and of `specmesh up`, which hands the keys to its gateway."""
     parser.add_argument(
         "--api-key", action="append", default=[], metavar="KEY",
-        help=f"a key clients must send as 'Authorization: Bearer KEY'; repeat for several (also {API_KEY_ENV}, "
-        "comma-separated). Without any key, no key is asked for",
+        help=f"a key clients must send as 'Authorization: Bearer KEY'; repeat for several (also {API_KEY_ENV} or "
+        f"{VLLM_API_KEY_ENV}, comma-separated). Without any key, no key is asked for",
     )
     parser.add_argument("--api-key-file", type=Path, default=None, help="a file of API keys, one per line")
 
@@ -43,7 +46,9 @@ def parse_api_keys(given: Iterable[str], key_file: Path | None, environ: Mapping
     """The keys from --api-key (repeatable), the environment and --api-key-file (one per line, blank lines
     ignored), without repeats. A malformed key is refused by where it came from, never by its value."""
     sources = [("--api-key", key) for key in given]
-    sources += [(API_KEY_ENV, key) for key in environ.get(API_KEY_ENV, "").split(KEY_SEPARATOR) if key.strip()]
+    sources += [
+        (name, key) for name in API_KEY_ENVS for key in environ.get(name, "").split(KEY_SEPARATOR) if key.strip()
+    ]
     if key_file is not None:
         try:
             lines = Path(key_file).read_text().splitlines()
