@@ -55,11 +55,14 @@ class CommandLineParser(argparse.ArgumentParser):
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Shows each option's default after its help, unless the help already speaks of it or there is none to show."""
+    """Shows each option's default after its help, unless the help already speaks of it or there is none to show
+    (an on/off flag's: "--no-x (default: True)" would read as if the flag were on)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        flag = isinstance(action.default, bool)
+        if action.option_strings and not flag and action.default not in (None, argparse.SUPPRESS) \
+                and "default" not in text:
             text += " (default: %(default)s)"
         return text
 

@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=_size, default=None, metavar="SIZE",
         help="memory each worker's KV cache may take (4GiB, 512MiB, bytes): every slot gets its full --max-model-len "
         "when that fits, else the cache holds what fits and sequences are preempted when it runs out (default: on "
-        "the CPU 4GiB or a quarter of the available memory, whichever is less; on CUDA 90%% of the free memory less "
-        "the weights and a reserve)",
+        "the CPU 4GiB or a quarter of the available memory, whichever is less, shared out among the machine's "
+        "workers; on CUDA 90%% of the free memory less the weights and a reserve)",
     )
     parser.add_argument(
         "--tensor-parallel-size", "-tp", type=tensor_parallel_size, default=fields["tensor_parallel_size"].default,

@@ -52,6 +52,7 @@ from shared.nats_server import admin_settings, credentials_dir, default_store_di
 from shared.ports import can_listen, free_port
 from shared.nats_settings import NatsSettings
 from shared.stream_limits import StreamLimits
+from shared.schemas import MAX_REQUEST_CHOICES
 from shared.tokenizer import TOKENIZER_FILE
 
 DISAGGREGATED_ROLES = ("prefill", "decode")  # worker roles that split a request between them (--role)
@@ -134,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
     parser.add_argument(
-        "--max-n", type=option_types.at_least(1), default=None,
+        "--max-n", type=option_types.between(1, MAX_REQUEST_CHOICES), default=None,
         help="the most choices per prompt a request may ask for (`n`) (default: the gateway's own)",
     )
     parser.add_argument(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmesh-demo"
 # Rows a step computes with chunked prefill: measured on a 2-core CPU with the demo model (README, "Chunked prefill")
@@ -17,6 +18,18 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 DEFAULT_MODEL_STEPS = 1
 DEFAULT_MIN_DRAFT_CONFIDENCE = 0.2  # see min_draft_confidence
 MODEL_DRAFTERS = ("mtp", "draft_model", "eagle3")  # methods whose drafts are drawn from a model's q
+DRAFTING_METHODS = ("ngram", "suffix", "mtp", "draft_model", "eagle3")  # every method but naive
+NUM_DRAFTS_KEY = "num_speculative_tokens"  # 0 under naive says what naive does
+# Keys only some methods read (SpeculativeConfig._readers), with who reads them, for the refusal
+METHOD_KEYS = {
+    NUM_DRAFTS_KEY: 'every method but "naive"',
+    "max_ngram_size": 'method "ngram" and every method\'s predicted-output drafts (not "naive", which drafts none)',
+    "min_ngram_size": 'method "ngram", and "mtp" with mtp_strategy "with_ngram"',
+    **{
+        f"suffix_decoding_{name}": 'method "suffix"'
+        for name in ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")
+    },
+}
 HIDDEN_STATE_DRAFTERS = ("mtp", "eagle3")  # drafters that read the target's hidden states (drafting/mtp.py)
 
 
@@ -106,7 +119,25 @@ class SpeculativeConfig(BaseModel):
             )
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError('mtp_strategy applies to method "mtp" only')
+        self._check_method_keys()
         return self
+
+    def _check_method_keys(self) -> None:
+        """A key the method never reads, set away from its default, is refused by name rather than ignored."""
+        for key in METHOD_KEYS:
+            value = getattr(self, key)
+            if value == type(self).model_fields[key].default or (key == NUM_DRAFTS_KEY and value == 0):
+                continue
+            readers = self._readers(key)
+            if self.method not in readers:
+                raise ValueError(
+                    f'{key} ({value}) is not read by method "{self.method}": it applies to {METHOD_KEYS[key]}'
+                )
+
+    def _readers(self, key: str) -> tuple[str, ...]:
+        if key == "min_ngram_size":
+            return ("ngram", "mtp") if self.mtp_strategy == "with_ngram" else ("ngram",)
+        return ("suffix",) if key.startswith("suffix_decoding_") else DRAFTING_METHODS
 
     @property
     def adaptive_drafts(self) -> bool:
@@ -129,6 +160,7 @@ class SpeculativeConfig(BaseModel):
 
 
 WorkerRole = Literal["both", "prefill", "decode"]
+DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?"
 
 
 class EngineConfig(BaseModel):
@@ -139,7 +171,7 @@ class EngineConfig(BaseModel):
     model: Path = DEFAULT_MODEL_DIR
     max_num_seqs: int = Field(64, ge=1, le=1024)
     max_model_len: int = Field(1024, ge=16)
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda or cuda:N (unsplit)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     speculative: SpeculativeConfig = SpeculativeConfig()
     # KV cache blocks of block_size positions; None: enough for max_num_seqs full-length sequences (no preemption)
@@ -168,8 +200,21 @@ class EngineConfig(BaseModel):
     # experts, instead of a slice of every expert (vLLM's --enable-expert-parallel)
     enable_expert_parallel: bool = False
 
+    @field_validator("device")
+    @classmethod
+    def _a_torch_device(cls, value: str) -> str:
+        if not re.fullmatch(DEVICE_PATTERN, value):
+            raise ValueError("must be cpu, cuda or cuda:N")
+        return value
+
     @model_validator(mode="after")
     def _splits_what_can_be_split(self) -> "EngineConfig":
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"with tensor_parallel_size {self.tensor_parallel_size} rank r runs on cuda:r: give "
+                             f"device cuda, not {self.device!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) bounds the pieces of chunked "
+                             "prefill; without it a step prefills whole prompts, and nothing reads it")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("enable_expert_parallel splits experts over tensor-parallel ranks: it needs "
                              "tensor_parallel_size above 1")

@@ -23,6 +23,19 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An integer option from `minimum` to `maximum`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum} and {maximum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def seconds(text: str) -> float:
     """A duration option: more than zero seconds."""
     value = float(text)

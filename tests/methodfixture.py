@@ -63,13 +63,17 @@ class Method:
     def config(self, **overrides) -> SpeculativeConfig:
         """The method's config, with a fixed number of drafts: these tests check what drafting does, which adaptive
         speculation (on by default for ngram and suffix) would thin by the step timings. Overrides replace any key,
-        num_speculative_tokens and adaptive included. A model drafter's chains are not cut by confidence either."""
+        num_speculative_tokens (none under naive) and adaptive included. A model drafter's chains are not cut by
+        confidence either."""
         keys = dict(
             method=self.method, num_speculative_tokens=self.num_speculative_tokens, adaptive=False, **self.options
         )
         if self.method in MODEL_DRAFTERS:
             keys["min_draft_confidence"] = 0.0
-        return SpeculativeConfig(**(keys | overrides))
+        keys |= overrides
+        if not self.drafts:  # a test's drafts per step, for every method it runs, are none under naive
+            keys["num_speculative_tokens"] = 0
+        return SpeculativeConfig(**keys)
 
 
 METHODS = {

@@ -18,9 +18,7 @@ from services.gateway.tools import tool_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
 from services.gateway.limits import GatewayLimits
 from services.gateway.protocol import DEFAULT_MAX_N
-from services.startup_checks import (
-    UsageError, check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config,
-)
+from services.startup_checks import check_tokenizer_dir, context_length, resolve_max_model_len, speculative_config
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared import nats_settings
 from shared.nats_roles import NatsRole
@@ -50,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without any output before a request fails"
     )
     parser.add_argument(
-        "--max-n", type=int, default=DEFAULT_MAX_N, help="the most choices per prompt a request may ask for (`n`)"
+        "--max-n", type=option_types.between(1, MAX_REQUEST_CHOICES), default=DEFAULT_MAX_N,
+        help="the most choices per prompt a request may ask for (`n`)",
     )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
@@ -74,8 +73,6 @@ def resolve_args(args: argparse.Namespace) -> None:
     check_tokenizer_dir(args.model)
     args.max_model_len = resolve_max_model_len(args.max_model_len, context_length(args.model), args.model)
     args.api_keys = auth.parse_api_keys(args.api_key, args.api_key_file, os.environ)
-    if not 1 <= args.max_n <= MAX_REQUEST_CHOICES:
-        raise UsageError(f"--max-n {args.max_n}: must be between 1 and {MAX_REQUEST_CHOICES}")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

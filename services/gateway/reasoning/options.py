@@ -10,9 +10,10 @@ from services.gateway.reasoning.parser import FORMATS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reasoning-parser", choices=sorted(FORMATS), default=None,
-        help="set a reasoning model's <think> block apart from its chat answers, as `reasoning` (and "
-        "`reasoning_content`): qwen3 (an answer may open with the block) or deepseek_r1 (the prompt opens it); "
-        "none: the block stays in the content",
+        help="set a reasoning model's thinking apart from its chat answers, as `reasoning` (and "
+        "`reasoning_content`): qwen3 (an answer may open with a <think> block), deepseek_r1 (the prompt opens "
+        "it), mistral (Magistral's [THINK] block), seed_oss (<seed:think>). Without it the block stays in the "
+        "content",
     )
 
 

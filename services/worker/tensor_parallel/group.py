@@ -26,12 +26,8 @@ def backend_for(device: str) -> str:
 
 def rank_device(device: str, rank: int) -> str:
     """The device rank `rank` runs on: the CPU for all ranks, or GPU number `rank` of the machine."""
-    kind = torch.device(device)
-    if kind.type != "cuda":
-        return device
-    if kind.index is not None:
-        raise ValueError(f"with tensor parallelism rank r runs on cuda:r; give --device cuda, not {device!r}")
-    return f"cuda:{rank}"
+    # EngineConfig refuses an indexed CUDA device beside tensor parallelism
+    return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
 
 
 def _timeout() -> datetime.timedelta:
