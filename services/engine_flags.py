@@ -4,8 +4,11 @@ specmesh's), and how the launcher hands them on to its workers."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 
+from services.startup_checks import MODEL_CONFIG_FILE
 from shared import option_types
 from shared.config import MAX_TENSOR_PARALLEL_SIZE, MIN_NUM_BATCHED_TOKENS, EngineConfig
 
@@ -39,8 +42,39 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+AUTO_DTYPE = "auto"
+DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINT_DTYPE_KEYS = ("torch_dtype", "dtype")  # config.json's, before and since transformers 5
+
+
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype config.json says the weights are stored in (a vision-language model's text config's), if one of
+    DTYPES."""
+    config = json.loads((Path(model_dir) / MODEL_CONFIG_FILE).read_text())
+    for section in (config, config.get("text_config") or {}):
+        for key in CHECKPOINT_DTYPE_KEYS:
+            if section.get(key) in DTYPES:
+                return section[key]
+    return None
+
+
+def resolved_dtype(dtype: str, device: str, model_dir: Path) -> str:
+    """--dtype auto: float32 on the CPU (its fast path here, and transformers' reference numbers); on CUDA the
+    checkpoint's own dtype, as transformers' torch_dtype="auto" loads it (bfloat16 for most published models)."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    return checkpoint_dtype(model_dir) or "float32"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     fields = EngineConfig.model_fields
+    parser.add_argument(
+        "--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+        help="weights and activations; auto: float32 on the CPU, the checkpoint's own dtype on CUDA (config.json's "
+        "torch_dtype: bfloat16 for most published models)",
+    )
     parser.add_argument(
         "--kv-cache-memory", type=_size, default=None, metavar="SIZE",
         help="memory each worker's KV cache may take (4GiB, 512MiB, bytes): every slot gets its full --max-model-len "
@@ -87,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_keys(args: argparse.Namespace) -> dict:
     """The EngineConfig keys these options set."""
     return dict(
+        dtype=resolved_dtype(args.dtype, args.device, args.model),
         enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, kv_cache_memory=args.kv_cache_memory,
@@ -96,6 +131,7 @@ def config_keys(args: argparse.Namespace) -> dict:
 def forwarded(args: argparse.Namespace) -> list[str]:
     """The options as a worker's command line takes them."""
     return [
+        "--dtype", args.dtype,
         "--enable-prefix-caching" if args.prefix_caching else "--no-prefix-caching",
         "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli, launcher
+from services import cli, engine_flags, launcher
 from services.gateway import service as gateway_service
 from services.gateway.auth import API_KEY_ENV, VLLM_API_KEY_ENV
 from services.startup_checks import MODEL_CONFIG_FILE
@@ -165,6 +165,26 @@ def test_max_model_len_defaults_to_the_models_context_length(command: str) -> No
     assert args.max_model_len == DEMO_CONTEXT
     _, args = cli.parse([command, "--model", str(DEFAULT_MODEL_DIR), "--max-model-len", "256", *ports])
     assert args.max_model_len == 256
+
+
+def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_own_on_cuda(tmp_path: Path) -> None:
+    """up takes --dtype and hands it to its workers as given; each resolves auto against its device and checkpoint."""
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]
+    _, args = cli.parse(["up", "--dtype", "bfloat16", *ports])
+    assert engine_flags.forwarded(args)[:2] == ["--dtype", "bfloat16"]
+    assert engine_flags.config_keys(args)["dtype"] == "bfloat16"
+    _, args = cli.parse(["worker"])
+    assert args.dtype == engine_flags.AUTO_DTYPE and engine_flags.config_keys(args)["dtype"] == "float32"
+    published = tmp_path / "published"
+    published.mkdir()
+    config = json.loads((DEFAULT_MODEL_DIR / MODEL_CONFIG_FILE).read_text())
+    for stored, on_cuda in (({"torch_dtype": "bfloat16"}, "bfloat16"), ({"dtype": "float16"}, "float16"),
+                            ({"text_config": {"torch_dtype": "bfloat16"}}, "bfloat16"), ({}, "float32")):
+        fields = {k: v for k, v in config.items() if k not in engine_flags.CHECKPOINT_DTYPE_KEYS} | stored
+        (published / MODEL_CONFIG_FILE).write_text(json.dumps(fields))
+        assert engine_flags.resolved_dtype("auto", "cuda", published) == on_cuda
+        assert engine_flags.resolved_dtype("auto", "cpu", published) == "float32"
+        assert engine_flags.resolved_dtype("float16", "cpu", published) == "float16"
 
 
 def test_log_level_is_taken_before_or_after_the_command() -> None:

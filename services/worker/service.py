@@ -75,9 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
     cpu_plan.add_arguments(parser)
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations"
-    )
-    parser.add_argument(
         "--load-format", default=EngineConfig.model_fields["load_format"].default, choices=["auto", "dummy"],
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
@@ -123,7 +120,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         device=args.device,
-        dtype=args.dtype,
         load_format=args.load_format,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         enforce_eager=args.enforce_eager,
