@@ -135,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone, for speed measurements",
     )
     parser.add_argument(
+        "--served-model-name", default=None,
+        help="the name clients send as `model` and /v1/models lists (default: the model directory's name)",
+    )
+    parser.add_argument(
         "--max-n", type=option_types.between(1, MAX_REQUEST_CHOICES), default=None,
         help="the most choices per prompt a request may ask for (`n`) (default: the gateway's own)",
     )
@@ -379,6 +383,8 @@ def run(args: argparse.Namespace) -> None:
         gateway_args = [*common, "--host", args.host, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
         if args.max_n is not None:  # the gateway's own default otherwise: importing it would load torch here
             gateway_args += ["--max-n", str(args.max_n)]
+        served_name = args.served_model_name or Path(args.model).name
+        gateway_args += ["--served-model-name", served_name]
         if args.max_in_flight is None:  # the workers' batch slots: the gateway, not the queue, orders what waits
             args.max_in_flight = args.workers * args.max_num_seqs
         gateway_args += GatewayLimits.from_args(args).command_line()
@@ -399,7 +405,7 @@ def run(args: argparse.Namespace) -> None:
         )))
 
         deadline = time.monotonic() + args.startup_timeout
-        while not _probe(url, Path(args.model).name, args.api_keys):
+        while not _probe(url, served_name, args.api_keys):
             SIGNALS.check()
             dead = [name for name, proc in children if proc.poll() is not None]
             if dead:
@@ -407,7 +413,7 @@ def run(args: argparse.Namespace) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the mesh did not answer within {args.startup_timeout}s")
             time.sleep(0.5)
-        print(f"specmesh is up: {url}/v1 (model {Path(args.model).name}, NATS {nats_url})", flush=True)
+        print(f"specmesh is up: {url}/v1 (model {served_name}, NATS {nats_url})", flush=True)
         for name, metrics_url in metrics_urls.items():
             print(f"  metrics of {name}: {metrics_url}", flush=True)
         if credentials is not None:

@@ -21,6 +21,7 @@ from shared.ports import free_port
 from shared.nats_settings import NatsSettings
 
 START_TIMEOUT_S = 180.0
+SERVED_NAME_OPTION = "--served-model-name"
 STOP_TIMEOUT_S = 30.0
 
 
@@ -85,4 +86,5 @@ def start_mesh(tmp: Path, *extra: str, model: Path = DEFAULT_MODEL_DIR) -> Mesh:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("the mesh did not start:\n" + "".join(log[-40:]))
-    return Mesh(proc, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nats_port}", model.name, log, store_dir)
+    served = extra[extra.index(SERVED_NAME_OPTION) + 1] if SERVED_NAME_OPTION in extra else model.name
+    return Mesh(proc, f"http://127.0.0.1:{port}/v1", f"nats://127.0.0.1:{nats_port}", served, log, store_dir)

@@ -219,15 +219,20 @@ def test_out_of_vocabulary_ids_are_worded_as_vllm_words_them(client, mesh) -> No
     )
 
 
+SERVED = "org/served-name"
+
+
 @pytest.fixture(scope="module")
 def strict_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(tmp_path_factory.mktemp("strict"), *MESH_OPTIONS, "--strict-params")
+    m = start_mesh(tmp_path_factory.mktemp("strict"), *MESH_OPTIONS, "--strict-params", "--served-model-name", SERVED)
     yield m
     assert m.stop() == 0, "".join(m.log[-30:])
 
 
 def test_strict_params_refuse_unknown_fields(strict_mesh) -> None:
     strict = openai.OpenAI(base_url=strict_mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    # up's --served-model-name reaches its gateway: the name it lists and serves (the module's other mesh: the dir's)
+    assert [m.id for m in strict.models.list()] == [SERVED] and strict_mesh.model == SERVED
     message = _refused(lambda: _completion(strict, strict_mesh, prompt="hi", extra_body={"foo": 1}), "foo")
     assert message == "Unrecognized request argument supplied: foo"
     # vLLM's extensions, honoured or neutral, are known fields.
