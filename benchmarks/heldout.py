@@ -170,6 +170,8 @@ def main() -> None:
     up_options = shlex.split(args.up_options)
     if args.speculative_config:
         up_options += ["--speculative-config", args.speculative_config]
+    if "--dtype" not in up_options:  # the reference below is float32; --dtype auto would be bfloat16 on CUDA
+        up_options += ["--dtype", "float32"]
     tokenizer = Tokenizer(args.model)
     table = TokenTable.from_tokenizer(tokenizer)
     hf_model = shape.transformers_model(args.model, "auto", torch.float32, "cpu")

@@ -238,7 +238,8 @@ def run_method(args: argparse.Namespace, name: str, sets: dict[str, list[list[in
     with tempfile.TemporaryDirectory() as tmp:
         mesh = start_mesh(
             Path(tmp), "--speculative-config", json.dumps(METHODS[name]), "--max-num-seqs", str(max(args.streams)),
-            "--device", args.device, *_cpu_options(args), model=args.model,
+            "--device", args.device, "--dtype", EngineConfig.model_fields["dtype"].default, *_cpu_options(args),
+            model=args.model,  # the dtype of engine_for's engine, whose greedy tokens the mesh's text must match
         )
         try:
             for prompts_name, all_prompts in sets.items():

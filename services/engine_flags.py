@@ -45,6 +45,7 @@ def _size(text: str) -> int:
 AUTO_DTYPE = "auto"
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_DTYPE_KEYS = ("torch_dtype", "dtype")  # config.json's, before and since transformers 5
+BFLOAT16_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bfloat16 arithmetic
 
 
 def checkpoint_dtype(model_dir: Path) -> str | None:
@@ -60,12 +61,23 @@ def checkpoint_dtype(model_dir: Path) -> str | None:
 
 def resolved_dtype(dtype: str, device: str, model_dir: Path) -> str:
     """--dtype auto: float32 on the CPU (its fast path here, and transformers' reference numbers); on CUDA the
-    checkpoint's own dtype, as transformers' torch_dtype="auto" loads it (bfloat16 for most published models)."""
+    checkpoint's own dtype, as transformers' torch_dtype="auto" loads it (bfloat16 for most published models), but
+    float16 on a GPU without bfloat16 (before sm_80), as vLLM's auto falls back."""
     if dtype != AUTO_DTYPE:
         return dtype
     if not device.startswith("cuda"):
         return "float32"
-    return checkpoint_dtype(model_dir) or "float32"
+    stored = checkpoint_dtype(model_dir) or "float32"
+    return "float16" if stored == "bfloat16" and not _has_bfloat16(device) else stored
+
+
+def _has_bfloat16(device: str) -> bool:
+    """Whether the GPU computes in bfloat16; asked only on CUDA (torch's import is two seconds of every start)."""
+    import torch
+
+    if not torch.cuda.is_available():  # nothing to ask: the engine will say the device is missing
+        return True
+    return torch.cuda.get_device_capability(torch.device(device)) >= BFLOAT16_CAPABILITY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
         help="weights and activations; auto: float32 on the CPU, the checkpoint's own dtype on CUDA (config.json's "
-        "torch_dtype: bfloat16 for most published models)",
+        "torch_dtype: bfloat16 for most published models; float16 on a GPU before sm_80)",
     )
     parser.add_argument(
         "--kv-cache-memory", type=_size, default=None, metavar="SIZE",

@@ -90,7 +90,7 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
-        if self.min_ngram_size > self.max_ngram_size:
+        if self.min_ngram_size > self.max_ngram_size and self.method in self._readers("min_ngram_size"):
             raise ValueError(
                 f"min_ngram_size ({self.min_ngram_size}) must not exceed max_ngram_size ({self.max_ngram_size})"
             )
@@ -214,7 +214,7 @@ class EngineConfig(BaseModel):
                              f"device cuda, not {self.device!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) bounds the pieces of chunked "
-                             "prefill; without it a step prefills whole prompts, and nothing reads it")
+                             "prefill; without it a step prefills whole prompts, whatever this says")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("enable_expert_parallel splits experts over tensor-parallel ranks: it needs "
                              "tensor_parallel_size above 1")

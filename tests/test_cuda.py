@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from kernels import DISABLE_ENV
+from services.engine_flags import BFLOAT16_CAPABILITY, resolved_dtype
 from services.worker.engine.kv_write import write_kv_torch
 from services.worker.model.paged_attention import paged_attention_torch
 from services.worker.model.rms_norm import rms_norm_torch
 from services.worker.model.rotary_apply import apply_rotary_torch
 from services.worker.model.gated_activation import gelu_tanh_and_mul_torch, silu_and_mul_torch
+from shared.config import DEFAULT_MODEL_DIR
 from tests.methodfixture import (  # noqa: F401  (fixtures are used by name)
     METHOD_NAMES,
     METHODS,
@@ -165,3 +167,9 @@ def test_a_dummy_8b_shape_is_drawn_on_the_device() -> None:
     assert _resident_bytes() - before < HOST_SLACK
     assert torch.cuda.max_memory_allocated() < weights + DEVICE_SLACK
     assert model.rotary.cos_sin.is_cuda and model.rotary.cos_sin.shape[0] == SERVED_LEN
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_gpu_computes_in_it() -> None:
+    """The demo model's config stores bfloat16: auto keeps it on sm_80 and later, float16 before (vLLM's fallback)."""
+    has_bf16 = torch.cuda.get_device_capability() >= BFLOAT16_CAPABILITY
+    assert resolved_dtype("auto", "cuda", DEFAULT_MODEL_DIR) == ("bfloat16" if has_bf16 else "float16")

@@ -107,8 +107,18 @@ def test_keys_come_from_options_the_environment_and_a_file(tmp_path: Path, monke
     monkeypatch.setenv(VLLM_API_KEY_ENV, "sk-from-vllms-env")  # where a vLLM user keeps theirs
     _, args = cli.parse(["gateway", "--api-key", "sk-from-flag", "--api-key-file", str(key_file)])
     assert [k.get_secret_value() for k in args.api_keys] == [
-        "sk-from-flag", "sk-from-env", "sk-twice", "sk-from-vllms-env", "sk-from-file-1", "sk-from-file-2",
+        "sk-from-flag", "sk-from-env", "sk-twice", "sk-from-file-1", "sk-from-file-2",
     ]
+
+
+def test_vllms_variable_gives_the_key_when_nothing_else_does() -> None:
+    """As in vLLM, where --api-key replaces it: a key rotated on the command line leaves the old one refused."""
+    assert [k.get_secret_value() for k in parse_api_keys([], None, {VLLM_API_KEY_ENV: "sk-old"})] == ["sk-old"]
+    assert [k.get_secret_value() for k in parse_api_keys(["sk-new"], None, {VLLM_API_KEY_ENV: "sk-old"})] == [
+        "sk-new"
+    ]
+    with pytest.raises(UsageError, match=f"^{VLLM_API_KEY_ENV}: an API key must be"):
+        parse_api_keys([], None, {VLLM_API_KEY_ENV: "sk-a,sk-b"})
 
 
 def test_a_malformed_key_is_refused_by_its_place_never_by_its_value(tmp_path: Path) -> None:

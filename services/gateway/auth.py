@@ -22,7 +22,9 @@ from services.gateway.metrics import Handler
 from services.startup_checks import UsageError
 
 API_KEY_ENV = "SPECMESH_API_KEY"  # one key, or several separated by KEY_SEPARATOR
-VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name, read the same way: a key kept there must not leave a server open
+# vLLM's variable: one key, taken as vLLM takes it, only when no other source gives one (its --api-key replaces it,
+# so a key rotated on the command line does not leave the old one working); read so that it never leaves a server open
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 API_KEY_ENVS = (API_KEY_ENV, VLLM_API_KEY_ENV)
 KEY_SEPARATOR = ","
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
@@ -36,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The key options of the gateway and of `specmesh up`, which hands the keys to its gateway."""
     parser.add_argument(
         "--api-key", action="append", default=[], metavar="KEY",
-        help=f"a key clients must send as 'Authorization: Bearer KEY'; repeat for several (also {API_KEY_ENV} or "
-        f"{VLLM_API_KEY_ENV}, comma-separated). Without any key, no key is asked for",
+        help=f"a key clients must send as 'Authorization: Bearer KEY'; repeat for several (also {API_KEY_ENV}, "
+        f"comma-separated; {VLLM_API_KEY_ENV} when no other key is given). Without any key, no key is asked for",
     )
     parser.add_argument("--api-key-file", type=Path, default=None, help="a file of API keys, one per line")
 
@@ -46,9 +48,7 @@ def parse_api_keys(given: Iterable[str], key_file: Path | None, environ: Mapping
     """The keys from --api-key (repeatable), the environment and --api-key-file (one per line, blank lines
     ignored), without repeats. A malformed key is refused by where it came from, never by its value."""
     sources = [("--api-key", key) for key in given]
-    sources += [
-        (name, key) for name in API_KEY_ENVS for key in environ.get(name, "").split(KEY_SEPARATOR) if key.strip()
-    ]
+    sources += [(API_KEY_ENV, key) for key in environ.get(API_KEY_ENV, "").split(KEY_SEPARATOR) if key.strip()]
     if key_file is not None:
         try:
             lines = Path(key_file).read_text().splitlines()
@@ -56,6 +56,8 @@ def parse_api_keys(given: Iterable[str], key_file: Path | None, environ: Mapping
             raise UsageError(f"--api-key-file {key_file}: {exc}") from exc
         sources += [(f"--api-key-file {key_file} line {n}", line.strip()) for n, line in enumerate(lines, 1)
                     if line.strip()]
+    if not sources and environ.get(VLLM_API_KEY_ENV, "").strip():
+        sources = [(VLLM_API_KEY_ENV, environ[VLLM_API_KEY_ENV].strip())]
     for source, key in sources:
         if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key) or KEY_SEPARATOR in key:
             raise UsageError(f"{source}: an API key must be printable ASCII without spaces or commas")

@@ -112,7 +112,11 @@ def default_budget(config: EngineConfig, weights: Callable[[], int], vocab_size:
     import torch
 
     free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-    logits = LOGITS_COPIES * config.max_num_batched_tokens * vocab_size * FLOAT32_BYTES
+    # A step's rows: the chunked-prefill budget, or without it at least a whole prompt of max_model_len
+    rows = config.max_num_batched_tokens if config.enable_chunked_prefill else max(
+        config.max_num_batched_tokens, config.max_model_len
+    )
+    logits = LOGITS_COPIES * rows * vocab_size * FLOAT32_BYTES
     return int(free * GPU_MEMORY_UTILIZATION) - weights() - GPU_ACTIVATION_RESERVE_BYTES - logits
 
 
