@@ -187,6 +187,13 @@ def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_own_on_cuda(tmp_pa
         assert engine_flags.resolved_dtype("float16", "cpu", published) == "float16"
 
 
+@pytest.mark.parametrize("command", ["up", "gateway"])
+def test_a_vllm_tool_calling_command_line_is_taken_as_is(command: str) -> None:
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())] if command == "up" else []
+    _, args = cli.parse([command, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *ports])
+    assert args.tool_call_parser == "hermes"
+
+
 def test_log_level_is_taken_before_or_after_the_command() -> None:
     assert cli.parse(["--log-level", "debug", "detokenizer"])[1].log_level == "DEBUG"
     assert cli.parse(["detokenizer", "--log-level", "warning"])[1].log_level == "WARNING"
