@@ -35,6 +35,13 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {text}")
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -95,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "workers; on CUDA 90%% of the free memory less the weights and a reserve)",
     )
     parser.add_argument(
+        "--gpu-memory-utilization", type=_share, default=fields["gpu_memory_utilization"].default,
+        help="CUDA: the share of each GPU's free memory the default KV budget starts from, less the weights and a "
+        "reserve (refused on the CPU and beside --kv-cache-memory)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size", "-tp", type=tensor_parallel_size, default=fields["tensor_parallel_size"].default,
         help="split each worker's model over this many processes (Megatron-style tensor parallelism): gloo on the "
         "CPU, sharing the worker's engine CPUs; NCCL on CUDA, rank r on GPU r (untested on a GPU). Passes run "
@@ -137,6 +149,7 @@ def config_keys(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.prefix_caching, enable_chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 
@@ -147,6 +160,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "--enable-prefix-caching" if args.prefix_caching else "--no-prefix-caching",
         "--enable-chunked-prefill" if args.chunked_prefill else "--no-chunked-prefill",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
     ] + (["--enable-expert-parallel"] if args.enable_expert_parallel else []) + (
         ["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None else []

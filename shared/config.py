@@ -13,6 +13,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "specmes
 # Rows a step computes with chunked prefill: measured on a 2-core CPU with the demo model (README, "Chunked prefill")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_NUM_BATCHED_TOKENS = 16  # a block of prompt tokens, the least a step may compute
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # EngineConfig.dtype's choices, torch-free
 MAX_TENSOR_PARALLEL_SIZE = 64
 DEFAULT_MODEL_STEPS = 1
@@ -179,6 +180,8 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     # Bytes the KV cache may take per worker process; None: a default from the device's memory (kv_budget.py)
     kv_cache_memory: int | None = Field(None, ge=1)
+    # CUDA: the share of the device's free memory the default KV budget starts from (vLLM's option of the same name)
+    gpu_memory_utilization: float = Field(DEFAULT_GPU_MEMORY_UTILIZATION, gt=0.0, le=1.0)
     block_size: int = Field(16, ge=1)
     # auto: the checkpoint's weights; dummy: random weights from config.json alone (speed measurements only)
     load_format: Literal["auto", "dummy"] = "auto"
@@ -212,6 +215,13 @@ class EngineConfig(BaseModel):
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"with tensor_parallel_size {self.tensor_parallel_size} rank r runs on cuda:r: give "
                              f"device cuda, not {self.device!r}")
+        if self.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION and (
+            not self.device.startswith("cuda") or self.kv_cache_memory is not None
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization ({self.gpu_memory_utilization}) sizes the default KV budget on CUDA: on "
+                f"device {self.device!r}, or beside kv_cache_memory, nothing reads it (give kv_cache_memory alone)"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) bounds the pieces of chunked "
                              "prefill; without it a step prefills whole prompts, whatever this says")

@@ -87,6 +87,11 @@ def unsupported_model(tmp_path: Path) -> Path:
         (["up", "--max-n", "300"], "argument --max-n: must be between 1 and 256, got 300"),
         (["up", "--device", "gpu"], "--device: must be cpu, cuda or cuda:N, got 'gpu'"),
         (["up", "-tp", "2", "--device", "cuda:1"], "rank r runs on cuda:r: give device cuda, not 'cuda:1'"),
+        # vLLM's share of a GPU's memory: read on CUDA alone, and not beside an explicit KV budget
+        (["up", "--gpu-memory-utilization", "0.5"], "gpu_memory_utilization (0.5) sizes the default KV budget on CUDA"),
+        (["worker", "--device", "cuda", "--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"],
+         "beside kv_cache_memory, nothing reads it"),
+        (["up", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be more than 0 and at most 1"),
         (["up", "--no-chunked-prefill", "--max-num-batched-tokens", "2048"],
          "max_num_batched_tokens (2048) bounds the pieces of chunked prefill"),
         # A --speculative-config key the method never reads is refused by name, not ignored
@@ -185,6 +190,14 @@ def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_own_on_cuda(tmp_pa
         assert engine_flags.resolved_dtype("auto", "cuda", published) == on_cuda
         assert engine_flags.resolved_dtype("auto", "cpu", published) == "float32"
         assert engine_flags.resolved_dtype("float16", "cpu", published) == "float16"
+
+
+def test_gpu_memory_utilization_reaches_a_cuda_workers_engine_config() -> None:
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]
+    _, args = cli.parse(["up", "--device", "cuda", "--gpu-memory-utilization", "0.75", *ports], resolve=False)
+    assert engine_flags.config_keys(args)["gpu_memory_utilization"] == 0.75
+    forwarded = engine_flags.forwarded(args)
+    assert forwarded[forwarded.index("--gpu-memory-utilization") + 1] == "0.75"
 
 
 @pytest.mark.parametrize("command", ["up", "gateway"])

@@ -10,7 +10,7 @@ values per slot.
 The budget, per worker process: --kv-cache-memory, or by default on the CPU 4 GiB or a quarter of the memory
 available at start (within the cgroup's limit), whichever is less, shared by the workers `specmesh up` starts and by
 a worker's tensor-parallel ranks, which all draw on the host's memory; on CUDA, per rank (each has its own device),
-90% of the device's free memory at start, less the weights and a reserve for a step's activations (the logits of a
+--gpu-memory-utilization (90%) of the device's free memory at start, less the weights and a reserve for a step's activations (the logits of a
 full step and room for CUDA graphs).
 """
 
@@ -31,7 +31,6 @@ from shared.config import DTYPE_BYTES, EngineConfig
 MIB, GIB = 1 << 20, 1 << 30
 CPU_KV_CACHE_BYTES = 4 * GIB
 CPU_AVAILABLE_SHARE = 0.25
-GPU_MEMORY_UTILIZATION = 0.9
 GPU_ACTIVATION_RESERVE_BYTES = GIB
 # A step's logits in float32 and the temporaries sampling makes of the same size
 LOGITS_COPIES = 4
@@ -117,7 +116,7 @@ def default_budget(config: EngineConfig, weights: Callable[[], int], vocab_size:
         config.max_num_batched_tokens, config.max_model_len
     )
     logits = LOGITS_COPIES * rows * vocab_size * FLOAT32_BYTES
-    return int(free * GPU_MEMORY_UTILIZATION) - weights() - GPU_ACTIVATION_RESERVE_BYTES - logits
+    return int(free * config.gpu_memory_utilization) - weights() - GPU_ACTIVATION_RESERVE_BYTES - logits
 
 
 def num_kv_blocks(config: EngineConfig, per_block: int, budget: int) -> int:
