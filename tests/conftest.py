@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sessioncache import SHARED_DIR_ENV
+from tests.sessioncache import SHARED_DIR_ENV, locked
 
 EXCLUSIVE = "exclusive"
 E2E = "e2e"
@@ -55,25 +55,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @contextmanager
-def _locked(path: Path, mode: int) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextmanager
 def _room(exclusive: bool) -> Iterator[None]:
     shared = Path(os.environ[SHARED_DIR_ENV])
     if exclusive:
-        with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX), _locked(shared / ROOM_FILE, fcntl.LOCK_EX):
+        with locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX), locked(shared / ROOM_FILE, fcntl.LOCK_EX):
             yield
         return
     with ExitStack() as held:
-        with _locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX):  # passed on the way in, not held
-            held.enter_context(_locked(shared / ROOM_FILE, fcntl.LOCK_SH))
+        with locked(shared / TURNSTILE_FILE, fcntl.LOCK_EX):  # passed on the way in, not held
+            held.enter_context(locked(shared / ROOM_FILE, fcntl.LOCK_SH))
         yield
 
 

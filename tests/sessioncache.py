@@ -13,7 +13,8 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,18 +31,25 @@ def once(key: str, build: Callable[[], T]) -> T:
     return _BUILT[key]  # type: ignore[return-value]
 
 
+@contextmanager
+def locked(path: Path, mode: int) -> Iterator[None]:
+    """flock(path, mode) held for the block, for the run's workers (tests/conftest.py too)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:  # not left to the file's closing: a process forked meanwhile would hold the lock on
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _built_by_any_worker(key: str, build: Callable[[], T]) -> T:
     shared = os.environ.get(SHARED_DIR_ENV)
     if shared is None:
         return build()
     result = Path(shared) / f"{key}.pickle"
-    with open(Path(shared) / f"{key}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if result.exists():
-                return pickle.loads(result.read_bytes())
-            value = build()
-            result.write_bytes(pickle.dumps(value))
-            return value
-        finally:  # not left to the file's closing: a process forked meanwhile would hold the lock on
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with locked(Path(shared) / f"{key}.lock", fcntl.LOCK_EX):
+        if result.exists():
+            return pickle.loads(result.read_bytes())
+        value = build()
+        result.write_bytes(pickle.dumps(value))
+        return value

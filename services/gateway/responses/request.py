@@ -176,9 +176,12 @@ REFUSED = {
 }
 
 
+_ALL_REFUSED = REFUSED | RESPONSES_REFUSED
+
+
 def check_refused(data: dict[str, Any]) -> None:
     """A 400 naming the first refused field (the Responses API's, or vLLM's extension) that asks for something."""
-    for name, rule in (REFUSED | RESPONSES_REFUSED).items():
+    for name, rule in _ALL_REFUSED.items():
         rule.check(data.get(name))
 
 
@@ -304,6 +307,4 @@ class ResponsesRequest(BaseModel):
 
 
 RESPONSES = "responses"  # the endpoint's name among the gateway's request bodies (request_body.py)
-RESPONSES_FIELDS = (
-    frozenset(ResponsesRequest.model_fields) | frozenset(EXTENSIONS) | frozenset(REFUSED) | frozenset(RESPONSES_REFUSED)
-)
+RESPONSES_FIELDS = frozenset(ResponsesRequest.model_fields) | frozenset(EXTENSIONS) | frozenset(_ALL_REFUSED)
