@@ -29,7 +29,7 @@ import nats.errors
 from pydantic import SecretStr
 
 from shared import nats_settings, option_types, stream_limits, streams
-from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway import auth, limits, routing_options, seed_option, unknown_fields
 from services.gateway.reasoning import options as reasoning_options
 from services.gateway.tools import tool_options
 from services.gateway.auth import API_KEY_ENV, API_KEY_ENVS, KEY_SEPARATOR
@@ -163,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream_limits.add_arguments(parser)
     routing_options.add_arguments(parser)
     unknown_fields.add_arguments(parser)
+    seed_option.add_arguments(parser)
     tool_options.add_arguments(parser)
     reasoning_options.add_arguments(parser)
 
@@ -390,6 +391,7 @@ def run(args: argparse.Namespace) -> None:
         gateway_args += GatewayLimits.from_args(args).command_line()
         gateway_args += routing_options.forwarded(args)
         gateway_args += unknown_fields.forwarded(args)
+        gateway_args += seed_option.forwarded(args)
         gateway_args += tool_options.forwarded(args)
         gateway_args += reasoning_options.forwarded(args)
         if args.speculative_config:  # the gateway refuses requests for more drafts than the workers make

@@ -12,6 +12,9 @@ its seed with n = 1.
 
 from __future__ import annotations
 
+import random
+import secrets
+
 from kernels.constants import GOLDEN_GAMMA, MIX_MUL_1, MIX_MUL_2
 
 SEED_BITS = 63
@@ -38,3 +41,19 @@ def choice_seed(seed: int, choice: int) -> int:
     if choice == 0:
         return seed
     return _mix64((seed + choice * GOLDEN_GAMMA) & _U64) & MAX_WORKER_SEED
+
+
+class SeedDraw:
+    """The seeds of sampled requests that name none, fixed where a request enters the mesh so that every worker that
+    runs it draws the same tokens. Without a server seed they come from the OS's entropy; with one (vLLM's `--seed`)
+    from a stream it starts, so the same sequence of such requests sent to a freshly started server draws the same
+    seeds, and the same tokens."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._stream = None if seed is None else random.Random(seed)
+
+    def draw(self) -> int:
+        """The next seed, a worker seed (in [0, 2**63))."""
+        if self._stream is None:
+            return secrets.randbits(SEED_BITS)
+        return self._stream.getrandbits(SEED_BITS)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services import cli, engine_flags, launcher
-from services.gateway import service as gateway_service
+from services.gateway import seed_option, service as gateway_service
 from services.gateway.auth import API_KEY_ENV, VLLM_API_KEY_ENV
 from services.startup_checks import MODEL_CONFIG_FILE
 from shared.config import DEFAULT_MODEL_DIR
@@ -198,6 +198,17 @@ def test_gpu_memory_utilization_reaches_a_cuda_workers_engine_config() -> None:
     assert engine_flags.config_keys(args)["gpu_memory_utilization"] == 0.75
     forwarded = engine_flags.forwarded(args)
     assert forwarded[forwarded.index("--gpu-memory-utilization") + 1] == "0.75"
+
+
+def test_seed_reaches_the_gateways_config_through_up() -> None:
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]
+    _, args = cli.parse(["up", "--seed", "1234", *ports])
+    forwarded = seed_option.forwarded(args)
+    assert forwarded == ["--seed", "1234"]
+    _, args = cli.parse(["gateway", *forwarded])
+    assert gateway_service.config_from_args(args).seed == 1234
+    _, args = cli.parse(["gateway"])
+    assert gateway_service.config_from_args(args).seed is None
 
 
 @pytest.mark.parametrize("command", ["up", "gateway"])

@@ -22,6 +22,7 @@ from shared import subjects
 from shared.nats_roles import NatsRole
 from shared.natsutil import connect
 from services.gateway.liveness import CHECK_AFTER_S
+from shared.seeds import SeedDraw
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady, HeldQuery, HeldReport, Usage, WorkRequest
 
 __all__ = ["client", "gateway", "model_dir", "nats_server"]  # fixtures, imported for pytest to find
@@ -260,3 +261,28 @@ async def test_a_silent_request_its_detokenizer_holds_goes_on(client: openai.Asy
         assert (await call).choices[0].text == "late"
     finally:
         await held.unsubscribe()
+
+
+async def test_a_gateway_seed_fixes_the_seeds_of_unseeded_sampled_requests(
+    nats_server: NatsServer, model_dir, peer: Peer  # noqa: F811
+) -> None:
+    """vLLM's --seed: unseeded sampled requests draw their seeds, in arrival order, from the stream it starts (so a
+    restarted gateway sent them again draws the same tokens); greedy and seeded requests take none from it."""
+    server, nc = await start_gateway(nats_server, model_dir, seed=1234)
+    stream = SeedDraw(1234)
+    try:
+        async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as c:
+            for request, expected in (
+                ({"temperature": 1.0}, stream.draw()),
+                ({"temperature": 0.0}, None),
+                ({"temperature": 1.0, "seed": 5}, 5),
+                ({"temperature": 0.7}, stream.draw()),
+            ):
+                call = asyncio.create_task(c.completions.create(model=MODEL, prompt="x", max_tokens=2, **request))
+                opening, work = await peer.take()
+                assert work.sampling.seed == expected, request
+                await peer.reply(opening, [{"index": 0, "text": "ok", "finish_reason": "stop"}])
+                await call
+    finally:
+        await server.close()
+        await nc.drain()

@@ -37,6 +37,7 @@ from services.gateway.router import ChunkRouter
 from services.worker.model.config import context_length
 from shared.config import DEFAULT_MODEL_DIR, SpeculativeConfig
 from shared.schemas import MAX_REQUEST_CHOICES
+from shared.seeds import SeedDraw
 from shared import streams
 from shared.observability import Readiness, add_routes
 from shared.tokenizer import Tokenizer
@@ -68,6 +69,7 @@ class GatewayConfig(BaseModel):
     strict_params: bool = False  # unknown request fields: a 400, as OpenAI answers (unknown_fields.py)
     tool_call_parser: str = "auto"  # how the model writes tool calls (tools/formats.py)
     reasoning_parser: str | None = None  # how it sets its thinking apart (reasoning/parser.py); None: it does not
+    seed: int | None = None  # starts the seeds of sampled requests that name none (vLLM's --seed); None: entropy
 
 
 def model_position_limit(model_dir: Path) -> int | None:
@@ -100,6 +102,7 @@ class Gateway:
             tool_format=format_for(tokenizer.chat_template, config.tool_call_parser, tokenizer.special_tokens),
             reasoning_format=None if config.reasoning_parser is None
             else REASONING_FORMATS[config.reasoning_parser].for_tokenizer(tokenizer.special_tokens),
+            seeds=SeedDraw(config.seed),
         )
         self.responses = ResponsesEndpoint(self.generator, tokenizer, ResponseStore(nc), nc)
         self.tokenization = Tokenization(self.generator, tokenizer, config.served_model_name, config.max_model_len)

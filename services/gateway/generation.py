@@ -9,7 +9,6 @@ written by answer.py.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 
@@ -54,7 +53,7 @@ from services.gateway.truncation import prompt_limit, truncated
 from shared.request_limits import ModelLimits, OutOfLimits, check_sampling, out_of_vocab
 from shared.structured import StructuredOutput
 from shared.schemas import SamplingParams, ThinkingBudget
-from shared.seeds import SEED_BITS
+from shared.seeds import SeedDraw
 from shared.tokenizer import FinalMessageNotFound, Tokenizer
 
 CLIENT_DISCONNECTED = "client_disconnected"
@@ -77,6 +76,7 @@ class Generator:
         *, server_drafts: int, admission: Admission, keys_checked: bool = False, max_n: int = DEFAULT_MAX_N,
         prefix_router: PrefixRouter | None = None, strict_params: bool = False,
         tool_format: ToolFormat | None = FORMATS["hermes"], reasoning_format: ReasoningFormat | None = None,
+        seeds: SeedDraw | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._router = router
@@ -90,6 +90,7 @@ class Generator:
         self.bodies = RequestBodies(max_n, strict_params)
         self.tool_format = tool_format  # how the model writes tool calls (tools/formats.py); None: not known
         self.reasoning_format = reasoning_format  # how it sets its thinking apart (reasoning/); None: it does not
+        self._seeds = seeds or SeedDraw()  # of sampled requests that name none
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
         started = time.monotonic()
@@ -319,7 +320,7 @@ class Generator:
         if sampling.seed is None and not sampling.greedy:
             # Fixed here, so that the request draws the same tokens on whichever worker runs it: one that takes it
             # over from a dead worker continues the very output the client has been streamed.
-            sampling = sampling.model_copy(update={"seed": secrets.randbits(SEED_BITS)})
+            sampling = sampling.model_copy(update={"seed": self._seeds.draw()})
         return sampling
 
     def _check_stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> None:

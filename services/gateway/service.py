@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from shared import option_types
-from services.gateway import auth, limits, routing_options, unknown_fields
+from services.gateway import auth, limits, routing_options, seed_option, unknown_fields
 from services.gateway.reasoning import options as reasoning_options
 from services.gateway.tools import tool_options
 from services.gateway.app import GATEWAY, GatewayConfig, create_app
@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", type=speculative_config, default=None,
         help="the workers' speculative config (JSON): requests may ask for fewer drafts per step, never more",
     )
+    seed_option.add_arguments(parser)
     limits.add_arguments(parser)
     auth.add_arguments(parser)
     routing_options.add_arguments(parser)
@@ -90,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         strict_params=args.strict_params,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        seed=args.seed,
     )
 
 
