@@ -129,6 +129,8 @@ class SpeculativeConfig(BaseModel):
             value = getattr(self, key)
             if value == type(self).model_fields[key].default or (key == NUM_DRAFTS_KEY and value == 0):
                 continue
+            if key != NUM_DRAFTS_KEY and self.num_speculative_tokens == 0:
+                raise ValueError(f"{key} ({value}) is not read with {NUM_DRAFTS_KEY} 0: no drafts are made")
             readers = self._readers(key)
             if self.method not in readers:
                 raise ValueError(

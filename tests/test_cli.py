@@ -101,6 +101,8 @@ def unsupported_model(tmp_path: Path) -> Path:
          'num_speculative_tokens (5) is not read by method "naive"'),
         (["up", "--speculative-config", '{"method": "mtp", "min_ngram_size": 1}'],
          'min_ngram_size (1) is not read by method "mtp"'),
+        (["up", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0, "max_ngram_size": 3}'],
+         "max_ngram_size (3) is not read with num_speculative_tokens 0"),
         # Numeric options out of range: one line naming the option, not a traceback or a mesh half started.
         (["up", "--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
         (["up", "--max-model-len", "8"], "--max-model-len: Input should be greater than or equal to 16"),
