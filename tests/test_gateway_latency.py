@@ -14,7 +14,7 @@ USAGE = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
 
 
 def _count(name: str) -> float:
-    return REGISTRY.get_sample_value(f"{name}_count", {"endpoint": API}) or 0.0
+    return REGISTRY.get_sample_value(f"{name}_count", {"api": API}) or 0.0
 
 
 def _chunk(request_id: str, index: int, seq: int, final: bool = False) -> Chunk:

@@ -238,7 +238,7 @@ async def test_health_and_metrics(gateway: TestServer) -> None:
         async with session.get(gateway.make_url("/metrics")) as response:
             assert response.status == 200
             text = await response.text()
-    assert 'specmesh_gateway_requests_total{endpoint="/health",status="200"}' in text
+    assert 'specmesh_gateway_requests_total{route="/health",status="200"}' in text
 
 
 async def test_error_messages_name_the_parameter_and_the_bad_value(client: openai.AsyncOpenAI) -> None:

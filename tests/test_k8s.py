@@ -206,10 +206,13 @@ def test_workload_selectors_probes_and_references(rendered):
 
 
 def test_specmesh_probes_use_health_for_liveness_and_ready_for_readiness(rendered):
+    """A worker's /health answers while its model loads, so its start is over when it is first ready."""
     _, objects = rendered
-    for _, container in specmesh_containers(objects):
+    for workload, container in specmesh_containers(objects):
+        component = workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        started = "/ready" if component == "worker" else "/health"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-        assert container["startupProbe"]["httpGet"]["path"] == "/health"
+        assert container["startupProbe"]["httpGet"]["path"] == started, container["name"]
         assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 

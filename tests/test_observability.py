@@ -72,7 +72,7 @@ def test_promtool_accepts_every_services_metrics(served_mesh: Mesh) -> None:
 def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
     urls = _metrics_urls(served_mesh)
     gateway, worker, detok = (_get(urls[s])[1] for s in ("gateway", "worker-0", "detokenizer"))
-    assert _value(gateway, "specmesh_gateway_requests_total", 'endpoint="/v1/completions",status="200"') >= 2
+    assert _value(gateway, "specmesh_gateway_requests_total", 'route="/v1/completions",status="200"') >= 2
     assert _value(gateway, "specmesh_gateway_time_to_first_token_seconds_count") >= 2
     assert _value(worker, "specmesh_worker_emitted_tokens_total") >= 64
     assert _value(worker, "specmesh_worker_spec_decode_draft_tokens_total") > 0
@@ -94,7 +94,7 @@ def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
 def test_a_stream_read_to_its_end_counts_as_answered_however_soon_its_client_closes(served_mesh: Mesh) -> None:
     """A client that closes its connection right after [DONE] had its answer: 200, not client_disconnected."""
     url = _metrics_urls(served_mesh)["gateway"]
-    labels = ('endpoint="/v1/completions",status="200"', 'status="client_disconnected"')
+    labels = ('route="/v1/completions",status="200"', 'status="client_disconnected"')
     before = [_value(_get(url)[1], "specmesh_gateway_requests_total", label) for label in labels]
     host, port = served_mesh.base_url.removeprefix("http://").split("/")[0].split(":")
     body = {"model": served_mesh.model, "prompt": REPETITIVE, "max_tokens": 4, "stream": True}

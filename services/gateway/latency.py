@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 from services.gateway import metrics
-from services.gateway.aggregate import Api
 from shared.schemas import Chunk
 
 
 class ResponseLatency:
-    def __init__(self, api: Api, started: float) -> None:
+    def __init__(self, api: str, started: float) -> None:
+        """`api`: the metrics' label, the endpoint's kind (chat, completion or responses)."""
         self._api = api
         self._started = started  # monotonic: when the request was received
         self._first_seen = False

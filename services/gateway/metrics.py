@@ -11,28 +11,30 @@ from prometheus_client import Counter, Gauge, Histogram
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-UNMATCHED_ENDPOINT = "unmatched"  # one label for every unknown path, so clients cannot blow up cardinality
+UNMATCHED_ROUTE = "unmatched"  # one label for every unknown path, so clients cannot blow up cardinality
 CLIENT_GONE_STATUS = "client_disconnected"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-REQUESTS = Counter("specmesh_gateway_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"])
+# "route", not "endpoint": prometheus-operator sets `endpoint` on every target (the port's name), which would rename
+# a scraped `endpoint` label to `exported_endpoint`.
+REQUESTS = Counter("specmesh_gateway_requests", "HTTP requests by route and status code", ["route", "status"])
 IN_FLIGHT = Gauge("specmesh_gateway_generations_in_flight", "Generation requests waiting for or streaming output")
 TIME_TO_FIRST_CHUNK = Histogram(
     "specmesh_gateway_time_to_first_token_seconds",
-    "From receiving a generation request to its first response chunk",
-    ["endpoint"],
+    "From receiving a generation request to its first response chunk, by API (chat, completion, responses)",
+    ["api"],
     buckets=LATENCY_BUCKETS,
 )
 REQUEST_DURATION = Histogram(
     "specmesh_gateway_request_duration_seconds",
-    "From receiving a generation request to its last response chunk",
-    ["endpoint"],
+    "From receiving a generation request to its last response chunk, by API",
+    ["api"],
     buckets=LATENCY_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "specmesh_gateway_inter_token_latency_seconds",
-    "Time between tokens as the client receives them (a chunk's gap shared by its tokens)",
-    ["endpoint"],
+    "Time between tokens as the client receives them (a chunk's gap shared by its tokens), by API",
+    ["api"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 CLIENT_DISCONNECTS = Counter("specmesh_gateway_client_disconnects", "Generation requests abandoned by their client")
@@ -71,11 +73,11 @@ BODY_REFUSED = Counter(
 async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost middleware, so it sees the status the error middleware settled on."""
     resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None else UNMATCHED_ENDPOINT
+    route = resource.canonical if resource is not None else UNMATCHED_ROUTE
     try:
         response = await handler(request)
     except (ConnectionResetError, asyncio.CancelledError):
-        REQUESTS.labels(endpoint, CLIENT_GONE_STATUS).inc()
+        REQUESTS.labels(route, CLIENT_GONE_STATUS).inc()
         raise
-    REQUESTS.labels(endpoint, str(response.status)).inc()
+    REQUESTS.labels(route, str(response.status)).inc()
     return response

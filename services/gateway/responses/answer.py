@@ -29,6 +29,7 @@ from services.gateway.tools.formats import ToolFormat
 
 log = logging.getLogger(__name__)
 
+RESPONSES_API = "responses"  # the latency metrics' label of /v1/responses (chat, completion for the others)
 INTERNAL_ERROR = 500
 # Counts the reasoning tokens of an answer from its token ids and its reasoning text.
 ReasoningCounter = Callable[[list[int], str], int]
@@ -85,7 +86,7 @@ class ResponsesAnswer:
         reader: "_ChatReader", first: list[Event],
     ) -> web.StreamResponse:
         response = await sse.open_stream(request)
-        latency = ResponseLatency(gen.api, gen.started)
+        latency = ResponseLatency(RESPONSES_API, gen.started)
         output = self.output
         # At once, as OpenAI sends them: a client sees its response exist while the prompt waits or computes.
         await response.write(b"".join(map(named_event, first)))
@@ -116,7 +117,7 @@ class ResponsesAnswer:
     async def _respond(
         self, gen: Generation, choices: ResponseChoices, chunks: ResponseStream, reader: "_ChatReader",
     ) -> web.Response:
-        latency = ResponseLatency(gen.api, gen.started)
+        latency = ResponseLatency(RESPONSES_API, gen.started)
         choice: dict[str, Any] = {}
         async for chunk in chunks:
             latency.observe(chunk)
