@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL_DIR,
         help="a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite, "
-        "Seed-OSS)"
+        "Seed-OSS, Gemma 3)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     parser.add_argument("--port", type=option_types.port, default=8000, help="the gateway's HTTP port")

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL_DIR,
         help="a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3, Granite, "
-        "Seed-OSS)"
+        "Seed-OSS, Gemma 3)"
     )
     parser.add_argument(
         "--speculative-config", type=speculative_config, default=None,
