@@ -216,6 +216,20 @@ def test_forced_calls_follow_the_tools_schemas() -> None:
     assert forced == '<tool_call>\n{"name":"get_weather","arguments":{"city":'
 
 
+@pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])
+def test_a_forced_function_without_parameters_is_called_with_none(function: dict) -> None:
+    """OpenAI: "omitting parameters defines a function with an empty parameter list"; under plain auto a function
+    that is not strict still takes any object, as it does without a grammar."""
+    tokenizer = ll_tokenizer(DEMO, 4096, (0,))
+    for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        fields = ToolFields(tools=[{"type": "function", "function": function}], tool_choice=choice)
+        grammar = grammar_of(StructuredOutput(kind="grammar", spec=FORMATS["hermes"].grammar(fields.callable, False)))
+        forced = tokenizer.decode_str(llguidance.LLMatcher(tokenizer, grammar).compute_ff_tokens())
+        assert forced.startswith('<tool_call>\n{"name":"ping","arguments":{}}'), (choice, forced)
+    auto = ToolFields(tools=[{"type": "function", "function": function}])
+    assert [f.schema for f in auto.grammar_functions] == [{"type": "object"}]
+
+
 def test_tool_choice_must_name_an_offered_tool() -> None:
     with pytest.raises(ValueError, match="not among the tools"):
         ToolFields(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -388,8 +402,9 @@ def test_allowed_tools_narrow_what_is_called_not_what_the_template_shows() -> No
     param, constraint = tool_constraint(body, FORMATS["hermes"])
     matcher = llguidance.LLMatcher(ll_tokenizer(DEMO, 4096, (0,)), grammar_of(constraint))
     assert param == "tool_choice"
+    # get_time takes no parameters: its one call is forced whole
     assert ll_tokenizer(DEMO, 4096, (0,)).decode_str(matcher.compute_ff_tokens()) == \
-        '<tool_call>\n{"name":"get_time","arguments":'
+        '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
     both = _chat(tool_choice=_allowed("required", "get_time", "get_weather")).tool_fields
     assert [f.name for f in both.callable] == ["get_weather", "get_time"] and both.forced_calls_parallel
     # Whole tool definitions name the allowed functions as well (a client passing its filtered tools on)

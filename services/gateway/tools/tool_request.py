@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from shared.json_schema import closed_objects
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-ANY_ARGUMENTS = {"type": "object"}  # a function without `parameters` takes any object
+# OpenAI: "omitting parameters defines a function with an empty parameter list" (vLLM reads `{}` so too)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_ARGUMENTS = {"type": "object"}  # what a function that is not strict takes under plain `auto`
 CLOSED_SCHEMAS_KEPT = 256  # functions' closed schemas remembered
 MAX_KEPT_SCHEMA_CHARS = 64 * 1024  # a larger one is closed for each request: what is kept stays tens of MB
 
@@ -35,7 +37,7 @@ class FunctionDefinition(BaseModel):
         (shared/json_schema.py); closed once for every request that offers the same parameters (an agent sends its
         tools every turn), a fresh copy each time, which callers may change."""
         if not self.parameters:
-            return dict(ANY_ARGUMENTS)
+            return copy.deepcopy(NO_ARGUMENTS)
         # The standard library's JSON: a schema may hold integers past 64 bits, which orjson refuses. Keys in order:
         # the output follows it.
         key = json.dumps(self.parameters, separators=(",", ":"))
@@ -277,7 +279,7 @@ class ToolFields(BaseModel):
         every call follows its schema, as a forced one does."""
         if isinstance(self.tool_choice, AllowedToolsChoice):
             return self.callable
-        return [f if f.strict else f.model_copy(update={"parameters": None}) for f in self.callable]
+        return [f if f.strict else f.model_copy(update={"parameters": ANY_ARGUMENTS}) for f in self.callable]
 
     @property
     def grammar_param(self) -> str:
