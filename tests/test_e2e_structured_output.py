@@ -209,6 +209,25 @@ def test_required_and_named_tool_calls_follow_the_schemas(mesh: Mesh, client: op
     assert len(pieces) > 1, pieces  # the city's arguments came as they were written, not at the call's end
 
 
+def test_a_forced_call_cut_before_its_name_is_no_content(mesh: Mesh, client: openai.OpenAI) -> None:
+    """max_tokens ends the answer inside the call's tag: a named function's call stands with no arguments yet, a
+    required one is no call, and neither leaves the tag in content (streamed alike)."""
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    for tool_choice, names in (({"type": "function", "function": {"name": "get_time"}}, ["get_time"]),
+                               ("required", [])):
+        asked = dict(model=mesh.model, messages=MESSAGES, tools=tools, tool_choice=tool_choice, max_tokens=2,
+                     temperature=0)
+        choice = client.chat.completions.create(**asked).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls or ()] == names
+        content, streamed = "", []
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            for part in chunk.choices:
+                content += part.delta.content or ""
+                streamed += [d.function.name for d in part.delta.tool_calls or () if d.function.name]
+        assert content == "" and streamed == names
+
+
 def _allowed(mode: str, *names: str) -> dict:
     return {"type": "allowed_tools", "allowed_tools": {
         "mode": mode, "tools": [{"type": "function", "function": {"name": name}} for name in names]}}

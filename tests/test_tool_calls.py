@@ -19,7 +19,8 @@ from shared.structured import StructuredOutput, check, grammar_of, ll_tokenizer
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.tools.formats import FORMATS, format_for, tool_constraint
 from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
-from services.gateway.tools.tool_request import ToolFields
+from services.gateway.tools.tool_request import Forced, ToolFields
+from shared.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "specmesh-demo"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -149,8 +150,8 @@ def test_a_named_tool_choice_finishes_with_stop_as_openai_does() -> None:
     """OpenAI and vLLM end an answer whose function tool_choice named with `stop`; `required` and `auto` calls end
     with `tool_calls`."""
     message = {"role": "assistant", "content": HERMES_ANSWER}
-    assert message_with_calls(message, "stop", FORMATS["hermes"], named=True) == "stop"
-    calls = StreamedToolCalls(FORMATS["hermes"], named=True)
+    assert message_with_calls(message, "stop", FORMATS["hermes"], forced=Forced("get_weather")) == "stop"
+    calls = StreamedToolCalls(FORMATS["hermes"], forced=Forced("get_weather"))
     choice = calls.choice({"index": 0, "delta": {"content": HERMES_ANSWER}, "logprobs": None, "finish_reason": "stop"})
     assert choice["finish_reason"] == "stop" and choice["delta"]["tool_calls"]
 
@@ -228,6 +229,29 @@ def test_a_forced_function_without_parameters_is_called_with_none(function: dict
         assert forced.startswith('<tool_call>\n{"name":"ping","arguments":{}}'), (choice, forced)
     auto = ToolFields(tools=[{"type": "function", "function": function}])
     assert [f.schema for f in auto.grammar_functions] == [{"type": "object"}]
+
+
+# What the forced grammars write: compact calls (a Hermes answer under required may make two)
+FORCED_ANSWERS = {
+    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
+    "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}',
+}
+
+
+@pytest.mark.parametrize("format_name", list(FORCED_ANSWERS))
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_answer_cut_anywhere_is_calls_and_no_content(format_name: str, tool_choice) -> None:
+    """max_tokens may end a forced answer before its call's name: its tag is never content (a named function's call
+    stands from the first token on), whole or streamed."""
+    from tests.toolgrammar import check_cut_forced_answer  # it imports this module
+
+    tokenizer = Tokenizer(DEMO)
+    answer = FORCED_ANSWERS[format_name]
+    if format_name == "hermes" and tool_choice == "required":
+        answer += "\n" + HERMES_ANSWER.split("\n", 4)[-1]  # and get_time's call after it
+    fields = ToolFields(tools=[WEATHER, TIME], tool_choice=tool_choice)
+    check_cut_forced_answer(FORMATS[format_name], tokenizer, tokenizer.encode(answer, add_special_tokens=False), fields)
 
 
 def test_tool_choice_must_name_an_offered_tool() -> None:

@@ -24,7 +24,7 @@ from services.worker.demo_model.tokenizer import train_tokenizer
 from shared.structured import StructuredError, StructuredOutput, check, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
 from tests.test_tool_calls import _takes
-from tests.toolgrammar import _walks
+from tests.toolgrammar import _walks, check_cut_forced_answer
 
 EXAMPLES = int(os.environ.get("SPECMESH_FUZZ_EXAMPLES", "300"))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -161,6 +161,8 @@ def test_what_the_forced_grammar_allows_reads_back_as_valid_calls(
     answers = list(_walks(FORMAT, tokenizer, spec, tokenizer_dir, seed=5, count=8, drawn_to=_closing(tokenizer),
                           max_tokens=160))
     assert len(answers) >= 3
+    for generated, _ in answers[:2]:
+        check_cut_forced_answer(FORMAT, tokenizer, generated, fields)
     for _, text in answers:
         content, calls = _read(text)
         assert content is None and calls and (tool_choice == "required" or len(calls) == 1), text

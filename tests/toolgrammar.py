@@ -14,7 +14,7 @@ import torch
 
 from services.detokenizer.incremental import IncrementalDecoder, TokenTable
 from services.gateway.tools.formats import FORMATS, ToolFormat
-from services.gateway.tools.tool_calls import message_with_calls
+from services.gateway.tools.tool_calls import StreamedToolCalls, message_with_calls
 from services.gateway.tools.tool_request import ToolFields
 from shared.structured import StructuredOutput, grammar_of, ll_tokenizer
 from shared.tokenizer import Tokenizer
@@ -85,6 +85,34 @@ def _walks(fmt: ToolFormat, tokenizer: Tokenizer, spec: str, tmp_path: Path, see
             yield generated, IncrementalDecoder(table, fmt.shown_special_ids).step(generated, final=True).text
 
 
+def check_cut_forced_answer(fmt: ToolFormat, tokenizer: Tokenizer, generated: list[int], fields: ToolFields) -> None:
+    """Every cut of a forced answer (max_tokens) reads, whole and streamed, as calls and no content: the markup of a
+    call cut before its name is never text, and a named function's call stands from the first token on."""
+    table = TokenTable.from_tokenizer(tokenizer)
+    offered = {f.name for f in fields.callable}
+    forced, parallel = fields.forced, fields.parallel_tool_calls
+    for cut in range(1, len(generated)):
+        text = IncrementalDecoder(table, fmt.shown_special_ids).step(generated[:cut], final=True).text
+        message = {"role": "assistant", "content": text}
+        assert message_with_calls(message, "length", fmt, parallel, forced) == "length"
+        assert message["content"] is None, text
+        whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        assert {name for name, _ in whole} <= offered, text
+        if forced.name is not None:
+            assert [name for name, _ in whole] == [forced.name], text
+        streamed = StreamedToolCalls(fmt, parallel, forced)
+        content, calls = "", {}
+        for at in range(0, len(text), 3):
+            choice = streamed.choice({"index": 0, "delta": {"content": text[at : at + 3]}, "logprobs": None,
+                                      "finish_reason": "length" if at + 3 >= len(text) else None})
+            content += choice["delta"].get("content") or ""
+            for entry in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(entry["index"], ["", ""])
+                call[0] += entry["function"].get("name") or ""
+                call[1] += entry["function"].get("arguments") or ""
+        assert content == "" and [tuple(calls[i]) for i in sorted(calls)] == whole, text
+
+
 def forced_answers(fmt: ToolFormat, tokenizer: Tokenizer, tag: str, tool_choice, tmp_path: Path) -> list[str]:
     """The texts of walks through the grammar `tool_choice` forces (required or a named function) over WEATHER and
     TIME, each checked: it opens with the tag's token and reads as calls only, one where a function was named, each
@@ -95,6 +123,7 @@ def forced_answers(fmt: ToolFormat, tokenizer: Tokenizer, tag: str, tool_choice,
     texts = []
     for generated, text in _walks(fmt, tokenizer, spec, tmp_path, seed=7, count=8, drawn_to=(eos,)):
         assert generated[0] == tokenizer.special_tokens[tag]
+        check_cut_forced_answer(fmt, tokenizer, generated, fields)
         content, calls = fmt.split(text)
         assert content == "" and calls, text
         assert tool_choice == "required" or len(calls) == 1

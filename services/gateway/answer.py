@@ -116,7 +116,7 @@ class ChoiceReader:
         if tools is not None and body.tool_fields.parses_calls:
             fields = body.tool_fields
             self._calls = StreamedToolCalls(
-                reading(tools, body), fields.parallel_tool_calls, named=fields.mode == "named"
+                reading(tools, body), fields.parallel_tool_calls, fields.forced
             )
 
     def read(self, choice: dict) -> dict:
@@ -170,7 +170,7 @@ async def _respond(
                 fields = gen.body.tool_fields
                 choice["finish_reason"] = message_with_calls(
                     choice["message"], choice["finish_reason"], reading(tools, gen.body),
-                    fields.parallel_tool_calls, fields.mode == "named",
+                    fields.parallel_tool_calls, fields.forced,
                 )
             if gen.body.echoed_text:  # after the calls are read, as a stream's opening chunk is never read for them
                 choice["message"]["content"] = gen.body.echoed_text + (choice["message"]["content"] or "")

@@ -14,22 +14,28 @@ from typing import Any
 
 from services.gateway.tags import opens_with, partial_suffix
 from services.gateway.tools.arguments import unsent
-from services.gateway.tools.call import LAYOUT, separated
+from services.gateway.tools.call import LAYOUT, ParsedCall, separated
 from services.gateway.tools.call_sequence import Opened
 from services.gateway.tools.calls_reader import CallsReader
 from services.gateway.tools.formats import OpenedCall, ToolFormat
+from services.gateway.tools.tool_request import Forced
 
 TOOL_CALLS_FINISH = "tool_calls"
 
 
 def message_with_calls(
-    message: dict, finish_reason: str | None, format: ToolFormat, parallel: bool = True, named: bool = False
+    message: dict, finish_reason: str | None, format: ToolFormat, parallel: bool = True, forced: Forced | None = None,
 ) -> str | None:
     """Moves the calls in a whole answer's content into message["tool_calls"]; returns the finish reason
-    (`tool_calls` when the answer called tools and stopped on its own, unless tool_choice `named` the function: then
+    (`tool_calls` when the answer called tools and stopped on its own, unless tool_choice named the function: then
     `stop`, as OpenAI and vLLM answer). Without `parallel` (parallel_tool_calls false) only the first call is kept:
     under tool_choice auto nothing constrains the answer to one."""
     content, calls = format.split(message.get("content") or "")
+    if forced is not None:
+        content = ""
+        if not calls and forced.name is not None:
+            calls = [ParsedCall(forced.name, "")]
+        message["content"] = None
     if not calls:
         return finish_reason
     calls = calls if parallel else calls[:1]
@@ -38,18 +44,20 @@ def message_with_calls(
         {"id": format.new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in calls
     ]
-    return _finish(finish_reason, named)
+    return _finish(finish_reason, forced)
 
 
-def _finish(finish_reason: str | None, named: bool) -> str | None:
+def _finish(finish_reason: str | None, forced: Forced | None) -> str | None:
+    named = forced is not None and forced.name is not None
     return TOOL_CALLS_FINISH if finish_reason == "stop" and not named else finish_reason
 
 
 class ToolCallStream:
     """One streamed choice's text, split into content and tool-call deltas."""
 
-    def __init__(self, format: ToolFormat) -> None:
+    def __init__(self, format: ToolFormat, forced: Forced | None = None) -> None:
         self.format = format
+        self.forced = forced
         self._buffer = ""
         self._inside = False  # within a call's block
         self._calls = 0  # calls started
@@ -69,11 +77,17 @@ class ToolCallStream:
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to stream, tool_calls delta entries) for the next piece of the answer's text."""
         if self._reader is not None:
-            return self._feed_opened(text, final)
-        return self._feed_blocks(text, final)
+            content, deltas = self._feed_opened(text, final)
+        else:
+            content, deltas = self._feed_blocks(text, final)
+        if self.forced is None:
+            return content, deltas
+        if final and not self.called and self.forced.name is not None:  # cut before its name was written
+            deltas.append(self._open_call(self.forced.name))
+        return "", deltas
 
-    def finish_reason(self, finish_reason: str | None, named: bool = False) -> str | None:
-        return _finish(finish_reason, named) if self.called else finish_reason
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return _finish(finish_reason, self.forced) if self.called else finish_reason
 
     def _feed_blocks(self, text: str, final: bool) -> tuple[str, list[dict]]:
         fmt = self.format
@@ -211,20 +225,20 @@ def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict
 class StreamedToolCalls:
     """Every choice of a streamed chat answer read for tool calls: each chunk's choice with its delta split."""
 
-    def __init__(self, format: ToolFormat, parallel: bool = True, named: bool = False) -> None:
-        """parallel: false keeps the first call of each choice only; named: tool_choice named the function (both as
+    def __init__(self, format: ToolFormat, parallel: bool = True, forced: Forced | None = None) -> None:
+        """parallel: false keeps the first call of each choice only; forced: what tool_choice forces (both as
         message_with_calls)."""
         self.format = format
         self.parallel = parallel
-        self.named = named
+        self.forced = forced
         self._streams: dict[int, ToolCallStream] = {}
 
     def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
-        stream = self._streams.setdefault(choice["index"], ToolCallStream(self.format))
+        stream = self._streams.setdefault(choice["index"], ToolCallStream(self.format, self.forced))
         finish_reason = choice.get("finish_reason")
         delta = choice.get("delta") or {}
         content, calls = stream.feed(delta.get("content") or "", final=finish_reason is not None)
         if not self.parallel:
             calls = [entry for entry in calls if entry["index"] == 0]
         return {**choice, "delta": stream_delta(delta, content, calls),
-                "finish_reason": stream.finish_reason(finish_reason, self.named)}
+                "finish_reason": stream.finish_reason(finish_reason)}

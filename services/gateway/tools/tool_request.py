@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -21,6 +22,14 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 ANY_ARGUMENTS = {"type": "object"}  # what a function that is not strict takes under plain `auto`
 CLOSED_SCHEMAS_KEPT = 256  # functions' closed schemas remembered
 MAX_KEPT_SCHEMA_CHARS = 64 * 1024  # a larger one is closed for each request: what is kept stays tens of MB
+
+
+@dataclass(frozen=True)
+class Forced:
+    """tool_choice `required` or named: a grammar makes the answer calls and nothing else, so what is left of it
+    outside calls is the markup of a call cut short (max_tokens), never content."""
+
+    name: str | None = None  # the function tool_choice named; its call stands even when cut before its name
 
 
 class FunctionDefinition(BaseModel):
@@ -249,6 +258,13 @@ class ToolFields(BaseModel):
     def forces_calls(self) -> bool:
         """Whether a grammar makes the output calls and nothing else."""
         return self.mode in ("required", "named")
+
+    @property
+    def forced(self) -> Forced | None:
+        """What tool_choice forces, as the answer's calls are read (tools/tool_calls.py)."""
+        if not self.forces_calls:
+            return None
+        return Forced(self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None)
 
     @property
     def constrains(self) -> bool:
