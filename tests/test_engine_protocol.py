@@ -14,7 +14,7 @@ from shared.schemas import Cancel, ChoiceProgress, SamplingParams
 
 STATS = StepStats(
     batch_size=3, emitted=7, finished={"stop": 1, "length": 2}, drafted_at=[3, 2], accepted_at=[2, 1],
-    acceptance_lengths=[3, 2, 1],
+    acceptance_lengths=[3, 2, 1], finished_phases=[(0.01, 0.2, 1.5, 12, 40), (0.0, 0.1, 0.0, 3, 1)],
 )
 
 

@@ -83,6 +83,13 @@ def test_metrics_count_the_traffic(served_mesh: Mesh) -> None:
     prompt_len = len(Tokenizer(E2E_MODEL).encode(REPETITIVE))
     assert _value(worker, "specmesh_worker_prefix_cache_queries_total") >= 2 * prompt_len
     assert _value(worker, "specmesh_worker_prefix_cache_hits_total") >= (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # Each finished sequence's phases and sizes: the two served requests of 32 tokens each at least
+    finished = _value(worker, "specmesh_worker_request_decode_time_seconds_count")
+    assert finished >= 2 and _value(worker, "specmesh_worker_request_generation_tokens_sum") >= 64
+    for phase in ("queue", "prefill", "decode"):
+        assert _value(worker, f"specmesh_worker_request_{phase}_time_seconds_count") == finished
+    assert _value(worker, "specmesh_worker_request_decode_time_seconds_sum") > 0
+    assert _value(worker, "specmesh_worker_request_prompt_tokens_sum") >= 2 * prompt_len
     assert _value(detok, "specmesh_detokenizer_tokens_total") >= 64
     assert _value(detok, "specmesh_detokenizer_step_to_chunk_lag_seconds_count") > 0
     assert _value(detok, "specmesh_detokenizer_malformed_frames_total") == 0

@@ -95,6 +95,8 @@ class StepStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per sequence that verified drafts: 1 + accepted
     prefix_queries: int = 0  # tokens the step's admissions looked up in the prefix cache
     prefix_hits: int = 0  # of those, found cached
+    # Per sequence finished: its (queue, prefill, decode) seconds (engine/timeline.py), prompt and output tokens
+    finished_phases: list[tuple[float, float, float, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs the engine process a few microseconds a step
@@ -133,7 +135,7 @@ class StepResult:
             self.step, self.frames, self.finished, (gauges.running, gauges.waiting, gauges.kv_usage),
             None if stats is None else (
                 stats.batch_size, stats.emitted, stats.finished, stats.drafted_at, stats.accepted_at,
-                stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits,
+                stats.acceptance_lengths, stats.prefix_queries, stats.prefix_hits, stats.finished_phases,
             ),
             self.seconds, self.num_preempted, [(request_id, str(reason)) for request_id, reason in self.failed],
             self.stored, self.removed, self.handed_off, self.handoffs_recomputed, self.handoffs_imported, self.released,

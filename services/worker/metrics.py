@@ -10,6 +10,8 @@ _LABELS = ["model", "method", "worker"]
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_COUNT_BUCKETS = tuple(2**i for i in range(18))  # 1 .. 131072
 
 RUNNING = Gauge("specmesh_worker_running_sequences", "Sequences holding a cache slot", _LABELS)
 WAITING = Gauge("specmesh_worker_waiting_sequences", "Sequences waiting for a cache slot", _LABELS)
@@ -97,6 +99,28 @@ ENGINE_STALLS = Counter(
     "Times the engine, holding requests, returned no step for --engine-stall-timeout (its requests then left it)",
     _LABELS,
 )
+# A finished sequence's phases on this worker (engine/timeline.py), as vLLM's request_*_time_seconds: one choice of a
+# request each; a cancelled one is not observed, a handed-off one only on the worker that finishes it.
+QUEUE_TIME = Histogram(
+    "specmesh_worker_request_queue_time_seconds", "From reaching the engine to its first cache slot", _LABELS,
+    buckets=PHASE_BUCKETS,
+)
+PREFILL_TIME = Histogram(
+    "specmesh_worker_request_prefill_time_seconds", "From its first cache slot to its first token on this worker",
+    _LABELS, buckets=PHASE_BUCKETS,
+)
+DECODE_TIME = Histogram(
+    "specmesh_worker_request_decode_time_seconds", "From its first token on this worker to its last", _LABELS,
+    buckets=PHASE_BUCKETS,
+)
+REQUEST_PROMPT_TOKENS = Histogram(
+    "specmesh_worker_request_prompt_tokens", "Prompt tokens of each finished sequence", _LABELS,
+    buckets=TOKEN_COUNT_BUCKETS,
+)
+REQUEST_GENERATION_TOKENS = Histogram(
+    "specmesh_worker_request_generation_tokens", "Output tokens of each finished sequence", _LABELS,
+    buckets=TOKEN_COUNT_BUCKETS,
+)
 DEAD_LETTERS = Counter(
     "specmesh_worker_dead_letters",
     "Requests moved to the dead-letter subject after the work queue delivered them max_deliver times", _LABELS,
@@ -140,6 +164,12 @@ class WorkerMetrics:
         self.child(EMITTED).inc(stats.emitted)
         for reason, count in stats.finished.items():
             self.child(FINISHED, reason=reason).inc(count)
+        for queue, prefill, decode, num_prompt, num_output in stats.finished_phases:
+            self.child(QUEUE_TIME).observe(queue)
+            self.child(PREFILL_TIME).observe(prefill)
+            self.child(DECODE_TIME).observe(decode)
+            self.child(REQUEST_PROMPT_TOKENS).observe(num_prompt)
+            self.child(REQUEST_GENERATION_TOKENS).observe(num_output)
         if not stats.acceptance_lengths:
             return
         self.child(DRAFTS).inc(len(stats.acceptance_lengths))

@@ -172,10 +172,14 @@ class StepRunner:
 def step_stats(outputs: list[SeqOutput]) -> StepStats:
     """A step's outputs summed for the metrics, in the engine process: the event loop gets counts, not sequences."""
     stats = StepStats(batch_size=len(outputs), emitted=sum(len(out.tokens) for out in outputs))
+    now = None
     for out in outputs:
         if out.seq.is_finished:
             reason = out.finish_reason.name.lower()
             stats.finished[reason] = stats.finished.get(reason, 0) + 1
+            now = now or time.monotonic()
+            seq = out.seq
+            stats.finished_phases.append((*seq.timeline.phases(now), len(seq.prompt_ids), len(seq.output_ids)))
         if not out.draft_tokens:
             continue
         stats.acceptance_lengths.append(out.num_accepted + 1)

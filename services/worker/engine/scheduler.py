@@ -135,6 +135,7 @@ class Scheduler:
             seq.state = SeqState.RUNNING
             seq.prefill_start = seq.num_computed
             seq.admission += 1
+            seq.timeline.on_scheduled()
             self.running.append(seq)
             admitted.append(seq)
             budget -= seq.prefill_target - seq.num_computed

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from shared.frames import FinishReason
 from shared.prefix_hash import BlockHash, extend_hashes
 from shared.schemas import SamplingParams
+from services.worker.engine.timeline import Timeline
 
 if TYPE_CHECKING:
     from services.worker.engine.handoff import ImportedChoice
@@ -62,6 +63,7 @@ class Sequence:
     thinking_scan: Scan | None = field(default=None, repr=False, compare=False)
     # Its allowed_token_ids as the sampler's device holds them (sampling/penalties.py), built once
     allowed_ids: Tensor | None = field(default=None, repr=False, compare=False)
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)  # its phases, for the metrics
 
     @property
     def key(self) -> str:
@@ -109,6 +111,8 @@ class Sequence:
     def append(self, tokens: list[int], max_model_len: int) -> list[int]:
         """Appends emitted tokens up to the first stop condition; returns the tokens kept."""
         kept: list[int] = []
+        if tokens:
+            self.timeline.on_token()
         for token in tokens:
             kept.append(token)
             self.output_ids.append(token)
