@@ -111,7 +111,7 @@ class Sequence:
     def append(self, tokens: list[int], max_model_len: int) -> list[int]:
         """Appends emitted tokens up to the first stop condition; returns the tokens kept."""
         kept: list[int] = []
-        if tokens:
+        if self.timeline.first_token is None and tokens:  # the check alone on every later step
             self.timeline.on_token()
         for token in tokens:
             kept.append(token)
