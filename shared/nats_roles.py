@@ -2,8 +2,8 @@
 subjects its service uses.
 
 The gateway alone queues requests, opens them at a detokenizer and cancels them; workers alone publish frames
-(and hand requests back on their own subject); detokenizers alone publish chunks and stop requests whose output
-ended at them. Replies go to inboxes under a per-role prefix (`_INBOX.<role>`) that only that role may read. A
+(and hand requests back on their own subject); detokenizers alone publish chunks, ask gateways which requests they
+still wait for, and stop requests whose output ended at them. Replies go to inboxes under a per-role prefix (`_INBOX.<role>`) that only that role may read. A
 detokenizer answers the gateway's DetokOpen through `allow_responses`: it may publish to the reply subject of a
 request it received, once, and nowhere else under `_INBOX`. The JetStream API is open to each role only for the
 calls its service makes: looking up the streams and shared consumers (never creating or changing them: the admin
@@ -153,10 +153,13 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
             *_stores_responses(), subjects.CANCEL_BACKGROUND, *_logs_response_events(),
         ),
         subscribe=(
-            subjects.responses(ANY_TOKEN), _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
+            subjects.responses(ANY_TOKEN), subjects.gateway_held(ANY_TOKEN),
+            _inbox(NatsRole.GATEWAY), subjects.cache_events(ANY_TOKEN),
             subjects.worker_state(ANY_TOKEN), subjects.CANCEL_BACKGROUND, subjects.response_events(ANY_TOKEN),
         ),
-        allow_responses=True,  # the gateway running a background response answers a cancel for it
+        # The gateway running a background response answers a cancel for it; a gateway answers a detokenizer's
+        # HeldQuery.
+        allow_responses=True,
     ),
     NatsRole.WORKER: Permissions(
         publish=(
@@ -171,10 +174,10 @@ PERMISSIONS: dict[NatsRole, Permissions | None] = {
         allow_responses=True,  # a decode worker answers each KV chunk it receives
     ),
     NatsRole.DETOKENIZER: Permissions(
-        publish=(subjects.responses(ANY_TOKEN), subjects.STOP),
+        publish=(subjects.responses(ANY_TOKEN), subjects.gateway_held(ANY_TOKEN), subjects.STOP),
         subscribe=(
             subjects.DETOK_OPEN, subjects.frames(ANY_TOKEN), subjects.progress(ANY_TOKEN), subjects.held(ANY_TOKEN),
-            subjects.CANCEL,
+            subjects.CANCEL, _inbox(NatsRole.DETOKENIZER),
         ),
         allow_responses=True,
     ),

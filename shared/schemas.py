@@ -326,13 +326,14 @@ class ProgressReport(_Message):
 
 
 class HeldQuery(_Message):
-    """gateway -> detokenizer: which of these requests, silent for a while, do you still hold?"""
+    """gateway -> detokenizer: which of these requests, silent for a while, do you still hold? And detokenizer ->
+    gateway: which of these requests do you still wait for?"""
 
     request_ids: tuple[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")], ...] = Field(min_length=1)
 
 
 class HeldReport(_Message):
-    """detokenizer -> gateway, the reply to HeldQuery: those of the requests it holds."""
+    """The reply to HeldQuery: those of the requests the one asked holds."""
 
     request_ids: tuple[str, ...] = ()
 

@@ -107,6 +107,13 @@ def responses(gateway_id: str) -> str:
     """detokenizer -> the gateway instance that owns the request; body: schemas.Chunk."""
     return f"{PREFIX}.responses.{gateway_id}"
 
+
+def gateway_held(gateway_id: str) -> str:
+    """detokenizer -> a gateway instance, request/reply: which of these requests it still waits for, asked every
+    little while (no responders: the gateway is gone, and its requests are stopped at the workers). Body:
+    schemas.HeldQuery; reply: schemas.HeldReport."""
+    return f"{responses(gateway_id)}.held"
+
 # Stored responses (POST /v1/responses with `store`): a JetStream key-value bucket every gateway shares, so that a
 # response stored by one gateway is continued (previous_response_id), read or deleted through any other.
 RESPONSE_BUCKET = "specmesh_responses"

@@ -286,3 +286,21 @@ async def test_a_gateway_seed_fixes_the_seeds_of_unseeded_sampled_requests(
     finally:
         await server.close()
         await nc.drain()
+
+
+async def test_the_gateway_tells_a_detokenizer_which_requests_it_still_waits_for(
+    client: openai.AsyncOpenAI, peer: Peer
+) -> None:
+    """The question a detokenizer asks every few seconds, so that the requests of a gateway gone are stopped
+    (services/detokenizer/gateways.py): an open request is held, one that ended or was never opened is not."""
+    call = asyncio.create_task(client.completions.create(model=MODEL, prompt="x", max_tokens=2))
+    opening, _ = await peer.take()
+    never = "0" * 32
+    held_subject = f"{opening.reply_subject}.held"  # subjects.gateway_held(the gateway's id)
+    query = HeldQuery(request_ids=(opening.request_id, never)).to_bytes()
+    reply = await peer.nc.request(held_subject, query, timeout=WAIT_S)
+    assert HeldReport.from_bytes(reply.data).request_ids == (opening.request_id,)
+    await peer.reply(opening, [{"index": 0, "text": "ok", "finish_reason": "stop"}])
+    await call
+    reply = await peer.nc.request(held_subject, query, timeout=WAIT_S)
+    assert HeldReport.from_bytes(reply.data).request_ids == ()

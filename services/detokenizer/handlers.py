@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from services.detokenizer.assembler import Record, frame_records
 from services.detokenizer.choices import RequestChoices
 from services.detokenizer.incremental import TokenTable
+from services.detokenizer import gateways
 from services.detokenizer.metrics import (
-    ACTIVE, BAD_MESSAGES, CHUNKS, FRAMES_BY_KIND, LAG, MALFORMED_FRAMES, REAPED, TOKENS, UNKNOWN_REQUEST_FRAMES,
+    ABANDONED, ACTIVE, BAD_MESSAGES, CHUNKS, FRAMES_BY_KIND, LAG, MALFORMED_FRAMES, REAPED, TOKENS, UNKNOWN_REQUEST_FRAMES,
 )
 from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, RELEASES, STALE_RECORDS, Migrations
 from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
@@ -259,6 +260,25 @@ class Detokenizer:
         while True:
             await asyncio.sleep(self._idle.sweep_interval_s)
             await self.reap()
+
+    async def drop_abandoned(self) -> int:
+        """Closes the requests no gateway waits for any more (gateways.py), and stops them at the workers."""
+        open_requests = [(request_id, request.reply_subject) for request_id, request in self._requests.items()]
+        dropped = 0
+        for request_id in await gateways.abandoned(self._nc, open_requests):
+            if request_id not in self._requests:  # it ended while the gateways were asked
+                continue
+            self._close(request_id)
+            await self._nc.publish(subjects.STOP, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+            dropped += 1
+        ABANDONED.inc(dropped)
+        return dropped
+
+    async def gateway_check_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._requests:
+                await self.drop_abandoned()
 
     def _remember_closed(self, request_id: str) -> None:
         self._closed[request_id] = None

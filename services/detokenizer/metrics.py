@@ -26,6 +26,10 @@ ACTIVE = Gauge("specmesh_detokenizer_active_requests", "Requests opened and not 
 REAPED = Counter(
     "specmesh_detokenizer_reaped_requests", "Open requests closed after no frame for --idle-request-timeout"
 )
+ABANDONED = Counter(
+    "specmesh_detokenizer_abandoned_requests",
+    "Open requests closed and stopped because their gateway is gone or no longer waits for them",
+)
 LAG = Histogram(
     "specmesh_detokenizer_step_to_chunk_lag_seconds",
     "From the end of a worker step (frame header) to its chunks leaving the detokenizer, once per TARGET frame",

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from shared import option_types
+from services.detokenizer import gateways
 from services.detokenizer.handlers import Detokenizer
 from services.detokenizer.incremental import TokenTable
 from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, max_migrations_arg
@@ -53,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="times a request may be taken over by another worker after losing its own; past that it ends with an "
         "error",
     )
+    parser.add_argument(
+        "--gateway-check-interval", type=option_types.seconds, default=gateways.DEFAULT_CHECK_INTERVAL_S,
+        help="seconds between asking the gateways which open requests they still wait for: those of a gateway gone "
+        "(killed) are stopped at the workers",
+    )
 
 
 def resolve_args(args: argparse.Namespace) -> None:
@@ -77,6 +83,7 @@ async def run(args: argparse.Namespace) -> None:
     await nc.subscribe(subjects.CANCEL, cb=core_only(detok.on_cancel))
     opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=core_only(detok.on_open))
     reaping = asyncio.create_task(detok.reap_loop())
+    checking = asyncio.create_task(detok.gateway_check_loop(args.gateway_check_interval))
     watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:
         # Subscriptions are registered at the server only once it has read them; callers may publish right after.
@@ -92,6 +99,7 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.1)
     finally:
         reaping.cancel()
+        checking.cancel()
         watching.cancel()
         await nc.drain()
         await http.cleanup()

@@ -57,6 +57,9 @@ def count_bad_routing_message(kind: str) -> None:
 
 
 BAD_CHUNKS = Counter("specmesh_gateway_bad_chunks", "Response chunks that could not be decoded and were dropped")
+BAD_HELD_QUERIES = Counter(
+    "specmesh_gateway_bad_held_queries", "Detokenizers' questions after held requests that could not be decoded"
+)
 SEQUENCES_IN_FLIGHT = Gauge(
     "specmesh_gateway_admitted_sequences", "Sequences (prompts x n) of the requests admitted into the mesh (admission.py)"
 )

@@ -4,7 +4,8 @@ A response reads the chunks of its requests (one per prompt of a completions pro
 `ResponseStream`, which enforces the protocol per request: `seq` counts up from 0 without gaps, a final chunk
 ends that request, and silence longer than the request timeout is a failure rather than a hang. The stream ends
 when every request has ended. While it is silent, it asks after the detokenizers holding its requests
-(liveness.py), so that one that died ends the stream within seconds.
+(liveness.py), so that one that died ends the stream within seconds; the other way, the router answers a
+detokenizer that asks which of its requests this gateway still waits for (services/detokenizer/gateways.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from services.gateway.errors import SERVER_ERROR, TIMEOUT, OpenAIError
 from services.gateway.liveness import CHECK_AFTER_S, LATE_CHUNK_GRACE_S, DetokenizerLost, Liveness
 from shared import subjects
 from shared.natsutil import MAX_PENDING_BYTES, core_only
-from shared.schemas import Chunk
+from shared.schemas import Chunk, HeldQuery, HeldReport
 
 log = logging.getLogger(__name__)
 
@@ -139,20 +140,34 @@ class ChunkRouter:
 
     def __init__(self, nc: Client, gateway_id: str, idle_timeout_s: float) -> None:
         self._nc = nc
+        self.gateway_id = gateway_id
         self.subject = subjects.responses(gateway_id)
         self._idle_timeout_s = idle_timeout_s
         self._queues: dict[str, asyncio.Queue[Chunk | OpenAIError]] = {}
-        self._subscription: Subscription | None = None
+        self._subscriptions: list[Subscription] = []
 
     async def start(self) -> None:
-        self._subscription = await self._nc.subscribe(
-            self.subject, cb=core_only(self._on_message), pending_bytes_limit=MAX_PENDING_BYTES
-        )
+        self._subscriptions = [
+            await self._nc.subscribe(self.subject, cb=core_only(self._on_message), pending_bytes_limit=MAX_PENDING_BYTES),
+            await self._nc.subscribe(subjects.gateway_held(self.gateway_id), cb=core_only(self._on_held)),
+        ]
 
     async def stop(self) -> None:
-        if self._subscription is not None and not self._nc.is_closed:
-            await self._subscription.unsubscribe()
-        self._subscription = None
+        if not self._nc.is_closed:
+            for subscription in self._subscriptions:
+                await subscription.unsubscribe()
+        self._subscriptions = []
+
+    async def _on_held(self, msg: Msg) -> None:
+        """A detokenizer asks which of its requests this gateway still waits for: it stops the others."""
+        try:
+            query = HeldQuery.from_bytes(msg.data)
+        except (orjson.JSONDecodeError, ValidationError) as exc:
+            metrics.BAD_HELD_QUERIES.inc()
+            log.warning("dropping an undecodable HeldQuery: %s", exc)
+            return
+        held = tuple(request_id for request_id in query.request_ids if request_id in self._queues)
+        await msg.respond(HeldReport(request_ids=held).to_bytes())
 
     async def _on_message(self, msg: Msg) -> None:
         try:

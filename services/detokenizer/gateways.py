@@ -1,0 +1,76 @@
+"""Whether the gateways waiting for this detokenizer's requests still wait for them, so that a gateway that died
+(kill -9, out of memory) does not leave its requests running on the workers to their last token for nobody.
+
+A gateway cancels each request whose client leaves, and a stopped one ends its streams with a 503, which cancels
+them too; a gateway that dies does neither, and the requests' frames keep coming, so the idle timeout (reaper.py)
+never fires. Every --gateway-check-interval the detokenizer asks each gateway its open requests' chunks go to which
+of them it still waits for (subjects.gateway_held, a HeldQuery, the question the gateway asks detokenizers the other
+way round: services/gateway/liveness.py):
+
+- nobody listens on its subject (NATS answers "no responders" at once): the gateway is gone, and all of its
+  requests are abandoned;
+- it answers: those it no longer waits for (their Cancel was lost on the way) are abandoned;
+- no answer within ANSWER_TIMEOUT_S (the gateway is busy, or NATS is out): nothing is decided this time.
+
+The detokenizer closes abandoned requests and stops them at the workers (handlers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+
+import nats.errors
+from nats.aio.client import Client
+from pydantic import ValidationError
+
+from shared import subjects
+from shared.schemas import HeldQuery, HeldReport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHECK_INTERVAL_S = 5.0
+ANSWER_TIMEOUT_S = 2.0  # a live gateway answers in milliseconds
+MAX_IDS_PER_QUERY = 1024  # ~36 KB a question, well inside NATS's message limit
+
+
+RESPONSES_PREFIX = subjects.responses("")  # a gateway's chunks go to this, then its id
+
+
+def gateway_of(reply_subject: str) -> str | None:
+    """The id of the gateway whose chunks go to `reply_subject`; None for a subject no gateway reads this way."""
+    gateway_id = reply_subject.removeprefix(RESPONSES_PREFIX)
+    return gateway_id if gateway_id != reply_subject and gateway_id and "." not in gateway_id else None
+
+
+async def abandoned(nc: Client, open_requests: Iterable[tuple[str, str]]) -> list[str]:
+    """Of the open requests, given as (request id, the subject their chunks go to), those no gateway waits for."""
+    by_gateway: dict[str, list[str]] = defaultdict(list)
+    for request_id, reply_subject in open_requests:
+        if (gateway_id := gateway_of(reply_subject)) is not None:
+            by_gateway[gateway_id].append(request_id)
+    answers = await asyncio.gather(*(
+        _not_held(nc, gateway_id, request_ids[start : start + MAX_IDS_PER_QUERY])
+        for gateway_id, request_ids in by_gateway.items()
+        for start in range(0, len(request_ids), MAX_IDS_PER_QUERY)
+    ))
+    return [request_id for answer in answers for request_id in answer]
+
+
+async def _not_held(nc: Client, gateway_id: str, request_ids: list[str]) -> list[str]:
+    query = HeldQuery(request_ids=tuple(request_ids)).to_bytes()
+    try:
+        reply = await nc.request(subjects.gateway_held(gateway_id), query, timeout=ANSWER_TIMEOUT_S)
+    except nats.errors.NoRespondersError:
+        log.warning("gateway %s is gone: its %d requests are abandoned", gateway_id, len(request_ids))
+        return request_ids
+    except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
+        return []
+    try:
+        held = set(HeldReport.from_bytes(reply.data).request_ids)
+    except (ValidationError, ValueError) as exc:
+        log.warning("gateway %s answered what is not a HeldReport: %s", gateway_id, exc)
+        return []
+    return [request_id for request_id in request_ids if request_id not in held]
