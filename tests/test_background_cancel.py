@@ -26,7 +26,7 @@ __all__ = ["nats_server"]  # a fixture, imported for pytest to find
 
 
 def _output(response_id: str) -> ResponseOutput:
-    output = ResponseOutput(response_id, int(time.time()), {"background": True}, with_logprobs=False)
+    output = ResponseOutput(response_id, int(time.time()), {"background": True})
     output.status = "queued"
     return output
 

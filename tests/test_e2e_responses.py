@@ -93,6 +93,12 @@ def test_a_forced_call_comes_out_as_a_function_call_item_and_its_output_goes_bac
     after = client.responses.create(model=mesh.model, input=items, tools=TOOLS, tool_choice="none",
                                     max_output_tokens=8, temperature=0)
     assert after.output[0].type == "message" and after.output_text
+    # A call left without its output is OpenAI's 400, in the items or in the stored response continued.
+    for continued in (dict(input=items[:2]), dict(input="and Oslo?", previous_response_id=response.id)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=mesh.model, tools=TOOLS, max_output_tokens=8, **continued)
+        assert refused.value.body["message"] == f"No tool output found for function call {call.call_id}."
+        assert refused.value.body["param"] == "input"
 
 
 TIME = {"type": "function", "name": "get_time",

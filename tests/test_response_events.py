@@ -29,7 +29,7 @@ FOLLOW_TIMEOUT_S = 10.0
 
 def _answer(response_id: str, words: list[str]) -> tuple[ResponseOutput, list[list[dict[str, Any]]]]:
     """A background response's events as its run makes them: queued, in progress, a delta per word, completed."""
-    output = ResponseOutput(response_id, int(time.time()), {"background": True}, with_logprobs=False)
+    output = ResponseOutput(response_id, int(time.time()), {"background": True})
     output.status = "queued"
     batches = [output.queued(), output.progressing()]
     batches += [output.feed({"delta": {"content": word}}) for word in words]
@@ -144,7 +144,7 @@ async def test_a_cancel_during_the_last_write_leaves_the_response_ended_and_its_
     store = SlowAckStore(running, sent)
     runs = BackgroundRuns(running, store)
     await runs.start()
-    output = ResponseOutput("resp_last_write", int(time.time()), {"background": True}, with_logprobs=False)
+    output = ResponseOutput("resp_last_write", int(time.time()), {"background": True})
     output.status = "queued"
     writer = EventLog(running, store).writer("resp_last_write")
     run = BackgroundRun(store, StoredRecord(output.snapshot(), [], [], heartbeat=time.time()), writer)
@@ -152,7 +152,7 @@ async def test_a_cancel_during_the_last_write_leaves_the_response_ended_and_its_
     async def keep(kept: ResponseOutput) -> bool:
         return await run.write(kept.snapshot(), final=True)
 
-    answer = ResponsesAnswer({"background": True}, False, False, lambda ids, text: 0, keep=keep, output=output,
+    answer = ResponsesAnswer({"background": True}, False, lambda ids, text: 0, keep=keep, output=output,
                              events=writer.put)
 
     async def serve() -> None:  # as the answer of a validated request

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from services.gateway.chat_request import ChatCompletionRequest
 from services.gateway.errors import OpenAIError, bad_request, from_validation_error
-from services.gateway.responses.conversation import InputError, input_messages
+from services.gateway.responses.conversation import InputError, check_calls_answered, input_messages
 from services.gateway.responses.conversation import chat_body as chat_body_of
 from services.gateway import wire_json
 from services.gateway.request_body import RequestBodies
@@ -244,7 +244,7 @@ def _entry(token: str) -> dict:
 
 
 def test_a_streamed_answer_becomes_items_and_events_in_order() -> None:
-    output = ResponseOutput("resp_1", 7, {"model": MODEL}, with_logprobs=True)
+    output = ResponseOutput("resp_1", 7, {"model": MODEL})
     events = output.started()
     events += output.feed(_choice(reasoning="think", logprobs=[_entry("<think>"), _entry("think")]))
     events += output.feed(_choice(content="Hel", logprobs=[_entry("Hel")]))
@@ -282,7 +282,7 @@ def test_a_streamed_answer_becomes_items_and_events_in_order() -> None:
 def test_the_rest_of_an_open_calls_arguments_goes_out_before_the_text_after_it() -> None:
     """One chunk may end a call's arguments and carry the text after the call (several tokens a step): the call's
     item closes with all of its arguments, then the text's item opens."""
-    output = ResponseOutput("resp_1", 7, {"model": MODEL}, with_logprobs=True)
+    output = ResponseOutput("resp_1", 7, {"model": MODEL})
     output.started()
     output.feed(_choice(calls=[{"index": 0, "id": "call_1", "type": "function",
                                 "function": {"name": "f", "arguments": '{"a":'}}]))
@@ -298,17 +298,30 @@ def test_the_rest_of_an_open_calls_arguments_goes_out_before_the_text_after_it()
 
 
 def test_an_answer_cut_by_its_budget_is_incomplete() -> None:
-    output = ResponseOutput("resp_2", 7, {"model": MODEL}, with_logprobs=False)
+    output = ResponseOutput("resp_2", 7, {"model": MODEL})
     output.feed(_choice(content="abc"))
     events = output.finish("length", {})
     assert events[-1]["type"] == "response.incomplete"
     final = events[-1]["response"]
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert final["output"][0]["status"] == "incomplete" and "logprobs" not in final["output"][0]["content"][0]
+    # OpenAI's text part lists logprobs, empty when none were asked for; only a completed response has completed_at
+    assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["logprobs"] == []
+    assert final["completed_at"] is None
+
+
+def test_a_completed_response_says_when_and_shows_openais_defaults() -> None:
+    output = ResponseOutput("resp_7", 7, {"model": MODEL})
+    output.feed(_choice(content="abc"))
+    before = int(time.time())
+    final = output.finish("stop", {})[-1]["response"]
+    assert final["status"] == "completed" and before <= final["completed_at"] <= int(time.time())
+    body = ResponsesRequest.model_validate({"model": MODEL, "input": "x", "service_tier": "flex"})
+    assert shown(body)["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    assert shown(body)["max_tool_calls"] is None and shown(body)["service_tier"] == "default"
 
 
 def test_a_failure_ends_the_response_failed_with_its_error() -> None:
-    output = ResponseOutput("resp_3", 7, {"model": MODEL}, with_logprobs=False)
+    output = ResponseOutput("resp_3", 7, {"model": MODEL})
     output.feed(_choice(content="abc"))
     events = output.fail({"message": "boom", "type": "server_error", "code": None})
     assert events[-1]["type"] == "response.failed"
@@ -332,6 +345,16 @@ def test_reasoning_tokens_are_counted_up_to_the_end_of_the_block(before, after, 
 def test_a_calls_output_may_answer_a_call_of_the_conversation_it_continues() -> None:
     output = {"type": "function_call_output", "call_id": "c9", "output": "x"}
     assert input_messages([output], frozenset({"c9"})) == [{"role": "tool", "tool_call_id": "c9", "content": "x"}]
+
+
+def test_a_call_without_its_output_is_refused_naming_it() -> None:
+    call = {"type": "function_call", "call_id": "c9", "name": "f", "arguments": "{}"}
+    answered = input_messages([call, {"type": "function_call_output", "call_id": "c9", "output": "x"}])
+    check_calls_answered(answered)
+    for messages in (input_messages([call, {"role": "user", "content": "and?"}]), answered[:1]):
+        with pytest.raises(InputError, match="No tool output found for function call c9.") as refused:
+            check_calls_answered(messages)
+        assert refused.value.param == "input"
 
 
 def test_reasoning_with_no_answer_after_it_keeps_its_own_turn() -> None:
@@ -378,7 +401,7 @@ def _size(entries: list[dict]) -> list[str]:
 
 
 def test_logprobs_of_the_reasoning_and_its_tags_are_not_the_texts() -> None:
-    output = ResponseOutput("resp_4", 7, {"model": MODEL}, with_logprobs=True)
+    output = ResponseOutput("resp_4", 7, {"model": MODEL})
     output.feed(_choice(reasoning="hm", logprobs=[_entry("<think>"), _entry("hm")]))
     output.feed(_choice(logprobs=[_entry("</")]))  # the closing tag, held back by the reasoning parser
     output.feed(_choice(reasoning=None, content="Hi", logprobs=[_entry("think>"), _entry("\n\n"), _entry("Hi")]))
@@ -389,7 +412,7 @@ def test_logprobs_of_the_reasoning_and_its_tags_are_not_the_texts() -> None:
 
 def test_logprobs_held_at_the_end_go_with_the_text() -> None:
     """A stop string cut the last token's text: its entry is the text's all the same, as chat shows it."""
-    output = ResponseOutput("resp_5", 7, {"model": MODEL}, with_logprobs=True)
+    output = ResponseOutput("resp_5", 7, {"model": MODEL})
     output.feed(_choice(content="# ", logprobs=[_entry("#"), _entry(" ")]))
     output.feed(_choice(logprobs=[_entry(" M")], finish_reason="stop"))
     events = output.finish("stop", {})
@@ -398,7 +421,7 @@ def test_logprobs_held_at_the_end_go_with_the_text() -> None:
 
 
 def test_a_chunks_text_before_a_call_takes_its_leading_logprobs() -> None:
-    output = ResponseOutput("resp_6", 7, {"model": MODEL}, with_logprobs=True)
+    output = ResponseOutput("resp_6", 7, {"model": MODEL})
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     output.feed(_choice(content="ok", calls=[call], logprobs=[_entry("ok"), _entry("<tool_call>"), _entry("{}")]))
     events = output.finish("tool_calls", {})

@@ -48,7 +48,6 @@ class ResponsesAnswer:
     answer. `output` is the response, once the answer began."""
 
     shown: dict[str, Any]
-    with_logprobs: bool
     with_draft_logprobs: bool
     count_reasoning: ReasoningCounter
     keep: Keeper | None = None  # store: true
@@ -65,8 +64,7 @@ class ResponsesAnswer:
         gen = gens[0]  # a Responses request is one prompt with one choice
         if self.output is None:
             self.output = ResponseOutput(
-                RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_logprobs,
-                self.with_draft_logprobs,
+                RESPONSE_ID_PREFIX + gen.request_id, gen.created, self.shown, self.with_draft_logprobs,
             )
             first = self.output.started()
         else:  # a background response's: it was created, and queued, when the request was validated

@@ -168,6 +168,17 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, 
     return call["id"]
 
 
+def check_calls_answered(messages: list[dict[str, Any]]) -> None:
+    """A conversation's every call has its output in it, or the model would answer as if the call had not been
+    made: OpenAI's 400, naming the first call left without one (a response that ended in calls is continued with
+    their outputs)."""
+    answered = {m["tool_call_id"] for m in messages if m["role"] == TOOL}
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            if call["id"] not in answered:
+                raise InputError(f"No tool output found for function call {call['id']}.", "input")
+
+
 def call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:
     """The ids of the calls the assistant made in a conversation's chat messages."""
     return frozenset(call["id"] for m in messages for call in m.get("tool_calls") or ())

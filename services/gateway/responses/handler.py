@@ -29,7 +29,9 @@ from services.gateway.responses.answer import (
 )
 from services.gateway.responses.background import BackgroundRun, BackgroundRuns
 from services.gateway.responses.event_log import EventLog
-from services.gateway.responses.conversation import RESPONSES_NAMES, InputError, call_ids, chat_body, input_messages
+from services.gateway.responses.conversation import (
+    RESPONSES_NAMES, InputError, call_ids, chat_body, check_calls_answered, input_messages,
+)
 from services.gateway.responses.input_items import listed_items, page
 from services.gateway.responses.output import ResponseOutput
 from services.gateway.responses.store import ResponseStore, StoredRecord
@@ -99,10 +101,10 @@ class ResponsesEndpoint:
             check_background(body)
             history = [] if body.previous_response_id is None else await self._store.history(body.previous_response_id)
             turn = input_messages(body.input, call_ids(history))
+            check_calls_answered(history + turn)
             chat = bodies.chat(chat_body(body, data, history + turn) | self._reasoning_ids())
             writer = ResponsesAnswer(
-                shown(body), body.logprobs_count is not None,
-                body.logprobs_count is not None and data.get("include_draft_logprobs") is True,
+                shown(body), body.logprobs_count is not None and data.get("include_draft_logprobs") is True,
                 self._count_reasoning, self._keeper(turn, listed_items(body.input)) if body.store else None,
             )
             if body.background:
@@ -125,8 +127,7 @@ class ResponsesEndpoint:
         request would (a bad one is its 4xx, and nothing is stored): with the response object, or streamed, with
         its events as the event log keeps them."""
         response_id = RESPONSE_ID_PREFIX + uuid.uuid4().hex
-        queued = ResponseOutput(response_id, int(time.time()), writer.shown, writer.with_logprobs,
-                                writer.with_draft_logprobs)
+        queued = ResponseOutput(response_id, int(time.time()), writer.shown, writer.with_draft_logprobs)
         queued.status = "queued"
         writer.output = queued
         events = self._events.writer(response_id) if chat.stream else None
@@ -192,6 +193,7 @@ def shown(body: ResponsesRequest) -> dict[str, Any]:
         "model": body.model,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": None,
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
@@ -206,7 +208,7 @@ def shown(body: ResponsesRequest) -> dict[str, Any]:
         "user": body.user,
         "metadata": body.metadata or {},
         "background": body.background,
-        "service_tier": "default",
+        "service_tier": "default",  # the tier that served it: this server has one
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
         "prompt_cache_retention": body.prompt_cache_retention,

@@ -17,6 +17,7 @@ at its end (or its start) whose tokens' bytes make up the text.
 from __future__ import annotations
 
 import uuid
+import time
 from typing import Any
 
 from shared.schemas import Usage
@@ -44,17 +45,16 @@ class ResponseOutput:
     output items, and the events that report them."""
 
     def __init__(
-        self, response_id: str, created_at: int, shown: dict[str, Any], with_logprobs: bool,
-        with_draft_logprobs: bool = False,
+        self, response_id: str, created_at: int, shown: dict[str, Any], with_draft_logprobs: bool = False,
     ) -> None:
         self.response_id = response_id
         self.created_at = created_at
         self.shown = shown
-        self.with_logprobs = with_logprobs
         self.with_draft_logprobs = with_draft_logprobs
         self.output: list[dict[str, Any]] = []
         self._index: dict[str, int] = {}  # output index by item id
         self.status = "in_progress"
+        self.completed_at: int | None = None  # Unix seconds, once completed
         self.incomplete_details: dict[str, str] | None = None
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
@@ -70,6 +70,7 @@ class ResponseOutput:
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
+            "completed_at": self.completed_at,
             "error": self.error,
             "incomplete_details": self.incomplete_details,
             **self.shown,
@@ -139,6 +140,7 @@ class ResponseOutput:
             self.incomplete_details = {"reason": MAX_OUTPUT_TOKENS}
             return events + [self._event("response.incomplete", response=self.snapshot())]
         self.status = "completed"
+        self.completed_at = int(time.time())
         return events + [self._event("response.completed", response=self.snapshot())]
 
     def fail(self, error: dict[str, Any]) -> list[Event]:
@@ -194,9 +196,8 @@ class ResponseOutput:
         return taken
 
     def _empty_text(self) -> dict[str, Any]:
-        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
-        if self.with_logprobs:
-            part["logprobs"] = []
+        # OpenAI's part always lists logprobs: empty unless asked for
+        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         if self.with_draft_logprobs:
             part["draft_logprobs"] = []
         return part

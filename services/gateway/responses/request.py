@@ -303,7 +303,8 @@ class ResponsesRequest(BaseModel):
     @property
     def text_shown(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None else None
-        return {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)}
+        shown_format = {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+        return {"format": shown_format, "verbosity": "medium"}  # the only verbosity taken
 
 
 RESPONSES = "responses"  # the endpoint's name among the gateway's request bodies (request_body.py)
