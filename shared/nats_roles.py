@@ -3,9 +3,10 @@ subjects its service uses.
 
 The gateway alone queues requests, opens them at a detokenizer and cancels them; workers alone publish frames
 (and hand requests back on their own subject); detokenizers alone publish chunks, ask gateways which requests they
-still wait for, and stop requests whose output ended at them. Replies go to inboxes under a per-role prefix (`_INBOX.<role>`) that only that role may read. A
-detokenizer answers the gateway's DetokOpen through `allow_responses`: it may publish to the reply subject of a
-request it received, once, and nowhere else under `_INBOX`. The JetStream API is open to each role only for the
+still wait for, and stop requests whose output ended at them. Replies go to inboxes under a per-role prefix
+(`_INBOX.<role>`) that only that role may read. A detokenizer answers the gateway's DetokOpen through
+`allow_responses`: it may publish to the reply subject of a request it received, once, and nowhere else under
+`_INBOX`. The JetStream API is open to each role only for the
 calls its service makes: looking up the streams and shared consumers (never creating or changing them: the admin
 user declares those, shared/streams.py), pulling and acknowledging, and a worker's own consumer of routed requests.
 

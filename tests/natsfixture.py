@@ -78,3 +78,15 @@ def running_nats_server(
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     with running_nats_server(tmp_path_factory.mktemp("nats")) as server:
         yield server
+
+
+async def wait_for_everything(nc, gateway_id: str) -> None:
+    """Answers detokenizers' questions after a test gateway's requests as a gateway that waits for every one of them
+    (services/detokenizer/gateways.py stops the requests of a gateway nobody answers for)."""
+    from shared import subjects
+    from shared.schemas import HeldQuery, HeldReport
+
+    async def answer(msg) -> None:
+        await msg.respond(HeldReport(request_ids=HeldQuery.from_bytes(msg.data).request_ids).to_bytes())
+
+    await nc.subscribe(subjects.gateway_held(gateway_id), cb=answer)

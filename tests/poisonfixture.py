@@ -21,7 +21,7 @@ from shared import subjects
 from shared.nats_roles import NatsRole
 from shared.natsutil import connect
 from shared.schemas import Chunk, DetokOpen, DetokReady
-from tests.natsfixture import NatsServer, running_nats_server
+from tests.natsfixture import NatsServer, running_nats_server, wait_for_everything
 from tests.test_drain import Parts, Service
 from tests.test_e2e import CODE_PROMPT, E2E_MODEL
 
@@ -90,7 +90,9 @@ async def as_role(nats: NatsServer, role: NatsRole):
 async def open_at_detokenizer(nc, request_id: str, num_prompt_tokens: int):
     """Opens a request at a detokenizer as the gateway does; (its detokenizer id, the subscription its chunks
     arrive on)."""
-    reply_subject = subjects.responses(uuid.uuid4().hex[:12])
+    gateway_id = uuid.uuid4().hex[:12]
+    reply_subject = subjects.responses(gateway_id)
+    await wait_for_everything(nc, gateway_id)
     chunks = await nc.subscribe(reply_subject)
     opening = DetokOpen(
         request_id=request_id, reply_subject=reply_subject, api="completion", num_prompt_tokens=num_prompt_tokens

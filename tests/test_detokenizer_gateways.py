@@ -62,7 +62,8 @@ class Gateways:
 
     async def open(self, gateway_id: str) -> str:
         request_id = uuid.uuid4().hex
-        opening = DetokOpen(request_id=request_id, reply_subject=subjects.responses(gateway_id), api="completion", num_prompt_tokens=1)
+        opening = DetokOpen(request_id=request_id, reply_subject=subjects.responses(gateway_id), api="completion",
+                            num_prompt_tokens=1)
         reply = await self.nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=WAIT_S)
         assert DetokReady.from_bytes(reply.data).detok_id == DETOK_ID
         return request_id

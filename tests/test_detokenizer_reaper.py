@@ -23,7 +23,7 @@ from shared.nats_roles import NatsRole
 from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from services.worker.demo_model.tokenizer import train_tokenizer
-from tests.natsfixture import NatsServer, nats_server
+from tests.natsfixture import NatsServer, nats_server, wait_for_everything
 
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find
 
@@ -62,6 +62,7 @@ class Mesh:
 
         await self.nc.subscribe(subjects.STOP, cb=stopped)
         await self.nc.subscribe(subjects.responses("test"), cb=chunk)
+        await wait_for_everything(self.nc, "test")
 
     async def open(self, request_id: str) -> None:
         opening = DetokOpen(request_id=request_id, reply_subject=subjects.responses("test"), api="completion",

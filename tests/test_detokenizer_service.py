@@ -25,7 +25,7 @@ from shared.nats_roles import NatsRole
 from shared.natsutil import barrier
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from shared.tokenizer import Tokenizer
-from tests.natsfixture import NatsServer, nats_server  # noqa: F401  (the fixture is used by name)
+from tests.natsfixture import NatsServer, nats_server, wait_for_everything  # noqa: F401  (the fixture is used by name)
 
 VOCAB_SIZE = 600
 TRAINING_FILES = ("argparse.py", "codecs.py", "json/encoder.py")
@@ -93,6 +93,7 @@ async def open_request(nc: Client, **fields) -> tuple[str, asyncio.Queue]:
     """Subscribes to a fresh reply subject, then opens a request there, as the gateway does."""
     request_id = uuid.uuid4().hex
     reply_subject = subjects.responses(request_id)  # a gateway's subject: the only kind a detokenizer may answer on
+    await wait_for_everything(nc, request_id)
     chunks: asyncio.Queue[Chunk] = asyncio.Queue()
 
     async def received(msg) -> None:

@@ -123,7 +123,10 @@ def test_the_grammar_refuses_a_key_the_schema_does_not_list() -> None:
     assert not _accepts(grammar, '{"name":"Ada",",":250.0}')
     tool = FunctionDefinition(name="add", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})
     assert tool.schema["additionalProperties"] is False
-    assert FunctionDefinition(name="anything").schema == {"type": "object"}
+    # OpenAI: a function without parameters takes none
+    assert FunctionDefinition(name="nothing").schema == {
+        "type": "object", "properties": {}, "additionalProperties": False,
+    }
 
 
 @pytest.mark.parametrize("format_name", ["hermes", "llama3_json", "mistral"])

@@ -355,6 +355,8 @@ def test_a_call_without_its_output_is_refused_naming_it() -> None:
         with pytest.raises(InputError, match="No tool output found for function call c9.") as refused:
             check_calls_answered(messages)
         assert refused.value.param == "input"
+    for cut in ("", '{"city": "Par'):  # cut short by max_output_tokens: it could not be run, and needs no output
+        check_calls_answered(input_messages([{**call, "arguments": cut}, {"role": "user", "content": "and?"}]))
 
 
 def test_reasoning_with_no_answer_after_it_keeps_its_own_turn() -> None:

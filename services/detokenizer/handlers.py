@@ -23,7 +23,8 @@ from services.detokenizer.choices import RequestChoices
 from services.detokenizer.incremental import TokenTable
 from services.detokenizer import gateways
 from services.detokenizer.metrics import (
-    ABANDONED, ACTIVE, BAD_MESSAGES, CHUNKS, FRAMES_BY_KIND, LAG, MALFORMED_FRAMES, REAPED, TOKENS, UNKNOWN_REQUEST_FRAMES,
+    ABANDONED, ACTIVE, BAD_MESSAGES, CHUNKS, FRAMES_BY_KIND, LAG, MALFORMED_FRAMES, REAPED, TOKENS,
+    UNKNOWN_REQUEST_FRAMES,
 )
 from services.detokenizer.migration import DEFAULT_MAX_MIGRATIONS, RELEASES, STALE_RECORDS, Migrations
 from services.detokenizer.reaper import DEFAULT_IDLE_TIMEOUT_S, IdleRequests
@@ -269,7 +270,8 @@ class Detokenizer:
             if request_id not in self._requests:  # it ended while the gateways were asked
                 continue
             self._close(request_id)
-            await self._nc.publish(subjects.STOP, Cancel(request_id=request_id, reason="client_disconnected").to_bytes())
+            stop = Cancel(request_id=request_id, reason="client_disconnected")
+            await self._nc.publish(subjects.STOP, stop.to_bytes())
             dropped += 1
         ABANDONED.inc(dropped)
         return dropped

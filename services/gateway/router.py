@@ -148,7 +148,9 @@ class ChunkRouter:
 
     async def start(self) -> None:
         self._subscriptions = [
-            await self._nc.subscribe(self.subject, cb=core_only(self._on_message), pending_bytes_limit=MAX_PENDING_BYTES),
+            await self._nc.subscribe(
+                self.subject, cb=core_only(self._on_message), pending_bytes_limit=MAX_PENDING_BYTES
+            ),
             await self._nc.subscribe(subjects.gateway_held(self.gateway_id), cb=core_only(self._on_held)),
         ]
 

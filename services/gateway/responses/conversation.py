@@ -9,6 +9,7 @@ assistant's next message, which templates write back where they keep it).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from services.gateway.protocol import shown
@@ -171,12 +172,20 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, 
 def check_calls_answered(messages: list[dict[str, Any]]) -> None:
     """A conversation's every call has its output in it, or the model would answer as if the call had not been
     made: OpenAI's 400, naming the first call left without one (a response that ended in calls is continued with
-    their outputs)."""
+    their outputs). A call cut short by max_output_tokens, whose arguments are no JSON object, could not be run:
+    clients drop it (LangChain's invalid_tool_calls), and it needs none."""
     answered = {m["tool_call_id"] for m in messages if m["role"] == TOOL}
     for message in messages:
         for call in message.get("tool_calls") or ():
-            if call["id"] not in answered:
+            if call["id"] not in answered and _runnable(call["function"]["arguments"]):
                 raise InputError(f"No tool output found for function call {call['id']}.", "input")
+
+
+def _runnable(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:
