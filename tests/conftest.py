@@ -8,6 +8,8 @@
   teardown, an unmarked test's body) holds the run's lock shared.
   A waiting exclusive test first takes a turnstile that every test passes on its way in, so that the other workers
   cannot keep the lock shared forever (writer preference).
+- One demo mesh per worker (demo_mesh), for the API modules that need no special server options
+  (tests/demomeshfixture.py): a start costs ~5 CPU-seconds.
 - The order modules are handed out in (pyproject keeps collection order): those with an exclusive test first, so that
   they wait on each other's short tests at the start of the run, not on a minute-long test in the middle of it; then
   those that start whole meshes; the many small modules last, which even out the two workers' ends.
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from services.mesh_process import Mesh
+from tests.demomeshfixture import MESH_OPTIONS, running_mesh
 from tests.sessioncache import SHARED_DIR_ENV, locked
 
 EXCLUSIVE = "exclusive"
@@ -85,3 +89,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     with _room(exclusive=False):
         yield
+
+
+@pytest.fixture(scope="session")
+def demo_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)

@@ -1,5 +1,7 @@
-"""One `specmesh up` on the demo model (real processes, real NATS) for each API test module that needs no special
-server options, with an openai client and the demo tokenizer: import the fixtures by name into a test module."""
+"""One `specmesh up` on the demo model (real processes, real NATS) for the API test modules that need no special
+server options, with an openai client and the demo tokenizer: import the fixtures by name into a test module. The
+mesh itself is one per test process (conftest.py's demo_mesh), shared by those modules: a test sends text no other
+test sends where what the mesh kept matters (its prefix cache)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,8 @@ from services.mesh_process import Mesh, start_mesh
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import Tokenizer
 
-MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "256")
-# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a longer context, for the modules
-# that offer tools (their own `mesh` fixture, running_mesh with these).
-TOOLS_MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
+# Tools rendered into the prompt take a few hundred of the demo tokenizer's tokens: a context of 1,024.
+MESH_OPTIONS = ("--max-num-seqs", "4", "--max-model-len", "1024")
 CLIENT_TIMEOUT_S = 120
 
 
@@ -33,12 +33,11 @@ def client_of(mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
-# Module-scoped: a module that imports these gets a mesh of its own, stopped when the module's tests are done (one
-# fixture imported into several modules is one fixture per module, so a session scope only kept every module's mesh
-# running to the end of the run).
+# A fixture imported into several modules is one fixture per module, whatever its scope: the shared mesh is
+# conftest.py's, which this hands on.
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_mesh(tmp_path_factory, *MESH_OPTIONS)
+def mesh(demo_mesh: Mesh) -> Mesh:
+    return demo_mesh
 
 
 @pytest.fixture(scope="module")

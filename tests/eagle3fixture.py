@@ -38,17 +38,20 @@ FIT = HeadTrainConfig(
 QUICK_FIT = replace(FIT, steps=60)
 
 
-def write_eagle3_head(target_dir: Path, out_dir: Path, fit: HeadTrainConfig = FIT) -> Path:
-    """Fits the head to the trunk in target_dir and writes it to out_dir (float32)."""
+def write_eagle3_head(
+    target_dir: Path, out_dir: Path, fit: HeadTrainConfig = FIT, num_batches: int = FIT_BATCHES
+) -> Path:
+    """Fits the head to the trunk in target_dir (on `num_batches` batches of its greedy text) and writes it to out_dir
+    (float32)."""
     with one_torch_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(FIT_SEED)
         target = load_model(target_dir)
-        batches = [_greedy_texts(target, torch.Generator().manual_seed(FIT_SEED + i)) for i in range(FIT_BATCHES)]
+        batches = [_greedy_texts(target, torch.Generator().manual_seed(FIT_SEED + i)) for i in range(num_batches)]
         generated = torch.cat(batches)[:, FIT_PROMPT_LEN:]
         d2t, t2d = draft_vocabulary(torch.bincount(generated.flatten(), minlength=target.config.vocab_size),
                                     DRAFT_VOCAB_SIZE)
         config = head_config(target.config, FEATURE_LAYERS, DRAFT_VOCAB_SIZE)
-        head = train_head(target, config, d2t, lambda step: batches[step % FIT_BATCHES], fit)
+        head = train_head(target, config, d2t, lambda step: batches[step % num_batches], fit)
         save_head(head, config, t2d, out_dir, torch.float32)
     return out_dir
 

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.mesh_process import Mesh
-from tests.demomeshfixture import TOOLS_MESH_OPTIONS, client, running_mesh  # noqa: F401  (client: a fixture)
+from tests.demomeshfixture import client, mesh  # noqa: F401  (fixtures are used by name)
 
 pytestmark = pytest.mark.e2e
 
@@ -23,11 +23,6 @@ PROMPT = "def read_config(path):"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 POLL_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_mesh(tmp_path_factory, *TOOLS_MESH_OPTIONS)
 
 
 def test_a_response_is_the_chat_completion_it_stands_for(mesh: Mesh, client: openai.OpenAI) -> None:

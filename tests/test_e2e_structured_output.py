@@ -15,12 +15,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from services.mesh_process import Mesh
-from tests.demomeshfixture import TOOLS_MESH_OPTIONS, client, running_mesh  # noqa: F401  (client: a fixture)
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory):
-    yield from running_mesh(tmp_path_factory, *TOOLS_MESH_OPTIONS)
+from tests.demomeshfixture import client, mesh  # noqa: F401  (fixtures are used by name)
 
 
 MESSAGES = [{"role": "user", "content": "Describe the weather in Paris as a record."}]
@@ -374,7 +369,6 @@ def test_langchain_structured_output_and_bound_tools(mesh: Mesh, use_responses_a
         messages.ToolMessage("sunny", tool_call_id=strict.tool_calls[0]["id"]),
     ])
     assert answered.text and not answered.tool_calls
-
 
 
 def test_an_echoed_call_in_the_final_message_is_text_whole_and_streamed(mesh: Mesh, client: openai.OpenAI) -> None:

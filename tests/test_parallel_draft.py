@@ -53,7 +53,8 @@ def test_mask_rows_equal_a_serving_pass_over_the_same_tokens() -> None:
 def test_the_draft_trainer_with_parallel_writes_a_checkpoint_the_engine_drafts_in_one_pass(tmp_path) -> None:
     """`specmesh demo-model --draft --parallel`, shortened to a few steps of each phase."""
     cfg = DistillConfig(
-        replace(DRAFT_SHAPE, steps=2, batch_size=2, eval_windows=2), teacher_text=TeacherText(num_sequences=2, batch=2),
+        replace(DRAFT_SHAPE, steps=2, batch_size=2, eval_windows=2),
+        teacher_text=TeacherText(num_sequences=2, new_tokens=16, batch=2),
         teacher_rows=1, parallel=ParallelConfig(steps=2, anchors=4),
     )
     report = distill(cfg, DEFAULT_MODEL_DIR, tmp_path)
