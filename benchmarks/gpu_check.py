@@ -98,7 +98,8 @@ class Part:
 def _pytest(tests: tuple[str, ...]) -> Command:
     # In one process, without pyproject's worker options: the GPU machine's image has no pytest-xdist, and the
     # CUDA tests share one device.
-    return lambda out: ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests,
+    return lambda out: ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:langsmith_plugin", "-p", "no:locust",
+                        "-o", "addopts=", *tests,
                         "--junitxml", str(out / report.JUNIT_FILE)]
 
 
