@@ -5,9 +5,7 @@ nothing. The real service on a real nats-server, the test playing the gateways a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,12 +15,13 @@ import pytest
 from nats.aio.client import Client
 from prometheus_client import REGISTRY
 
-from services.detokenizer import gateways, service
+from services.detokenizer import gateways
 from shared import subjects
 from shared.frames import FrameBuilder, FrameKind
 from shared.nats_roles import NatsRole
 from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, DetokOpen, DetokReady, HeldQuery, HeldReport
+from tests.detokfixture import detokenizer_service, until_it_answers
 from tests.natsfixture import NatsServer, nats_server
 from tests.test_detokenizer_reaper import model_dir
 
@@ -87,27 +86,18 @@ class Gateways:
 
 @pytest.fixture(scope="module")
 async def mesh(nats_server: NatsServer, model_dir: Path) -> AsyncIterator[Gateways]:  # noqa: F811
-    parser = argparse.ArgumentParser()
-    service.add_arguments(parser)
-    args = parser.parse_args([
-        "--nats-url", nats_server.url, "--nats-credentials", str(nats_server.credentials_file(NatsRole.DETOKENIZER)),
-        "--model", str(model_dir), "--metrics-port", "0", "--detokenizer-id", DETOK_ID,
-        "--gateway-check-interval", str(CHECK_INTERVAL_S),
-    ])
-    task = asyncio.create_task(service.run(args))
-    nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-gateways")
-    mesh = Gateways(nc)
-    await mesh.start()
-    for _ in range(int(WAIT_S / 0.1)):  # until the service answers
-        with contextlib.suppress(Exception):
+    options = ("--gateway-check-interval", str(CHECK_INTERVAL_S))
+    async with detokenizer_service(nats_server, model_dir, DETOK_ID, *options):
+        nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-gateways")
+        mesh = Gateways(nc)
+        await mesh.start()
+
+        async def open_live() -> None:
             mesh.held.add(await mesh.open(LIVE))
-            break
-        await asyncio.sleep(0.1)
-    yield mesh
-    await nc.drain()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+
+        await until_it_answers(open_live)
+        yield mesh
+        await nc.drain()
 
 
 async def test_the_requests_of_a_gateway_gone_are_stopped_at_the_workers(mesh: Gateways) -> None:

@@ -3,9 +3,7 @@ Cancel overtook their opening. The real service on a real nats-server, the test 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import sysconfig
 import uuid
 from collections.abc import AsyncIterator
@@ -16,13 +14,13 @@ import pytest
 from nats.aio.client import Client
 from prometheus_client import REGISTRY
 
-from services.detokenizer import service
 from shared import subjects
 from shared.frames import FrameBuilder, FrameKind
 from shared.nats_roles import NatsRole
 from shared.natsutil import barrier, connect
 from shared.schemas import Cancel, Chunk, DetokOpen, DetokReady
 from services.worker.demo_model.tokenizer import train_tokenizer
+from tests.detokfixture import detokenizer_service, until_it_answers
 from tests.natsfixture import NatsServer, nats_server, wait_for_everything
 
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find
@@ -81,27 +79,13 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 async def mesh(nats_server: NatsServer, model_dir: Path) -> AsyncIterator[Mesh]:  # noqa: F811
-    parser = argparse.ArgumentParser()
-    service.add_arguments(parser)
-    args = parser.parse_args([
-        "--nats-url", nats_server.url, "--nats-credentials", str(nats_server.credentials_file(NatsRole.DETOKENIZER)),
-        "--model", str(model_dir), "--metrics-port", "0", "--detokenizer-id", DETOK_ID,
-        "--idle-request-timeout", str(IDLE_TIMEOUT_S),
-    ])
-    task = asyncio.create_task(service.run(args))
-    nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-mesh")  # it plays gateway and worker
-    mesh = Mesh(nc)
-    await mesh.start()
-    for _ in range(int(WAIT_S / 0.1)):  # until the service answers
-        with contextlib.suppress(Exception):
-            await mesh.open(uuid.uuid4().hex)
-            break
-        await asyncio.sleep(0.1)
-    yield mesh
-    await nc.drain()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with detokenizer_service(nats_server, model_dir, DETOK_ID, "--idle-request-timeout", str(IDLE_TIMEOUT_S)):
+        nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-mesh")  # it plays gateway and worker
+        mesh = Mesh(nc)
+        await mesh.start()
+        await until_it_answers(lambda: mesh.open(uuid.uuid4().hex))
+        yield mesh
+        await nc.drain()
 
 
 async def _stop_of(mesh: Mesh, request_id: str) -> Cancel:
