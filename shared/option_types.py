@@ -44,6 +44,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A duration option where 0 turns what it times off."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port to listen on."""
     value = int(text)

@@ -59,8 +59,8 @@ class Gateways:
         await self.nc.subscribe(subjects.gateway_held(SLOW), cb=slow)
         await barrier(self.nc)
 
-    async def open(self, gateway_id: str) -> str:
-        request_id = uuid.uuid4().hex
+    async def open(self, gateway_id: str, request_id: str | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
         opening = DetokOpen(request_id=request_id, reply_subject=subjects.responses(gateway_id), api="completion",
                             num_prompt_tokens=1)
         reply = await self.nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=WAIT_S)
@@ -116,12 +116,29 @@ async def test_the_requests_of_a_gateway_gone_are_stopped_at_the_workers(mesh: G
 
 
 async def test_a_live_gateway_keeps_what_it_waits_for_and_loses_what_it_does_not(mesh: Gateways) -> None:
-    kept, dropped = await mesh.open(LIVE), await mesh.open(LIVE)
-    mesh.held.add(kept)  # `dropped` is one whose Cancel was lost: the gateway forgot it
+    kept = uuid.uuid4().hex
+    mesh.held.add(kept)  # before it opens, as a gateway registers a request before it sends anything
+    await mesh.open(LIVE, kept)
+    dropped = await mesh.open(LIVE)  # one whose Cancel was lost: the gateway forgot it
     await asyncio.sleep(4 * CHECK_INTERVAL_S)
     stopped = mesh.stopped()
     assert stopped.get(dropped) == Cancel(request_id=dropped, reason="client_disconnected")
     assert kept not in stopped
+
+
+async def test_one_check_nobody_answers_decides_nothing(nats_server: NatsServer) -> None:  # noqa: F811
+    """A gateway reconnecting to NATS is briefly not subscribed: it is gone only when unanswered twice in a row, and
+    not at all while the detokenizer itself has just reconnected."""
+    nc = await connect(nats_server.settings(NatsRole.DETOKENIZER), "test-checks")
+    try:
+        checks = gateways.GatewayChecks(nc)
+        orphan = [(uuid.uuid4().hex, subjects.responses("vanished"))]
+        assert await checks.abandoned(orphan) == []
+        assert await checks.abandoned(orphan) == [orphan[0][0]]
+        assert await checks.abandoned(orphan, judge_silence=False) == []
+        assert await checks.abandoned(orphan) == []  # the count starts over after a reconnect's grace
+    finally:
+        await nc.drain()
 
 
 async def test_a_gateway_that_does_not_answer_in_time_decides_nothing(mesh: Gateways) -> None:

@@ -7,12 +7,15 @@ never fires. Every --gateway-check-interval the detokenizer asks each gateway it
 of them it still waits for (subjects.gateway_held, a HeldQuery, the question the gateway asks detokenizers the other
 way round: services/gateway/liveness.py):
 
-- nobody listens on its subject (NATS answers "no responders" at once): the gateway is gone, and all of its
-  requests are abandoned;
 - it answers: those it no longer waits for (their Cancel was lost on the way) are abandoned;
-- no answer within ANSWER_TIMEOUT_S (the gateway is busy, or NATS is out): nothing is decided this time.
+- nobody listens on its subject (NATS answers "no responders"), at two checks in a row: the gateway is gone, and all
+  of its requests are abandoned. One such answer decides nothing: a gateway reconnecting to NATS (a network blip, a
+  server in lame-duck mode) is briefly not subscribed;
+- no answer within ANSWER_TIMEOUT_S (the gateway is busy, or NATS is out), or an error: nothing is decided.
 
-The detokenizer closes abandoned requests and stops them at the workers (handlers.py).
+The detokenizer closes abandoned requests and stops them at the workers (handlers.py), and decides nothing from "no
+responders" for a grace after its own reconnect, when the gateways may not have resubscribed yet. A gateway from
+before this check answers nothing: `--gateway-check-interval 0` turns the check off while one still runs.
 """
 
 from __future__ import annotations
@@ -45,27 +48,47 @@ def gateway_of(reply_subject: str) -> str | None:
     return gateway_id if gateway_id != reply_subject and gateway_id and "." not in gateway_id else None
 
 
-async def abandoned(nc: Client, open_requests: Iterable[tuple[str, str]]) -> list[str]:
-    """Of the open requests, given as (request id, the subject their chunks go to), those no gateway waits for."""
-    by_gateway: dict[str, list[str]] = defaultdict(list)
-    for request_id, reply_subject in open_requests:
-        if (gateway_id := gateway_of(reply_subject)) is not None:
-            by_gateway[gateway_id].append(request_id)
-    answers = await asyncio.gather(*(
-        _not_held(nc, gateway_id, request_ids[start : start + MAX_IDS_PER_QUERY])
-        for gateway_id, request_ids in by_gateway.items()
-        for start in range(0, len(request_ids), MAX_IDS_PER_QUERY)
-    ))
-    return [request_id for answer in answers for request_id in answer]
+class GatewayChecks:
+    """The gateways' answers over successive checks: which gateways went unanswered at the last one."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._unanswered: set[str] = set()  # gateway ids nobody listened for at the last check
+
+    async def abandoned(self, open_requests: Iterable[tuple[str, str]], judge_silence: bool = True) -> list[str]:
+        """Of the open requests, given as (request id, the subject their chunks go to), those no gateway waits for.
+        `judge_silence` false: "no responders" counts for nothing this time (the detokenizer just reconnected)."""
+        by_gateway: dict[str, list[str]] = defaultdict(list)
+        for request_id, reply_subject in open_requests:
+            if (gateway_id := gateway_of(reply_subject)) is not None:
+                by_gateway[gateway_id].append(request_id)
+        queries = [(gateway_id, request_ids[start : start + MAX_IDS_PER_QUERY])
+                   for gateway_id, request_ids in by_gateway.items()
+                   for start in range(0, len(request_ids), MAX_IDS_PER_QUERY)]
+        answers = await asyncio.gather(*(_not_held(self._nc, gateway_id, ids) for gateway_id, ids in queries),
+                                       return_exceptions=True)
+        unanswered, dropped = set(), []
+        for (gateway_id, ids), answer in zip(queries, answers):
+            if isinstance(answer, BaseException):
+                log.warning("asking gateway %s after its requests failed: %r", gateway_id, answer)
+            elif answer is None:
+                unanswered.add(gateway_id)
+                if judge_silence and gateway_id in self._unanswered:
+                    log.warning("gateway %s is gone: its %d requests are abandoned", gateway_id, len(ids))
+                    dropped += ids
+            else:
+                dropped += answer
+        self._unanswered = unanswered if judge_silence else set()
+        return dropped
 
 
-async def _not_held(nc: Client, gateway_id: str, request_ids: list[str]) -> list[str]:
+async def _not_held(nc: Client, gateway_id: str, request_ids: list[str]) -> list[str] | None:
+    """Those of the requests the gateway no longer waits for; None when nobody listens for it."""
     query = HeldQuery(request_ids=tuple(request_ids)).to_bytes()
     try:
         reply = await nc.request(subjects.gateway_held(gateway_id), query, timeout=ANSWER_TIMEOUT_S)
     except nats.errors.NoRespondersError:
-        log.warning("gateway %s is gone: its %d requests are abandoned", gateway_id, len(request_ids))
-        return request_ids
+        return None
     except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
         return []
     try:

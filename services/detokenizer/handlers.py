@@ -61,6 +61,8 @@ class Detokenizer:
         self._requests: dict[str, RequestChoices] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._drafts: dict[DraftKey, dict[tuple[str, int], Record]] = {}  # by (request id, choice)
+        self._gateways = gateways.GatewayChecks(nc)
+        self._reconnected_at = -RECONNECT_GRACE_S  # monotonic: the last reconnect to NATS
         ACTIVE.set_function(lambda: len(self._requests))
 
     @property
@@ -223,6 +225,7 @@ class Detokenizer:
         while True:
             await reconnected.wait()
             reconnected.clear()
+            self._reconnected_at = time.monotonic()
             self._unheard = set(self._requests)
             await asyncio.sleep(RECONNECT_GRACE_S)
             if reconnected.is_set():
@@ -265,8 +268,10 @@ class Detokenizer:
     async def drop_abandoned(self) -> int:
         """Closes the requests no gateway waits for any more (gateways.py), and stops them at the workers."""
         open_requests = [(request_id, request.reply_subject) for request_id, request in self._requests.items()]
+        # Just reconnected, the gateways may not have resubscribed yet: their silence means nothing
+        settled = time.monotonic() - self._reconnected_at > RECONNECT_GRACE_S
         dropped = 0
-        for request_id in await gateways.abandoned(self._nc, open_requests):
+        for request_id in await self._gateways.abandoned(open_requests, judge_silence=settled):
             if request_id not in self._requests:  # it ended while the gateways were asked
                 continue
             self._close(request_id)
@@ -279,8 +284,12 @@ class Detokenizer:
     async def gateway_check_loop(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            if self._requests:
+            if not self._requests:
+                continue
+            try:
                 await self.drop_abandoned()
+            except Exception:  # the next round asks again; a failing round must not end the checks for good
+                log.exception("asking the gateways after their requests failed")
 
     def _remember_closed(self, request_id: str) -> None:
         self._closed[request_id] = None

@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "error",
     )
     parser.add_argument(
-        "--gateway-check-interval", type=option_types.seconds, default=gateways.DEFAULT_CHECK_INTERVAL_S,
+        "--gateway-check-interval", type=option_types.non_negative_seconds, default=gateways.DEFAULT_CHECK_INTERVAL_S,
         help="seconds between asking the gateways which open requests they still wait for: those of a gateway gone "
-        "(killed) are stopped at the workers",
+        "(killed; unanswered at two checks in a row) are stopped at the workers; 0: never asked (while gateways "
+        "from before this check still run)",
     )
 
 
@@ -83,7 +84,9 @@ async def run(args: argparse.Namespace) -> None:
     await nc.subscribe(subjects.CANCEL, cb=core_only(detok.on_cancel))
     opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=core_only(detok.on_open))
     reaping = asyncio.create_task(detok.reap_loop())
-    checking = asyncio.create_task(detok.gateway_check_loop(args.gateway_check_interval))
+    checking = asyncio.create_task(
+        detok.gateway_check_loop(args.gateway_check_interval) if args.gateway_check_interval else asyncio.Future()
+    )
     watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:
         # Subscriptions are registered at the server only once it has read them; callers may publish right after.
