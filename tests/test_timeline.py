@@ -23,3 +23,20 @@ def test_a_sequence_that_ends_before_a_mark_spends_nothing_after_it() -> None:
     timeline.on_token()
     queue, prefill, decode = timeline.phases(finished=timeline.first_token)
     assert queue >= 0 and prefill >= 0 and decode == 0
+
+
+def test_a_resumed_sequence_counts_only_the_tokens_this_worker_emits() -> None:
+    """A request taken over with 5 tokens written elsewhere, run to 9 here: 4 of its generation tokens are this
+    worker's, as its decode time is."""
+    from services.worker.step_runner import StepRunner
+    from shared.config import DEFAULT_MODEL_DIR
+    from tests.methodfixture import METHODS, make_engine, make_request
+
+    runner = StepRunner(make_engine(DEFAULT_MODEL_DIR, METHODS["naive"]), worker_id=1)
+    request = make_request([5, 6, 7, 8], output_token_ids=[9, 10, 11, 12, 13], max_tokens=9, temperature=0.0,
+                           ignore_eos=True)
+    result = runner.step([request.model_copy(update={"detok_id": "d"})], [])
+    while result.stats is None or not result.stats.finished_phases:
+        result = runner.step([], [])
+    [(queue, prefill, decode, num_prompt, num_output)] = result.stats.finished_phases
+    assert (num_prompt, num_output) == (4, 4) and min(queue, prefill, decode) >= 0

@@ -118,7 +118,8 @@ REQUEST_PROMPT_TOKENS = Histogram(
     buckets=TOKEN_COUNT_BUCKETS,
 )
 REQUEST_GENERATION_TOKENS = Histogram(
-    "specmesh_worker_request_generation_tokens", "Output tokens of each finished sequence", _LABELS,
+    "specmesh_worker_request_generation_tokens",
+    "Output tokens of each finished sequence emitted on this worker (not those of a worker it took over from)", _LABELS,
     buckets=TOKEN_COUNT_BUCKETS,
 )
 DEAD_LETTERS = Counter(

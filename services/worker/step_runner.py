@@ -179,7 +179,8 @@ def step_stats(outputs: list[SeqOutput]) -> StepStats:
             stats.finished[reason] = stats.finished.get(reason, 0) + 1
             now = now or time.monotonic()
             seq = out.seq
-            stats.finished_phases.append((*seq.timeline.phases(now), len(seq.prompt_ids), len(seq.output_ids)))
+            emitted_here = len(seq.output_ids) - seq.timeline.outputs_before
+            stats.finished_phases.append((*seq.timeline.phases(now), len(seq.prompt_ids), emitted_here))
         if not out.draft_tokens:
             continue
         stats.acceptance_lengths.append(out.num_accepted + 1)

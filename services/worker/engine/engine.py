@@ -162,6 +162,7 @@ class Engine:
             for seq in seqs:
                 self.grammars.attach(seq)  # StructuredError refuses the request before anything is queued
         for seq in seqs:
+            seq.timeline.outputs_before = len(seq.output_ids)
             seq.imported = imported.get(seq.choice)
             if seq.imported is not None:
                 seq.num_cached_tokens = seq.imported.meta.num_cached_tokens

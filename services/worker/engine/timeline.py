@@ -13,6 +13,7 @@ class Timeline:
     arrived: float = field(default_factory=time.monotonic)  # added to the engine
     scheduled: float | None = None  # first given a cache slot (a preempted sequence keeps its first)
     first_token: float | None = None  # first token emitted by this engine
+    outputs_before: int = 0  # output tokens it came with (taken over, handed back or handed off): another's
 
     def on_scheduled(self) -> None:
         if self.scheduled is None:
