@@ -100,7 +100,8 @@ ENGINE_STALLS = Counter(
     _LABELS,
 )
 # A finished sequence's phases on this worker (engine/timeline.py), as vLLM's request_*_time_seconds: one choice of a
-# request each; a cancelled one is not observed, a handed-off one only on the worker that finishes it.
+# request each, observed when the engine ends it (max_tokens, a stop token); one cancelled, or ended by a stop string
+# (the detokenizer's stop), is not, and a handed-off one only on the worker that finishes it.
 QUEUE_TIME = Histogram(
     "specmesh_worker_request_queue_time_seconds", "From reaching the engine to its first cache slot", _LABELS,
     buckets=PHASE_BUCKETS,
