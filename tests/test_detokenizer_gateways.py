@@ -152,3 +152,29 @@ def test_a_gateway_is_known_by_the_subject_its_chunks_go_to() -> None:
     assert gateways.gateway_of("elsewhere.responses.a1b2") is None
     assert gateways.gateway_of(subjects.responses("a1b2") + ".more") is None
     assert gateways.gateway_of(subjects.responses("")) is None
+
+
+async def test_with_the_check_off_a_gateway_nobody_answers_for_keeps_its_requests(
+    nats_server: NatsServer, model_dir: Path  # noqa: F811
+) -> None:
+    """--gateway-check-interval 0, while gateways from before the check (which answer nothing) still run."""
+    async with detokenizer_service(nats_server, model_dir, DETOK_ID + "-off", "--gateway-check-interval", "0"):
+        nc = await connect(nats_server.settings(NatsRole.ADMIN), "test-check-off")
+        try:
+            stops: asyncio.Queue[Cancel] = asyncio.Queue()
+
+            async def stopped(msg) -> None:
+                await stops.put(Cancel.from_bytes(msg.data))
+
+            await nc.subscribe(subjects.STOP, cb=stopped)
+            opening = DetokOpen(request_id=uuid.uuid4().hex, reply_subject=subjects.responses(GONE), api="completion",
+                                num_prompt_tokens=1)
+
+            async def open_one() -> None:
+                await nc.request(subjects.DETOK_OPEN, opening.to_bytes(), timeout=WAIT_S)
+
+            await until_it_answers(open_one)
+            await asyncio.sleep(5 * CHECK_INTERVAL_S)  # what the checked service takes to stop it
+            assert stops.empty()
+        finally:
+            await nc.drain()

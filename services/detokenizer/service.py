@@ -84,9 +84,8 @@ async def run(args: argparse.Namespace) -> None:
     await nc.subscribe(subjects.CANCEL, cb=core_only(detok.on_cancel))
     opens = await nc.subscribe(subjects.DETOK_OPEN, queue=subjects.DETOK_QUEUE, cb=core_only(detok.on_open))
     reaping = asyncio.create_task(detok.reap_loop())
-    checking = asyncio.create_task(
-        detok.gateway_check_loop(args.gateway_check_interval) if args.gateway_check_interval else asyncio.Future()
-    )
+    checking = asyncio.create_task(detok.gateway_check_loop(args.gateway_check_interval)) \
+        if args.gateway_check_interval else None
     watching = asyncio.create_task(detok.watch_reconnects(reconnected))
     try:
         # Subscriptions are registered at the server only once it has read them; callers may publish right after.
@@ -102,7 +101,8 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.1)
     finally:
         reaping.cancel()
-        checking.cancel()
+        if checking is not None:
+            checking.cancel()
         watching.cancel()
         await nc.drain()
         await http.cleanup()
