@@ -25,12 +25,10 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 
-import nats.errors
 from nats.aio.client import Client
-from pydantic import ValidationError
 
 from shared import subjects
-from shared.schemas import HeldQuery, HeldReport
+from shared.held_query import NobodyListens, ask_held
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +81,10 @@ class GatewayChecks:
 
 
 async def _not_held(nc: Client, gateway_id: str, request_ids: list[str]) -> list[str] | None:
-    """Those of the requests the gateway no longer waits for; None when nobody listens for it."""
-    query = HeldQuery(request_ids=tuple(request_ids)).to_bytes()
+    """Those of the requests the gateway no longer waits for (none when it did not answer); None when nobody
+    listens for it."""
     try:
-        reply = await nc.request(subjects.gateway_held(gateway_id), query, timeout=ANSWER_TIMEOUT_S)
-    except nats.errors.NoRespondersError:
+        held = await ask_held(nc, subjects.gateway_held(gateway_id), request_ids, ANSWER_TIMEOUT_S)
+    except NobodyListens:
         return None
-    except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
-        return []
-    try:
-        held = set(HeldReport.from_bytes(reply.data).request_ids)
-    except (ValidationError, ValueError) as exc:
-        log.warning("gateway %s answered what is not a HeldReport: %s", gateway_id, exc)
-        return []
-    return [request_id for request_id in request_ids if request_id not in held]
+    return [] if held is None else [request_id for request_id in request_ids if request_id not in held]

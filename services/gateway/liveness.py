@@ -17,12 +17,10 @@ import asyncio
 import time
 from collections import defaultdict
 
-import nats.errors
 from nats.aio.client import Client
-from pydantic import ValidationError
 
 from shared import subjects
-from shared.schemas import HeldQuery, HeldReport
+from shared.held_query import NobodyListens, ask_held
 
 CHECK_AFTER_S = 1.0  # silence before a response asks after its detokenizers, and between two askings
 ANSWER_TIMEOUT_S = 1.0  # a live detokenizer answers in milliseconds
@@ -69,14 +67,7 @@ class Liveness:
 
     async def _ask(self, detok_id: str, request_ids: list[str]) -> set[str] | None:
         """The requests the detokenizer holds; None when it did not answer in time."""
-        query = HeldQuery(request_ids=tuple(request_ids)).to_bytes()
         try:
-            reply = await self._nc.request(subjects.held(detok_id), query, timeout=ANSWER_TIMEOUT_S)
-        except nats.errors.NoRespondersError:
+            return await ask_held(self._nc, subjects.held(detok_id), request_ids, ANSWER_TIMEOUT_S)
+        except NobodyListens:
             raise DetokenizerLost(f"the detokenizer {detok_id} that held the request is gone") from None
-        except nats.errors.Error:  # a timeout, or NATS out
-            return None
-        try:
-            return set(HeldReport.from_bytes(reply.data).request_ids)
-        except (ValidationError, ValueError):
-            return None
