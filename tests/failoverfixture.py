@@ -25,7 +25,7 @@ from shared.nats_roles import NatsRole
 from shared.natsutil import barrier, connect
 from shared.schemas import WorkRequest
 from tests.natsfixture import running_nats_server
-from tests.test_drain import Service
+from tests.partsfixture import Service
 from tests.test_e2e import E2E_MODEL
 
 ENGINE_STALL_S = 4.0  # the workers' --engine-stall-timeout: short, so that a test can wait it out

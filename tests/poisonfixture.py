@@ -22,7 +22,7 @@ from shared.nats_roles import NatsRole
 from shared.natsutil import connect
 from shared.schemas import Chunk, DetokOpen, DetokReady
 from tests.natsfixture import NatsServer, running_nats_server, wait_for_everything
-from tests.test_drain import Parts, Service
+from tests.partsfixture import Parts, Service
 from tests.test_e2e import CODE_PROMPT, E2E_MODEL
 
 CLIENT_TIMEOUT_S = 60.0  # a request the mesh dropped fails the test in a minute, not the gateway's ten
@@ -31,7 +31,7 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 class PoisonMesh:
-    """Parts (tests/test_drain.py) with one worker, and a NATS server that can be restarted on its store."""
+    """Parts (tests/partsfixture.py) with one worker, and a NATS server that can be restarted on its store."""
 
     def __init__(self, store_dir: Path) -> None:
         self.store_dir = store_dir

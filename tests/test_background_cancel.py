@@ -19,7 +19,7 @@ from services.gateway.limits import GatewayLimits
 from shared.config import DEFAULT_MODEL_DIR
 from shared.nats_roles import NatsRole
 from tests.gatewayfixture import MODEL, start_gateway
-from tests.test_drain import Service
+from tests.partsfixture import Service
 from tests.natsfixture import NatsServer, nats_server
 
 __all__ = ["nats_server"]  # a fixture, imported for pytest to find

@@ -19,7 +19,7 @@ from shared.natsutil import REQUEST_ACK_WAIT_S
 from services.worker.routing import DEAD_AFTER_S, SWEEP_PERIOD_S
 from tests.failoverfixture import Streamed, kill, stream, until_streaming
 from tests.natsfixture import running_nats_server
-from tests.test_drain import Service
+from tests.partsfixture import Service
 from tests.test_e2e import E2E_MODEL
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "num_model_steps": 2})

@@ -1,6 +1,7 @@
 """Every drafting method through the whole mesh with the official openai client: draft_logprobs are present and
 well formed for chat and completions, streamed and not; a seeded request streams the text it returns whole; and
-greedy text is the same whatever the method (speculation is lossless). One mesh per method."""
+greedy text is the same whatever the method (speculation is lossless). One NATS, detokenizer and gateway for all,
+and a worker per method."""
 
 from __future__ import annotations
 
@@ -10,50 +11,57 @@ import openai
 import pytest
 
 from services.detokenizer.logprobs import MIN_LOGPROB
-from services.mesh_process import Mesh, start_mesh
 from tests.methodfixture import METHOD_NAMES, METHODS
+from tests.natsfixture import running_nats_server
+from tests.partsfixture import Parts
 from tests.test_e2e import E2E_MODEL, REPETITIVE, whole_and_streamed
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
+CLIENT_TIMEOUT_S = 120
+MODEL = E2E_MODEL.name
 TOP_LOGPROBS = 2
 NGRAM_LOGPROB = 0.0  # an n-gram or suffix draft is a point mass under q
 LOGPROB_TOLERANCE = 1e-5
 APIS = ("chat", "completion")
 # Suffix decoding drafts from earlier requests' outputs, so a repeated request gets other drafts, and under the
 # default rejection strategy the tokens emitted depend on the drafts: the same seed can give another text.
-# Greedy texts by (api, stream), filled by the first method's mesh and compared with every later one's.
+# Greedy texts by (api, stream), filled under the first method and compared with every later one's.
 _GREEDY_TEXTS: dict[tuple[str, bool], str] = {}
 
 
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
+    """NATS, a detokenizer and a gateway for every method: only the worker differs between methods."""
+    with running_nats_server(tmp_path_factory.mktemp("nats")) as nats:
+        mesh = Parts(nats)
+        yield mesh
+        for service in mesh.started:
+            service.kill()
+
+
 @pytest.fixture(scope="module", params=METHOD_NAMES)
-def method(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def mesh(method: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = start_mesh(
-        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "512",
-        "--speculative-config", METHODS[method].config().model_dump_json(), model=E2E_MODEL,
+def method(request: pytest.FixtureRequest, parts: Parts) -> Iterator[str]:
+    """A worker drafting with the method, the only one serving while the method's tests run."""
+    worker = parts.start(
+        "worker", "--max-num-seqs", "4", "--max-model-len", "512",
+        "--speculative-config", METHODS[request.param].config().model_dump_json(),
     )
-    yield m
-    assert m.stop() == 0, "".join(m.log[-30:])
+    yield request.param
+    assert worker.terminate() == 0
 
 
 @pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+def client(parts: Parts) -> openai.OpenAI:
+    return parts.client.with_options(timeout=CLIENT_TIMEOUT_S)
 
 
-def _generate(
-    client: openai.OpenAI, mesh: Mesh, api: str, stream: bool, **sampling
-) -> tuple[str, list[dict], list[dict]]:
+def _generate(client: openai.OpenAI, api: str, stream: bool, **sampling) -> tuple[str, list[dict], list[dict]]:
     """Text, target logprob entries and draft entries (as {token, logprob, top: [(token, logprob)], accepted,
     text_offset}) of a request on a repetitive prompt, whichever API and mode; greedy unless sampling says."""
     extra = dict(extra_body={"include_draft_logprobs": True, "ignore_eos": True})
-    common = dict(model=mesh.model, max_tokens=MAX_TOKENS, temperature=0, stream=stream, **extra) | sampling
+    common = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, stream=stream, **extra) | sampling
     if api == "chat":
         response = client.chat.completions.create(
             messages=[{"role": "user", "content": REPETITIVE}], logprobs=True, top_logprobs=TOP_LOGPROBS, **common
@@ -127,9 +135,9 @@ def _assert_method_logprobs(method: str, drafts: list[dict]) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("api", APIS)
 def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_method(
-    client: openai.OpenAI, mesh: Mesh, method: str, api: str, stream: bool
+    client: openai.OpenAI, method: str, api: str, stream: bool
 ) -> None:
-    text, targets, drafts = _generate(client, mesh, api, stream)
+    text, targets, drafts = _generate(client, api, stream)
     assert text and "".join(t["token"] for t in targets) == text
     assert len(targets) == MAX_TOKENS
     for target in targets:
@@ -149,12 +157,12 @@ def test_draft_logprobs_are_well_formed_and_greedy_text_is_the_same_for_every_me
 
 @pytest.mark.parametrize("api", APIS)
 def test_sampled_mtp_drafts_report_their_probability_under_q(
-    client: openai.OpenAI, mesh: Mesh, method: str, api: str
+    client: openai.OpenAI, method: str, api: str
 ) -> None:
     """A sampled request's MTP drafts are drawn from q, so each has a probability under it (no -inf entry)."""
     if not METHODS[method].needs_mtp:
         pytest.skip("only MTP drafts come from a distribution")
-    _, _, drafts = _generate(client, mesh, api, stream=False, temperature=0.8, seed=3)
+    _, _, drafts = _generate(client, api, stream=False, temperature=0.8, seed=3)
     assert drafts
     for draft in drafts:
         _assert_well_formed(draft)
@@ -164,10 +172,10 @@ def test_sampled_mtp_drafts_report_their_probability_under_q(
 
 @pytest.mark.parametrize("api", APIS)
 def test_streamed_text_equals_whole_text_for_a_seeded_request(
-    client: openai.OpenAI, mesh: Mesh, method: str, api: str
+    client: openai.OpenAI, method: str, api: str
 ) -> None:
     whole, streamed = whole_and_streamed(
-        client, api, REPETITIVE, model=mesh.model, max_tokens=MAX_TOKENS, temperature=0.8, seed=7,
+        client, api, REPETITIVE, model=MODEL, max_tokens=MAX_TOKENS, temperature=0.8, seed=7,
         extra_body={"ignore_eos": True},
     )
     assert streamed == whole and whole

@@ -26,7 +26,7 @@ from tests.fuzzstrategies import bodies, work_messages
 from tests.poisonfixture import (
     PoisonMesh, as_role, open_at_detokenizer, poison_mesh, rss_bytes, until_queue_empty,
 )
-from tests.test_drain import Service
+from tests.partsfixture import Service
 
 __all__ = ["poison_mesh"]  # a fixture, imported for pytest to find
 

@@ -25,7 +25,7 @@ from shared.natsutil import REQUEST_ACK_WAIT_S
 from shared.prefix_hash import extend_hashes, root_hash
 from shared.schemas import WorkerState
 from tests.failoverfixture import FailoverMesh, Streamed, kill, stream
-from tests.test_drain import Service
+from tests.partsfixture import Service
 from tests.test_e2e import E2E_MODEL
 
 BLOCK_SIZE = 4
