@@ -32,10 +32,10 @@ import json
 import statistics
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import torch
-import transformers
 
 from benchmarks import shape
 from benchmarks.floor import copy_bandwidth, weight_floor
@@ -122,6 +122,8 @@ def engine_rows(
 def hf_generate(model, ids: torch.Tensor, new_tokens: int, args: argparse.Namespace) -> tuple[list[list[int]], float]:
     """(tokens of every row, seconds) of one greedy generate of new_tokens; the static cache is sized for the
     longest call, so every call of a case reuses one compiled graph."""
+    import transformers  # here: a run with --skip transformers need not load it
+
     static = args.transformers_cache == "static"
     config = transformers.GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD_TOKEN_ID,
@@ -148,6 +150,8 @@ def transformers_mode(args: argparse.Namespace) -> str:
     if args.transformers_cache == "dynamic":
         return "dynamic cache, eager"
     if _compiled(args):
+        import transformers
+
         mode = transformers.CompileConfig().mode
         return f"static cache, compiled by generate (torch.compile, mode {mode}), afresh for each batch and context"
     return "static cache, eager (generate compiles only on accelerators)"
@@ -257,7 +261,7 @@ def measure(args: argparse.Namespace) -> dict:
         "dtype": args.dtype, "batches": args.batches, "contexts": args.contexts, "warmup_steps": args.warmup_steps,
         "timed_steps": args.steps, "repeats": args.repeats, "copy_bytes": args.copy_mib * MIB,
         "copy_bandwidth_gb_s": bandwidth / 1e9, "transformers_mode": transformers_mode(args),
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__, "transformers_version": metadata.version("transformers"),
         "shapes": shapes, "rows": rows,
     }
 

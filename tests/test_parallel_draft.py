@@ -56,6 +56,7 @@ def test_the_draft_trainer_with_parallel_writes_a_checkpoint_the_engine_drafts_i
         replace(DRAFT_SHAPE, steps=2, batch_size=2, eval_windows=2),
         teacher_text=TeacherText(num_sequences=2, new_tokens=16, batch=2),
         teacher_rows=1, parallel=ParallelConfig(steps=2, anchors=4),
+        held_out_text=TeacherText(num_sequences=2, new_tokens=16, sampled_every=0, batch=2),
     )
     report = distill(cfg, DEFAULT_MODEL_DIR, tmp_path)
     assert len(report["greedy_agreement_teacher_text_by_draft"]) == 1 + cfg.parallel.levels

@@ -44,6 +44,7 @@ class DistillConfig:
     ce_weight: float = 0.1  # the corpus' own tokens keep the student honest where the teacher is unsure
     teacher_text: TeacherText = TeacherText()
     teacher_rows: int = 8  # of each batch's rows, how many are the teacher's text (the rest corpus windows)
+    held_out_text: TeacherText = HELD_OUT_TEACHER_TEXT
     # then taught to draft in parallel (demo_model/parallel_draft.py); None, the shipped model: autoregressive, which
     # drafts better on this CPU (README)
     parallel: ParallelConfig | None = None
@@ -122,8 +123,8 @@ def distill(cfg: DistillConfig, target_dir: Path, out_dir: Path) -> dict:
     starts = np.linspace(0, len(held_out_stream) - shape.seq_len - 2, shape.eval_windows).astype(np.int64)
     student.eval()
     corpus_agreement, corpus_kl = agreement(student, teacher, _windows(held_out_stream, starts, shape.seq_len))
-    held_out_text = teacher_continuations(target_dir, held_out_stream, shape.seq_len, HELD_OUT_TEACHER_TEXT)
-    first = shape.seq_len - HELD_OUT_TEACHER_TEXT.new_tokens
+    held_out_text = teacher_continuations(target_dir, held_out_stream, shape.seq_len, cfg.held_out_text)
+    first = shape.seq_len - cfg.held_out_text.new_tokens
     text_agreement, text_kl = agreement(student, teacher, held_out_text, first=first)
     metrics |= {
         "greedy_agreement": corpus_agreement, "held_out_kl": corpus_kl,
