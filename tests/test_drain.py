@@ -4,7 +4,7 @@ another worker, which continues the same output; the process exits on its own.""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -18,12 +18,21 @@ pytestmark = pytest.mark.e2e
 LONG = dict(max_tokens=400, temperature=1.0, seed=99, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture
-def parts(tmp_path: Path):
-    with running_nats_server(tmp_path / "nats") as nats:
+@pytest.fixture(scope="module")
+def module_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
+    with running_nats_server(tmp_path_factory.mktemp("nats")) as nats:
         mesh = Parts(nats)
         yield mesh
         for service in mesh.started:
+            service.kill()
+
+
+@pytest.fixture
+def parts(module_parts: Parts) -> Iterator[Parts]:
+    """The module's NATS, detokenizer and gateway, with no worker left from an earlier test."""
+    yield module_parts
+    for service in module_parts.started:
+        if service not in (module_parts.gateway, module_parts.detokenizer):
             service.kill()
 
 
@@ -54,6 +63,7 @@ def test_worker_that_must_leave_hands_its_request_to_another(parts: Parts) -> No
 
 
 def test_draining_gateway_and_detokenizer_finish_the_open_stream(parts: Parts) -> None:
+    """The module's last test: it stops the gateway and the detokenizer the others share."""
     parts.start("worker")
     stream = _stream(parts.client)
     chunks = iter(stream)

@@ -64,26 +64,29 @@ def _logprobs(outputs) -> torch.Tensor:
     return torch.cat([torch.as_tensor(o.target.logprobs).flatten() for o in outputs])
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("method", ["naive", "mtp"])
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(TP, 1), (1, TP)], ids=["split-prefill", "split-decode"])
 def test_a_handoff_between_differently_split_workers_emits_what_one_engine_does(
-    prefill_tp: int, decode_tp: int, method: str, sampling: str, engines, prompt: list[int]
+    prefill_tp: int, decode_tp: int, method: str, engines, prompt: list[int]
 ) -> None:
-    options = dict(max_tokens=NUM_TOKENS, logprobs=2, include_draft_logprobs=True, **SAMPLINGS[sampling])
-    alone = make_request(prompt, **options)
-    expected = outputs_of(run(engines(method, "both"), {0: [alone]}), alone)
+    """Each sampling in turn through the same three engines (their ranks are started once): the second request finds
+    the prompt's blocks cached on every engine, and its handoff still carries what one engine emits."""
+    whole = engines(method, "both")
     prefill, decode_engine = engines(method, "prefill", prefill_tp), engines(method, "decode", decode_tp)
-    request = make_request(prompt, **options)
-    first, seq, payload = run_prefill(prefill, request)
-    kv = next(s for s in decode(payload).meta.sections if s.name == "0.kv")
-    assert kv.shape[-2] == prefill.runner.model.config.num_key_value_heads  # every head, split prefill or not
-    resumed = decode_request(request, seq)
-    decode_engine.add_request(resumed, payload)
-    rest = outputs_of(run(decode_engine, {}), resumed)
-    assert _record(first + rest) == _record(expected)
-    torch.testing.assert_close(_logprobs(first + rest), _logprobs(expected), atol=LOGPROB_TOLERANCE, rtol=0)
-    assert decode_engine.scheduler.handoffs_imported == 1
+    for sampling in SAMPLINGS.values():
+        options = dict(max_tokens=NUM_TOKENS, logprobs=2, include_draft_logprobs=True, **sampling)
+        alone = make_request(prompt, **options)
+        expected = outputs_of(run(whole, {0: [alone]}), alone)
+        request = make_request(prompt, **options)
+        first, seq, payload = run_prefill(prefill, request)
+        kv = next(s for s in decode(payload).meta.sections if s.name == "0.kv")
+        assert kv.shape[-2] == prefill.runner.model.config.num_key_value_heads  # every head, split prefill or not
+        resumed = decode_request(request, seq)
+        decode_engine.add_request(resumed, payload)
+        rest = outputs_of(run(decode_engine, {}), resumed)
+        assert _record(first + rest) == _record(expected), sampling
+        torch.testing.assert_close(_logprobs(first + rest), _logprobs(expected), atol=LOGPROB_TOLERANCE, rtol=0)
+    assert decode_engine.scheduler.handoffs_imported == len(SAMPLINGS)
 
 
 def test_a_split_decode_worker_keeps_the_blocks_it_holds_and_writes_the_rest(engines, prompt: list[int]) -> None:
