@@ -20,8 +20,9 @@ QUICK_DURATION_S = 5
 QUICK_DISCONNECTS = 30
 
 
+# No `exclusive` mark: it checks outcomes (errors, equal outputs, disconnects made, gauges back at zero), none
+# bounded by a time the other worker's tests could stretch; it passes beside three busy processes on 2 cores.
 @pytest.mark.e2e
-@pytest.mark.exclusive  # bounds a time: alone, not beside another worker's tests (tests/conftest.py)
 def test_quick_soak_with_disconnects_leaves_no_error_and_nothing_held(tmp_path: Path) -> None:
     args = parse_args([
         "--streams", str(QUICK_STREAMS), "--duration", str(QUICK_DURATION_S), "--max-tokens", "32", "--prompts", "3",
