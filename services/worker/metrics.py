@@ -24,7 +24,8 @@ EMITTED = Counter("specmesh_worker_emitted_tokens", "Tokens emitted (accepted dr
 PROMPT_TOKENS = Counter("specmesh_worker_prompt_tokens", "Prompt tokens of the requests taken", _LABELS)
 FINISHED = Counter(
     "specmesh_worker_finished_requests",
-    "Sequences finished (one per choice of a request; a cancelled one is not counted), by finish reason",
+    "Sequences finished (one per choice of a request), by finish reason: a stop string's end counts as stop, "
+    "a cancel by the client not at all",
     _LABELS + ["reason"],
 )
 DRAFTS = Counter("specmesh_worker_spec_decode_drafts", "Sequence-steps that verified at least one draft", _LABELS)
@@ -100,8 +101,9 @@ ENGINE_STALLS = Counter(
     _LABELS,
 )
 # A finished sequence's phases on this worker (engine/timeline.py), as vLLM's request_*_time_seconds: one choice of a
-# request each, observed when the engine ends it (max_tokens, a stop token); one cancelled, or ended by a stop string
-# (the detokenizer's stop), is not, and a handed-off one only on the worker that finishes it.
+# request each, observed when the engine ends it (max_tokens, a stop token) or when the detokenizer's cancel for a
+# stop string reaches it (its decode, then, runs to that moment, and counts the tokens generated until then); one
+# the client cancelled is not, and a handed-off one only on the worker that finishes it.
 QUEUE_TIME = Histogram(
     "specmesh_worker_request_queue_time_seconds", "From reaching the engine to its first cache slot", _LABELS,
     buckets=PHASE_BUCKETS,
@@ -160,10 +162,6 @@ class WorkerMetrics:
         if stats.prefix_queries:
             self.child(PREFIX_QUERIES).inc(stats.prefix_queries)
             self.child(PREFIX_HITS).inc(stats.prefix_hits)
-        if not stats.batch_size:
-            return
-        self.child(BATCH_SIZE).observe(stats.batch_size)
-        self.child(EMITTED).inc(stats.emitted)
         for reason, count in stats.finished.items():
             self.child(FINISHED, reason=reason).inc(count)
         for queue, prefill, decode, num_prompt, num_output in stats.finished_phases:
@@ -172,6 +170,10 @@ class WorkerMetrics:
             self.child(DECODE_TIME).observe(decode)
             self.child(REQUEST_PROMPT_TOKENS).observe(num_prompt)
             self.child(REQUEST_GENERATION_TOKENS).observe(num_output)
+        if not stats.batch_size:
+            return
+        self.child(BATCH_SIZE).observe(stats.batch_size)
+        self.child(EMITTED).inc(stats.emitted)
         if not stats.acceptance_lengths:
             return
         self.child(DRAFTS).inc(len(stats.acceptance_lengths))

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from shared.frames import FinishReason
 from shared.request_limits import OutOfLimits
 from shared.schemas import Cancel, WorkRequest
 from services.worker.engine.engine import Engine, SeqOutput
@@ -27,6 +28,8 @@ from services.worker.step_guard import StepGuard
 
 log = logging.getLogger("specmesh.worker")
 T = TypeVar("T")
+STOP_STRING = "stop_string"  # Cancel.reason of a request the detokenizer ended at one of its stop strings
+STOP_STRING_FINISH = FinishReason.STOP  # the finish reason the client is told, and the metrics count it under
 
 
 class StepRunner:
@@ -60,8 +63,12 @@ class StepRunner:
         ]
         finished: list[str] = []
         released: list[str] = []
+        stopped: list[Sequence] = []  # ended by a stop string: finished, as far as the client is concerned
         for cancel in cancels:
-            ended = self._ended(self.engine.abort(cancel.request_id, cancel.choice))
+            aborted = self.engine.abort(cancel.request_id, cancel.choice)
+            if cancel.reason == STOP_STRING:
+                stopped += aborted
+            ended = self._ended(aborted)
             if cancel.worker_id is None:
                 finished += ended
             else:  # reported whether or not the engine still held it: the event loop waits for this
@@ -83,6 +90,8 @@ class StepRunner:
                 failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
                 for request in recovery.resumed:
                     self._num_live[request.request_id] = len(request.choices())
+        if stopped:  # an aborted sequence is released at the engine's next step, so there was one: stats is set
+            record_finished(stats, stopped, STOP_STRING_FINISH)
         ended = [request for request, _ in failed]
         frames = [
             (detok_id, abort_frame(group, self.worker_id, self.engine.step_no))
@@ -172,15 +181,9 @@ class StepRunner:
 def step_stats(outputs: list[SeqOutput]) -> StepStats:
     """A step's outputs summed for the metrics, in the engine process: the event loop gets counts, not sequences."""
     stats = StepStats(batch_size=len(outputs), emitted=sum(len(out.tokens) for out in outputs))
-    now = None
     for out in outputs:
         if out.seq.is_finished:
-            reason = out.finish_reason.name.lower()
-            stats.finished[reason] = stats.finished.get(reason, 0) + 1
-            now = now or time.monotonic()
-            seq = out.seq
-            emitted_here = len(seq.output_ids) - seq.timeline.outputs_before
-            stats.finished_phases.append((*seq.timeline.phases(now), len(seq.prompt_ids), emitted_here))
+            record_finished(stats, [out.seq], out.finish_reason)
         if not out.draft_tokens:
             continue
         stats.acceptance_lengths.append(out.num_accepted + 1)
@@ -193,6 +196,16 @@ def step_stats(outputs: list[SeqOutput]) -> StepStats:
         for position in range(out.num_accepted):
             stats.accepted_at[position] += 1
     return stats
+
+
+def record_finished(stats: StepStats, seqs: list[Sequence], reason: FinishReason) -> None:
+    """Counts the sequences as finished for `reason`, with their phases and token counts on this worker."""
+    name = reason.name.lower()
+    stats.finished[name] = stats.finished.get(name, 0) + len(seqs)
+    now = time.monotonic()
+    for seq in seqs:
+        emitted_here = len(seq.output_ids) - seq.timeline.outputs_before
+        stats.finished_phases.append((*seq.timeline.phases(now), len(seq.prompt_ids), emitted_here))
 
 
 def _grouped(items: Iterable[T], detok_id_of: Callable[[T], str]) -> dict[str, list[T]]:
