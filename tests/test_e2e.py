@@ -32,8 +32,9 @@ FIXED_NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adapt
 def mesh(tmp_path_factory: pytest.TempPathFactory):
     # Fixed ngram drafts: the draft_logprobs tests need drafts, and adaptive speculation (the default) drafts none
     # when the steps it measures say drafting does not pay, which a loaded machine can make them say.
+    # Two detokenizers: every test's requests are owned by one of them, and the others must never send its chunks.
     m = start_mesh(
-        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024",
+        tmp_path_factory.mktemp("mesh"), "--max-num-seqs", "4", "--max-model-len", "1024", "--detokenizers", "2",
         "--speculative-config", FIXED_NGRAM, model=E2E_MODEL,
     )
     yield m
@@ -228,24 +229,19 @@ def test_client_disconnect_frees_the_slot(client: openai.OpenAI, mesh: Mesh) -> 
     assert asyncio.run(_num_ack_pending(mesh)) == 0, "the worker did not finish the abandoned request"
 
 
-def test_requests_spread_over_several_detokenizers(tmp_path: Path) -> None:
+def test_requests_spread_over_several_detokenizers(client: openai.OpenAI, mesh: Mesh) -> None:
     """Each request is owned by the one detokenizer that took it; the others never send its chunks."""
-    mesh = start_mesh(tmp_path, "--detokenizers", "2", "--max-num-seqs", "4", model=E2E_MODEL)
-    try:
-        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
 
-        def run(seed: int) -> str:
-            stream = client.completions.create(
-                model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed, stream=True
-            )
-            return "".join(c.choices[0].text for c in stream if c.choices)
+    def run(seed: int) -> str:
+        stream = client.completions.create(
+            model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream if c.choices)
 
-        with ThreadPoolExecutor(4) as pool:
-            streamed = list(pool.map(run, range(8)))
-        for seed, text in enumerate(streamed):
-            whole = client.completions.create(
-                model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed
-            ).choices[0].text
-            assert text == whole
-    finally:
-        assert mesh.stop() == 0
+    with ThreadPoolExecutor(4) as pool:
+        streamed = list(pool.map(run, range(8)))
+    for seed, text in enumerate(streamed):
+        whole = client.completions.create(
+            model=mesh.model, prompt=CODE_PROMPT, max_tokens=16, temperature=1.0, seed=seed
+        ).choices[0].text
+        assert text == whole
