@@ -19,7 +19,7 @@ from benchmarks import gpu_check_report as report
 pytest.importorskip("transformers")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DRY_RUN_TIMEOUT_S = 180  # a hang fails the test; the dry run takes about half a minute on 2 cores
+DRY_RUN_TIMEOUT_S = 180  # a hang fails the test; the dry run takes about a minute on 2 cores
 ISSUE_LIMIT_S = 8 * 60
 SLEEP_S = 60
 

@@ -71,3 +71,25 @@ def test_a_stop_strings_end_is_a_finish_with_its_phases_and_a_clients_cancel_is_
     WorkerMetrics("timeline-test", "naive", 987).observe_step(result.stats, result.seconds)
     assert REGISTRY.get_sample_value("specmesh_worker_finished_requests_total", labels | {"reason": "stop"}) == 1
     assert REGISTRY.get_sample_value("specmesh_worker_request_decode_time_seconds_count", labels) == 1
+
+
+def test_a_stop_strings_end_of_a_waiting_request_counts_with_no_step() -> None:
+    """A request admitted and ended by a stop string in one step (a handoff whose first token held it) leaves an idle
+    engine at once: no step runs, and its finish is counted all the same, with no step time."""
+    from prometheus_client import REGISTRY
+
+    from services.worker.metrics import WorkerMetrics
+    from services.worker.step_runner import StepRunner
+    from shared.config import DEFAULT_MODEL_DIR
+    from shared.schemas import Cancel
+    from tests.methodfixture import METHODS, make_engine, make_request
+
+    runner = StepRunner(make_engine(DEFAULT_MODEL_DIR, METHODS["naive"]), worker_id=1)
+    request = make_request([5, 6, 7, 8], max_tokens=50, temperature=0.0).model_copy(update={"detok_id": "d"})
+    result = runner.step([request], [Cancel(request_id=request.request_id, reason="stop_string")])
+    assert result.seconds is None and result.finished == [request.request_id]
+    assert result.stats.finished == {"stop": 1} and result.stats.finished_phases[0][2:] == (0.0, 4, 0)
+    labels = {"model": "timeline-test", "method": "naive", "worker": "988"}
+    WorkerMetrics("timeline-test", "naive", 988).observe_step(result.stats, result.seconds)
+    assert REGISTRY.get_sample_value("specmesh_worker_finished_requests_total", labels | {"reason": "stop"}) == 1
+    assert REGISTRY.get_sample_value("specmesh_worker_step_duration_seconds_count", labels) is None

@@ -107,7 +107,7 @@ class StepResult:
     frames: list[tuple[str, bytes]]  # (detokenizer id, frame), in publishing order
     finished: list[str]  # requests whose last frame is among `frames`: acknowledged once it is published
     gauges: Gauges
-    stats: StepStats | None  # None when no engine step ran (only refusals or cancels)
+    stats: StepStats | None  # None when no engine step ran and no stop string ended a request
     seconds: float | None  # the engine step's duration; None when no engine step ran
     num_preempted: int = 0
     # Requests ended with an error record among `frames` (refused, or failing a step): terminated, never redelivered.

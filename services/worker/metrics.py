@@ -157,8 +157,10 @@ class WorkerMetrics:
         self.child(REQUESTS_TAKEN).inc()
         self.child(PROMPT_TOKENS).inc(num_prompt_tokens)
 
-    def observe_step(self, stats: StepStats, seconds: float) -> None:
-        self.child(STEP_SECONDS).observe(seconds)
+    def observe_step(self, stats: StepStats, seconds: float | None) -> None:
+        """seconds: None when the engine took no step (a stop string ended a request that was only waiting)."""
+        if seconds is not None:
+            self.child(STEP_SECONDS).observe(seconds)
         if stats.prefix_queries:
             self.child(PREFIX_QUERIES).inc(stats.prefix_queries)
             self.child(PREFIX_HITS).inc(stats.prefix_hits)

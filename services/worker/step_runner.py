@@ -90,7 +90,8 @@ class StepRunner:
                 failed += [(request, FailReason.ENGINE_ERROR) for request in recovery.failed]
                 for request in recovery.resumed:
                     self._num_live[request.request_id] = len(request.choices())
-        if stopped:  # an aborted sequence is released at the engine's next step, so there was one: stats is set
+        if stopped:  # with no step when the engine held nothing else (a waiting sequence leaves it at once)
+            stats = stats or StepStats()
             record_finished(stats, stopped, STOP_STRING_FINISH)
         ended = [request for request, _ in failed]
         frames = [
