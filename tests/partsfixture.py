@@ -13,12 +13,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 
 from shared.nats_roles import NatsRole
 from shared.ports import free_port
-from tests.natsfixture import NatsServer
+from tests.natsfixture import NatsServer, running_nats_server
 from tests.test_e2e import E2E_MODEL
 
 EXIT_TIMEOUT_S = 30.0
@@ -78,3 +81,15 @@ class Parts:
         service = Service(name, self.nats, *extra)
         self.started.append(service)
         return service
+
+
+@contextmanager
+def running_parts(store_dir: Path) -> Iterator[Parts]:
+    """NATS (its store in store_dir) with a detokenizer and a gateway; every service started is killed at the end."""
+    with running_nats_server(store_dir) as nats:
+        parts = Parts(nats)
+        try:
+            yield parts
+        finally:
+            for service in parts.started:
+                service.kill()

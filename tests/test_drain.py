@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.natsfixture import running_nats_server
-from tests.partsfixture import EXIT_TIMEOUT_S, Parts
+from tests.partsfixture import EXIT_TIMEOUT_S, Parts, running_parts
 from tests.test_e2e import CODE_PROMPT, E2E_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -20,11 +19,8 @@ LONG = dict(max_tokens=400, temperature=1.0, seed=99, extra_body={"ignore_eos": 
 
 @pytest.fixture(scope="module")
 def module_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
-    with running_nats_server(tmp_path_factory.mktemp("nats")) as nats:
-        mesh = Parts(nats)
-        yield mesh
-        for service in mesh.started:
-            service.kill()
+    with running_parts(tmp_path_factory.mktemp("nats")) as parts:
+        yield parts
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ import pytest
 
 from services.detokenizer.logprobs import MIN_LOGPROB
 from tests.methodfixture import METHOD_NAMES, METHODS
-from tests.natsfixture import running_nats_server
-from tests.partsfixture import Parts
+from tests.partsfixture import Parts, running_parts
 from tests.test_e2e import E2E_MODEL, REPETITIVE, whole_and_streamed
 
 pytestmark = pytest.mark.e2e
@@ -34,11 +33,8 @@ _GREEDY_TEXTS: dict[tuple[str, bool], str] = {}
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parts]:
     """NATS, a detokenizer and a gateway for every method: only the worker differs between methods."""
-    with running_nats_server(tmp_path_factory.mktemp("nats")) as nats:
-        mesh = Parts(nats)
-        yield mesh
-        for service in mesh.started:
-            service.kill()
+    with running_parts(tmp_path_factory.mktemp("nats")) as parts:
+        yield parts
 
 
 @pytest.fixture(scope="module", params=METHOD_NAMES)
