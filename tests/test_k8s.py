@@ -40,6 +40,7 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 DASHBOARDS = {"specmesh-overview.json", "specmesh-speculative.json"}
 VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 GPU = "nvidia.com/gpu"
+GPU_LOAD_BUDGET_S = 30 * 60  # a GPU worker's startupProbe: a large checkpoint's load and first compilations
 UNPROBED_SIDECARS = {"exporter"}  # prometheus-nats-exporter: restarts with the pod, nothing depends on its readiness
 POD_NAME = "specmesh-pod-0"  # stands in for fieldRef values when command lines are expanded
 DECODE_GAUGES = {gauge.describe()[0].name for gauge in (worker_metrics.RUNNING, worker_metrics.WAITING)}
@@ -382,6 +383,9 @@ def test_overlays_fit_their_hardware():
             assert container["image"].endswith("-cuda") and config_data(gpu)["DEVICE"] == "cuda"
             pod = worker["spec"]["template"]["spec"]
             assert pod["nodeSelector"] and pod["tolerations"]
+            startup = container["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= GPU_LOAD_BUDGET_S
+            assert startup["httpGet"]["path"] == "/ready"  # the patch kept the base's probe, only its budget grew
 
     dev = kustomize(KUSTOMIZATIONS["cpu-dev"])
     assert all(o["apiVersion"].split("/")[0] not in CUSTOM_GROUPS for o in dev), "cpu-dev needs no operator"
