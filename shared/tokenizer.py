@@ -25,6 +25,9 @@ TEMPLATE_VARIABLES = frozenset(
 )
 
 TOKENIZER_FILE = "tokenizer.json"
+# continue_final_message: written after the final message's content, to find where the rendered content ends. Its
+# trailing space shows whether the template kept the content's own trailing whitespace or trimmed it.
+CONTINUE_MARK = "SPECMESH_CONTINUES_HERE "
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -64,6 +67,19 @@ def _strftime_now(format: str) -> str:
 
 class FinalMessageNotFound(ValueError):
     """continue_final_message: the rendered chat does not contain the final message's content as written."""
+
+
+def _cut_at_mark(text: str, final: str) -> str:
+    """The chat rendered with CONTINUE_MARK after the final message's content, cut where the content ends: before
+    the mark, and before the content's trailing whitespace too where the template trimmed the mark's."""
+    mark = CONTINUE_MARK.strip()
+    end = text.rfind(mark)
+    if not final.strip() or end < 0 or final.strip() not in text[:end]:
+        raise FinalMessageNotFound(
+            "continue_final_message: the chat template does not render the final message's content as written, so "
+            "there is no place to continue it from"
+        )
+    return text[:end] if text.startswith(CONTINUE_MARK, end) else text[:end].rstrip()
 
 
 def config_eos_ids(model_dir: Path) -> frozenset[int]:
@@ -143,23 +159,20 @@ class Tokenizer:
         TEMPLATE_VARIABLES. Raises jinja2's TemplateError when the template refuses the messages."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = self._chat_template.render(
-            **(template_kwargs or {}),
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        final = messages[-1]["content"] if continue_final_message else ""
         if continue_final_message:
-            final = messages[-1]["content"].strip()
-            end = text.rfind(final)
-            if not final or end < 0:
-                raise FinalMessageNotFound(
-                    "continue_final_message: the chat template does not render the final message's content as "
-                    "written, so there is no place to continue it from"
-                )
-            text = text[: end + len(final)]
+            messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_MARK}]
+        # One mapping, not keywords: a template variable named like render's own parameters ("self") is a variable
+        text = self._chat_template.render({
+            **(template_kwargs or {}),
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        })
+        if continue_final_message:
+            text = _cut_at_mark(text, final)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     @cached_property

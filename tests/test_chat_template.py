@@ -51,3 +51,47 @@ def test_a_chat_renders_as_transformers_renders_it(tmp_path: Path) -> None:
     )
     assert text == theirs
     assert '"parameters": {"city": "Paris", "zeta": "<z>"}' in text and "never rendered" not in text
+
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRIMMING = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] | trim }}\n{% endfor %}"
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, CHATML, TRIMMING], ids=["calls", "chatml", "trimming"])
+@pytest.mark.parametrize("final", [
+    {"content": "The answer is "},  # its trailing space kept where the template keeps it
+    {"content": "end"},  # also a piece of the end-of-turn mark after it
+    {"content": "<"},
+    {"content": "Paris", "tool_calls": [CALL]},  # the calls the template writes after the content are not continued
+], ids=["trailing-space", "end", "angle", "with-calls"])
+def test_continue_final_message_cuts_where_transformers_cuts(tmp_path: Path, template: str, final: dict) -> None:
+    for name in (TOKENIZER_FILE, "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    body = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", **final}],
+        tools=[WEATHER], continue_final_message=True, add_generation_prompt=False,
+    )
+    ours = Tokenizer(tmp_path)
+    text = ours.decode(ours.apply_chat_template(body.chat(), False, True, body.template_tools()),
+                       skip_special_tokens=False)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        body.chat(), tools=body.template_tools(), continue_final_message=True, add_generation_prompt=False,
+        tokenize=False,
+    )
+    assert text == theirs
+
+
+def test_an_assistants_refusal_parts_are_its_text() -> None:
+    """OpenAI's assistant messages hold text and refusal parts; both reach the template as the message's text."""
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot"}, {"type": "text", "text": "."}]},
+        {"role": "user", "content": "ok"},
+    ])
+    assert body.chat()[1]["content"] == "I cannot\n."

@@ -28,6 +28,8 @@ def test_the_variables_reach_the_template(tmp_path: Path) -> None:
     assert tokenizer.decode(greeted) == "# hello\nimport os\n"
     # The template is compiled once and rendered for every request: nothing of one render stays for the next.
     assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "import os\n"
+    # A variable named as one of the renderer's own parameters is a variable, not a clash (it was a 500)
+    assert tokenizer.decode(tokenizer.apply_chat_template(messages, template_kwargs={"self": 1})) == "import os\n"
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "bos_token"])

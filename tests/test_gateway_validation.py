@@ -77,6 +77,8 @@ async def _completion_error(client: openai.AsyncOpenAI, **kwargs) -> openai.APIS
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "", "content": "hi"}]}, "messages.[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
+        # A refusal is an assistant's part only, as OpenAI's schema has it
+        ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.[0].content"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.[0].function"),
         # The test model's template writes no tool-call format the gateway reads: tools are refused, not misread.

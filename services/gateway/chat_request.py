@@ -60,12 +60,14 @@ class ChatMessage(Body):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any, info: ValidationInfo) -> str:
-        """Text parts are joined with line breaks (protocol.joined_text_parts); null only on an assistant message."""
+        """Text parts are joined with line breaks (protocol.joined_text_parts); null, and refusal parts, only on an
+        assistant message."""
+        assistant = info.data.get("role") == ASSISTANT_ROLE
         if value is None:
-            if info.data.get("role") != ASSISTANT_ROLE:
+            if not assistant:
                 raise ValueError("content may be null only on an assistant message")
             return ""
-        return joined_text_parts(value)
+        return joined_text_parts(value, refusals=assistant)
 
     def for_template(self, call_ids: CallIds = AS_SENT) -> dict[str, str]:
         """The message as the chat template reads it, the ids of calls as `call_ids` hands them to it."""

@@ -74,24 +74,28 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
 
-def joined_text_parts(value: Any) -> str:
+TEXT_PART = "text"
+REFUSAL_PART = "refusal"  # an assistant's refusal ({"type": "refusal", "refusal": "..."}), read as its text
+
+
+def joined_text_parts(value: Any, refusals: bool = False) -> str:
     """A content field's text: a string, or a list of text parts joined with line breaks, as vLLM joins them (the
-    mesh serves text-only models); anything else is a ValueError saying what is wrong."""
+    mesh serves text-only models); refusals: an assistant message's, whose parts may be refusals too, as OpenAI's
+    schema has them. Anything else is a ValueError saying what is wrong."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise ValueError(f"content must be a string or a list of text parts, got {shown(value)}")
+    kinds = (TEXT_PART, REFUSAL_PART) if refusals else (TEXT_PART,)
     texts = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(
-                f"content part [{i}] has type {kind!r}: this model reads text only, "
-                'as parts {"type": "text", "text": "..."}'
-            )
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f'content part [{i}] of type "text" needs a string "text", got {shown(part)}')
-        texts.append(part["text"])
+        if kind not in kinds:
+            shapes = " or ".join(f'{{"type": "{k}", "{k}": "..."}}' for k in kinds)
+            raise ValueError(f"content part [{i}] has type {kind!r}: this model reads text only, as parts {shapes}")
+        if not isinstance(part.get(kind), str):
+            raise ValueError(f'content part [{i}] of type "{kind}" needs a string "{kind}", got {shown(part)}')
+        texts.append(part[kind])
     return "\n".join(texts)
 
 
