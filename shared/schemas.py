@@ -260,6 +260,15 @@ class DetokOpen(_Message):
     include_stop_str_in_output: bool = False
     # vLLM's skip_special_tokens: false shows every generated special token's text, with its logprobs entry
     skip_special_tokens: bool = True
+    # vLLM's min_tokens: no stop string may end in the text of the first min_tokens tokens (the worker holds back
+    # stop tokens and EOS until then)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+
+    def to_bytes(self) -> bytes:
+        """Without the fields at their defaults: a detokenizer of an earlier version, which refuses fields it does
+        not know, still reads a newer gateway's opening of a request that uses none of the newer options (a rolling
+        upgrade has both for a while)."""
+        return orjson.dumps(self.model_dump(mode="json", exclude_defaults=True))
 
     @model_validator(mode="after")
     def _prompt_when_needed(self) -> "DetokOpen":

@@ -181,6 +181,37 @@ def test_an_included_stop_string_holds_nothing_back_and_ends_the_output_after_it
     assert (released.match.start, released.match.end, released.match.cut) == (8, 11, 11)
 
 
+def test_no_stop_string_ends_in_the_text_of_the_first_min_tokens_tokens() -> None:
+    """vLLM's min_tokens: a stop string completed within that text is passed over, one begun in it and completed
+    after it stops the output where it begins (with include_stop_str_in_output too)."""
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("xST", may_stop=False).text == "x"  # what may still become a stop string is held back
+    assert matcher.feed("OP", may_stop=False).text == "STOP"  # and released once complete within min_tokens
+    assert matcher.feed("ab").text == "ab"
+    for include, cut in ((False, 2), (True, 6)):
+        matcher = StopMatcher(["STOP"], include=include)
+        released = [matcher.feed("abST", may_stop=False), matcher.feed("OP then")]
+        assert released[1].match.stop == "STOP" and released[1].match.cut == cut
+        assert "".join(r.text for r in released) == "abSTOP"[:cut]
+
+
+def test_an_opening_leaves_out_the_options_at_their_defaults() -> None:
+    """What a detokenizer of an earlier version, which refuses unknown fields, reads in a rolling upgrade."""
+    plain, bounded = opened(api="completion"), opened(api="completion", min_tokens=3)
+    assert b"min_tokens" not in plain.to_bytes() and b'"min_tokens":3' in bounded.to_bytes()
+    assert DetokOpen.from_bytes(plain.to_bytes()) == plain and DetokOpen.from_bytes(bounded.to_bytes()) == bounded
+
+
+def test_min_tokens_keeps_the_assembler_from_stopping_in_its_tokens(tokenizer, table) -> None:
+    """Byte tokens: the first "##" ends at token 4, within min_tokens 4; the second stops the output."""
+    assembler = RequestAssembler(opened(api="completion", stop=("##",), min_tokens=4), table)
+    (chunk,) = run_steps(assembler, [byte_tokens(tokenizer, "a##b##c")], FinishReason.LENGTH)
+    assert text_of(chunk) == "a##b" and chunk.choice["stop_reason"] == "##" and chunk.usage.completion_tokens == 6
+    assembler = RequestAssembler(opened(api="completion", stop=("##",), min_tokens=2), table)
+    (chunk,) = run_steps(assembler, [byte_tokens(tokenizer, "a##b##c")], FinishReason.LENGTH)
+    assert text_of(chunk) == "a" and chunk.usage.completion_tokens == 3
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string_and_its_tokens_entries(tokenizer, table) -> None:
     assembler = RequestAssembler(opened(api="completion", stop=("STOP",), logprobs=0,
                                         include_stop_str_in_output=True), table)

@@ -153,6 +153,26 @@ def test_include_stop_str_in_output_and_skip_special_tokens_show_what_stopped_th
     assert shown.choices[0].finish_reason == "stop" and shown.usage.completion_tokens == 1
 
 
+def test_min_tokens_passes_over_a_stop_string_ending_in_its_tokens(client, mesh, tokenizer) -> None:
+    """vLLM's min_tokens: the greedy text's first occurrence of a stop string ends within the first min_tokens
+    tokens and is passed over; the next one stops the output."""
+    plain = _completion(client, mesh, prompt="def read_config(path):\n", max_tokens=24,
+                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    text, ids = plain.choices[0].text, plain.choices[0].model_extra["token_ids"]
+    ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]  # the text after each token
+    for at in range(len(text) - 2):
+        stop = text[at : at + 3]
+        if stop.strip() and text.find(stop) == at and (following := text.find(stop, at + 1)) > 0:
+            break
+    min_tokens = next(i + 1 for i, end in enumerate(ends) if end >= at + len(stop))  # up to the first's last token
+    assert ends[min_tokens - 1] < following + len(stop), "the next occurrence must end after min_tokens' text"
+    stopped = _completion(client, mesh, prompt="def read_config(path):\n", max_tokens=24, stop=[stop],
+                          extra_body={"ignore_eos": True, "min_tokens": min_tokens})
+    choice = stopped.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (text[:following], "stop", stop)
+    assert stopped.usage.completion_tokens > min_tokens
+
+
 def test_bad_words_are_never_generated(client, mesh, tokenizer) -> None:
     options = {"ignore_eos": True, "return_token_ids": True}
     plain = _completion(client, mesh, prompt="def parse(", max_tokens=24, extra_body=options)

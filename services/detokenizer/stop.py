@@ -7,6 +7,9 @@ completes, the text before the earliest one is released and everything from it o
 With vLLM's include_stop_str_in_output the stop string itself is part of the output, so nothing need be held back:
 text goes out as it comes, the matcher remembering the last max(len(stop)) - 1 characters it released to find a
 stop string that began in them, and the output ends just after the first stop string.
+
+With vLLM's min_tokens, no stop string may end in the text of the first min_tokens tokens (fed with may_stop
+false); one that begins there and ends after it does.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class StopMatcher:
         self._tail = ""  # with include: the last characters released, where a stop string may have begun
         self._tail_len = max(map(len, self._stops), default=1) - 1
         self.released = 0  # characters released so far
+        self._floor = 0  # offset in the whole output a stop string must end after (min_tokens' text)
 
     @property
     def active(self) -> bool:
@@ -54,12 +58,15 @@ class StopMatcher:
     def holding(self) -> int:
         return len(self._pending)
 
-    def feed(self, text: str, final: bool = False) -> Released:
-        """Adds text; with `final` there is no more to come, so nothing is held back."""
+    def feed(self, text: str, final: bool = False, may_stop: bool = True) -> Released:
+        """Adds text; with `final` there is no more to come, so nothing is held back. may_stop false: no stop string
+        may end in this text (a token within min_tokens)."""
+        if not may_stop:
+            self._floor = self.released + len(self._pending) + len(text)
         if self._include:
             return self._feed_included(text)
         pending = self._pending + text
-        match = self._earliest(pending)
+        match = self._earliest(pending, self._floor - self.released)
         if match is not None:
             stop, start = match
             self._pending = ""
@@ -83,8 +90,8 @@ class StopMatcher:
 
     def _feed_included(self, text: str) -> Released:
         window = self._tail + text
-        match = self._earliest(window)
         base = self.released - len(self._tail)  # the window's offset in the whole output
+        match = self._earliest(window, self._floor - base)
         if match is not None:
             stop, start = match
             end = start + len(stop)
@@ -95,12 +102,12 @@ class StopMatcher:
         self._tail = window[-self._tail_len :] if self._tail_len else ""
         return Released(text, None)
 
-    def _earliest(self, text: str) -> tuple[str, int] | None:
-        """The stop string that matches first, and where: among stops starting at the same place the shortest ends
-        first."""
+    def _earliest(self, text: str, floor: int) -> tuple[str, int] | None:
+        """The stop string that matches first, and where, among those ending past `floor` (an offset in text):
+        among stops starting at the same place the shortest ends first."""
         best: tuple[str, int] | None = None
         for stop in self._stops:
-            at = text.find(stop)
+            at = text.find(stop, max(0, floor - len(stop) + 1))
             if at >= 0 and (best is None or (at, len(stop)) < (best[1], len(best[0]))):
                 best = (stop, at)
         return best

@@ -72,6 +72,7 @@ class Submitter:
             shown_special_ids=gen.shown_special_ids,
             include_stop_str_in_output=gen.body.include_stop_str_in_output,
             skip_special_tokens=gen.body.skip_special_tokens,
+            min_tokens=gen.sampling.min_tokens,
         )
         prompt_param = "messages" if gen.api == "chat" else "prompt"
         opening_bytes = opening.to_bytes()
