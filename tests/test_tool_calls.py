@@ -52,6 +52,8 @@ def _assembled(choices) -> tuple[str, list[tuple[str, dict]], str | None, list[d
     for choice in choices:
         delta = choice["delta"]
         content += delta.get("content") or ""
+        indexes = [entry["index"] for entry in delta.get("tool_calls", [])]
+        assert len(indexes) == len(set(indexes)), "one entry per call in a delta, as OpenAI streams them"
         for entry in delta.get("tool_calls", []):
             entries.append(entry)
             call = calls.setdefault(entry["index"], {"name": None, "arguments": "", "id": None})

@@ -218,8 +218,23 @@ def stream_delta(delta: dict[str, Any], content: str, calls: list[dict]) -> dict
     else:
         delta.pop("content", None)
     if calls:
-        delta["tool_calls"] = calls
+        delta["tool_calls"] = one_entry_per_call(calls)
     return delta
+
+
+def one_entry_per_call(calls: list[dict]) -> list[dict]:
+    """The entries of one chunk with a call's pieces joined (its opening and the first of its arguments, read from
+    the same text): OpenAI and vLLM stream one entry per call in a delta, and a client may take each as a call's."""
+    joined: list[dict] = []
+    for entry in calls:
+        if not joined or joined[-1]["index"] != entry["index"]:
+            joined.append(entry)
+            continue
+        last, piece = joined[-1], entry.get("function", {})
+        function = {**piece, **last.get("function", {})}
+        function["arguments"] = last.get("function", {}).get("arguments", "") + piece.get("arguments", "")
+        joined[-1] = {**entry, **last, "function": function}
+    return joined
 
 
 class StreamedToolCalls:
