@@ -117,7 +117,6 @@ class RequestAssembler:
         # Control tags shown for the gateway's parser alone: stop strings are matched in the client's text only
         self._parser_tags = frozenset(open_msg.shown_special_ids) if open_msg.skip_special_tokens else frozenset()
         self._stop = StopMatcher(open_msg.stop, include=open_msg.include_stop_str_in_output)
-        self._tokens_fed = 0  # output tokens whose text the stop matcher was given: the first min_tokens stop nothing
         self._top_k = open_msg.logprobs
         self._want_drafts = open_msg.include_draft_logprobs and open_msg.logprobs is not None
         self._prompt = PromptAssembler(open_msg, table) if wants_prompt(open_msg) else None
@@ -275,19 +274,19 @@ class RequestAssembler:
         """Feeds the step's text to the stop matcher a token at a time, up to the first token that completes a stop
         string: which stop ends the output, and where, must not depend on how many tokens a step accepted. Returns
         what the matcher released and the index of the token that completed a match (None: the step's last)."""
+        # No stop string may end in the text of the first min_tokens tokens (vLLM's rule): of this step's tokens
+        # (one span each), the first `within` are among them; _tokens_seen counts the tokens before the step
+        within = self._open.min_tokens - self._tokens_seen
         if not step.spans or not self._stop.active:  # no token rendered (only the bytes a final step flushed)
-            return self._stop.feed(step.text, final=final, may_stop=self._tokens_fed > self._open.min_tokens), None
+            return self._stop.feed(step.text, final=final, may_stop=len(ids) > within), None
         base = step.spans[0][0]
         texts = []
         for i, (start, end) in enumerate(step.spans):
             piece = step.text[start - base : end - base]
-            self._tokens_fed += 1
             if ids[i] in self._parser_tags:
                 texts.append(self._stop.pass_through(piece).text)
                 continue
-            released = self._stop.feed(
-                piece, final=final and i == len(step.spans) - 1, may_stop=self._tokens_fed > self._open.min_tokens
-            )
+            released = self._stop.feed(piece, final=final and i == len(step.spans) - 1, may_stop=i + 1 > within)
             texts.append(released.text)
             if released.match is not None:
                 return Released("".join(texts), released.match), i
