@@ -25,9 +25,9 @@ reports are rewritten after every part, so they exist whatever happens to the la
 part did not end "ok".
 
 --dry-run runs the same parts on the CPU with tiny shapes (the demo model), the methods part at batch 1 for the
-baseline and adaptive MTP only, in under a minute; parts that need CUDA are recorded "skipped" (kernels) or run with
-their CUDA tests skipped by pytest, and the 7B decode part, whose CPU form would repeat the 0.5B's, is skipped. The suite runs it
-(tests/test_gpu_check.py), so the check cannot rot between GPU leases.
+baseline and adaptive MTP only, in about a minute; parts that need CUDA are recorded "skipped" (kernels) or run with
+their CUDA tests skipped by pytest, and the 7B decode part, whose CPU form would repeat the 0.5B's, is skipped. The
+suite runs it (tests/test_gpu_check.py), so the check cannot rot between GPU leases.
 
 On a lent GPU machine (its image has torch, triton and transformers, not nats-py, orjson, pydantic or openai):
 first, here, `bash ../shared/gpu/wheels.sh` (writes the missing wheels to .whl/), then on the device:

@@ -65,4 +65,4 @@ def port_or_any(text: str) -> int:
     return 0 if int(text) == 0 else port(text)
 
 
-seconds.__name__ = port.__name__ = port_or_any.__name__ = "number"
+seconds.__name__ = non_negative_seconds.__name__ = port.__name__ = port_or_any.__name__ = "number"
